@@ -1,0 +1,371 @@
+"""Public backward API: `GeluFFNBackward` (a plan per shape) and `gelu_ffn_backward` (cached plans)."""
+
+import collections
+import threading
+from typing import Any, NamedTuple
+
+import numpy
+
+from . import _arrays, _numpy_backend, _precision, _validate
+
+
+class FFNGrads(NamedTuple):
+    """Gradients of the FFN block; unpacks as (grad_hidden_states, grad_weight1, grad_weight2).
+
+    An entry is None when it was not asked for (need_grad_hidden / need_weight_grads).
+    """
+
+    grad_hidden_states: Any
+    grad_weight1: Any
+    grad_weight2: Any
+
+
+def _resolve_device(device):
+    if device == "cpu":
+        return "cpu"
+    import cupy
+
+    if device is None:
+        try:
+            return cupy.cuda.Device().id
+        except cupy.cuda.runtime.CUDARuntimeError as e:
+            raise RuntimeError(f"no usable CUDA device ({e}); pass device='cpu' for a NumPy plan") from None
+    if isinstance(device, cupy.cuda.Device):
+        return device.id
+    if isinstance(device, (int, numpy.integer)) and not isinstance(device, bool):
+        return int(device)
+    raise TypeError(f"device must be None, 'cpu', an int or a cupy.cuda.Device; got {device!r}")
+
+
+def _check_size(name, value, minimum):
+    if not isinstance(value, (int, numpy.integer)) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+    return int(value)
+
+
+class GeluFFNBackward:
+    """A reusable backward pass of ``Linear(weight1) -> GELU(tanh) -> Linear(weight2)`` for one shape.
+
+    Parameters
+    ----------
+    tokens, dim, hidden_dim : int
+        T (rows of the activations, the product of their leading dimensions), D and H.
+    precision : {"bf16x3", "ieee", "tf32", "bf16"}
+        Operand treatment of the four GEMMs (see ``cupyffn.PRECISIONS``).
+    device : None, int, cupy.cuda.Device or "cpu"
+        GPU to build on (None: the current one), or "cpu" for NumPy arrays.
+    graph : bool
+        Capture the whole backward into a CUDA graph and replay it. A graph is keyed by the addresses
+        of the arrays it was captured with: calling with the same arrays (new contents are fine)
+        replays it; other addresses run the ordinary path once and capture a new graph (up to four are
+        kept). Without ``out=``, the results are arrays owned by the plan that the next call
+        overwrites.
+    need_grad_hidden, need_weight_grads : bool
+        Skip the GEMM(s) of the gradients not needed (frozen weights, first layer).
+
+    The plan owns its scratch buffers, cuBLAS handles and side stream: in steady state a call
+    allocates nothing on the device beyond the outputs it is not given. Calls from several threads
+    are serialized per plan; use one plan per stream for concurrency.
+    """
+
+    def __init__(self, tokens, dim, hidden_dim, *, precision=_precision.DEFAULT, device=None, graph=False,
+                 need_grad_hidden=True, need_weight_grads=True):
+        self.tokens = _check_size("tokens", tokens, 0)
+        self.dim = _check_size("dim", dim, 1)
+        self.hidden_dim = _check_size("hidden_dim", hidden_dim, 1)
+        self.precision = _precision.lookup(precision)
+        if not need_grad_hidden and not need_weight_grads:
+            raise ValueError("need_grad_hidden and need_weight_grads are both False: there is nothing to compute")
+        self.need_grad_hidden = bool(need_grad_hidden)
+        self.need_weight_grads = bool(need_weight_grads)
+        self.device = _resolve_device(device)
+        self.graph = bool(graph)
+        if self.graph and self.device == "cpu":
+            raise ValueError("graph=True needs a GPU plan; device='cpu' runs NumPy")
+        self._engine = None
+        self._graphs = collections.OrderedDict()
+        self._owned_out = None
+        self._capture_stream = None
+        self._lock = threading.Lock()
+        if self.device != "cpu":
+            from ._gpu_engine import GpuEngine
+
+            self._engine = GpuEngine(self.tokens, self.dim, self.hidden_dim, self.precision, self.device,
+                                     self.need_grad_hidden, self.need_weight_grads)
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def scratch_bytes(self):
+        """Device memory this plan holds for intermediates (0 on the CPU)."""
+        return self._engine.scratch_bytes if self._engine else 0
+
+    @property
+    def workspace_bytes(self):
+        """cuBLAS workspace bytes of the handles this plan uses."""
+        return self._engine.workspace_bytes if self._engine else 0
+
+    def __repr__(self):
+        return (f"GeluFFNBackward(tokens={self.tokens}, dim={self.dim}, hidden_dim={self.hidden_dim}, "
+                f"precision={self.precision.name!r}, device={self.device!r}, graph={self.graph})")
+
+    # ------------------------------------------------------------------ calls
+    def __call__(self, grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out, *,
+                 out=None, stream=None, accumulate=False):
+        """Run the backward; returns FFNGrads. See ``cupyffn.gelu_ffn_backward`` for the arguments."""
+        args = (grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out)
+        call = _validate.prepare(args, out, stream, self.need_grad_hidden, self.need_weight_grads, accumulate)
+        expected = (self.tokens, self.dim, self.hidden_dim)
+        if (call.tokens, call.dim, call.hidden_dim) != expected:
+            raise ValueError(f"this plan is for (tokens, dim, hidden_dim) = {expected}; the arrays give "
+                             f"{(call.tokens, call.dim, call.hidden_dim)}")
+        if call.device != self.device:
+            where = "the CPU" if call.device == "cpu" else f"cuda:{call.device}"
+            raise ValueError(f"this plan is for device {self.device!r}; the arrays are on {where}")
+        return self._execute(call, out, stream, accumulate)
+
+    def _execute(self, call, out, stream, accumulate):
+        if self._engine is None:
+            return _run_cpu(call, out, self.precision, self.need_grad_hidden, self.need_weight_grads, accumulate)
+        return self._run_gpu(call, out, stream, accumulate)
+
+    def _run_gpu(self, call, out, stream, accumulate):
+        import cupy
+
+        engine = self._engine
+        with cupy.cuda.Device(self.device):
+            s = stream if stream is not None else cupy.cuda.get_current_stream()
+            with self._lock:
+                results, pointers = self._outputs(call, out, s)
+                if self.tokens == 0:
+                    with s:
+                        for r, needed in zip(results[1:], (self.need_weight_grads,) * 2):
+                            if needed and not accumulate:
+                                _as_cupy(r).fill(0)
+                    return FFNGrads(*results)
+                engine.order_after_previous(s.ptr)
+                engine.set_io(call.inputs, pointers, accumulate)
+                try:
+                    if self.graph:
+                        self._replay_or_capture(call, pointers, accumulate, s)
+                    else:
+                        engine.enqueue(s.ptr)
+                except BaseException:
+                    _poison([m for m in call.out if m is not None], s)
+                    raise
+                engine.record_done(s.ptr)
+        return FFNGrads(*results)
+
+    def _outputs(self, call, out, stream):
+        """(results to return, device pointers to write): the caller's out= arrays, else new (or plan-owned) ones."""
+        import cupy
+
+        shapes = (tuple(call.inputs[1].array.shape), (self.hidden_dim, self.dim), (self.dim, self.hidden_dim))
+        needed = (self.need_grad_hidden, self.need_weight_grads, self.need_weight_grads)
+        given = out if out is not None else (None, None, None)
+        if self.graph and self._owned_out is None:
+            self._owned_out = [None, None, None]
+        results, pointers = [], []
+        for i, (shape, need) in enumerate(zip(shapes, needed)):
+            if not need:
+                results.append(None)
+                pointers.append(0)
+            elif given[i] is not None:
+                results.append(given[i])
+                pointers.append(call.out[i].ptr)
+            else:
+                if self.graph and self._owned_out[i] is not None and self._owned_out[i].shape == shape:
+                    array = self._owned_out[i]
+                else:
+                    array = _allocate(cupy, shape, stream)
+                    if self.graph:
+                        self._owned_out[i] = array
+                results.append(array)
+                pointers.append(array.data.ptr)
+        return results, pointers
+
+    def _replay_or_capture(self, call, pointers, accumulate, stream):
+        key = (tuple((m.ptr, m.ld) for m in call.inputs), tuple(pointers), bool(accumulate))
+        graph = self._graphs.get(key)
+        if graph is not None:
+            self._graphs.move_to_end(key)
+            graph.launch(stream=stream)
+            return
+        import cupy
+
+        engine = self._engine
+        engine.enqueue(stream.ptr)  # this call's results, the ordinary way
+        if self._capture_stream is None:
+            self._capture_stream = cupy.cuda.Stream(non_blocking=True)
+        cs = self._capture_stream
+        cs.begin_capture()
+        try:
+            engine.enqueue(cs.ptr)
+        except BaseException:
+            cs.end_capture()  # leave the stream usable; the graph is discarded
+            raise
+        graph = cs.end_capture()
+        graph.upload(stream=stream)
+        self._graphs[key] = graph
+        while len(self._graphs) > 4:
+            self._graphs.popitem(last=False)
+
+    def close(self):
+        """Give back device memory and cuBLAS handles now (also done when the plan is collected)."""
+        self._graphs.clear()
+        self._owned_out = None
+        if self._engine is not None:
+            self._engine.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _allocate(cupy, shape, stream):
+    try:
+        with stream:
+            return cupy.empty(shape, dtype=cupy.float32)
+    except cupy.cuda.memory.OutOfMemoryError as e:
+        nbytes = 4 * int(numpy.prod(shape))
+        raise MemoryError(f"cupyffn could not allocate an output of shape {shape} ({nbytes} bytes): {e}") from None
+
+
+def _as_cupy(array):
+    import cupy
+
+    return array if isinstance(array, cupy.ndarray) else cupy.from_dlpack(array)
+
+
+def _poison(matrices, stream):
+    """After a failure mid-call, fill the caller's out= arrays with NaN so no stale or partial value passes."""
+    try:
+        with stream:
+            for m in matrices:
+                m.view2d().fill(numpy.nan)
+    except Exception:
+        pass  # the device itself may be unusable; the original error is what matters
+
+
+def _run_cpu(call, out, precision, need_grad_hidden, need_weight_grads, accumulate):
+    shapes = (tuple(call.inputs[1].array.shape), (call.hidden_dim, call.dim), (call.dim, call.hidden_dim))
+    needed = (need_grad_hidden, need_weight_grads, need_weight_grads)
+    given = out if out is not None else (None, None, None)
+    results, views = [], []
+    for i, (shape, need) in enumerate(zip(shapes, needed)):
+        if not need:
+            results.append(None)
+            views.append(None)
+            continue
+        if given[i] is not None:
+            results.append(given[i])
+            views.append(call.out[i].view2d())
+        else:
+            array = numpy.empty(shape, dtype=numpy.float32)
+            results.append(array)
+            views.append(_arrays.Matrix(array, _arrays.data_ptr(array), *_rows_cols(shape)).view2d())
+    if call.tokens == 0:
+        for v, need in zip(views[1:], needed[1:]):
+            if need and not accumulate:
+                v[...] = 0
+        return FFNGrads(*results)
+    _numpy_backend.backward(call, precision, need_grad_hidden, need_weight_grads, accumulate, views)
+    return FFNGrads(*results)
+
+
+def _rows_cols(shape):
+    cols = shape[-1]
+    rows = int(numpy.prod(shape[:-1], dtype=numpy.int64))
+    return rows, cols, cols
+
+
+# ---------------------------------------------------------------------- functional API
+_CACHE_SIZE = 4
+_cache = collections.OrderedDict()
+_cache_lock = threading.Lock()
+
+
+def clear_cache():
+    """Drop the plans `gelu_ffn_backward` keeps (their device memory goes back to CuPy's pool)."""
+    with _cache_lock:
+        plans = list(_cache.values())
+        _cache.clear()
+    for plan in plans:
+        plan.close()
+
+
+def _cached_plan(call, precision, stream_ptr, need_grad_hidden, need_weight_grads):
+    key = (call.device, call.tokens, call.dim, call.hidden_dim, precision.name, need_grad_hidden,
+           need_weight_grads, stream_ptr)
+    with _cache_lock:
+        plan = _cache.get(key)
+        if plan is not None:
+            _cache.move_to_end(key)
+            return plan
+    plan = GeluFFNBackward(call.tokens, call.dim, call.hidden_dim, precision=precision.name, device=call.device,
+                           need_grad_hidden=need_grad_hidden, need_weight_grads=need_weight_grads)
+    with _cache_lock:
+        existing = _cache.get(key)
+        if existing is not None:  # another thread built the same plan meanwhile
+            plan.close()
+            return existing
+        _cache[key] = plan
+        evicted = []
+        while len(_cache) > _CACHE_SIZE:
+            evicted.append(_cache.popitem(last=False)[1])
+    for old in evicted:
+        old.close()
+    return plan
+
+
+def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out, *,
+                      precision=_precision.DEFAULT, out=None, stream=None, accumulate=False,
+                      need_grad_hidden=True, need_weight_grads=True):
+    """Backward pass of ``y = gelu_tanh(x @ weight1.T) @ weight2.T`` (no biases).
+
+    Parameters
+    ----------
+    grad_output : array [..., D]
+        dL/dy.
+    hidden_states : array [..., D]
+        x, the block's input.
+    weight1 : array [H, D]
+        First linear layer, ``[out_features, in_features]``.
+    weight2 : array [D, H]
+        Second linear layer.
+    linear1_out, tanh_inner, gelu_out : arrays [..., H]
+        Saved forward tensors: ``z = x @ weight1.T``, ``t = tanh(sqrt(2/pi) * (z + 0.044715 z^3))``
+        and ``0.5 * z * (1 + t)``. ``tanh_inner`` is used as given, not recomputed.
+    precision : {"bf16x3", "ieee", "tf32", "bf16"}
+        GEMM operand treatment; accuracy contracts in ``cupyffn.PRECISIONS``. Default "bf16x3".
+    out : sequence of 3 arrays, optional
+        Where to write (grad_hidden_states, grad_weight1, grad_weight2): float32, C-contiguous, the
+        shapes of hidden_states, weight1 and weight2, not overlapping any input or each other. An entry
+        may be None to have it allocated. If the call fails after validation, the given arrays are
+        filled with NaN; if validation fails they are untouched.
+    stream : cupy.cuda.Stream, optional
+        Stream to work on (default: CuPy's current stream). Results are ready on it when the call
+        returns; the host is never synchronized.
+    accumulate : bool
+        Add into ``out`` grad_weight1 / grad_weight2 instead of overwriting them (grad_hidden_states
+        is always overwritten).
+    need_grad_hidden, need_weight_grads : bool
+        Skip the work of gradients that are not needed.
+
+    Arrays may be NumPy (computed on the CPU), CuPy, or any DLPack / CUDA Array Interface producer
+    (torch.Tensor, jax.Array), all on one device, float32. The last dimension must be contiguous and
+    the leading dimensions must flatten to one row stride. Returns an FFNGrads named tuple (CuPy
+    arrays for GPU inputs, NumPy arrays for NumPy inputs; the out= objects themselves where given).
+    """
+    prec = _precision.lookup(precision)
+    args = (grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out)
+    call = _validate.prepare(args, out, stream, need_grad_hidden, need_weight_grads, accumulate)
+    if call.backend == "cpu":
+        return _run_cpu(call, out, prec, need_grad_hidden, need_weight_grads, accumulate)
+    import cupy
+
+    with cupy.cuda.Device(call.device):
+        stream_ptr = (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
+    plan = _cached_plan(call, prec, stream_ptr, need_grad_hidden, need_weight_grads)
+    return plan._execute(call, out, stream, accumulate)

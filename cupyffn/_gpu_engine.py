@@ -1,0 +1,393 @@
+"""The GPU engine: scratch buffers, kernel launches and cuBLAS calls of one backward shape.
+
+Order of work (S = the caller's stream, S2 = the engine's side stream):
+
+    S : convert ──► GEMM1 ──┬──────────────► dgelu ─► [convert] ─► GEMM3 ─► GEMM4 ─► join
+        (operands)  gg=dY@W2 │ fork                   (lean only)   dZ@W1   dZ^T@X     ▲
+    S2:                      └► GEMM2 gW2 = dY^T@G ────────────────────────────────────┘
+
+`convert` writes every GEMM operand in the plan's format in one launch (up to five matrices);
+`dgelu` reads grad_gelu, linear1_out and tanh_inner once and writes grad_linear1 straight in the
+format of GEMM3/GEMM4. For "tf32" (fp16 operands) each pass is followed by `f16_decide` and a rescue
+pass that re-converts only a tensor whose delayed scale did not fit (see kernels_cu/f16_scale.cu).
+
+"Lean" layout (bf16x3 at large T, where three 16-bit planes of gelu_out and grad_linear1 would
+not fit beside each other in the memory budget): grad_linear1 reuses gelu_out's planes, so S waits
+for GEMM2 before dgelu, and weight1/hidden_states are converted after dgelu into grad_gelu's
+buffer, which is dead by then.
+"""
+
+import ctypes
+
+from . import _cublas, _kernels
+from . import _precision as P
+
+_ALIGN = 256
+
+
+def _align(n):
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _vec_ok(ptr, ld, cols):
+    """The 8-wide path needs whole 16-byte vectors in every row."""
+    return cols % 8 == 0 and ptr % 16 == 0 and ld % 4 == 0
+
+
+class _Operand:
+    """Where a converted GEMM operand lives and how the conversion kernel writes it."""
+
+    def __init__(self, name, rows, cols, interleaved, planes):
+        self.name = name
+        self.rows, self.cols = rows, cols
+        self.planes = planes
+        # Activations [T, cols] keep their planes side by side in a row ([T, planes * cols]); weights
+        # stack them as blocks ([planes * rows, cols]). Both put K-stacking in reach of one GEMM.
+        self.dst_ld = planes * cols if interleaved else cols
+        self.part_stride = cols if interleaved else rows * cols
+        self.nbytes = 2 * planes * rows * cols
+        self.offset = None  # set by the layout
+
+
+class GpuEngine:
+    """Everything one (T, D, H, precision, device) backward needs on the GPU, built once."""
+
+    def __init__(self, tokens, dim, hidden_dim, precision, device_id, need_grad_hidden=True,
+                 need_weight_grads=True):
+        import cupy
+
+        self.T, self.D, self.H = tokens, dim, hidden_dim
+        self.precision = precision
+        self.device_id = device_id
+        self.need_grad_hidden = need_grad_hidden
+        self.need_weight_grads = need_weight_grads
+        self._closed = False
+        self._handles = []
+        with cupy.cuda.Device(device_id):
+            self._alloc_stream_ptr = cupy.cuda.get_current_stream().ptr
+            self._layout()
+            self._allocate()
+            self._side = cupy.cuda.Stream(non_blocking=True)
+            self._ev_fork = cupy.cuda.Event(disable_timing=True)
+            self._ev_side = cupy.cuda.Event(disable_timing=True)
+            self._ev_done = cupy.cuda.Event(disable_timing=True)
+            self._last_stream_ptr = None
+            self._other_stream_used = False
+            self._main = _cublas.acquire(device_id)
+            self._handles.append(self._main)
+            if need_weight_grads:
+                self._sidecar = _cublas.acquire(device_id)
+                self._handles.append(self._sidecar)
+                self._sidecar.bind(self._side.ptr)
+            if tokens > 0:
+                self._build_launches()
+                self._build_gemms()
+            # The zero-filled state and constants were enqueued on the current stream: the first call
+            # on any other stream waits for them (order_after_previous).
+            self.record_done(self._alloc_stream_ptr)
+            self._last_stream_ptr = self._alloc_stream_ptr
+
+    # ------------------------------------------------------------------ layout and memory
+    def _layout(self):
+        T, D, H = self.T, self.D, self.H
+        prec = self.precision
+        self.planes = prec.planes
+        wg, gh = self.need_weight_grads, self.need_grad_hidden
+        self.gg_bytes = 4 * T * H
+        ops = {}
+        if prec.planes:
+            p = prec.planes
+            ops["grad_output"] = _Operand("grad_output", T, D, True, p)
+            ops["weight2"] = _Operand("weight2", D, H, False, p)
+            if wg:
+                ops["gelu_out"] = _Operand("gelu_out", T, H, True, p)
+                ops["hidden_states"] = _Operand("hidden_states", T, D, True, p)
+            if gh:
+                ops["weight1"] = _Operand("weight1", H, D, False, p)
+            ops["grad_linear1"] = _Operand("grad_linear1", T, H, True, p)
+        self.ops = ops
+        late = [n for n in ("weight1", "hidden_states") if n in ops]
+        self.lean = (prec.fmt == P.FMT_BF16X3 and wg
+                     and self.gg_bytes >= sum(_align(ops[n].nbytes) for n in late))
+        offset = _align(self.gg_bytes)  # grad_gelu first, at offset 0
+        for name, op in ops.items():
+            if self.lean and name in late:
+                continue
+            if self.lean and name == "grad_linear1":
+                continue
+            op.offset = offset
+            offset += _align(op.nbytes)
+        if self.lean:
+            ops["grad_linear1"].offset = ops["gelu_out"].offset
+            inner = 0
+            for name in late:
+                ops[name].offset = inner
+                inner += _align(ops[name].nbytes)
+        self.scratch_bytes = offset
+        self.prep1 = [n for n in ("grad_output", "weight2", "gelu_out", "hidden_states", "weight1")
+                      if n in ops and not (self.lean and n in late)]
+        self.prep2 = late if self.lean else []
+
+    @property
+    def workspace_bytes(self):
+        """cuBLAS workspaces of this engine's handles (they stay with the handle pool)."""
+        return _cublas.WORKSPACE_BYTES * (2 if self.need_weight_grads else 1)
+
+    def _allocate(self):
+        import cupy
+
+        try:
+            self._scratch = cupy.cuda.alloc(max(self.scratch_bytes, _ALIGN))
+            self._state = cupy.zeros(3 * _kernels.STATE_SLOTS, dtype=cupy.int32)
+            self._consts = cupy.asarray([0, 1, 1, 1, 1, 1, 0, 0], dtype=cupy.float32)
+        except cupy.cuda.memory.OutOfMemoryError as e:
+            raise MemoryError(
+                f"cupyffn needs {self.scratch_bytes} bytes ({self.scratch_bytes / 2**20:.1f} MiB) of device scratch "
+                f"for T={self.T}, D={self.D}, H={self.H}, precision={self.precision.name!r} and could not allocate "
+                f"it: {e}") from None
+        self._base = self._scratch.ptr
+
+    def _addr(self, name):
+        return self._base + self.ops[name].offset
+
+    # ------------------------------------------------------------------ kernels and GEMMs
+    def _build_launches(self):
+        dev = self.device_id
+        prec = self.precision
+        vp, i32 = ctypes.c_void_p, ctypes.c_int
+        self._state_ptr = vp(self._state.data.ptr)
+        sms = _kernels.sm_count(dev)
+        self._convert = {}
+        for stage, names in (("prep1", self.prep1), ("prep2", self.prep2)):
+            if not names:
+                continue
+            expr = f"convert_kernel<{prec.fmt}>"
+            kernel = _kernels.get_function("convert", expr, dev)
+            jobs = _kernels.ConvertJobs()
+            jobs.count = len(names)
+            total = sms * _kernels.blocks_per_sm("convert", expr, dev) * 2
+            sizes = [self.ops[n].rows * self.ops[n].cols for n in names]
+            begin = 0
+            for k, name in enumerate(names):
+                op = self.ops[name]
+                job = jobs.job[k]
+                job.dst = self._addr(name)
+                job.dst_ld = op.dst_ld
+                job.part_stride = op.part_stride
+                job.rows = op.rows
+                job.cols = op.cols
+                job.pattern = P.PATTERN[name]
+                job.slot = P.SLOT[name]
+                job.block_begin = begin
+                job.block_count = max(1, min(op.rows, round(total * sizes[k] / sum(sizes))))
+                begin += job.block_count
+            first = _kernels.KernelLaunch(kernel, jobs, self._state_ptr, i32(0))
+            first.grid = begin
+            rescue = None
+            if prec.fmt == P.FMT_F16S:
+                rescue = _kernels.KernelLaunch(kernel, jobs, self._state_ptr, i32(1))
+                rescue.grid = begin
+            self._convert[stage] = (jobs, names, first, rescue)
+
+        expr = f"dgelu_kernel<{prec.fmt}>"
+        kernel = _kernels.get_function("dgelu", expr, dev)
+        job = _kernels.DgeluJob()
+        job.grad_gelu = self._base
+        job.grad_gelu_ld = self.H
+        if prec.planes:
+            op = self.ops["grad_linear1"]
+            job.dst = self._addr("grad_linear1")
+            job.dst_ld = op.dst_ld
+            job.part_stride = op.part_stride
+        else:  # ieee: grad_linear1 overwrites grad_gelu in place
+            job.dst = self._base
+            job.dst_ld = self.H
+        job.rows = self.T
+        job.cols = self.H
+        job.pattern = P.PATTERN["grad_linear1"]
+        job.slot = P.SLOT["grad_linear1"]
+        self._dgelu_job = job
+        grid = max(1, min(self.T, sms * _kernels.blocks_per_sm("dgelu", expr, dev) * 2))
+        self._dgelu = _kernels.KernelLaunch(kernel, job, self._state_ptr, i32(0))
+        self._dgelu.grid = grid
+        self._dgelu_rescue = None
+        if prec.fmt == P.FMT_F16S:
+            self._dgelu_rescue = _kernels.KernelLaunch(kernel, job, self._state_ptr, i32(1))
+            self._dgelu_rescue.grid = grid
+            decide = _kernels.get_function("f16_scale", "f16_decide", dev)
+            consts = vp(self._consts.data.ptr)
+            mask1 = sum(1 << P.SLOT[n] for n in self.prep1)
+            self._decide_prep = _kernels.KernelLaunch(decide, self._state_ptr, consts, i32(mask1))
+            self._decide_dgelu = _kernels.KernelLaunch(decide, self._state_ptr, consts,
+                                                       i32(1 << P.SLOT["grad_linear1"]))
+            for launch in (self._decide_prep, self._decide_dgelu):
+                launch.block = 32
+
+    def _build_gemms(self):
+        T, D, H = self.T, self.D, self.H
+        p = self.planes
+        f32 = _cublas.R_32F
+        dtype = {P.FMT_F32: f32, P.FMT_BF16: _cublas.R_16BF, P.FMT_BF16X3: _cublas.R_16BF,
+                 P.FMT_F16S: _cublas.R_16F}[self.precision.fmt]
+        G = _cublas.Gemm
+        kp = max(p, 1)
+        # grad_gelu[T,H] = grad_output[T, p*D] @ weight2 planes [p*D, H]
+        self.gemm1 = G(T, H, kp * D, dtype, dtype, f32, ldc=H, name="grad_gelu = grad_output @ weight2")
+        self.gemm2 = self.gemm4 = self.gemm3 = None
+        if self.need_weight_grads:
+            # grad_weight2[D,H] = grad_output^T @ gelu_out, K = p*T: row 3t+j of the [T, 3D] planes is plane j of token t
+            self.gemm2 = G(D, H, kp * T, dtype, dtype, f32, a_trans=True, name="grad_weight2 = grad_output^T @ gelu_out")
+            self.gemm4 = G(H, D, kp * T, dtype, dtype, f32, a_trans=True,
+                           name="grad_weight1 = grad_linear1^T @ hidden_states")
+        if self.need_grad_hidden:
+            self.gemm3 = G(T, D, kp * H, dtype, dtype, f32, name="grad_hidden = grad_linear1 @ weight1")
+        consts = self._consts.data.ptr
+        for g, alpha_index in ((self.gemm1, 2), (self.gemm2, 3), (self.gemm3, 4), (self.gemm4, 5)):
+            if g is not None:
+                g.alpha.value = consts + 4 * alpha_index
+                g.beta.value = consts
+        self.gemm1.c.value = self._base
+        if p:
+            self.gemm1.a.value, self.gemm1.lda.value = self._addr("grad_output"), p * D
+            self.gemm1.b.value, self.gemm1.ldb.value = self._addr("weight2"), H
+            if self.gemm2 is not None:
+                self.gemm2.a.value, self.gemm2.lda.value = self._addr("grad_output"), D
+                self.gemm2.b.value, self.gemm2.ldb.value = self._addr("gelu_out"), H
+                self.gemm4.a.value, self.gemm4.lda.value = self._addr("grad_linear1"), H
+                self.gemm4.b.value, self.gemm4.ldb.value = self._addr("hidden_states"), D
+            if self.gemm3 is not None:
+                self.gemm3.a.value, self.gemm3.lda.value = self._addr("grad_linear1"), p * H
+                self.gemm3.b.value, self.gemm3.ldb.value = self._addr("weight1"), D
+        else:  # ieee reads the inputs themselves (pointers set per call) and grad_linear1 in place
+            if self.gemm2 is not None:
+                self.gemm4.a.value, self.gemm4.lda.value = self._base, H
+            if self.gemm3 is not None:
+                self.gemm3.a.value, self.gemm3.lda.value = self._base, H
+
+    # ------------------------------------------------------------------ per call
+    def set_io(self, inputs, outputs, accumulate):
+        """Point the prebuilt launches at this call's arrays (Matrix views) and outputs (device pointers)."""
+        dy, x, w1, w2, l1, t, g = inputs
+        src = {"grad_output": dy, "hidden_states": x, "weight1": w1, "weight2": w2, "gelu_out": g}
+        for jobs, names, _, _ in self._convert.values():
+            for k, name in enumerate(names):
+                m = src[name]
+                job = jobs.job[k]
+                job.src = m.ptr
+                job.src_ld = m.ld
+                job.vec = int(_vec_ok(m.ptr, m.ld, m.cols) and _vec_ok(job.dst, job.dst_ld, m.cols))
+        job = self._dgelu_job
+        job.x, job.x_ld = l1.ptr, l1.ld
+        job.t, job.t_ld = t.ptr, t.ld
+        job.vec = int(_vec_ok(l1.ptr, l1.ld, self.H) and _vec_ok(t.ptr, t.ld, self.H)
+                      and _vec_ok(self._base, self.H, self.H) and _vec_ok(job.dst, job.dst_ld, self.H))
+        if not self.planes:
+            self.gemm1.a.value, self.gemm1.lda.value = dy.ptr, dy.ld
+            self.gemm1.b.value, self.gemm1.ldb.value = w2.ptr, w2.ld
+            if self.gemm2 is not None:
+                self.gemm2.a.value, self.gemm2.lda.value = dy.ptr, dy.ld
+                self.gemm2.b.value, self.gemm2.ldb.value = g.ptr, g.ld
+                self.gemm4.b.value, self.gemm4.ldb.value = x.ptr, x.ld
+            if self.gemm3 is not None:
+                self.gemm3.b.value, self.gemm3.ldb.value = w1.ptr, w1.ld
+        grad_hidden, grad_w1, grad_w2 = outputs
+        beta = self._consts.data.ptr + (4 if accumulate else 0)
+        if self.gemm3 is not None:
+            self.gemm3.c.value = grad_hidden
+        if self.gemm2 is not None:
+            self.gemm2.c.value, self.gemm2.beta.value = grad_w2, beta
+            self.gemm4.c.value, self.gemm4.beta.value = grad_w1, beta
+
+    def enqueue(self, stream_ptr, serial=False, mark=None):
+        """Issue the whole backward on `stream_ptr` (S2 for GEMM2 unless `serial`).
+
+        `mark(stage)` is called after each step issued on the main stream (profiling).
+        """
+        from cupy_backends.cuda.api import runtime
+
+        f16 = self.precision.fmt == P.FMT_F16S
+        mark = mark or (lambda stage: None)
+        self._main.bind(stream_ptr)
+        if "prep1" in self._convert:
+            _, _, first, rescue = self._convert["prep1"]
+            first(stream_ptr)
+            mark("convert")
+            if f16:
+                self._decide_prep(stream_ptr)
+                rescue(stream_ptr)
+                mark("f16 rescue")
+        self.gemm1(self._main)
+        mark("GEMM1 grad_gelu")
+        side_pending = False
+        if self.gemm2 is not None:
+            if serial:
+                self.gemm2(self._main)
+                mark("GEMM2 grad_weight2")
+            else:
+                runtime.eventRecord(self._ev_fork.ptr, stream_ptr)
+                runtime.streamWaitEvent(self._side.ptr, self._ev_fork.ptr, 0)
+                self.gemm2(self._sidecar)
+                runtime.eventRecord(self._ev_side.ptr, self._side.ptr)
+                side_pending = True
+                if self.lean:  # grad_linear1 overwrites the planes GEMM2 reads
+                    runtime.streamWaitEvent(stream_ptr, self._ev_side.ptr, 0)
+        self._dgelu(stream_ptr)
+        mark("dgelu")
+        if f16:
+            self._decide_dgelu(stream_ptr)
+            self._dgelu_rescue(stream_ptr)
+            mark("f16 rescue")
+        if "prep2" in self._convert:
+            self._convert["prep2"][2](stream_ptr)
+            mark("convert")
+        if self.gemm3 is not None:
+            self.gemm3(self._main)
+            mark("GEMM3 grad_hidden")
+        if self.gemm4 is not None:
+            self.gemm4(self._main)
+            mark("GEMM4 grad_weight1")
+        if side_pending:
+            runtime.streamWaitEvent(stream_ptr, self._ev_side.ptr, 0)
+
+    def order_after_previous(self, stream_ptr):
+        """Make `stream_ptr` wait for the previous call if that ran on another stream (shared scratch)."""
+        from cupy_backends.cuda.api import runtime
+
+        if self._last_stream_ptr is not None and stream_ptr != self._last_stream_ptr:
+            runtime.streamWaitEvent(stream_ptr, self._ev_done.ptr, 0)
+        if stream_ptr != self._alloc_stream_ptr:
+            self._other_stream_used = True
+        self._last_stream_ptr = stream_ptr
+
+    def record_done(self, stream_ptr):
+        from cupy_backends.cuda.api import runtime
+
+        runtime.eventRecord(self._ev_done.ptr, stream_ptr)
+
+    def stage_bytes(self):
+        """Bytes each memory-bound stage moves (for GB/s in the benchmark)."""
+        out = {}
+        for stage, (_, names, _, _) in self._convert.items():
+            out[stage] = sum(self.ops[n].rows * self.ops[n].cols * 4 + self.ops[n].nbytes for n in names)
+        write = self.ops["grad_linear1"].nbytes if self.planes else 4 * self.T * self.H
+        out["dgelu"] = 12 * self.T * self.H + write
+        return out
+
+    def close(self):
+        """Release handles and scratch. Later work on the allocating stream is ordered after our last call."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            from cupy_backends.cuda.api import runtime
+
+            if self._last_stream_ptr is not None:
+                if self._other_stream_used:
+                    runtime.streamWaitEvent(self._alloc_stream_ptr, self._ev_done.ptr, 0)
+                for h in self._handles:
+                    h.fence_event = self._ev_done
+            for h in self._handles:
+                _cublas.release(h)
+        finally:
+            self._handles = []
+            self._scratch = None

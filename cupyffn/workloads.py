@@ -1,0 +1,141 @@
+"""The benchmark's 16 workloads, input generator, references and correctness check.
+
+Used by bench.py and the tests (and usable by anyone reproducing the numbers). Arrays come from
+`xp`, which is numpy or cupy.
+
+Source: SOL-ExecBench L2/068 (gelu_approximate_feedforward_backward); workloads.json beside this
+file holds the 16 official (batch, seq_len) pairs, their FLOP/byte counts and SOL figures.
+"""
+
+import json
+import math
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy
+
+_DATA = json.loads((Path(__file__).resolve().parent / "workloads.json").read_text())
+
+DIM = _DATA["dim"]
+HIDDEN_DIM = _DATA["hidden_dim"]
+ATOL = _DATA["tolerance"]["max_atol"]
+RTOL = _DATA["tolerance"]["max_rtol"]
+REQUIRED_MATCH = _DATA["tolerance"]["required_matched_ratio"]
+
+#: H200 ceilings used for SOL (dense bf16 tensor-core rate and HBM bandwidth, datasheet values).
+H200_FLOPS = 989e12
+H200_BYTES_PER_S = 4.8e12
+
+INPUT_NAMES = ("grad_output", "hidden_states", "weight1", "weight2", "linear1_out", "tanh_inner", "gelu_out")
+OUTPUT_NAMES = ("grad_hidden_states", "grad_weight1", "grad_weight2")
+
+
+class Workload(NamedTuple):
+    batch_size: int
+    seq_len: int
+    tokens: int
+    gflop: float
+    h200_sol_ms: float
+
+    @property
+    def label(self):
+        return f"B{self.batch_size}xS{self.seq_len}"
+
+
+WORKLOADS = tuple(Workload(w["batch_size"], w["seq_len"], w["tokens"], w["gflop"], w["h200_sol_ms"])
+                  for w in _DATA["workloads"])
+
+
+def flops(tokens, dim=DIM, hidden_dim=HIDDEN_DIM):
+    """FLOP of the four GEMMs: 8 T D H."""
+    return 8 * tokens * dim * hidden_dim
+
+
+def min_bytes(tokens, dim=DIM, hidden_dim=HIDDEN_DIM):
+    """Each fp32 input read once and each output written once: 4 (3 T D + 4 D H + 3 T H)."""
+    return 4 * (3 * tokens * dim + 4 * dim * hidden_dim + 3 * tokens * hidden_dim)
+
+
+def sol_ms(tokens, dim=DIM, hidden_dim=HIDDEN_DIM):
+    """H200 speed of light (PROBLEM.md): max(FLOP / 989 TFLOP/s, min bytes / 4.8 TB/s), in ms."""
+    return 1e3 * max(flops(tokens, dim, hidden_dim) / H200_FLOPS, min_bytes(tokens, dim, hidden_dim) / H200_BYTES_PER_S)
+
+
+def sol_score(t_kernel, t_sol, t_baseline):
+    """The benchmark's score: 1 at SOL, 0.5 at the baseline (torch.compile), 1 / (1 + (Tk - Ts) / (Tb - Ts))."""
+    return 1.0 / (1.0 + (t_kernel - t_sol) / (t_baseline - t_sol))
+
+
+def make_inputs(lead_shape, dim=DIM, hidden_dim=HIDDEN_DIM, xp=numpy, seed=0):
+    """The benchmark's inputs: grad_output, hidden_states ~ N(0, 1); weights ~ 0.02 N(0, 1); the saved
+    activations from the forward pass. Returns a dict of float32 arrays keyed by INPUT_NAMES.
+
+    The forward is evaluated in float64 and rounded once, so the saved tensors are consistent and no
+    TF32 setting can affect them.
+    """
+    lead_shape = tuple(lead_shape)
+    rng = xp.random.default_rng(seed)
+    f32 = numpy.float32
+
+    def normal(shape, scale=1.0):
+        return (scale * rng.standard_normal(shape, dtype=xp.float64)).astype(f32)
+
+    grad_output = normal(lead_shape + (dim,))
+    hidden_states = normal(lead_shape + (dim,))
+    weight1 = normal((hidden_dim, dim), 0.02)
+    weight2 = normal((dim, hidden_dim), 0.02)
+    z = (hidden_states.reshape(-1, dim).astype(xp.float64) @ weight1.T.astype(xp.float64)).astype(f32)
+    z64 = z.astype(xp.float64)
+    t = xp.tanh(math.sqrt(2.0 / math.pi) * (z64 + 0.044715 * z64 ** 3)).astype(f32)
+    g = (0.5 * z64 * (1.0 + t.astype(xp.float64))).astype(f32)
+    act = lead_shape + (hidden_dim,)
+    return {"grad_output": grad_output, "hidden_states": hidden_states, "weight1": weight1, "weight2": weight2,
+            "linear1_out": z.reshape(act), "tanh_inner": t.reshape(act), "gelu_out": g.reshape(act)}
+
+
+def reference(inputs, xp=numpy, dtype=numpy.float64):
+    """The backward formula of PROBLEM.md in `dtype` (float64: the accuracy reference; float32: the
+    benchmark's plain-fp32 reference, which must run without TF32). Returns three 2-D arrays."""
+    dim = inputs["grad_output"].shape[-1]
+    hidden_dim = inputs["weight1"].shape[0]
+    dy, x, w1, w2 = (inputs[n].reshape(-1, inputs[n].shape[-1]).astype(dtype) for n in INPUT_NAMES[:4])
+    z, t = (inputs[n].reshape(-1, hidden_dim).astype(dtype) for n in ("linear1_out", "tanh_inner"))
+    g = inputs["gelu_out"].reshape(-1, hidden_dim).astype(dtype)
+    c = dtype(math.sqrt(2.0 / math.pi))
+    grad_gelu = dy @ w2
+    grad_w2 = dy.T @ g
+    half, one = dtype(0.5), dtype(1.0)
+    grad_linear1 = grad_gelu * (half * (one + t) + half * z * (one - t * t) * c * (one + dtype(0.134145) * z * z))
+    grad_hidden = grad_linear1 @ w1
+    grad_w1 = grad_linear1.T @ x
+    assert grad_hidden.shape == (dy.shape[0], dim)
+    return grad_hidden, grad_w1, grad_w2
+
+
+class Check(NamedTuple):
+    passed: bool
+    matched: float     # fraction of elements within ATOL + RTOL * |ref|
+    finite: bool       # no NaN / Inf in the output
+    rel_l2: float      # ||out - ref64|| / ||ref64|| (nan when no float64 reference was given)
+
+
+def check(out, ref32, ref64=None, xp=numpy):
+    """The benchmark's check of one output against the fp32 reference (and relative L2 vs float64)."""
+    out = out.reshape(ref32.shape)
+    finite = bool(xp.isfinite(out).all())
+    with numpy.errstate(invalid="ignore"):
+        ok = xp.abs(out - ref32) <= ATOL + RTOL * xp.abs(ref32)
+    matched = float(ok.mean()) if ok.size else 1.0
+    rel = float("nan")
+    if ref64 is not None:
+        rel = relative_l2(out, ref64, xp)
+    return Check(finite and matched >= REQUIRED_MATCH, matched, finite, rel)
+
+
+def relative_l2(out, ref64, xp=numpy):
+    """||out - ref|| / ||ref|| in float64 (0 when both are empty; inf when ref is zero and out is not)."""
+    diff = float(xp.linalg.norm(out.reshape(ref64.shape).astype(xp.float64) - ref64))
+    norm = float(xp.linalg.norm(ref64))
+    if norm == 0.0:
+        return 0.0 if diff == 0.0 else math.inf
+    return diff / norm

@@ -1,0 +1,66 @@
+// Conversion of fp32 operands into the 16-bit formats the GEMMs read (see common.cuh).
+//
+// One launch converts up to kMaxJobs matrices: job k owns blocks [block_begin, block_begin +
+// block_count) and each of its blocks walks rows r = block - block_begin, + block_count, ...
+// Threads stride across a row 8 floats at a time (two 16-byte loads, one 16-byte store per plane)
+// when the job allows it, else one float at a time.
+#include "common.cuh"
+
+struct ConvertJob {
+  const float* src;        // [rows, cols] fp32, row stride src_ld elements
+  unsigned short* dst;     // 16-bit codes, row stride dst_ld elements
+  long long src_ld;
+  long long dst_ld;
+  long long part_stride;   // FMT_BF16X3: elements between the three planes
+  long long rows;
+  int cols;
+  int pattern;             // FMT_BF16X3: bit j set -> plane j holds lo
+  int slot;                // FMT_F16S: scale slot
+  int vec;                 // 1: cols % 8 == 0 and every row start is 16-byte aligned
+  int block_begin;
+  int block_count;
+};
+static_assert(sizeof(ConvertJob) == 72, "ConvertJob layout is mirrored in cupyffn/_kernels.py");
+
+#define kMaxJobs 5
+struct ConvertJobs {
+  ConvertJob job[kMaxJobs];
+  int count;
+  int unused;
+};
+static_assert(sizeof(ConvertJobs) == 72 * kMaxJobs + 8, "ConvertJobs layout is mirrored in cupyffn/_kernels.py");
+
+// rescue != 0: the second pass of FMT_F16S; only jobs whose slot f16_decide flagged are converted
+// again (with the new exponent), and no maximum is gathered.
+template <int FMT>
+__global__ void __launch_bounds__(256) convert_kernel(const __grid_constant__ ConvertJobs jobs, int* state, int rescue) {
+  int k = 0;
+  while (k + 1 < jobs.count && (int)blockIdx.x >= jobs.job[k + 1].block_begin) ++k;
+  const ConvertJob& job = jobs.job[k];
+
+  float scale = 1.0f;
+  if constexpr (FMT == FMT_F16S) {
+    if (rescue && state[2 * kSlots + job.slot] == 0) return;  // uniform across the block
+    scale = ldexpf(1.0f, state[job.slot]);
+  }
+  float amax = 0.0f;
+  const int cols = job.cols;
+  for (long long r = (int)blockIdx.x - job.block_begin; r < job.rows; r += job.block_count) {
+    const float* src = job.src + r * job.src_ld;
+    unsigned short* dst = job.dst + r * job.dst_ld;
+    if (job.vec) {
+      for (int c = 8 * (int)threadIdx.x; c < cols; c += 8 * (int)blockDim.x) {
+        const cupyffn::F8 x = cupyffn::load8_stream(src + c);
+        cupyffn::write_operand<FMT, 8>(x.v, dst + c, job.part_stride, job.pattern, scale, amax);
+      }
+    } else {
+      for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        const float x[1] = {__ldcs(src + c)};
+        cupyffn::write_operand<FMT, 1>(x, dst + c, job.part_stride, job.pattern, scale, amax);
+      }
+    }
+  }
+  if constexpr (FMT == FMT_F16S) {
+    if (!rescue) cupyffn::warp_absmax_to(reinterpret_cast<unsigned int*>(state + kSlots + job.slot), amax);
+  }
+}

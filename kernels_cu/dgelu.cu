@@ -1,0 +1,69 @@
+// grad_linear1 = grad_gelu * gelu'(linear1_out, tanh_inner), written straight into the operand
+// format of the two GEMMs that read it (grad_hidden = grad_linear1 @ weight1 and
+// grad_weight1 = grad_linear1^T @ hidden_states). One pass: three fp32 reads, one write.
+#include "common.cuh"
+
+struct DgeluJob {
+  const float* grad_gelu;  // [rows, cols] fp32 (cupyffn scratch)
+  const float* x;          // linear1_out
+  const float* t;          // tanh_inner
+  void* dst;               // FMT_F32: float*, may equal grad_gelu; else 16-bit codes
+  long long grad_gelu_ld;
+  long long x_ld;
+  long long t_ld;
+  long long dst_ld;
+  long long part_stride;
+  long long rows;
+  int cols;
+  int pattern;
+  int slot;
+  int vec;                 // 1: cols % 8 == 0 and every row start is 16-byte aligned
+};
+static_assert(sizeof(DgeluJob) == 96, "DgeluJob layout is mirrored in cupyffn/_kernels.py");
+
+template <int FMT>
+__global__ void __launch_bounds__(256) dgelu_kernel(const __grid_constant__ DgeluJob job, int* state, int rescue) {
+  float scale = 1.0f;
+  if constexpr (FMT == FMT_F16S) {
+    if (rescue && state[2 * kSlots + job.slot] == 0) return;  // uniform across the grid
+    scale = ldexpf(1.0f, state[job.slot]);
+  }
+  float amax = 0.0f;
+  const int cols = job.cols;
+  for (long long r = blockIdx.x; r < job.rows; r += gridDim.x) {
+    const float* gg = job.grad_gelu + r * job.grad_gelu_ld;
+    const float* xr = job.x + r * job.x_ld;
+    const float* tr = job.t + r * job.t_ld;
+    if (job.vec) {
+      for (int c = 8 * (int)threadIdx.x; c < cols; c += 8 * (int)blockDim.x) {
+        const cupyffn::F8 g = cupyffn::load8_stream(gg + c);
+        const cupyffn::F8 x = cupyffn::load8_stream(xr + c);
+        const cupyffn::F8 t = cupyffn::load8_stream(tr + c);
+        float d[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) d[i] = g.v[i] * cupyffn::gelu_grad(x.v[i], t.v[i]);
+        if constexpr (FMT == FMT_F32) {
+          float4* out = reinterpret_cast<float4*>(static_cast<float*>(job.dst) + r * job.dst_ld + c);
+          __stcg(out, make_float4(d[0], d[1], d[2], d[3]));  // intrinsic: see store_codes
+          __stcg(out + 1, make_float4(d[4], d[5], d[6], d[7]));
+        } else {
+          unsigned short* out = static_cast<unsigned short*>(job.dst) + r * job.dst_ld + c;
+          cupyffn::write_operand<FMT, 8>(d, out, job.part_stride, job.pattern, scale, amax);
+        }
+      }
+    } else {
+      for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        const float d[1] = {__ldcs(gg + c) * cupyffn::gelu_grad(__ldcs(xr + c), __ldcs(tr + c))};
+        if constexpr (FMT == FMT_F32) {
+          static_cast<float*>(job.dst)[r * job.dst_ld + c] = d[0];
+        } else {
+          unsigned short* out = static_cast<unsigned short*>(job.dst) + r * job.dst_ld + c;
+          cupyffn::write_operand<FMT, 1>(d, out, job.part_stride, job.pattern, scale, amax);
+        }
+      }
+    }
+  }
+  if constexpr (FMT == FMT_F16S) {
+    if (!rescue) cupyffn::warp_absmax_to(reinterpret_cast<unsigned int*>(state + kSlots + job.slot), amax);
+  }
+}
