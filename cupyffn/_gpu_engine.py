@@ -29,9 +29,9 @@ def _align(n):
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _vec_ok(ptr, ld, cols):
-    """The 8-wide path needs whole 16-byte vectors in every row."""
-    return cols % 8 == 0 and ptr % 16 == 0 and ld % 4 == 0
+def _vec_ok(ptr, ld, cols, itemsize=4):
+    """The 8-wide path needs every row to start 16-byte aligned and to hold whole groups of 8."""
+    return cols % 8 == 0 and ptr % 16 == 0 and (ld * itemsize) % 16 == 0
 
 
 class _Operand:
@@ -275,12 +275,15 @@ class GpuEngine:
                 job = jobs.job[k]
                 job.src = m.ptr
                 job.src_ld = m.ld
-                job.vec = int(_vec_ok(m.ptr, m.ld, m.cols) and _vec_ok(job.dst, job.dst_ld, m.cols))
+                job.vec = int(_vec_ok(m.ptr, m.ld, m.cols) and _vec_ok(job.dst, job.dst_ld, m.cols, 2)
+                              and (job.part_stride * 2) % 16 == 0)
         job = self._dgelu_job
         job.x, job.x_ld = l1.ptr, l1.ld
         job.t, job.t_ld = t.ptr, t.ld
         job.vec = int(_vec_ok(l1.ptr, l1.ld, self.H) and _vec_ok(t.ptr, t.ld, self.H)
-                      and _vec_ok(self._base, self.H, self.H) and _vec_ok(job.dst, job.dst_ld, self.H))
+                      and _vec_ok(self._base, self.H, self.H)
+                      and _vec_ok(job.dst, job.dst_ld, self.H, 2 if self.planes else 4)
+                      and (job.part_stride * 2) % 16 == 0)
         if not self.planes:
             self.gemm1.a.value, self.gemm1.lda.value = dy.ptr, dy.ld
             self.gemm1.b.value, self.gemm1.ldb.value = w2.ptr, w2.ld
@@ -319,35 +322,38 @@ class GpuEngine:
         self.gemm1(self._main)
         mark("GEMM1 grad_gelu")
         side_pending = False
-        if self.gemm2 is not None:
-            if serial:
-                self.gemm2(self._main)
-                mark("GEMM2 grad_weight2")
-            else:
-                runtime.eventRecord(self._ev_fork.ptr, stream_ptr)
-                runtime.streamWaitEvent(self._side.ptr, self._ev_fork.ptr, 0)
-                self.gemm2(self._sidecar)
+        try:
+            if self.gemm2 is not None:
+                if serial:
+                    self.gemm2(self._main)
+                    mark("GEMM2 grad_weight2")
+                else:
+                    runtime.eventRecord(self._ev_fork.ptr, stream_ptr)
+                    runtime.streamWaitEvent(self._side.ptr, self._ev_fork.ptr, 0)
+                    side_pending = True
+                    self.gemm2(self._sidecar)
+                    runtime.eventRecord(self._ev_side.ptr, self._side.ptr)
+                    if self.lean:  # grad_linear1 overwrites the planes GEMM2 reads
+                        runtime.streamWaitEvent(stream_ptr, self._ev_side.ptr, 0)
+            self._dgelu(stream_ptr)
+            mark("dgelu")
+            if f16:
+                self._decide_dgelu(stream_ptr)
+                self._dgelu_rescue(stream_ptr)
+                mark("f16 rescue")
+            if "prep2" in self._convert:
+                self._convert["prep2"][2](stream_ptr)
+                mark("convert")
+            if self.gemm3 is not None:
+                self.gemm3(self._main)
+                mark("GEMM3 grad_hidden")
+            if self.gemm4 is not None:
+                self.gemm4(self._main)
+                mark("GEMM4 grad_weight1")
+        finally:
+            if side_pending:  # also on failure: nothing may land after the caller's error handling
                 runtime.eventRecord(self._ev_side.ptr, self._side.ptr)
-                side_pending = True
-                if self.lean:  # grad_linear1 overwrites the planes GEMM2 reads
-                    runtime.streamWaitEvent(stream_ptr, self._ev_side.ptr, 0)
-        self._dgelu(stream_ptr)
-        mark("dgelu")
-        if f16:
-            self._decide_dgelu(stream_ptr)
-            self._dgelu_rescue(stream_ptr)
-            mark("f16 rescue")
-        if "prep2" in self._convert:
-            self._convert["prep2"][2](stream_ptr)
-            mark("convert")
-        if self.gemm3 is not None:
-            self.gemm3(self._main)
-            mark("GEMM3 grad_hidden")
-        if self.gemm4 is not None:
-            self.gemm4(self._main)
-            mark("GEMM4 grad_weight1")
-        if side_pending:
-            runtime.streamWaitEvent(stream_ptr, self._ev_side.ptr, 0)
+                runtime.streamWaitEvent(stream_ptr, self._ev_side.ptr, 0)
 
     def order_after_previous(self, stream_ptr):
         """Make `stream_ptr` wait for the previous call if that ran on another stream (shared scratch)."""

@@ -1,0 +1,50 @@
+"""The 16 official workloads on the GPU, every precision, with the benchmark's inputs and check.
+
+Per output: relative L2 error against float64 within the precision's contract; for the precisions
+that promise it (ieee, bf16x3), the benchmark's check against the plain-fp32 reference. Outputs are
+NaN-poisoned before the call and must be fully written; inputs must be bitwise unchanged.
+"""
+
+import os
+
+import numpy
+import pytest
+
+import cupyffn
+from cupyffn import workloads as W
+
+pytestmark = pytest.mark.gpu
+cupy = pytest.importorskip("cupy")
+
+assert os.environ.get("CUPY_TF32", "0") in ("", "0"), "the fp32 reference must not use TF32 (unset CUPY_TF32)"
+
+
+def _bits(a):
+    return a.view(cupy.uint32).copy()
+
+
+@pytest.mark.parametrize("workload", W.WORKLOADS, ids=lambda w: f"{w.label}-T{w.tokens}")
+def test_workload_every_precision(workload):
+    inputs = W.make_inputs((workload.batch_size, workload.seq_len), xp=cupy, seed=workload.tokens + workload.seq_len)
+    args = [inputs[n] for n in W.INPUT_NAMES]
+    before = [_bits(a) for a in args]
+    ref64 = W.reference(inputs, xp=cupy)
+    ref32 = W.reference(inputs, xp=cupy, dtype=numpy.float32)
+    failures = []
+    for name, precision in cupyffn.PRECISIONS.items():
+        out = (cupy.full(inputs["hidden_states"].shape, numpy.nan, dtype=cupy.float32),
+               cupy.full(inputs["weight1"].shape, numpy.nan, dtype=cupy.float32),
+               cupy.full(inputs["weight2"].shape, numpy.nan, dtype=cupy.float32))
+        grads = cupyffn.gelu_ffn_backward(*args, precision=name, out=out)
+        assert all(g is o for g, o in zip(grads, out))
+        for label, o, r32, r64 in zip(W.OUTPUT_NAMES, grads, ref32, ref64):
+            c = W.check(o, r32, r64, xp=cupy)
+            if not c.finite:
+                failures.append(f"{name} {label}: non-finite values (unwritten or overflow)")
+            if not c.rel_l2 <= precision.contract:
+                failures.append(f"{name} {label}: rel L2 {c.rel_l2:.3g} > contract {precision.contract:g}")
+            if precision.passes_check and not c.passed:
+                failures.append(f"{name} {label}: benchmark check failed, matched {c.matched:.5f}")
+    for a, b, n in zip(args, before, W.INPUT_NAMES):
+        assert bool((_bits(a) == b).all()), f"{n} was modified"
+    assert not failures, "\n".join(failures)
