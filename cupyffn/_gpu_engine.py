@@ -1,20 +1,22 @@
 """The GPU engine: scratch buffers, kernel launches and cuBLAS calls of one backward shape.
 
-Order of work (S = the caller's stream, S2 = the engine's side stream):
+Work of one call (S = the caller's stream, S2 = the engine's side stream):
 
-    S : convert ──► GEMM1 ──┬──────────────► dgelu ─► [convert] ─► GEMM3 ─► GEMM4 ─► join
-        (operands)  gg=dY@W2 │ fork                   (lean only)   dZ@W1   dZ^T@X     ▲
-    S2:                      └► GEMM2 gW2 = dY^T@G ────────────────────────────────────┘
+    S : convert A ─┬─► GEMM1 grad_gelu ──► dgelu ──┬─► GEMM3 grad_hidden ───────► join
+                   │                     ▲         │                                ▲
+    S2: convert B ─┴─► GEMM2 grad_weight2 ┘(B)      └─► GEMM4 grad_weight1 ─────────┘
 
-`convert` writes every GEMM operand in the plan's format in one launch (up to five matrices);
-`dgelu` reads grad_gelu, linear1_out and tanh_inner once and writes grad_linear1 straight in the
-format of GEMM3/GEMM4. For "tf32" (fp16 operands) each pass is followed by `f16_decide` and a rescue
-pass that re-converts only a tensor whose delayed scale did not fit (see kernels_cu/f16_scale.cu).
+`convert A` writes the operands of GEMM1 (grad_output, weight2) and `convert B` those of the rest
+(gelu_out, hidden_states, weight1), each in one launch; `dgelu` reads grad_gelu, linear1_out and
+tanh_inner once and writes grad_linear1 straight in the format of GEMM3/GEMM4. GEMM1 and GEMM2,
+and GEMM3 and GEMM4, are independent: at small T, where one GEMM leaves most of the GPU idle, they
+run side by side. For "tf32" (fp16 operands) every gathering pass is followed by a small rescue
+launch that converts again any tensor whose delayed scale did not fit (kernels_cu/convert.cu).
 
-"Lean" layout (bf16x3 at large T, where three 16-bit planes of gelu_out and grad_linear1 would
-not fit beside each other in the memory budget): grad_linear1 reuses gelu_out's planes, so S waits
-for GEMM2 before dgelu, and weight1/hidden_states are converted after dgelu into grad_gelu's
-buffer, which is dead by then.
+"Lean" layout (bf16x3 at large T, where three 16-bit planes of gelu_out and of grad_linear1 side
+by side would break the memory budget): grad_linear1 reuses gelu_out's planes, so S waits for
+GEMM2 before dgelu, and weight1/hidden_states are converted after dgelu into grad_gelu's buffer,
+which is dead by then. At that size each GEMM fills the GPU, so nothing is lost by serializing.
 """
 
 import ctypes
@@ -68,9 +70,8 @@ class GpuEngine:
             self._layout()
             self._allocate()
             self._side = cupy.cuda.Stream(non_blocking=True)
-            self._ev_fork = cupy.cuda.Event(disable_timing=True)
-            self._ev_side = cupy.cuda.Event(disable_timing=True)
-            self._ev_done = cupy.cuda.Event(disable_timing=True)
+            (self._ev_start, self._ev_a, self._ev_b, self._ev_d, self._ev_side,
+             self._ev_done) = (cupy.cuda.Event(disable_timing=True) for _ in range(6))
             self._last_stream_ptr = None
             self._other_stream_used = False
             self._main = _cublas.acquire(device_id)
@@ -124,9 +125,10 @@ class GpuEngine:
                 ops[name].offset = inner
                 inner += _align(ops[name].nbytes)
         self.scratch_bytes = offset
-        self.prep1 = [n for n in ("grad_output", "weight2", "gelu_out", "hidden_states", "weight1")
-                      if n in ops and not (self.lean and n in late)]
-        self.prep2 = late if self.lean else []
+        present = lambda names: [n for n in names if n in ops]  # noqa: E731
+        self.cvt_a = present(("grad_output", "weight2"))
+        self.cvt_b = present(("gelu_out",) if self.lean else ("gelu_out", "hidden_states", "weight1"))
+        self.cvt_late = late if self.lean else []
 
     @property
     def workspace_bytes(self):
@@ -138,7 +140,7 @@ class GpuEngine:
 
         try:
             self._scratch = cupy.cuda.alloc(max(self.scratch_bytes, _ALIGN))
-            self._state = cupy.zeros(3 * _kernels.STATE_SLOTS, dtype=cupy.int32)
+            self._state = cupy.zeros(4 * _kernels.STATE_SLOTS, dtype=cupy.int32)
             self._consts = cupy.asarray([0, 1, 1, 1, 1, 1, 0, 0], dtype=cupy.float32)
         except cupy.cuda.memory.OutOfMemoryError as e:
             raise MemoryError(
@@ -154,47 +156,65 @@ class GpuEngine:
     def _build_launches(self):
         dev = self.device_id
         prec = self.precision
-        vp, i32 = ctypes.c_void_p, ctypes.c_int
+        f16 = prec.fmt == P.FMT_F16S
+        vp = ctypes.c_void_p
         self._state_ptr = vp(self._state.data.ptr)
+        self._consts_ptr = vp(self._consts.data.ptr)
         sms = _kernels.sm_count(dev)
+        # stage -> (names, alpha mask of its rescue pass, arrival counter)
+        stages = {"convert A": (self.cvt_a, 0b0001, 0), "convert B": (self.cvt_b, 0b0010, 1),
+                  "convert late": (self.cvt_late, 0, 3)}
         self._convert = {}
-        for stage, names in (("prep1", self.prep1), ("prep2", self.prep2)):
+        for stage, (names, alpha_mask, counter) in stages.items():
             if not names:
                 continue
             expr = f"convert_kernel<{prec.fmt}>"
             kernel = _kernels.get_function("convert", expr, dev)
-            jobs = _kernels.ConvertJobs()
-            jobs.count = len(names)
-            total = sms * _kernels.blocks_per_sm("convert", expr, dev) * 2
-            sizes = [self.ops[n].rows * self.ops[n].cols for n in names]
-            begin = 0
-            for k, name in enumerate(names):
-                op = self.ops[name]
-                job = jobs.job[k]
-                job.dst = self._addr(name)
-                job.dst_ld = op.dst_ld
-                job.part_stride = op.part_stride
-                job.rows = op.rows
-                job.cols = op.cols
-                job.pattern = P.PATTERN[name]
-                job.slot = P.SLOT[name]
-                job.block_begin = begin
-                job.block_count = max(1, min(op.rows, round(total * sizes[k] / sum(sizes))))
-                begin += job.block_count
-            first = _kernels.KernelLaunch(kernel, jobs, self._state_ptr, i32(0))
-            first.grid = begin
+            full = sms * _kernels.blocks_per_sm("convert", expr, dev) * 2
+            first = self._convert_launch(kernel, names, full, rescue=0, counter=counter, alpha_mask=0)
             rescue = None
-            if prec.fmt == P.FMT_F16S:
-                rescue = _kernels.KernelLaunch(kernel, jobs, self._state_ptr, i32(1))
-                rescue.grid = begin
-            self._convert[stage] = (jobs, names, first, rescue)
+            if f16:  # a small grid: when nothing needs converting again its blocks only read a flag
+                rescue = self._convert_launch(kernel, names, 2 * sms, rescue=1, counter=counter,
+                                              alpha_mask=alpha_mask)
+            self._convert[stage] = (names, first, rescue)
 
         expr = f"dgelu_kernel<{prec.fmt}>"
         kernel = _kernels.get_function("dgelu", expr, dev)
+        grid = max(1, min(self.T, sms * _kernels.blocks_per_sm("dgelu", expr, dev) * 2))
+        self._dgelu = self._dgelu_launch(kernel, grid, rescue=0)
+        self._dgelu_rescue = self._dgelu_launch(kernel, min(grid, 2 * sms), rescue=1) if f16 else None
+
+    def _convert_launch(self, kernel, names, total_blocks, rescue, counter, alpha_mask):
+        jobs = _kernels.ConvertJobs()
+        jobs.count = len(names)
+        jobs.rescue = rescue
+        jobs.counter = counter
+        jobs.slot_mask = sum(1 << P.SLOT[n] for n in names)
+        jobs.alpha_mask = alpha_mask
+        sizes = [self.ops[n].rows * self.ops[n].cols for n in names]
+        begin = 0
+        for k, name in enumerate(names):
+            op = self.ops[name]
+            job = jobs.job[k]
+            job.dst = self._addr(name)
+            job.dst_ld = op.dst_ld
+            job.part_stride = op.part_stride
+            job.rows = op.rows
+            job.cols = op.cols
+            job.pattern = P.PATTERN[name]
+            job.slot = P.SLOT[name]
+            job.block_begin = begin
+            job.block_count = max(1, min(op.rows, round(total_blocks * sizes[k] / sum(sizes))))
+            begin += job.block_count
+        launch = _kernels.KernelLaunch(kernel, jobs, self._state_ptr, self._consts_ptr)
+        launch.grid = begin
+        return launch
+
+    def _dgelu_launch(self, kernel, grid, rescue):
         job = _kernels.DgeluJob()
         job.grad_gelu = self._base
         job.grad_gelu_ld = self.H
-        if prec.planes:
+        if self.planes:
             op = self.ops["grad_linear1"]
             job.dst = self._addr("grad_linear1")
             job.dst_ld = op.dst_ld
@@ -206,22 +226,12 @@ class GpuEngine:
         job.cols = self.H
         job.pattern = P.PATTERN["grad_linear1"]
         job.slot = P.SLOT["grad_linear1"]
-        self._dgelu_job = job
-        grid = max(1, min(self.T, sms * _kernels.blocks_per_sm("dgelu", expr, dev) * 2))
-        self._dgelu = _kernels.KernelLaunch(kernel, job, self._state_ptr, i32(0))
-        self._dgelu.grid = grid
-        self._dgelu_rescue = None
-        if prec.fmt == P.FMT_F16S:
-            self._dgelu_rescue = _kernels.KernelLaunch(kernel, job, self._state_ptr, i32(1))
-            self._dgelu_rescue.grid = grid
-            decide = _kernels.get_function("f16_scale", "f16_decide", dev)
-            consts = vp(self._consts.data.ptr)
-            mask1 = sum(1 << P.SLOT[n] for n in self.prep1)
-            self._decide_prep = _kernels.KernelLaunch(decide, self._state_ptr, consts, i32(mask1))
-            self._decide_dgelu = _kernels.KernelLaunch(decide, self._state_ptr, consts,
-                                                       i32(1 << P.SLOT["grad_linear1"]))
-            for launch in (self._decide_prep, self._decide_dgelu):
-                launch.block = 32
+        job.rescue = rescue
+        job.counter = 2
+        job.alpha_mask = 0b1100
+        launch = _kernels.KernelLaunch(kernel, job, self._state_ptr, self._consts_ptr)
+        launch.grid = grid
+        return launch
 
     def _build_gemms(self):
         T, D, H = self.T, self.D, self.H
@@ -269,21 +279,28 @@ class GpuEngine:
         """Point the prebuilt launches at this call's arrays (Matrix views) and outputs (device pointers)."""
         dy, x, w1, w2, l1, t, g = inputs
         src = {"grad_output": dy, "hidden_states": x, "weight1": w1, "weight2": w2, "gelu_out": g}
-        for jobs, names, _, _ in self._convert.values():
-            for k, name in enumerate(names):
-                m = src[name]
-                job = jobs.job[k]
-                job.src = m.ptr
-                job.src_ld = m.ld
-                job.vec = int(_vec_ok(m.ptr, m.ld, m.cols) and _vec_ok(job.dst, job.dst_ld, m.cols, 2)
-                              and (job.part_stride * 2) % 16 == 0)
-        job = self._dgelu_job
-        job.x, job.x_ld = l1.ptr, l1.ld
-        job.t, job.t_ld = t.ptr, t.ld
-        job.vec = int(_vec_ok(l1.ptr, l1.ld, self.H) and _vec_ok(t.ptr, t.ld, self.H)
-                      and _vec_ok(self._base, self.H, self.H)
-                      and _vec_ok(job.dst, job.dst_ld, self.H, 2 if self.planes else 4)
-                      and (job.part_stride * 2) % 16 == 0)
+        for names, *launches in self._convert.values():
+            for launch in launches:
+                if launch is None:
+                    continue
+                jobs = launch.args[0]
+                for k, name in enumerate(names):
+                    m = src[name]
+                    job = jobs.job[k]
+                    job.src = m.ptr
+                    job.src_ld = m.ld
+                    job.vec = int(_vec_ok(m.ptr, m.ld, m.cols) and _vec_ok(job.dst, job.dst_ld, m.cols, 2)
+                                  and (job.part_stride * 2) % 16 == 0)
+        for launch in (self._dgelu, self._dgelu_rescue):
+            if launch is None:
+                continue
+            job = launch.args[0]
+            job.x, job.x_ld = l1.ptr, l1.ld
+            job.t, job.t_ld = t.ptr, t.ld
+            job.vec = int(_vec_ok(l1.ptr, l1.ld, self.H) and _vec_ok(t.ptr, t.ld, self.H)
+                          and _vec_ok(self._base, self.H, self.H)
+                          and _vec_ok(job.dst, job.dst_ld, self.H, 2 if self.planes else 4)
+                          and (job.part_stride * 2) % 16 == 0)
         if not self.planes:
             self.gemm1.a.value, self.gemm1.lda.value = dy.ptr, dy.ld
             self.gemm1.b.value, self.gemm1.ldb.value = w2.ptr, w2.ld
@@ -301,59 +318,76 @@ class GpuEngine:
             self.gemm2.c.value, self.gemm2.beta.value = grad_w2, beta
             self.gemm4.c.value, self.gemm4.beta.value = grad_w1, beta
 
-    def enqueue(self, stream_ptr, serial=False, mark=None):
-        """Issue the whole backward on `stream_ptr` (S2 for GEMM2 unless `serial`).
+    def _convert_stage(self, stage, stream_ptr, mark):
+        if stage in self._convert:
+            _, first, rescue = self._convert[stage]
+            first(stream_ptr)
+            mark(stage)
+            if rescue is not None:
+                rescue(stream_ptr)
+                mark("f16 rescue")
 
-        `mark(stage)` is called after each step issued on the main stream (profiling).
+    def enqueue(self, stream_ptr, serial=False, mark=None):
+        """Issue the whole backward on `stream_ptr`, with the side stream S2 (module docstring).
+
+        `serial`: everything on `stream_ptr`, in order; `mark(stage)` is then called after each step
+        (the benchmark's per-stage profile).
         """
         from cupy_backends.cuda.api import runtime
 
-        f16 = self.precision.fmt == P.FMT_F16S
         mark = mark or (lambda stage: None)
-        self._main.bind(stream_ptr)
-        if "prep1" in self._convert:
-            _, _, first, rescue = self._convert["prep1"]
-            first(stream_ptr)
-            mark("convert")
-            if f16:
-                self._decide_prep(stream_ptr)
-                rescue(stream_ptr)
-                mark("f16 rescue")
-        self.gemm1(self._main)
-        mark("GEMM1 grad_gelu")
-        side_pending = False
+        S = stream_ptr
+        S2 = S if serial else self._side.ptr
+        side = self._main if serial else getattr(self, "_sidecar", None)
+
+        def record(event, stream):
+            if not serial:
+                runtime.eventRecord(event.ptr, stream)
+
+        def wait(stream, event):
+            if not serial:
+                runtime.streamWaitEvent(stream, event.ptr, 0)
+
+        self._main.bind(S)
+        record(self._ev_start, S)
+        wait(S2, self._ev_start)
         try:
+            self._convert_stage("convert A", S, mark)
+            record(self._ev_a, S)
+            if self.precision.fmt == P.FMT_F16S and self.cvt_b:
+                wait(S2, self._ev_a)  # convert B's rescue writes alpha2, which needs grad_output's scale
+            self._convert_stage("convert B", S2, mark)
+            record(self._ev_b, S2)
+            self.gemm1(self._main)
+            mark("GEMM1 grad_gelu")
             if self.gemm2 is not None:
-                if serial:
-                    self.gemm2(self._main)
-                    mark("GEMM2 grad_weight2")
-                else:
-                    runtime.eventRecord(self._ev_fork.ptr, stream_ptr)
-                    runtime.streamWaitEvent(self._side.ptr, self._ev_fork.ptr, 0)
-                    side_pending = True
-                    self.gemm2(self._sidecar)
-                    runtime.eventRecord(self._ev_side.ptr, self._side.ptr)
-                    if self.lean:  # grad_linear1 overwrites the planes GEMM2 reads
-                        runtime.streamWaitEvent(stream_ptr, self._ev_side.ptr, 0)
-            self._dgelu(stream_ptr)
+                wait(S2, self._ev_a)
+                self.gemm2(side)
+                mark("GEMM2 grad_weight2")
+                record(self._ev_side, S2)
+            if self.lean:
+                wait(S, self._ev_side)  # grad_linear1 overwrites the planes GEMM2 reads
+            wait(S, self._ev_b)  # weight1 / hidden_states converted (and their scales final)
+            self._dgelu(S)
             mark("dgelu")
-            if f16:
-                self._decide_dgelu(stream_ptr)
-                self._dgelu_rescue(stream_ptr)
+            if self._dgelu_rescue is not None:
+                self._dgelu_rescue(S)
                 mark("f16 rescue")
-            if "prep2" in self._convert:
-                self._convert["prep2"][2](stream_ptr)
-                mark("convert")
+            self._convert_stage("convert late", S, mark)
+            record(self._ev_d, S)
             if self.gemm3 is not None:
                 self.gemm3(self._main)
                 mark("GEMM3 grad_hidden")
             if self.gemm4 is not None:
-                self.gemm4(self._main)
+                if self.lean:
+                    self.gemm4(self._main)
+                else:
+                    wait(S2, self._ev_d)
+                    self.gemm4(side)
                 mark("GEMM4 grad_weight1")
-        finally:
-            if side_pending:  # also on failure: nothing may land after the caller's error handling
-                runtime.eventRecord(self._ev_side.ptr, self._side.ptr)
-                runtime.streamWaitEvent(stream_ptr, self._ev_side.ptr, 0)
+        finally:  # also on failure: nothing of this call may land after the caller's error handling
+            record(self._ev_side, S2)
+            wait(S, self._ev_side)
 
     def order_after_previous(self, stream_ptr):
         """Make `stream_ptr` wait for the previous call if that ran on another stream (shared scratch)."""
@@ -373,7 +407,7 @@ class GpuEngine:
     def stage_bytes(self):
         """Bytes each memory-bound stage moves (for GB/s in the benchmark)."""
         out = {}
-        for stage, (_, names, _, _) in self._convert.items():
+        for stage, (names, _, _) in self._convert.items():
             out[stage] = sum(self.ops[n].rows * self.ops[n].cols * 4 + self.ops[n].nbytes for n in names)
         write = self.ops["grad_linear1"].nbytes if self.planes else 4 * self.T * self.H
         out["dgelu"] = 12 * self.T * self.H + write

@@ -20,7 +20,6 @@ _HERE = Path(__file__).resolve().parent
 MODULES = {
     "convert": ("convert.cu", ("convert_kernel<1>", "convert_kernel<2>", "convert_kernel<3>")),
     "dgelu": ("dgelu.cu", ("dgelu_kernel<0>", "dgelu_kernel<1>", "dgelu_kernel<2>", "dgelu_kernel<3>")),
-    "f16_scale": ("f16_scale.cu", ("f16_decide",)),
 }
 
 #: Options we pass; CuPy adds -arch, -ftz=true, its include paths and (unless given) --std=c++17.
@@ -30,7 +29,7 @@ NVRTC_OPTIONS = ("--std=c++17",)
 BLOCK = 256
 #: Maximum number of matrices one convert launch handles (kMaxJobs in convert.cu).
 MAX_JOBS = 5
-#: Slots of the fp16 scale state (kSlots in common.cuh).
+#: Slots of the fp16 scale state (kSlots in common.cuh); the state array holds 4 * STATE_SLOTS ints.
 STATE_SLOTS = 8
 
 
@@ -121,11 +120,13 @@ class ConvertJob(ctypes.Structure):
 class ConvertJobs(ctypes.Structure):
     """Mirror of ``struct ConvertJobs`` in convert.cu."""
 
-    _fields_ = [("job", ConvertJob * MAX_JOBS), ("count", ctypes.c_int), ("unused", ctypes.c_int)]
+    _fields_ = [("job", ConvertJob * MAX_JOBS), ("count", ctypes.c_int), ("rescue", ctypes.c_int),
+                ("counter", ctypes.c_int), ("slot_mask", ctypes.c_int), ("alpha_mask", ctypes.c_int),
+                ("unused", ctypes.c_int)]
 
 
 class DgeluJob(ctypes.Structure):
-    """Mirror of ``struct DgeluJob`` in dgelu.cu (96 bytes)."""
+    """Mirror of ``struct DgeluJob`` in dgelu.cu (112 bytes)."""
 
     _fields_ = [
         ("grad_gelu", ctypes.c_void_p),
@@ -142,6 +143,10 @@ class DgeluJob(ctypes.Structure):
         ("pattern", ctypes.c_int),
         ("slot", ctypes.c_int),
         ("vec", ctypes.c_int),
+        ("rescue", ctypes.c_int),
+        ("counter", ctypes.c_int),
+        ("alpha_mask", ctypes.c_int),
+        ("unused", ctypes.c_int),
     ]
 
 

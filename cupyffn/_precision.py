@@ -33,7 +33,7 @@ FMT_F16S = 3
 PATTERN_HLH = 0b010
 PATTERN_HHL = 0b100
 
-# fp16 scale slots (kSlots entries of the device state; kGemmSlots in kernels_cu/f16_scale.cu pairs them).
+# fp16 scale slots (kSlots entries of the device state; kGemmSlots in kernels_cu/common.cuh pairs them).
 SLOT = {"grad_output": 0, "weight2": 1, "gelu_out": 2, "hidden_states": 3, "weight1": 4, "grad_linear1": 5}
 
 # Pattern of each bf16x3 operand, following the pairing above: grad_output and grad_linear1 are the

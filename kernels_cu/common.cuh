@@ -9,7 +9,7 @@
 //   FMT_BF16X3 two bf16 parts hi = bf16(x), lo = bf16(x - hi) written as three 16-bit planes;
 //              bit j of `pattern` chooses lo (1) or hi (0) for plane j, so a GEMM that stacks the
 //              planes along K forms hi*hi' + hi*lo' + lo*hi' in one call
-//   FMT_F16S   one fp16 part of x * 2^e, e a per-tensor exponent kept on the device (see f16_scale.cu)
+//   FMT_F16S   one fp16 part of x * 2^e, e a per-tensor exponent kept on the device (see convert.cu)
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -19,10 +19,12 @@
 #define FMT_BF16X3 2
 #define FMT_F16S 3
 
-// Slots of the fp16 scale state: one int array of 3 * kSlots entries.
-//   state[s]             exponent e of slot s (the tensor is stored as fp16(x * 2^e))
-//   state[kSlots + s]    bits of max |x| over the finite x converted into slot s (atomicMax)
-//   state[2 * kSlots + s] 1 when f16_decide changed e and the tensor must be converted again
+// fp16 scale state (the "tf32" plan): one int array of 4 * kSlots entries.
+//   state[s]              exponent e of slot s: the tensor is stored as fp16(x * 2^e)
+//   state[kSlots + s]     bits of max |x| over the finite x converted into slot s (atomicMax)
+//   state[2 * kSlots + s] 1 when the last pass moved e and slot s must be converted again
+//   state[3 * kSlots + c] arrival counter of launch c (last-block-decides, reset by that block)
+// consts[0] = 0, consts[1] = 1, consts[2 + g] = alpha of GEMM g (2^-(e_a + e_b); 1 for other plans).
 #define kSlots 8
 
 namespace cupyffn {
@@ -36,23 +38,25 @@ __device__ __forceinline__ float gelu_grad(float x, float t) {
 }
 
 // bf16(x) rounded to nearest even, except that a finite x beyond bf16's largest finite value is
-// truncated instead of rounded to infinity, so that hi + lo still represents it.
+// truncated instead of rounded to infinity, so that hi + lo still represents it. Written with
+// selects, not branches, so that the compiler keeps all loads of a thread in flight together.
 __device__ __forceinline__ unsigned short bf16_bits(float x) {
-  __nv_bfloat16 h = __float2bfloat16_rn(x);
-  if (__isinf(__bfloat162float(h)) && isfinite(x)) h = __float2bfloat16_rz(x);
-  return __bfloat16_as_ushort(h);
+  const unsigned short rn = __bfloat16_as_ushort(__float2bfloat16_rn(x));
+  const unsigned short rz = (unsigned short)(__float_as_uint(x) >> 16);
+  const bool overflowed = (rn & 0x7fffu) == 0x7f80u && fabsf(x) <= 3.402823466e38f;
+  return overflowed ? rz : rn;
 }
 
 __device__ __forceinline__ float bf16_value(unsigned short bits) {
-  return __bfloat162float(__ushort_as_bfloat16(bits));
+  return __uint_as_float((unsigned int)bits << 16);
 }
 
 // x = hi + lo + O(2^-17 |x|). x - hi is exact in fp32; lo is 0 for non-finite x so that an
 // Inf or NaN input is carried by hi alone.
 __device__ __forceinline__ void split_bf16(float x, unsigned short& hi, unsigned short& lo) {
   hi = bf16_bits(x);
-  const float h = bf16_value(hi);
-  lo = isfinite(h) ? bf16_bits(x - h) : (unsigned short)0;
+  const unsigned short rest = bf16_bits(x - bf16_value(hi));
+  lo = (hi & 0x7f80u) == 0x7f80u ? (unsigned short)0 : rest;
 }
 
 __device__ __forceinline__ unsigned short f16_bits(float x) {
@@ -70,6 +74,56 @@ __device__ __forceinline__ float finite_absmax(float m, float x) {
 __device__ __forceinline__ void warp_absmax_to(unsigned int* dst, float m) {
   for (int offset = 16; offset > 0; offset >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
   if ((threadIdx.x & 31) == 0 && m > 0.0f) atomicMax(dst, __float_as_uint(m));
+}
+
+// GEMM g multiplies the tensors in slots kGemmSlots[g][0] and kGemmSlots[g][1] (cupyffn/_precision.py SLOT).
+__device__ const int kGemmSlots[4][2] = {{0, 1}, {0, 2}, {5, 4}, {5, 3}};
+
+// Check slot s's exponent against the maximum just gathered: the scaled maximum must lie in
+// [2^8, 2^15) (no overflow, and 2^22 of headroom above fp16's smallest normal). If it does not,
+// move the exponent so the maximum lands in [2^13, 2^14) and flag the slot for the rescue pass.
+__device__ __forceinline__ void f16_decide_slot(int* state, int s) {
+  volatile int* exponent = state;
+  const float amax = __uint_as_float(atomicExch(reinterpret_cast<unsigned int*>(state + kSlots + s), 0u));
+  int flag = 0;
+  if (amax > 0.0f) {
+    int k;
+    frexpf(amax, &k);  // amax < 2^k <= 2 * amax
+    const int e = exponent[s];
+    if (k + e < 9 || k + e > 15) {
+      const int moved = min(max(14 - k, -126), 127);
+      if (moved != e) {
+        exponent[s] = moved;
+        flag = 1;
+      }
+    }
+  }
+  state[2 * kSlots + s] = flag;
+}
+
+// Called by every block at the end of a first (gathering) pass: the last block to arrive decides
+// the slots in slot_mask (all maxima are in by then) and resets the counter for the next call.
+__device__ __forceinline__ void last_block_decides(int* state, int counter, int slot_mask) {
+  __syncthreads();  // every warp of this block has issued its atomicMax
+  if (threadIdx.x != 0) return;
+  __threadfence();
+  if (atomicAdd(reinterpret_cast<unsigned int*>(state + 3 * kSlots + counter), 1u) != gridDim.x - 1) return;
+  __threadfence();
+  for (int s = 0; s < kSlots; ++s) {
+    if ((slot_mask >> s) & 1) f16_decide_slot(state, s);
+  }
+  state[3 * kSlots + counter] = 0;
+}
+
+// GEMM alphas 2^-(e_a + e_b) for the GEMMs in alpha_mask; written by block 0 of a rescue pass, when
+// the exponents of both operands are final.
+__device__ __forceinline__ void write_alphas(const int* state, float* consts, int alpha_mask) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  for (int g = 0; g < 4; ++g) {
+    if ((alpha_mask >> g) & 1) {
+      consts[2 + g] = ldexpf(1.0f, -(state[kGemmSlots[g][0]] + state[kGemmSlots[g][1]]));
+    }
+  }
 }
 
 __device__ __forceinline__ unsigned int pack2(unsigned short a, unsigned short b) {

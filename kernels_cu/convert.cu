@@ -4,6 +4,11 @@
 // block_count) and each of its blocks walks rows r = block - block_begin, + block_count, ...
 // Threads stride across a row 8 floats at a time (two 16-byte loads, one 16-byte store per plane)
 // when the job allows it, else one float at a time.
+//
+// FMT_F16S runs twice per call: a gathering pass (rescue == 0) that converts with each slot's
+// current exponent, gathers max |x| and lets its last block decide the exponents; then a rescue
+// pass (rescue == 1, a small grid) that converts again only the slots whose exponent moved, and
+// whose block 0 writes the alphas of the GEMMs in alpha_mask.
 #include "common.cuh"
 
 struct ConvertJob {
@@ -26,21 +31,27 @@ static_assert(sizeof(ConvertJob) == 72, "ConvertJob layout is mirrored in cupyff
 struct ConvertJobs {
   ConvertJob job[kMaxJobs];
   int count;
+  int rescue;      // FMT_F16S: 0 gathering pass, 1 rescue pass
+  int counter;     // FMT_F16S: arrival counter of this launch (state[3 * kSlots + counter])
+  int slot_mask;   // FMT_F16S: slots this launch decides
+  int alpha_mask;  // FMT_F16S: GEMM alphas the rescue pass writes
   int unused;
 };
-static_assert(sizeof(ConvertJobs) == 72 * kMaxJobs + 8, "ConvertJobs layout is mirrored in cupyffn/_kernels.py");
+static_assert(sizeof(ConvertJobs) == 72 * kMaxJobs + 24, "ConvertJobs layout is mirrored in cupyffn/_kernels.py");
 
-// rescue != 0: the second pass of FMT_F16S; only jobs whose slot f16_decide flagged are converted
-// again (with the new exponent), and no maximum is gathered.
 template <int FMT>
-__global__ void __launch_bounds__(256) convert_kernel(const __grid_constant__ ConvertJobs jobs, int* state, int rescue) {
+__global__ void __launch_bounds__(256) convert_kernel(const __grid_constant__ ConvertJobs jobs, int* state,
+                                                      float* consts) {
   int k = 0;
   while (k + 1 < jobs.count && (int)blockIdx.x >= jobs.job[k + 1].block_begin) ++k;
   const ConvertJob& job = jobs.job[k];
 
   float scale = 1.0f;
   if constexpr (FMT == FMT_F16S) {
-    if (rescue && state[2 * kSlots + job.slot] == 0) return;  // uniform across the block
+    if (jobs.rescue) {
+      cupyffn::write_alphas(state, consts, jobs.alpha_mask);
+      if (state[2 * kSlots + job.slot] == 0) return;  // uniform across the block
+    }
     scale = ldexpf(1.0f, state[job.slot]);
   }
   float amax = 0.0f;
@@ -61,6 +72,9 @@ __global__ void __launch_bounds__(256) convert_kernel(const __grid_constant__ Co
     }
   }
   if constexpr (FMT == FMT_F16S) {
-    if (!rescue) cupyffn::warp_absmax_to(reinterpret_cast<unsigned int*>(state + kSlots + job.slot), amax);
+    if (!jobs.rescue) {
+      cupyffn::warp_absmax_to(reinterpret_cast<unsigned int*>(state + kSlots + job.slot), amax);
+      cupyffn::last_block_decides(state, jobs.counter, jobs.slot_mask);
+    }
   }
 }

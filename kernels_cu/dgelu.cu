@@ -1,6 +1,7 @@
 // grad_linear1 = grad_gelu * gelu'(linear1_out, tanh_inner), written straight into the operand
 // format of the two GEMMs that read it (grad_hidden = grad_linear1 @ weight1 and
 // grad_weight1 = grad_linear1^T @ hidden_states). One pass: three fp32 reads, one write.
+// FMT_F16S: gathering pass + rescue pass as in convert.cu.
 #include "common.cuh"
 
 struct DgeluJob {
@@ -18,14 +19,22 @@ struct DgeluJob {
   int pattern;
   int slot;
   int vec;                 // 1: cols % 8 == 0 and every row start is 16-byte aligned
+  int rescue;              // FMT_F16S: 0 gathering pass, 1 rescue pass
+  int counter;             // FMT_F16S: arrival counter of this launch
+  int alpha_mask;          // FMT_F16S: GEMM alphas the rescue pass writes
+  int unused;
 };
-static_assert(sizeof(DgeluJob) == 96, "DgeluJob layout is mirrored in cupyffn/_kernels.py");
+static_assert(sizeof(DgeluJob) == 112, "DgeluJob layout is mirrored in cupyffn/_kernels.py");
 
 template <int FMT>
-__global__ void __launch_bounds__(256) dgelu_kernel(const __grid_constant__ DgeluJob job, int* state, int rescue) {
+__global__ void __launch_bounds__(256) dgelu_kernel(const __grid_constant__ DgeluJob job, int* state,
+                                                    float* consts) {
   float scale = 1.0f;
   if constexpr (FMT == FMT_F16S) {
-    if (rescue && state[2 * kSlots + job.slot] == 0) return;  // uniform across the grid
+    if (job.rescue) {
+      cupyffn::write_alphas(state, consts, job.alpha_mask);
+      if (state[2 * kSlots + job.slot] == 0) return;  // uniform across the grid
+    }
     scale = ldexpf(1.0f, state[job.slot]);
   }
   float amax = 0.0f;
@@ -64,6 +73,9 @@ __global__ void __launch_bounds__(256) dgelu_kernel(const __grid_constant__ Dgel
     }
   }
   if constexpr (FMT == FMT_F16S) {
-    if (!rescue) cupyffn::warp_absmax_to(reinterpret_cast<unsigned int*>(state + kSlots + job.slot), amax);
+    if (!job.rescue) {
+      cupyffn::warp_absmax_to(reinterpret_cast<unsigned int*>(state + kSlots + job.slot), amax);
+      cupyffn::last_block_decides(state, job.counter, 1 << job.slot);
+    }
   }
 }

@@ -109,8 +109,9 @@ def test_side_stream_join_read_immediately():
     """grad_weight2 comes from the side stream; reading it on the caller's stream right away must see it."""
     args, inputs = make((8192,), 1536, 6144, seed=5)
     stream = cupy.cuda.Stream(non_blocking=True)
-    out = poisoned(args)
+    cupy.cuda.Device().synchronize()  # inputs were made on the legacy stream, which `stream` does not follow
     with stream:
+        out = poisoned(args)
         cupyffn.gelu_ffn_backward(*args, precision="ieee", out=out, stream=stream)
         snapshot = out[2].copy()  # enqueued behind the call, no host synchronization in between
     stream.synchronize()
@@ -190,6 +191,7 @@ def test_graph_replay_matches_eager(precision):
             new, _ = make((300,), 128, 512, seed=100 + step)
             for a, n in zip(args, new):
                 a[...] = n
+        cupy.cuda.Device().synchronize()  # made on the legacy stream, which `stream` does not follow
         with stream:
             for o in out_g:
                 o.fill(numpy.nan)
@@ -223,8 +225,8 @@ def test_plan_on_two_streams_and_threads():
                 stream = cupy.cuda.Stream(non_blocking=True)
                 args = jobs[i][0]
                 for _ in range(5):
-                    out = poisoned(args)
                     with stream:
+                        out = poisoned(args)
                         got = cupyffn.gelu_ffn_backward(*args, precision="bf16x3", out=out, stream=stream)
                     stream.synchronize()
                     for g, e in zip(got, expected[i]):

@@ -20,6 +20,7 @@ def test_torch_in_and_out_on_a_side_stream():
     torch = pytest.importorskip("torch")
     inputs = _inputs(1)
     ref64 = W.reference(inputs, xp=cupy)
+    cupy.cuda.Device().synchronize()  # inputs were made on CuPy's legacy stream
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         tensors = [torch.from_dlpack(inputs[n]).clone() for n in W.INPUT_NAMES]  # produced on `side`
