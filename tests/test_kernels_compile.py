@@ -1,0 +1,319 @@
+"""The CUDA C sources compile for sm_90 with NVRTC (no GPU needed), cleanly and without spills,
+and the Python mirrors of their structs and constants agree with them."""
+
+import ctypes
+import math
+import re
+from pathlib import Path
+
+import numpy
+import pytest
+
+from cupyffn import _kernels, _numpy_backend, _precision
+
+nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+pathfinder = pytest.importorskip("cuda.pathfinder")
+
+REPO = Path(__file__).resolve().parent.parent
+ARCH = "sm_90"
+
+
+def compile_options():
+    include = pathfinder.find_nvidia_header_directory("cudart")
+    assert include, "the CUDA runtime headers (cuda_bf16.h, cuda_fp16.h) were not found"
+    return [f"-arch={ARCH}", "-ftz=true", "-Xptxas=-v", "-I" + str(include)] + list(_kernels.NVRTC_OPTIONS)
+
+
+class Compiled:
+    def __init__(self, name):
+        self.name = name
+        self.filename, self.expressions = _kernels.MODULES[name]
+        self.source = _kernels.module_source(name)
+        prog = nvrtc.createProgram(self.source, self.filename, (), ())
+        try:
+            for e in self.expressions:
+                nvrtc.addNameExpression(prog, e)
+            self.error = None
+            try:
+                nvrtc.compileProgram(prog, compile_options())
+            except Exception as e:  # NVRTCError; the log says why
+                self.error = e
+            self.log = nvrtc.getProgramLog(prog)
+            self.lowered = {}
+            self.cubin_size = 0
+            if self.error is None:
+                self.lowered = {e: nvrtc.getLoweredName(prog, e) for e in self.expressions}
+                self.cubin_size = len(nvrtc.getCUBIN(prog))
+        finally:
+            nvrtc.destroyProgram(prog)
+
+
+_compiled = {}
+
+
+@pytest.fixture(params=sorted(_kernels.MODULES))
+def module(request):
+    name = request.param
+    if name not in _compiled:
+        _compiled[name] = Compiled(name)
+    return _compiled[name]
+
+
+def test_compiles_for_sm90(module):
+    assert module.error is None, f"{module.filename} failed to compile:\n{module.log}"
+    assert module.cubin_size > 1000  # a real cubin came back
+
+
+def test_no_warnings(module):
+    assert module.error is None, module.log
+    assert "warning" not in module.log.lower(), module.log
+
+
+def ptxas_functions(log):
+    """{function name: its 'N bytes stack frame, ...' line} from the ptxas -v report."""
+    report = {}
+    lines = log.splitlines()
+    for i, line in enumerate(lines):
+        m = re.search(r"Function properties for (\S+)", line)
+        if m:
+            assert i + 1 < len(lines), log
+            report[m.group(1)] = lines[i + 1].strip()
+    return report
+
+
+def test_no_stack_and_no_spills(module):
+    assert module.error is None, module.log
+    entries = re.findall(r"Compiling entry function '([^']+)' for '(\w+)'", module.log)
+    assert entries, f"no ptxas report in the log:\n{module.log}"
+    assert {arch for _, arch in entries} == {ARCH}
+    report = ptxas_functions(module.log)
+    assert set(report) >= {name for name, _ in entries}
+    for function, line in report.items():
+        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in line, (function, line)
+
+
+def test_every_name_expression_is_compiled(module):
+    assert module.error is None, module.log
+    entries = set(re.findall(r"Compiling entry function '([^']+)'", module.log))
+    for expression in module.expressions:
+        lowered = module.lowered[expression]
+        assert lowered, expression
+        assert lowered in entries, (expression, lowered, entries)
+    assert entries == set(module.lowered.values())  # and nothing else is a kernel
+
+
+def test_template_arguments_match_lowered_names(module):
+    for expression, lowered in module.lowered.items():
+        m = re.fullmatch(r"(\w+)<(\d+)>", expression)
+        if m:  # e.g. convert_kernel<2> -> _Z14convert_kernelILi2EE...
+            assert f"{len(m.group(1))}{m.group(1)}ILi{m.group(2)}E" in lowered, (expression, lowered)
+        else:  # extern "C": not mangled
+            assert lowered == expression
+
+
+def test_common_header_is_pasted_in(module):
+    # no directive left (the header's comments may mention it)
+    assert not re.search(r'^\s*#\s*include\s*"common\.cuh"', module.source, re.M)
+    assert not re.search(r"^\s*#\s*pragma\s+once", module.source, re.M)
+    assert len(re.findall(r'^\s*#\s*include\s*"common\.cuh"', (_kernels.kernel_dir() / module.filename).read_text(),
+                          re.M)) == 1
+    common = (_kernels.kernel_dir() / "common.cuh").read_text()
+    assert "namespace cupyffn" in common
+    assert "namespace cupyffn" in module.source
+    before, after = (_kernels.kernel_dir() / module.filename).read_text().split('#include "common.cuh"', 1)
+    assert module.source.startswith(before) and module.source.endswith(after)
+    for line in common.splitlines():  # every line of the header except #pragma once is there
+        if not re.match(r"\s*#\s*pragma\s+once", line):
+            assert line in module.source, line
+
+
+def test_every_source_is_a_module():
+    sources = {p.name for p in (REPO / "kernels_cu").glob("*.cu")}
+    listed = {filename for filename, _ in _kernels.MODULES.values()}
+    assert sources, "no .cu files found in kernels_cu/"
+    assert sources == listed, {"not in MODULES": sources - listed, "missing files": listed - sources}
+    assert (REPO / "kernels_cu" / "common.cuh").is_file()
+
+
+def test_kernel_dir_is_the_repository_folder_here():
+    """Run from a checkout, cupyffn finds the top-level kernels_cu/ (and these tests test the
+    checkout, not some installed copy: run `python -m pytest` from the repository root)."""
+    assert Path(_kernels.__file__).resolve().parent == REPO / "cupyffn", _kernels.__file__
+    assert _kernels.kernel_dir().resolve() == REPO / "kernels_cu"
+
+
+# ---------------------------------------------------------------------------------------------
+# ctypes mirrors and shared constants
+# ---------------------------------------------------------------------------------------------
+def all_sources():
+    """{file name: text} of every CUDA source and header in kernels_cu/."""
+    folder = REPO / "kernels_cu"
+    return {p.name: p.read_text() for p in sorted(folder.glob("*.cu")) + sorted(folder.glob("*.cuh"))}
+
+
+def define(source, name):
+    m = re.search(r"^\s*#define\s+" + name + r"\s+(\S+)", source, re.M)
+    return int(m.group(1)) if m else None
+
+
+def defines():
+    """Every integer #define of the sources (kMaxJobs, kSlots, FMT_*)."""
+    out = {}
+    for text in all_sources().values():
+        for name, value in re.findall(r"^\s*#define\s+(\w+)\s+(-?\d+)\s*$", text, re.M):
+            out[name] = int(value)
+    return out
+
+
+def mirrors():
+    """The ctypes structures of cupyffn._kernels that mirror a CUDA struct (by name)."""
+    found = {}
+    for name in dir(_kernels):
+        obj = getattr(_kernels, name)
+        if isinstance(obj, type) and issubclass(obj, ctypes.Structure) and obj is not ctypes.Structure:
+            found[name] = obj
+    return found
+
+
+def struct_source(struct):
+    hits = [f for f, text in all_sources().items() if re.search(r"\bstruct\s+" + struct + r"\s*\{", text)]
+    assert len(hits) == 1, f"struct {struct} is defined in {hits or 'no file'} of kernels_cu/"
+    return hits[0]
+
+
+def test_every_ctypes_structure_mirrors_a_cuda_struct():
+    names = set(mirrors())
+    assert {"ConvertJob", "ConvertJobs", "DgeluJob"} <= names, names
+    for name in names:
+        struct_source(name)
+
+
+def static_asserted_sizes():
+    """{struct: size} from `static_assert(sizeof(S) == EXPR, ...)`, EXPR evaluated with the #defines."""
+    consts = defines()
+    sizes = {}
+    for text in all_sources().values():
+        for struct, expr in re.findall(r"static_assert\(\s*sizeof\((\w+)\)\s*==\s*([^,]+),", text):
+            expr = re.sub(r"\b[A-Za-z_]\w*\b", lambda m: str(consts[m.group(0)]), expr)
+            assert re.fullmatch(r"[\d\s+*()-]+", expr), expr
+            sizes[struct] = eval(expr)  # only digits and arithmetic, checked above
+    return sizes
+
+
+def test_struct_sizes_match_static_asserts():
+    sizes = static_asserted_sizes()
+    for name, cls in mirrors().items():
+        assert name in sizes, f"struct {name} has no static_assert on its size in kernels_cu/"
+        assert ctypes.sizeof(cls) == sizes[name], (name, ctypes.sizeof(cls), sizes[name])
+
+
+def cuda_struct_members(source, struct):
+    """[(name, kind)] of `struct NAME { ... };` in CUDA source, kind in {'ptr', 'i64', 'i32', ('array', T, N)}."""
+    m = re.search(r"\bstruct\s+" + struct + r"\s*\{(.*?)\};", source, re.S)
+    assert m, f"struct {struct} not found"
+    body = re.sub(r"//[^\n]*", "", m.group(1))
+    body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
+    members = []
+    for decl in filter(None, (d.strip() for d in body.split(";"))):
+        d = re.fullmatch(r"(.*?)\b(\w+)\s*(?:\[(\w+)\])?", " ".join(decl.split()))
+        assert d, decl
+        ctype, name, count = d.group(1).strip(), d.group(2), d.group(3)
+        if "*" in ctype:
+            kind = "ptr"
+        elif re.fullmatch(r"(const )?long long", ctype):
+            kind = "i64"
+        elif re.fullmatch(r"(const )?int", ctype):
+            kind = "i32"
+        else:
+            kind = ctype
+        if count is not None:
+            kind = ("array", kind, count)
+        members.append((name, kind))
+    return members
+
+
+def ctypes_members(cls):
+    kinds = {ctypes.c_void_p: "ptr", ctypes.c_longlong: "i64", ctypes.c_int: "i32"}
+    members = []
+    for name, ftype in cls._fields_:
+        if issubclass(ftype, ctypes.Array):
+            kind = ("array", ftype._type_.__name__, ftype._length_)
+        else:
+            kind = kinds.get(ftype, ftype.__name__)
+        members.append((name, kind))
+    return members
+
+
+@pytest.mark.parametrize("struct", sorted(mirrors()))
+def test_struct_field_order_matches_cuda(struct):
+    source = all_sources()[struct_source(struct)]
+    cuda = cuda_struct_members(source, struct)
+    mirror = ctypes_members(getattr(_kernels, struct))
+    assert [n for n, _ in mirror] == [n for n, _ in cuda]
+    consts = defines()
+    for (name, ck), (_, pk) in zip(cuda, mirror):
+        if isinstance(ck, tuple):
+            count = ck[2]
+            ck = ("array", ck[1], int(count) if count.isdigit() else consts[count])
+        assert ck == pk, (struct, name, ck, pk)
+
+
+def test_shared_constants_match():
+    consts = defines()
+    for fmt in ("FMT_F32", "FMT_BF16", "FMT_BF16X3", "FMT_F16S"):
+        assert consts.get(fmt) == getattr(_precision, fmt), fmt
+    assert consts.get("kSlots") == _kernels.STATE_SLOTS
+    assert consts.get("kMaxJobs") == _kernels.MAX_JOBS
+    assert max(_precision.SLOT.values()) < _kernels.STATE_SLOTS
+    kernels = 0
+    for name, text in all_sources().items():
+        for bound in re.findall(r"__launch_bounds__\((\d+)\)", text):
+            assert int(bound) == _kernels.BLOCK, name
+            kernels += 1
+    assert kernels >= 2
+
+
+def test_every_precision_has_its_kernels():
+    """The engine launches dgelu_kernel<fmt> for every plan and convert_kernel<fmt> for the plans
+    that convert operands (planes > 0): those instantiations must be compiled."""
+    expressions = {e for _, exprs in _kernels.MODULES.values() for e in exprs}
+    for p in _precision.PRECISIONS.values():
+        assert f"dgelu_kernel<{p.fmt}>" in expressions, p.name
+        if p.planes:
+            assert f"convert_kernel<{p.fmt}>" in expressions, p.name
+
+
+def test_gemm_slot_pairs_match_the_gemms():
+    """kGemmSlots[g] (fp16 scale slots of the two operands of GEMM g): dY@W2, dY^T@G, dZ@W1, dZ^T@X."""
+    hits = [t for t in all_sources().values() if "kGemmSlots[4][2]" in t]
+    assert len(hits) == 1
+    m = re.search(r"kGemmSlots\[4\]\[2\]\s*=\s*\{(.*?)\};", hits[0], re.S)
+    assert m
+    pairs = [tuple(int(v) for v in p) for p in re.findall(r"\{\s*(\d+)\s*,\s*(\d+)\s*\}", m.group(1))]
+    S = _precision.SLOT
+    assert pairs == [(S["grad_output"], S["weight2"]), (S["grad_output"], S["gelu_out"]),
+                     (S["grad_linear1"], S["weight1"]), (S["grad_linear1"], S["hidden_states"])]
+
+
+def test_bf16x3_patterns_pair_hi_and_lo():
+    """Plane j of an A operand meets plane j of its B operand: the three products must be
+    hi*hi, hi*lo and lo*hi (lo*lo never formed), for every A/B pairing of the four GEMMs."""
+    P = _precision.PATTERN
+
+    def planes(pattern):
+        return ["lo" if (pattern >> j) & 1 else "hi" for j in range(3)]
+
+    for a, b in (("grad_output", "weight2"), ("grad_output", "gelu_out"), ("grad_linear1", "weight1"),
+                 ("grad_linear1", "hidden_states")):
+        products = sorted(x + "*" + y for x, y in zip(planes(P[a]), planes(P[b])))
+        assert products == ["hi*hi", "hi*lo", "lo*hi"], (a, b, products)
+
+
+def test_gelu_constants_match_python():
+    common = all_sources()["common.cuh"]
+    sqrt2pi = float(re.search(r"kSqrt2OverPi\s*=\s*([0-9.eE+-]+)f", common).group(1))
+    cubic = float(re.search(r"kCubicCoeff\s*=\s*([0-9.eE+-]+)f", common).group(1))
+    assert abs(sqrt2pi - math.sqrt(2 / math.pi)) < 1e-15
+    assert abs(cubic - 3 * 0.044715) < 1e-15
+    assert _numpy_backend._SQRT_2_OVER_PI == numpy.float32(sqrt2pi)
+    assert _numpy_backend._CUBIC_COEFF == numpy.float32(cubic)
