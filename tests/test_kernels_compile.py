@@ -3,6 +3,7 @@ and the Python mirrors of their structs and constants agree with them."""
 
 import ctypes
 import math
+import os
 import re
 from pathlib import Path
 
@@ -12,16 +13,31 @@ import pytest
 from cupyffn import _kernels, _numpy_backend, _precision
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
-pathfinder = pytest.importorskip("cuda.pathfinder")
 
 REPO = Path(__file__).resolve().parent.parent
 ARCH = "sm_90"
 
 
+def cuda_include_dir():
+    """Folder with cuda_fp16.h / cuda_bf16.h: the pip CUDA runtime headers (cupy-cuda12x[ctk]), else
+    a system toolkit (CUDA_PATH, /usr/local/cuda) as on a GPU machine without the pip headers."""
+    try:
+        from cuda import pathfinder
+
+        found = pathfinder.find_nvidia_header_directory("cudart")
+        if found:
+            return str(found)
+    except ImportError:
+        pass
+    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root and (Path(root) / "include" / "cuda_fp16.h").is_file():
+            return str(Path(root) / "include")
+    raise AssertionError("the CUDA headers (cuda_fp16.h, cuda_bf16.h) were found neither by cuda.pathfinder "
+                         "nor under CUDA_PATH, CUDA_HOME or /usr/local/cuda")
+
+
 def compile_options():
-    include = pathfinder.find_nvidia_header_directory("cudart")
-    assert include, "the CUDA runtime headers (cuda_bf16.h, cuda_fp16.h) were not found"
-    return [f"-arch={ARCH}", "-ftz=true", "-Xptxas=-v", "-I" + str(include)] + list(_kernels.NVRTC_OPTIONS)
+    return [f"-arch={ARCH}", "-ftz=true", "-Xptxas=-v", "-I" + cuda_include_dir()] + list(_kernels.NVRTC_OPTIONS)
 
 
 class Compiled:
