@@ -479,9 +479,28 @@ def run_loop(args, cupy):
         rows.append(row)
         del impls, inputs, args2d
         cupy.get_default_memory_pool().free_all_blocks()
+    print_loop_summary(rows)
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "git_commit": git_commit(), "command": " ".join(["python", "bench.py"] + sys.argv[1:]),
             "calls_per_measurement": n, "workloads": rows}
+
+
+def print_loop_summary(rows):
+    """Where we stand against the host-overhead targets of issue 4."""
+    def worst(name, key):
+        values = [r["results"][name][key] for r in rows if name in r["results"]]
+        return max(values) if values else float("nan")
+
+    print("\n# Loop targets (issue 4): worst over workloads")
+    for p in cupyffn.PRECISIONS:
+        g, e = worst(f"cupyffn-{p}-graph", "host_us"), worst(f"cupyffn-{p}", "host_us")
+        print(f"cupyffn-{p}: host us/call with graph {g:.1f} (target <= 15) {'MET' if g <= 15 else 'missed'}; "
+              f"without {e:.1f} (target <= 60) {'MET' if e <= 60 else 'missed'}")
+    small = [r for r in rows if r["tokens"] == 256]
+    for r in small:
+        for name in ("cupyffn-bf16x3", "cupyffn-bf16x3-graph"):
+            ratio = r["results"][name]["wall_over_gpu"]
+            print(f"{r['label']} {name}: wall / GPU span {ratio:.2f} (target <= 1.15) {'MET' if ratio <= 1.15 else 'missed'}")
 
 
 # ---------------------------------------------------------------------------------------- CPU side

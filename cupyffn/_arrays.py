@@ -4,7 +4,7 @@ Everything here is about what an argument *is* (backend, device, memory span, 2-
 what it must be is decided in _validate.py.
 """
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy
 
@@ -81,9 +81,8 @@ def data_ptr(array):
 
 
 class Matrix(NamedTuple):
-    """A [rows, cols] row-major float32 view of an argument: element (r, c) is at ptr + 4 * (r * ld + c)."""
+    """Geometry of a [rows, cols] row-major float32 view: element (r, c) is at ptr + 4 * (r * ld + c)."""
 
-    array: Any  # the (imported) array; keeps the memory alive
     ptr: int
     rows: int
     cols: int
@@ -96,13 +95,14 @@ class Matrix(NamedTuple):
             return (self.ptr, self.ptr)
         return (self.ptr, self.ptr + 4 * ((self.rows - 1) * self.ld + self.cols))
 
-    def view2d(self):
-        """The same memory as a 2-D array of the array's own library (no copy)."""
-        if isinstance(self.array, numpy.ndarray):
-            strided = numpy.lib.stride_tricks.as_strided
-        else:
-            strided = _cupy().lib.stride_tricks.as_strided
-        return strided(self.array, (self.rows, self.cols), (4 * self.ld, 4))
+
+def view2d(array, m):
+    """`array`'s memory as the 2-D [m.rows, m.cols] array (row stride m.ld) that `m` describes; no copy."""
+    if isinstance(array, numpy.ndarray):
+        strided = numpy.lib.stride_tricks.as_strided
+    else:
+        strided = _cupy().lib.stride_tricks.as_strided
+    return strided(array, (m.rows, m.cols), (4 * m.ld, 4))
 
 
 def row_stride(shape, strides, itemsize):

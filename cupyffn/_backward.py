@@ -85,6 +85,9 @@ class GeluFFNBackward:
         self._engine = None
         self._graphs = collections.OrderedDict()
         self._owned_out = None
+        self._last = None  # (signature, validated call) of the last call (see _validate.signature)
+        self._io = None  # pointers the engine's launches were last set to
+        self._closed = False
         self._capture_stream = None
         self._lock = threading.Lock()
         if self.device != "cpu":
@@ -113,7 +116,31 @@ class GeluFFNBackward:
                  out=None, stream=None, accumulate=False):
         """Run the backward; returns FFNGrads. See ``cupyffn.gelu_ffn_backward`` for the arguments."""
         args = (grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out)
-        call = _validate.prepare(args, out, stream, self.need_grad_hidden, self.need_weight_grads, accumulate)
+        sig = _validate.signature(args, out, accumulate) if self._engine is not None else None
+        return self._run(args, out, stream, accumulate, sig)
+
+    def _run(self, args, out, stream, accumulate, sig, call=None):
+        """Validate (or reuse the validation of an identical earlier call) and execute.
+
+        `sig`: _validate.signature of the arrays, or None; `call`: an already prepared Call, or None.
+        """
+        if call is None:
+            last = self._last  # (signature, validated call); one read, so threads see a consistent pair
+            if sig is not None and last is not None and last[0] == sig:
+                if stream is not None and not hasattr(stream, "ptr"):
+                    raise TypeError(f"stream must be a cupy.cuda.Stream (or ExternalStream) or None; "
+                                    f"got {type(stream).__name__}")
+                call = _validate.reuse(last[1], args, out)
+            else:
+                call = _validate.prepare(args, out, stream, self.need_grad_hidden, self.need_weight_grads, accumulate)
+                self._check_call(call)
+                if sig is not None:
+                    self._last = (sig, call._replace(arrays=None, out_arrays=None))
+        elif sig is not None:
+            self._last = (sig, call._replace(arrays=None, out_arrays=None))
+        return self._execute(call, stream, accumulate)
+
+    def _check_call(self, call):
         expected = (self.tokens, self.dim, self.hidden_dim)
         if (call.tokens, call.dim, call.hidden_dim) != expected:
             raise ValueError(f"this plan is for (tokens, dim, hidden_dim) = {expected}; the arrays give "
@@ -121,21 +148,20 @@ class GeluFFNBackward:
         if call.device != self.device:
             where = "the CPU" if call.device == "cpu" else f"cuda:{call.device}"
             raise ValueError(f"this plan is for device {self.device!r}; the arrays are on {where}")
-        return self._execute(call, out, stream, accumulate)
 
-    def _execute(self, call, out, stream, accumulate):
+    def _execute(self, call, stream, accumulate):
         if self._engine is None:
-            return _run_cpu(call, out, self.precision, self.need_grad_hidden, self.need_weight_grads, accumulate)
-        return self._run_gpu(call, out, stream, accumulate)
+            return _run_cpu(call, self.precision, self.need_grad_hidden, self.need_weight_grads, accumulate)
+        return self._run_gpu(call, stream, accumulate)
 
-    def _run_gpu(self, call, out, stream, accumulate):
+    def _run_gpu(self, call, stream, accumulate):
         import cupy
 
         engine = self._engine
         with cupy.cuda.Device(self.device):
             s = stream if stream is not None else cupy.cuda.get_current_stream()
             with self._lock:
-                results, pointers = self._outputs(call, out, s)
+                results, pointers = self._outputs(call, s)
                 if self.tokens == 0:
                     with s:
                         for r, needed in zip(results[1:], (self.need_weight_grads,) * 2):
@@ -143,25 +169,27 @@ class GeluFFNBackward:
                                 _as_cupy(r).fill(0)
                     return FFNGrads(*results)
                 engine.order_after_previous(s.ptr)
-                engine.set_io(call.inputs, pointers, accumulate)
+                io = (call.inputs, tuple(pointers), bool(accumulate))
+                if io != self._io:
+                    engine.set_io(call.inputs, pointers, accumulate)
+                    self._io = io
                 try:
                     if self.graph:
-                        self._replay_or_capture(call, pointers, accumulate, s)
+                        self._replay_or_capture(io, s)
                     else:
                         engine.enqueue(s.ptr)
                 except BaseException:
-                    _poison([m for m in call.out if m is not None], s)
+                    _poison(call, s)
                     raise
                 engine.record_done(s.ptr)
         return FFNGrads(*results)
 
-    def _outputs(self, call, out, stream):
+    def _outputs(self, call, stream):
         """(results to return, device pointers to write): the caller's out= arrays, else new (or plan-owned) ones."""
         import cupy
 
-        shapes = (tuple(call.inputs[1].array.shape), (self.hidden_dim, self.dim), (self.dim, self.hidden_dim))
+        shapes = (call.lead_shape + (self.dim,), (self.hidden_dim, self.dim), (self.dim, self.hidden_dim))
         needed = (self.need_grad_hidden, self.need_weight_grads, self.need_weight_grads)
-        given = out if out is not None else (None, None, None)
         if self.graph and self._owned_out is None:
             self._owned_out = [None, None, None]
         results, pointers = [], []
@@ -169,11 +197,11 @@ class GeluFFNBackward:
             if not need:
                 results.append(None)
                 pointers.append(0)
-            elif given[i] is not None:
-                results.append(given[i])
+            elif call.out[i] is not None:
+                results.append(call.out_arrays[i])
                 pointers.append(call.out[i].ptr)
             else:
-                if self.graph and self._owned_out[i] is not None and self._owned_out[i].shape == shape:
+                if self.graph and self._owned_out[i] is not None:
                     array = self._owned_out[i]
                 else:
                     array = _allocate(cupy, shape, stream)
@@ -183,8 +211,7 @@ class GeluFFNBackward:
                 pointers.append(array.data.ptr)
         return results, pointers
 
-    def _replay_or_capture(self, call, pointers, accumulate, stream):
-        key = (tuple((m.ptr, m.ld) for m in call.inputs), tuple(pointers), bool(accumulate))
+    def _replay_or_capture(self, key, stream):
         graph = self._graphs.get(key)
         if graph is not None:
             self._graphs.move_to_end(key)
@@ -210,7 +237,11 @@ class GeluFFNBackward:
             self._graphs.popitem(last=False)
 
     def close(self):
-        """Give back device memory and cuBLAS handles now (also done when the plan is collected)."""
+        """Give back device memory and cuBLAS handles now (also done when the plan is collected).
+
+        Waits for the plan's last call to finish on the device first, so nothing it still uses is reused.
+        """
+        self._closed = True
         self._graphs.clear()
         self._owned_out = None
         if self._engine is not None:
@@ -238,52 +269,52 @@ def _as_cupy(array):
     return array if isinstance(array, cupy.ndarray) else cupy.from_dlpack(array)
 
 
-def _poison(matrices, stream):
+def _poison(call, stream):
     """After a failure mid-call, fill the caller's out= arrays with NaN so no stale or partial value passes."""
     try:
         with stream:
-            for m in matrices:
-                m.view2d().fill(numpy.nan)
+            for array, m in zip(call.out_arrays, call.out):
+                if m is not None:
+                    _arrays.view2d(array, m).fill(numpy.nan)
     except Exception:
         pass  # the device itself may be unusable; the original error is what matters
 
 
-def _run_cpu(call, out, precision, need_grad_hidden, need_weight_grads, accumulate):
-    shapes = (tuple(call.inputs[1].array.shape), (call.hidden_dim, call.dim), (call.dim, call.hidden_dim))
+def _run_cpu(call, precision, need_grad_hidden, need_weight_grads, accumulate):
+    shapes = (call.lead_shape + (call.dim,), (call.hidden_dim, call.dim), (call.dim, call.hidden_dim))
     needed = (need_grad_hidden, need_weight_grads, need_weight_grads)
-    given = out if out is not None else (None, None, None)
     results, views = [], []
     for i, (shape, need) in enumerate(zip(shapes, needed)):
         if not need:
             results.append(None)
             views.append(None)
-            continue
-        if given[i] is not None:
-            results.append(given[i])
-            views.append(call.out[i].view2d())
+        elif call.out[i] is not None:
+            results.append(call.out_arrays[i])
+            views.append(_arrays.view2d(call.out_arrays[i], call.out[i]))
         else:
             array = numpy.empty(shape, dtype=numpy.float32)
             results.append(array)
-            views.append(_arrays.Matrix(array, _arrays.data_ptr(array), *_rows_cols(shape)).view2d())
+            views.append(array.reshape(-1, shape[-1]))
     if call.tokens == 0:
         for v, need in zip(views[1:], needed[1:]):
             if need and not accumulate:
                 v[...] = 0
         return FFNGrads(*results)
-    _numpy_backend.backward(call, precision, need_grad_hidden, need_weight_grads, accumulate, views)
+    try:
+        _numpy_backend.backward(call, precision, need_grad_hidden, need_weight_grads, accumulate, views)
+    except BaseException:
+        for v, m in zip(views, call.out):
+            if m is not None:
+                v[...] = numpy.nan  # as on the GPU: never leave partial results in the caller's arrays
+        raise
     return FFNGrads(*results)
-
-
-def _rows_cols(shape):
-    cols = shape[-1]
-    rows = int(numpy.prod(shape[:-1], dtype=numpy.int64))
-    return rows, cols, cols
 
 
 # ---------------------------------------------------------------------- functional API
 _CACHE_SIZE = 4
 _cache = collections.OrderedDict()
 _cache_lock = threading.Lock()
+_recent = {}  # (signature, precision, flags, stream) -> plan: skips shape-based lookup for repeated arrays
 
 
 def clear_cache():
@@ -291,6 +322,7 @@ def clear_cache():
     with _cache_lock:
         plans = list(_cache.values())
         _cache.clear()
+        _recent.clear()
     for plan in plans:
         plan.close()
 
@@ -360,12 +392,25 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
     """
     prec = _precision.lookup(precision)
     args = (grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out)
+    sig = _validate.signature(args, out, accumulate)
+    if sig is not None:  # CuPy arrays: the plan (and its validated call) may be known already
+        import cupy
+
+        stream_ptr = stream.ptr if stream is not None and hasattr(stream, "ptr") else cupy.cuda.get_current_stream().ptr
+        key = (sig, prec.name, need_grad_hidden, need_weight_grads, stream_ptr)
+        plan = _recent.get(key)
+        if plan is not None and not plan._closed:
+            return plan._run(args, out, stream, accumulate, sig)
     call = _validate.prepare(args, out, stream, need_grad_hidden, need_weight_grads, accumulate)
     if call.backend == "cpu":
-        return _run_cpu(call, out, prec, need_grad_hidden, need_weight_grads, accumulate)
+        return _run_cpu(call, prec, need_grad_hidden, need_weight_grads, accumulate)
     import cupy
 
     with cupy.cuda.Device(call.device):
         stream_ptr = (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
     plan = _cached_plan(call, prec, stream_ptr, need_grad_hidden, need_weight_grads)
-    return plan._execute(call, out, stream, accumulate)
+    if sig is not None:
+        if len(_recent) >= 4 * _CACHE_SIZE:
+            _recent.clear()
+        _recent[(sig, prec.name, need_grad_hidden, need_weight_grads, stream_ptr)] = plan
+    return plan._run(args, out, stream, accumulate, sig, call)

@@ -119,17 +119,11 @@ class Handle:
         check(lib.cublasSetPointerMode_v2(self.ptr, POINTER_MODE_DEVICE), "cublasSetPointerMode")
         check(lib.cublasSetMathMode(self.ptr, DEFAULT_MATH), "cublasSetMathMode")
         self.stream_ptr = None
-        self.fence_event = None  # set when released: the last work that used the workspace
 
     def bind(self, stream_ptr):
         """Route this handle's work to `stream_ptr`. cublasSetStream resets the workspace, so set it again."""
         if stream_ptr == self.stream_ptr:
             return
-        if self.fence_event is not None:
-            from cupy_backends.cuda.api import runtime
-
-            runtime.streamWaitEvent(stream_ptr, self.fence_event.ptr, 0)
-            self.fence_event = None
         lib = library()
         check(lib.cublasSetStream_v2(self.ptr, stream_ptr), "cublasSetStream")
         check(lib.cublasSetWorkspace_v2(self.ptr, self.workspace.ptr, WORKSPACE_BYTES), "cublasSetWorkspace")
@@ -155,7 +149,7 @@ def acquire(device_id):
 
 
 def release(handle):
-    """Return `handle` to the pool. The caller must have ordered any later stream after its work."""
+    """Return `handle` to the pool. Its last work must have finished (GpuEngine.close waits for it)."""
     with _pool_lock:
         _pool.setdefault(handle.device_id, []).append(handle)
 

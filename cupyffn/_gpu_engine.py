@@ -73,7 +73,6 @@ class GpuEngine:
             (self._ev_start, self._ev_a, self._ev_b, self._ev_d, self._ev_side,
              self._ev_done) = (cupy.cuda.Event(disable_timing=True) for _ in range(6))
             self._last_stream_ptr = None
-            self._other_stream_used = False
             self._main = _cublas.acquire(device_id)
             self._handles.append(self._main)
             if need_weight_grads:
@@ -395,8 +394,6 @@ class GpuEngine:
 
         if self._last_stream_ptr is not None and stream_ptr != self._last_stream_ptr:
             runtime.streamWaitEvent(stream_ptr, self._ev_done.ptr, 0)
-        if stream_ptr != self._alloc_stream_ptr:
-            self._other_stream_used = True
         self._last_stream_ptr = stream_ptr
 
     def record_done(self, stream_ptr):
@@ -414,20 +411,20 @@ class GpuEngine:
         return out
 
     def close(self):
-        """Release handles and scratch. Later work on the allocating stream is ordered after our last call."""
+        """Wait for this engine's last call, then give back its scratch and cuBLAS handles.
+
+        Waiting (rather than passing an event on to whoever reuses the handles and memory) keeps the
+        ordering local; a plan is closed when it is evicted or collected, by then its work is done.
+        """
         if self._closed:
             return
         self._closed = True
         try:
             from cupy_backends.cuda.api import runtime
 
-            if self._last_stream_ptr is not None:
-                if self._other_stream_used:
-                    runtime.streamWaitEvent(self._alloc_stream_ptr, self._ev_done.ptr, 0)
-                for h in self._handles:
-                    h.fence_event = self._ev_done
+            runtime.eventSynchronize(self._ev_done.ptr)
+        finally:
             for h in self._handles:
                 _cublas.release(h)
-        finally:
             self._handles = []
             self._scratch = None

@@ -7,7 +7,7 @@ a machine without a GPU. Rounding is done on float32 bit patterns (round to near
 
 import numpy
 
-from . import _precision
+from . import _arrays, _precision
 
 _SQRT_2_OVER_PI = numpy.float32(0.7978845608028654)
 _CUBIC_COEFF = numpy.float32(0.134145)  # 3 * 0.044715
@@ -85,7 +85,7 @@ def _matmul(a, b, precision):
 
 def backward(call, precision, need_grad_hidden, need_weight_grads, accumulate, outputs):
     """Compute the gradients of `call` (a _validate.Call on NumPy arrays) into `outputs` (2-D views)."""
-    dy, x, w1, w2, l1, t, g = (m.view2d() for m in call.inputs)
+    dy, x, w1, w2, l1, t, g = (_arrays.view2d(a, m) for a, m in zip(call.arrays, call.inputs))
     grad_hidden, grad_w1, grad_w2 = outputs
     with numpy.errstate(all="ignore"):
         grad_gelu = _matmul(dy, w2, precision)

@@ -65,6 +65,8 @@ DEFAULT = "bf16x3"
 
 def lookup(precision):
     """The Precision named `precision`, or a ValueError that lists the valid names."""
+    if isinstance(precision, Precision) and PRECISIONS.get(precision.name) == precision:
+        return precision
     try:
         return PRECISIONS[precision]
     except (KeyError, TypeError):

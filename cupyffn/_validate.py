@@ -3,8 +3,13 @@
 `prepare()` turns the seven inputs (and `out`) into a `Call`: the backend, device, sizes and 2-D
 row-strided views the engines work on. Nothing is written and nothing is launched here, so a bad
 call leaves every array untouched.
+
+Repeated calls with the same arrays are common (training loops, CUDA graphs), so a validated call
+is remembered by its `signature` (pointer, shape, strides and dtype of every CuPy array): a call
+with an equal signature has the same validation outcome and reuses the geometry (`reuse`).
 """
 
+import math
 from typing import Any, NamedTuple, Optional, Tuple
 
 import numpy
@@ -22,36 +27,68 @@ class Call(NamedTuple):
     dim: int                     # D
     hidden_dim: int              # H
     lead_shape: Tuple[int, ...]  # leading dimensions of the activations
-    inputs: Tuple[_arrays.Matrix, ...]           # in INPUT_NAMES order
+    inputs: Tuple[_arrays.Matrix, ...]           # geometry, in INPUT_NAMES order
     out: Tuple[Optional[_arrays.Matrix], ...]    # in OUTPUT_NAMES order; None where not given
-
-
-def _name_of(array):
-    return type(array).__module__.split(".")[0] + "." + type(array).__name__
+    arrays: Tuple[Any, ...]                      # the (imported) input arrays
+    out_arrays: Tuple[Any, ...]                  # the (imported) out= arrays, or None entries
 
 
 def _matrix(array, name):
-    """2-D row-strided view of `array` ([..., C] -> [prod(...), C]) or a ValueError saying why not."""
-    shape = tuple(array.shape)
-    itemsize = array.dtype.itemsize
-    rows = int(numpy.prod(shape[:-1], dtype=numpy.int64))
+    """Geometry of `array` seen as [prod(leading dims), last dim], or a ValueError saying why it cannot be."""
+    shape = array.shape
     cols = shape[-1]
+    rows = math.prod(shape[:-1])
     if rows == 0 or cols == 0:
         ld = cols
     else:
-        ld = _arrays.row_stride(shape, tuple(array.strides), itemsize)
+        ld = _arrays.row_stride(shape, array.strides, 4)
         if ld is None:
             raise ValueError(
-                f"{name} has strides {tuple(array.strides)} (bytes) for shape {shape}: cupyffn reads arrays "
+                f"{name} has strides {tuple(array.strides)} (bytes) for shape {tuple(shape)}: cupyffn reads arrays "
                 f"whose last dimension is contiguous and whose leading dimensions flatten to one row stride "
                 f"(any C-contiguous array, or a slice of rows or columns of one). Pass "
                 f"ascontiguousarray({name}) instead")
-    return _arrays.Matrix(array, _arrays.data_ptr(array), rows, cols, ld)
+    return _arrays.Matrix(_arrays.data_ptr(array), rows, cols, ld)
 
 
 def _overlaps(a, b):
     (a0, a1), (b0, b1) = a.span, b.span
     return a0 < b1 and b0 < a1
+
+
+_cupy_ndarray = None
+
+
+def signature(args, out, accumulate):
+    """Identity of a call's arrays, or None when any is not a CuPy array (those always take prepare())."""
+    global _cupy_ndarray
+    if _cupy_ndarray is None:
+        import cupy
+
+        _cupy_ndarray = cupy.ndarray
+    nd = _cupy_ndarray
+    sig = [accumulate]
+    for a in args:
+        if type(a) is not nd:
+            return None
+        sig.append((a.data.ptr, a.shape, a.strides, a.dtype))
+    if out is not None:
+        if not isinstance(out, (tuple, list)):
+            return None
+        for a in out:
+            if a is None:
+                sig.append(None)
+            elif type(a) is nd:
+                sig.append((a.data.ptr, a.shape, a.strides, a.dtype))
+            else:
+                return None
+        sig.append(len(out))
+    return tuple(sig)
+
+
+def reuse(call, args, out):
+    """The validated `call` for new arrays with the same signature (same memory, shapes and strides)."""
+    return call._replace(arrays=tuple(args), out_arrays=tuple(out) if out is not None else (None, None, None))
 
 
 def prepare(args, out=None, stream=None, need_grad_hidden=True, need_weight_grads=True, accumulate=False):
@@ -105,35 +142,34 @@ def prepare(args, out=None, stream=None, need_grad_hidden=True, need_weight_grad
                              f"got {tuple(a.shape)}")
 
     inputs = tuple(_matrix(a, n) for a, n in zip(arrays, INPUT_NAMES))
-    outs = _prepare_out(out, backend, devices[0], stream, inputs, grad_output.shape,
-                        need_grad_hidden, need_weight_grads, accumulate)
+    outs, out_arrays = _prepare_out(out, backend, devices[0], stream, inputs, arrays,
+                                    need_grad_hidden, need_weight_grads, accumulate)
     tokens = inputs[0].rows
-    return Call(backend, devices[0], tokens, dim, hidden_dim, lead, inputs, outs)
+    return Call(backend, devices[0], tokens, dim, hidden_dim, lead, inputs, outs, tuple(arrays), out_arrays)
 
 
-def _prepare_out(out, backend, device, stream, inputs, grad_hidden_shape, need_grad_hidden,
-                 need_weight_grads, accumulate):
+def _prepare_out(out, backend, device, stream, inputs, arrays, need_grad_hidden, need_weight_grads, accumulate):
     if out is None:
-        if accumulate:
+        if accumulate and need_weight_grads:
             raise ValueError("accumulate=True adds into existing gradients: pass "
                              "out=(grad_hidden_states or None, grad_weight1, grad_weight2)")
-        return (None, None, None)
+        return (None, None, None), (None, None, None)
     if not isinstance(out, (tuple, list)) or len(out) != 3:
         raise TypeError("out must be a sequence of three arrays (grad_hidden_states, grad_weight1, grad_weight2); "
                         "an entry may be None to have cupyffn allocate it")
-    expected = {"grad_hidden_states": tuple(grad_hidden_shape), "grad_weight1": tuple(inputs[2].array.shape),
-                "grad_weight2": tuple(inputs[3].array.shape)}
-    needed = {"grad_hidden_states": need_grad_hidden, "grad_weight1": need_weight_grads,
-              "grad_weight2": need_weight_grads}
-    result = []
-    for obj, name in zip(out, OUTPUT_NAMES):
-        label = f"out[{OUTPUT_NAMES.index(name)}] ({name})"
+    expected = (tuple(arrays[1].shape), tuple(arrays[2].shape), tuple(arrays[3].shape))
+    needed = (need_grad_hidden, need_weight_grads, need_weight_grads)
+    spans = [m.span for m in inputs]
+    result, imported_out = [], []
+    for i, (obj, name) in enumerate(zip(out, OUTPUT_NAMES)):
+        label = f"out[{i}] ({name})"
         if obj is None:
-            if accumulate and name != "grad_hidden_states" and needed[name]:
+            if accumulate and i > 0 and needed[i]:
                 raise ValueError(f"accumulate=True needs {label}: the gradient to add into")
             result.append(None)
+            imported_out.append(None)
             continue
-        if not needed[name]:
+        if not needed[i]:
             raise ValueError(f"{label} was given but is not computed (need_grad_hidden / need_weight_grads is False)")
         b, a = _arrays.import_array(obj, label, stream)
         if b != backend:
@@ -144,16 +180,20 @@ def _prepare_out(out, backend, device, stream, inputs, grad_hidden_shape, need_g
             raise ValueError(f"{label} is on cuda:{_arrays.device_of(a)} but the inputs are on cuda:{device}")
         if a.dtype != numpy.float32:
             raise TypeError(f"{label} must be float32; got {a.dtype}")
-        if tuple(a.shape) != expected[name]:
-            raise ValueError(f"{label} must have shape {expected[name]}; got {tuple(a.shape)}")
+        if tuple(a.shape) != expected[i]:
+            raise ValueError(f"{label} must have shape {expected[i]}; got {tuple(a.shape)}")
         if not a.flags.c_contiguous:
             raise ValueError(f"{label} must be C-contiguous; got strides {tuple(a.strides)} for shape {tuple(a.shape)}")
+        if not getattr(a.flags, "writeable", True):
+            raise ValueError(f"{label} is read-only")
         m = _matrix(a, label)
-        for inp, iname in zip(inputs, INPUT_NAMES):
-            if _overlaps(m, inp):
+        (m0, m1) = m.span
+        for (s0, s1), iname in zip(spans, INPUT_NAMES):
+            if m0 < s1 and s0 < m1:
                 raise ValueError(f"{label} overlaps the memory of {iname}: outputs may not alias inputs")
-        for prev, pname in zip(result, OUTPUT_NAMES):
+        for j, prev in enumerate(result):
             if prev is not None and _overlaps(m, prev):
-                raise ValueError(f"{label} overlaps out[{OUTPUT_NAMES.index(pname)}] ({pname})")
+                raise ValueError(f"{label} overlaps out[{j}] ({OUTPUT_NAMES[j]})")
         result.append(m)
-    return tuple(result)
+        imported_out.append(a)
+    return tuple(result), tuple(imported_out)

@@ -78,25 +78,37 @@ __device__ __forceinline__ void warp_absmax_to(unsigned int* dst, float m) {
 
 // GEMM g multiplies the tensors in slots kGemmSlots[g][0] and kGemmSlots[g][1] (cupyffn/_precision.py SLOT).
 __device__ const int kGemmSlots[4][2] = {{0, 1}, {0, 2}, {5, 4}, {5, 3}};
+// The GEMM partners whose exponents are final when slot s is decided: weight2 and gelu_out are
+// decided after grad_output, grad_linear1 after weight1 and hidden_states.
+__device__ const int kPartners[kSlots] = {0, 1 << 0, 1 << 0, 0, 0, (1 << 3) | (1 << 4), 0, 0};
 
 // Check slot s's exponent against the maximum just gathered: the scaled maximum must lie in
 // [2^8, 2^15) (no overflow, and 2^22 of headroom above fp16's smallest normal). If it does not,
 // move the exponent so the maximum lands in [2^13, 2^14) and flag the slot for the rescue pass.
+// The exponent is also capped so that e + e_partner <= 126 for every GEMM partner: the alpha
+// 2^-(e + e_partner) then stays a normal float (a denormal alpha may be flushed to zero). The cap
+// only bites when the product of the two tensors' maxima is below 2^-98, near fp32's own underflow.
 __device__ __forceinline__ void f16_decide_slot(int* state, int s) {
   volatile int* exponent = state;
   const float amax = __uint_as_float(atomicExch(reinterpret_cast<unsigned int*>(state + kSlots + s), 0u));
+  int cap = 127;
+  for (int p = 0; p < kSlots; ++p) {
+    if ((kPartners[s] >> p) & 1) cap = min(cap, 126 - exponent[p]);
+  }
   int flag = 0;
+  const int e = exponent[s];
   if (amax > 0.0f) {
     int k;
     frexpf(amax, &k);  // amax < 2^k <= 2 * amax
-    const int e = exponent[s];
-    if (k + e < 9 || k + e > 15) {
-      const int moved = min(max(14 - k, -126), 127);
-      if (moved != e) {
-        exponent[s] = moved;
+    const int wanted = max(min(14 - k, cap), -126);
+    if (k + e < 9 || k + e > 15 || e > cap) {
+      if (wanted != e) {
+        exponent[s] = wanted;
         flag = 1;
       }
     }
+  } else if (e > cap) {
+    exponent[s] = cap;  // all zero (or non-finite): any exponent converts it exactly; keep alphas normal
   }
   state[2 * kSlots + s] = flag;
 }
@@ -121,7 +133,8 @@ __device__ __forceinline__ void write_alphas(const int* state, float* consts, in
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
   for (int g = 0; g < 4; ++g) {
     if ((alpha_mask >> g) & 1) {
-      consts[2 + g] = ldexpf(1.0f, -(state[kGemmSlots[g][0]] + state[kGemmSlots[g][1]]));
+      const int sum = state[kGemmSlots[g][0]] + state[kGemmSlots[g][1]];
+      consts[2 + g] = ldexpf(1.0f, -min(max(sum, -127), 126));  // a normal float, never 0 or inf
     }
   }
 }
