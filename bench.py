@@ -459,16 +459,23 @@ def run_loop(args, cupy):
                         b.record(stream)
                         stream.synchronize()
                         spans.append(cupy.cuda.get_elapsed_time(a, b) * 1e3)
+                    issue = []  # host time to issue one call, with the launch queue drained first
+                    for _ in range(20):
+                        stream.synchronize()
+                        a = time.perf_counter()
+                        run()
+                        issue.append(time.perf_counter() - a)
+                    stream.synchronize()
                     t0 = time.perf_counter()
                     for _ in range(n):
                         run()
-                    t1 = time.perf_counter()
                     stream.synchronize()
                     t2 = time.perf_counter()
                 finally:
                     if tctx:
                         tctx.__exit__(None, None, None)
-            res = {"host_us": (t1 - t0) / n * 1e6, "wall_us": (t2 - t0) / n * 1e6, "gpu_us": statistics.median(spans)}
+            res = {"host_us": statistics.median(issue) * 1e6, "wall_us": (t2 - t0) / n * 1e6,
+                   "gpu_us": statistics.median(spans)}
             res["wall_over_gpu"] = res["wall_us"] / res["gpu_us"]
             row["results"][name] = res
             print(f"{w.label:12s} {name:26s} {res['host_us']:12.1f} {res['wall_us']:12.1f} {res['gpu_us']:12.1f} "
@@ -480,9 +487,53 @@ def run_loop(args, cupy):
         del impls, inputs, args2d
         cupy.get_default_memory_pool().free_all_blocks()
     print_loop_summary(rows)
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    breakdown = host_breakdown(cupy, stream)
+    return {"host_breakdown_us": breakdown,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "git_commit": git_commit(), "command": " ".join(["python", "bench.py"] + sys.argv[1:]),
             "calls_per_measurement": n, "workloads": rows}
+
+
+def host_breakdown(cupy, stream, tokens=256):
+    """Host microseconds of the pieces of one bf16x3 call at T=256 (median of many, queue drained)."""
+    from cupy_backends.cuda.api import runtime
+
+    from cupyffn import _validate
+
+    inputs = W.make_inputs((tokens,), xp=cupy, seed=1)
+    args = [inputs[k] for k in W.INPUT_NAMES]
+    out = (cupy.empty((tokens, W.DIM), cupy.float32), cupy.empty((W.HIDDEN_DIM, W.DIM), cupy.float32),
+           cupy.empty((W.DIM, W.HIDDEN_DIM), cupy.float32))
+    plan = cupyffn.GeluFFNBackward(tokens, W.DIM, W.HIDDEN_DIM)
+    plan(*args, out=out, stream=stream)
+    engine = plan._engine
+    event = cupy.cuda.Event(disable_timing=True)
+
+    def timed(fn, reps=200):
+        samples = []
+        for i in range(reps):
+            if i % 10 == 0:
+                stream.synchronize()
+            a = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - a)
+        stream.synchronize()
+        return statistics.median(samples) * 1e6
+
+    result = {
+        "signature": timed(lambda: _validate.signature(args, out, False)),
+        "prepare (full validation)": timed(lambda: _validate.prepare(args, out, stream)),
+        "enqueue (all launches)": timed(lambda: engine.enqueue(stream.ptr)),
+        "one cublasGemmEx": timed(lambda: engine.gemm1(engine._main)),
+        "one kernel launch": timed(lambda: engine._dgelu(stream.ptr)),
+        "one event record": timed(lambda: runtime.eventRecord(event.ptr, stream.ptr)),
+        "whole plan call": timed(lambda: plan(*args, out=out, stream=stream)),
+    }
+    plan.close()
+    print("\n# Host time breakdown, bf16x3, T=256 (us, median)")
+    for k, v in result.items():
+        print(f"{k:28s} {v:8.1f}")
+    return result
 
 
 def print_loop_summary(rows):

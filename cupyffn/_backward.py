@@ -138,7 +138,7 @@ class GeluFFNBackward:
                     self._last = (sig, call._replace(arrays=None, out_arrays=None))
         elif sig is not None:
             self._last = (sig, call._replace(arrays=None, out_arrays=None))
-        return self._execute(call, stream, accumulate)
+        return self._execute(call, out, stream, accumulate)
 
     def _check_call(self, call):
         expected = (self.tokens, self.dim, self.hidden_dim)
@@ -149,19 +149,19 @@ class GeluFFNBackward:
             where = "the CPU" if call.device == "cpu" else f"cuda:{call.device}"
             raise ValueError(f"this plan is for device {self.device!r}; the arrays are on {where}")
 
-    def _execute(self, call, stream, accumulate):
+    def _execute(self, call, out, stream, accumulate):
         if self._engine is None:
-            return _run_cpu(call, self.precision, self.need_grad_hidden, self.need_weight_grads, accumulate)
-        return self._run_gpu(call, stream, accumulate)
+            return _run_cpu(call, out, self.precision, self.need_grad_hidden, self.need_weight_grads, accumulate)
+        return self._run_gpu(call, out, stream, accumulate)
 
-    def _run_gpu(self, call, stream, accumulate):
+    def _run_gpu(self, call, out, stream, accumulate):
         import cupy
 
         engine = self._engine
         with cupy.cuda.Device(self.device):
             s = stream if stream is not None else cupy.cuda.get_current_stream()
             with self._lock:
-                results, pointers = self._outputs(call, s)
+                results, pointers = self._outputs(call, out, s)
                 if self.tokens == 0:
                     with s:
                         for r, needed in zip(results[1:], (self.need_weight_grads,) * 2):
@@ -184,8 +184,8 @@ class GeluFFNBackward:
                 engine.record_done(s.ptr)
         return FFNGrads(*results)
 
-    def _outputs(self, call, stream):
-        """(results to return, device pointers to write): the caller's out= arrays, else new (or plan-owned) ones."""
+    def _outputs(self, call, out, stream):
+        """(results to return, device pointers to write): the caller's out= objects, else new (or plan-owned) arrays."""
         import cupy
 
         shapes = (call.lead_shape + (self.dim,), (self.hidden_dim, self.dim), (self.dim, self.hidden_dim))
@@ -198,7 +198,7 @@ class GeluFFNBackward:
                 results.append(None)
                 pointers.append(0)
             elif call.out[i] is not None:
-                results.append(call.out_arrays[i])
+                results.append(out[i])
                 pointers.append(call.out[i].ptr)
             else:
                 if self.graph and self._owned_out[i] is not None:
@@ -280,7 +280,7 @@ def _poison(call, stream):
         pass  # the device itself may be unusable; the original error is what matters
 
 
-def _run_cpu(call, precision, need_grad_hidden, need_weight_grads, accumulate):
+def _run_cpu(call, out, precision, need_grad_hidden, need_weight_grads, accumulate):
     shapes = (call.lead_shape + (call.dim,), (call.hidden_dim, call.dim), (call.dim, call.hidden_dim))
     needed = (need_grad_hidden, need_weight_grads, need_weight_grads)
     results, views = [], []
@@ -289,7 +289,7 @@ def _run_cpu(call, precision, need_grad_hidden, need_weight_grads, accumulate):
             results.append(None)
             views.append(None)
         elif call.out[i] is not None:
-            results.append(call.out_arrays[i])
+            results.append(out[i])
             views.append(_arrays.view2d(call.out_arrays[i], call.out[i]))
         else:
             array = numpy.empty(shape, dtype=numpy.float32)
@@ -403,7 +403,7 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
             return plan._run(args, out, stream, accumulate, sig)
     call = _validate.prepare(args, out, stream, need_grad_hidden, need_weight_grads, accumulate)
     if call.backend == "cpu":
-        return _run_cpu(call, prec, need_grad_hidden, need_weight_grads, accumulate)
+        return _run_cpu(call, out, prec, need_grad_hidden, need_weight_grads, accumulate)
     import cupy
 
     with cupy.cuda.Device(call.device):

@@ -31,6 +31,11 @@ def _align(n):
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def _items(rows, cols):
+    """Work items of an elementwise kernel over [rows, cols]: (row, chunk of 8 * BLOCK columns) pairs."""
+    return rows * -(-cols // (8 * _kernels.BLOCK))
+
+
 def _vec_ok(ptr, ld, cols, itemsize=4):
     """The 8-wide path needs every row to start 16-byte aligned and to hold whole groups of 8."""
     return cols % 8 == 0 and ptr % 16 == 0 and (ld * itemsize) % 16 == 0
@@ -179,7 +184,7 @@ class GpuEngine:
 
         expr = f"dgelu_kernel<{prec.fmt}>"
         kernel = _kernels.get_function("dgelu", expr, dev)
-        grid = max(1, min(self.T, sms * _kernels.blocks_per_sm("dgelu", expr, dev) * 2))
+        grid = max(1, min(_items(self.T, self.H), sms * _kernels.blocks_per_sm("dgelu", expr, dev) * 2))
         self._dgelu = self._dgelu_launch(kernel, grid, rescue=0)
         self._dgelu_rescue = self._dgelu_launch(kernel, min(grid, 2 * sms), rescue=1) if f16 else None
 
@@ -203,7 +208,7 @@ class GpuEngine:
             job.pattern = P.PATTERN[name]
             job.slot = P.SLOT[name]
             job.block_begin = begin
-            job.block_count = max(1, min(op.rows, round(total_blocks * sizes[k] / sum(sizes))))
+            job.block_count = max(1, min(_items(op.rows, op.cols), round(total_blocks * sizes[k] / sum(sizes))))
             begin += job.block_count
         launch = _kernels.KernelLaunch(kernel, jobs, self._state_ptr, self._consts_ptr)
         launch.grid = begin

@@ -1,9 +1,11 @@
 // Conversion of fp32 operands into the 16-bit formats the GEMMs read (see common.cuh).
 //
-// One launch converts up to kMaxJobs matrices: job k owns blocks [block_begin, block_begin +
-// block_count) and each of its blocks walks rows r = block - block_begin, + block_count, ...
-// Threads stride across a row 8 floats at a time (two 16-byte loads, one 16-byte store per plane)
-// when the job allows it, else one float at a time.
+// One launch converts up to kMaxJobs matrices. A job's work items are (row, chunk) pairs, a chunk
+// being the 8 * blockDim columns one block covers in one step (blockDim on the scalar path), so
+// that few long rows (weights, small T) still spread over many blocks. Job k owns blocks
+// [block_begin, block_begin + block_count), which take items b - block_begin, + block_count, ...
+// Each thread moves 8 floats per item (two 16-byte loads, one 16-byte store per plane) when the
+// job allows it, else one float.
 //
 // FMT_F16S runs twice per call: a gathering pass (rescue == 0) that converts with each slot's
 // current exponent, gathers max |x| and lets its last block decide the exponents; then a rescue
@@ -56,19 +58,22 @@ __global__ void __launch_bounds__(256) convert_kernel(const __grid_constant__ Co
   }
   float amax = 0.0f;
   const int cols = job.cols;
-  for (long long r = (int)blockIdx.x - job.block_begin; r < job.rows; r += job.block_count) {
-    const float* src = job.src + r * job.src_ld;
-    unsigned short* dst = job.dst + r * job.dst_ld;
+  const int width = job.vec ? 8 : 1;
+  const int chunk = width * (int)blockDim.x;
+  const int per_row = (cols + chunk - 1) / chunk;
+  const long long items = job.rows * per_row;
+  for (long long w = (int)blockIdx.x - job.block_begin; w < items; w += job.block_count) {
+    const long long r = w / per_row;
+    const int c = (int)(w - r * per_row) * chunk + width * (int)threadIdx.x;
+    if (c >= cols) continue;
+    const float* src = job.src + r * job.src_ld + c;
+    unsigned short* dst = job.dst + r * job.dst_ld + c;
     if (job.vec) {
-      for (int c = 8 * (int)threadIdx.x; c < cols; c += 8 * (int)blockDim.x) {
-        const cupyffn::F8 x = cupyffn::load8_stream(src + c);
-        cupyffn::write_operand<FMT, 8>(x.v, dst + c, job.part_stride, job.pattern, scale, amax);
-      }
+      const cupyffn::F8 x = cupyffn::load8_stream(src);
+      cupyffn::write_operand<FMT, 8>(x.v, dst, job.part_stride, job.pattern, scale, amax);
     } else {
-      for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-        const float x[1] = {__ldcs(src + c)};
-        cupyffn::write_operand<FMT, 1>(x, dst + c, job.part_stride, job.pattern, scale, amax);
-      }
+      const float x[1] = {__ldcs(src)};
+      cupyffn::write_operand<FMT, 1>(x, dst, job.part_stride, job.pattern, scale, amax);
     }
   }
   if constexpr (FMT == FMT_F16S) {

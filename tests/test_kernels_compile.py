@@ -283,7 +283,7 @@ def test_shared_constants_match():
     assert max(_precision.SLOT.values()) < _kernels.STATE_SLOTS
     kernels = 0
     for name, text in all_sources().items():
-        for bound in re.findall(r"__launch_bounds__\((\d+)\)", text):
+        for bound in re.findall(r"__launch_bounds__\((\d+)(?:,\s*\d+)?\)", text):
             assert int(bound) == _kernels.BLOCK, name
             kernels += 1
     assert kernels >= 2
