@@ -9,7 +9,9 @@ See README.md for the formulas, the precision contracts and measured speed.
 """
 
 from ._backward import FFNGrads, GeluFFNBackward, clear_cache, gelu_ffn_backward
+from ._checks import ActivationMismatchError
 from ._cublas import CublasError
+from ._forward import FFNForward, gelu_ffn_forward
 from ._precision import DEFAULT as DEFAULT_PRECISION
 from ._precision import PRECISIONS, Precision
 
@@ -17,8 +19,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "gelu_ffn_backward",
+    "gelu_ffn_forward",
     "GeluFFNBackward",
     "FFNGrads",
+    "FFNForward",
+    "ActivationMismatchError",
     "PRECISIONS",
     "Precision",
     "DEFAULT_PRECISION",

@@ -6,7 +6,7 @@ from typing import Any, NamedTuple
 
 import numpy
 
-from . import _arrays, _numpy_backend, _precision, _validate
+from . import _arrays, _checks, _numpy_backend, _precision, _validate
 
 
 class FFNGrads(NamedTuple):
@@ -112,14 +112,14 @@ class GeluFFNBackward:
                 f"precision={self.precision.name!r}, device={self.device!r}, graph={self.graph})")
 
     # ------------------------------------------------------------------ calls
-    def __call__(self, grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out, *,
-                 out=None, stream=None, accumulate=False):
+    def __call__(self, grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner=None, gelu_out=None, *,
+                 out=None, stream=None, accumulate=False, check_activations=False):
         """Run the backward; returns FFNGrads. See ``cupyffn.gelu_ffn_backward`` for the arguments."""
         args = (grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out)
         sig = _validate.signature(args, out, accumulate) if self._engine is not None else None
-        return self._run(args, out, stream, accumulate, sig)
+        return self._run(args, out, stream, accumulate, sig, check_activations=check_activations)
 
-    def _run(self, args, out, stream, accumulate, sig, call=None):
+    def _run(self, args, out, stream, accumulate, sig, call=None, check_activations=False):
         """Validate (or reuse the validation of an identical earlier call) and execute.
 
         `sig`: _validate.signature of the arrays, or None; `call`: an already prepared Call, or None.
@@ -138,6 +138,8 @@ class GeluFFNBackward:
                     self._last = (sig, call._replace(arrays=None, out_arrays=None))
         elif sig is not None:
             self._last = (sig, call._replace(arrays=None, out_arrays=None))
+        if check_activations:
+            _checks.check(call, stream)
         return self._execute(call, out, stream, accumulate)
 
     def _check_call(self, call):
@@ -351,9 +353,9 @@ def _cached_plan(call, precision, stream_ptr, need_grad_hidden, need_weight_grad
     return plan
 
 
-def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out, *,
+def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner=None, gelu_out=None, *,
                       precision=_precision.DEFAULT, out=None, stream=None, accumulate=False,
-                      need_grad_hidden=True, need_weight_grads=True):
+                      need_grad_hidden=True, need_weight_grads=True, check_activations=False):
     """Backward pass of ``y = gelu_tanh(x @ weight1.T) @ weight2.T`` (no biases).
 
     Parameters
@@ -368,7 +370,9 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
         Second linear layer.
     linear1_out, tanh_inner, gelu_out : arrays [..., H]
         Saved forward tensors: ``z = x @ weight1.T``, ``t = tanh(sqrt(2/pi) * (z + 0.044715 z^3))``
-        and ``0.5 * z * (1 + t)``. ``tanh_inner`` is used as given, not recomputed.
+        and ``0.5 * z * (1 + t)``. ``tanh_inner`` is used as given, not recomputed. Memory mode: pass
+        None for tanh_inner and/or gelu_out and they are recomputed from linear1_out inside the
+        kernels (same results within the precision's contract).
     precision : {"bf16x3", "ieee", "tf32", "bf16"}
         GEMM operand treatment; accuracy contracts in ``cupyffn.PRECISIONS``. Default "bf16x3".
     out : sequence of 3 arrays, optional
@@ -384,6 +388,10 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
         is always overwritten).
     need_grad_hidden, need_weight_grads : bool
         Skip the work of gradients that are not needed.
+    check_activations : bool
+        Before computing, compare a sample of tanh_inner / gelu_out with the tanh-GELU of linear1_out
+        and raise ``cupyffn.ActivationMismatchError`` naming the likely cause (erf GELU, tanh's
+        argument instead of its output, swapped or stale buffers). Synchronizes with the stream.
 
     Arrays may be NumPy (computed on the CPU), CuPy, or any DLPack / CUDA Array Interface producer
     (torch.Tensor, jax.Array), all on one device, float32. The last dimension must be contiguous and
@@ -400,9 +408,11 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
         key = (sig, prec.name, need_grad_hidden, need_weight_grads, stream_ptr)
         plan = _recent.get(key)
         if plan is not None and not plan._closed:
-            return plan._run(args, out, stream, accumulate, sig)
+            return plan._run(args, out, stream, accumulate, sig, check_activations=check_activations)
     call = _validate.prepare(args, out, stream, need_grad_hidden, need_weight_grads, accumulate)
     if call.backend == "cpu":
+        if check_activations:
+            _checks.check(call)
         return _run_cpu(call, out, prec, need_grad_hidden, need_weight_grads, accumulate)
     import cupy
 
@@ -413,4 +423,4 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
         if len(_recent) >= 4 * _CACHE_SIZE:
             _recent.clear()
         _recent[(sig, prec.name, need_grad_hidden, need_weight_grads, stream_ptr)] = plan
-    return plan._run(args, out, stream, accumulate, sig, call)
+    return plan._run(args, out, stream, accumulate, sig, call, check_activations=check_activations)

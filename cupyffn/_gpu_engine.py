@@ -78,6 +78,8 @@ class GpuEngine:
             (self._ev_start, self._ev_a, self._ev_b, self._ev_d, self._ev_side,
              self._ev_done) = (cupy.cuda.Event(disable_timing=True) for _ in range(6))
             self._last_stream_ptr = None
+            self._ieee_gelu = None  # (names, launch, None) once memory mode needs it (ieee only)
+            self._recompute_g = False
             self._main = _cublas.acquire(device_id)
             self._handles.append(self._main)
             if need_weight_grads:
@@ -188,19 +190,39 @@ class GpuEngine:
         self._dgelu = self._dgelu_launch(kernel, grid, rescue=0)
         self._dgelu_rescue = self._dgelu_launch(kernel, min(grid, 2 * sms), rescue=1) if f16 else None
 
-    def _convert_launch(self, kernel, names, total_blocks, rescue, counter, alpha_mask):
+    def _ensure_ieee_gelu(self):
+        """ieee memory mode: GEMM2 reads gelu_out in fp32, so recompute it into scratch (built on first use)."""
+        if self._ieee_gelu is not None:
+            return
+        import cupy
+
+        try:
+            self._ieee_g = cupy.cuda.alloc(4 * self.T * self.H)
+        except cupy.cuda.memory.OutOfMemoryError as e:
+            raise MemoryError(f"cupyffn needs {4 * self.T * self.H} bytes to recompute gelu_out (memory mode): {e}") from None
+        self.scratch_bytes += 4 * self.T * self.H
+        kernel = _kernels.get_function("convert", "convert_kernel<0>", self.device_id)
+        full = _kernels.sm_count(self.device_id) * _kernels.blocks_per_sm("convert", "convert_kernel<0>", self.device_id) * 2
+        target = (_Operand("gelu_out", self.T, self.H, True, 1), self._ieee_g.ptr)  # fp32, row stride H
+        launch = self._convert_launch(kernel, ["gelu_out"], full, rescue=0, counter=1, alpha_mask=0,
+                                      targets={"gelu_out": target})
+        self._ieee_gelu = (["gelu_out"], launch, None)
+
+    def _convert_launch(self, kernel, names, total_blocks, rescue, counter, alpha_mask, targets=None):
+        """A convert launch for `names`; `targets` maps a name to (geometry, address) outside the scratch layout."""
         jobs = _kernels.ConvertJobs()
         jobs.count = len(names)
         jobs.rescue = rescue
         jobs.counter = counter
         jobs.slot_mask = sum(1 << P.SLOT[n] for n in names)
         jobs.alpha_mask = alpha_mask
-        sizes = [self.ops[n].rows * self.ops[n].cols for n in names]
+        geometry = [(targets[n][0] if targets else self.ops[n]) for n in names]
+        sizes = [op.rows * op.cols for op in geometry]
         begin = 0
         for k, name in enumerate(names):
-            op = self.ops[name]
+            op, dst = targets[name] if targets else (self.ops[name], self._addr(name))
             job = jobs.job[k]
-            job.dst = self._addr(name)
+            job.dst = dst
             job.dst_ld = op.dst_ld
             job.part_stride = op.part_stride
             job.rows = op.rows
@@ -283,25 +305,37 @@ class GpuEngine:
         """Point the prebuilt launches at this call's arrays (Matrix views) and outputs (device pointers)."""
         dy, x, w1, w2, l1, t, g = inputs
         src = {"grad_output": dy, "hidden_states": x, "weight1": w1, "weight2": w2, "gelu_out": g}
-        for names, *launches in self._convert.values():
+        self._recompute_g = g is None and self.need_weight_grads  # memory mode: gelu_out from linear1_out
+        if self._recompute_g and not self.planes:
+            self._ensure_ieee_gelu()
+        stages = list(self._convert.values())
+        if self._ieee_gelu is not None:
+            stages.append(self._ieee_gelu)
+        for names, *launches in stages:
             for launch in launches:
                 if launch is None:
                     continue
                 jobs = launch.args[0]
                 for k, name in enumerate(names):
-                    m = src[name]
                     job = jobs.job[k]
-                    job.src = m.ptr
-                    job.src_ld = m.ld
-                    job.vec = int(_vec_ok(m.ptr, m.ld, m.cols) and _vec_ok(job.dst, job.dst_ld, m.cols, 2)
-                                  and (job.part_stride * 2) % 16 == 0)
+                    if name == "gelu_out" and g is None:
+                        job.kind, job.src, job.src_ld = 1, l1.ptr, l1.ld
+                        job.src2, job.src2_ld = (t.ptr, t.ld) if t is not None else (0, 0)
+                        ok = _vec_ok(l1.ptr, l1.ld, l1.cols) and (t is None or _vec_ok(t.ptr, t.ld, t.cols))
+                    else:
+                        m = src[name]
+                        job.kind, job.src, job.src_ld, job.src2, job.src2_ld = 0, m.ptr, m.ld, 0, 0
+                        ok = _vec_ok(m.ptr, m.ld, m.cols)
+                    dst_item = 4 if not self.planes else 2
+                    job.vec = int(ok and _vec_ok(job.dst, job.dst_ld, job.cols, dst_item)
+                                  and (job.part_stride * dst_item) % 16 == 0)
         for launch in (self._dgelu, self._dgelu_rescue):
             if launch is None:
                 continue
             job = launch.args[0]
             job.x, job.x_ld = l1.ptr, l1.ld
-            job.t, job.t_ld = t.ptr, t.ld
-            job.vec = int(_vec_ok(l1.ptr, l1.ld, self.H) and _vec_ok(t.ptr, t.ld, self.H)
+            job.t, job.t_ld = (t.ptr, t.ld) if t is not None else (0, 0)  # 0: recomputed in the kernel
+            job.vec = int(_vec_ok(l1.ptr, l1.ld, self.H) and (t is None or _vec_ok(t.ptr, t.ld, self.H))
                           and _vec_ok(self._base, self.H, self.H)
                           and _vec_ok(job.dst, job.dst_ld, self.H, 2 if self.planes else 4)
                           and (job.part_stride * 2) % 16 == 0)
@@ -310,7 +344,10 @@ class GpuEngine:
             self.gemm1.b.value, self.gemm1.ldb.value = w2.ptr, w2.ld
             if self.gemm2 is not None:
                 self.gemm2.a.value, self.gemm2.lda.value = dy.ptr, dy.ld
-                self.gemm2.b.value, self.gemm2.ldb.value = g.ptr, g.ld
+                if g is not None:
+                    self.gemm2.b.value, self.gemm2.ldb.value = g.ptr, g.ld
+                else:  # gelu_out recomputed into fp32 scratch
+                    self.gemm2.b.value, self.gemm2.ldb.value = self._ieee_g.ptr, self.H
                 self.gemm4.b.value, self.gemm4.ldb.value = x.ptr, x.ld
             if self.gemm3 is not None:
                 self.gemm3.b.value, self.gemm3.ldb.value = w1.ptr, w1.ld
@@ -361,6 +398,9 @@ class GpuEngine:
             if self.precision.fmt == P.FMT_F16S and self.cvt_b:
                 wait(S2, self._ev_a)  # convert B's rescue writes alpha2, which needs grad_output's scale
             self._convert_stage("convert B", S2, mark)
+            if self._recompute_g and self._ieee_gelu is not None:
+                self._ieee_gelu[1](S2)
+                mark("gelu_out (recomputed)")
             record(self._ev_b, S2)
             self.gemm1(self._main)
             mark("GEMM1 grad_gelu")

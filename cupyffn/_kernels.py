@@ -18,8 +18,10 @@ _HERE = Path(__file__).resolve().parent
 
 #: module name -> (file in kernels_cu/, kernel names to instantiate)
 MODULES = {
-    "convert": ("convert.cu", ("convert_kernel<1>", "convert_kernel<2>", "convert_kernel<3>")),
+    "convert": ("convert.cu", ("convert_kernel<0>", "convert_kernel<1>", "convert_kernel<2>", "convert_kernel<3>")),
     "dgelu": ("dgelu.cu", ("dgelu_kernel<0>", "dgelu_kernel<1>", "dgelu_kernel<2>", "dgelu_kernel<3>")),
+    "gelu_forward": ("gelu_forward.cu", ("gelu_forward_kernel<0>", "gelu_forward_kernel<1>",
+                                         "gelu_forward_kernel<2>", "gelu_forward_kernel<3>")),
 }
 
 #: Options we pass; CuPy adds -arch, -ftz=true, its include paths and (unless given) --std=c++17.
@@ -99,12 +101,14 @@ def sm_count(device_id):
 
 
 class ConvertJob(ctypes.Structure):
-    """Mirror of ``struct ConvertJob`` in convert.cu (72 bytes)."""
+    """Mirror of ``struct ConvertJob`` in convert.cu (96 bytes)."""
 
     _fields_ = [
         ("src", ctypes.c_void_p),
+        ("src2", ctypes.c_void_p),
         ("dst", ctypes.c_void_p),
         ("src_ld", ctypes.c_longlong),
+        ("src2_ld", ctypes.c_longlong),
         ("dst_ld", ctypes.c_longlong),
         ("part_stride", ctypes.c_longlong),
         ("rows", ctypes.c_longlong),
@@ -114,6 +118,8 @@ class ConvertJob(ctypes.Structure):
         ("vec", ctypes.c_int),
         ("block_begin", ctypes.c_int),
         ("block_count", ctypes.c_int),
+        ("kind", ctypes.c_int),
+        ("unused", ctypes.c_int),
     ]
 
 
@@ -146,6 +152,29 @@ class DgeluJob(ctypes.Structure):
         ("rescue", ctypes.c_int),
         ("counter", ctypes.c_int),
         ("alpha_mask", ctypes.c_int),
+        ("unused", ctypes.c_int),
+    ]
+
+
+class GeluForwardJob(ctypes.Structure):
+    """Mirror of ``struct GeluForwardJob`` in gelu_forward.cu (104 bytes)."""
+
+    _fields_ = [
+        ("z", ctypes.c_void_p),
+        ("t", ctypes.c_void_p),
+        ("g", ctypes.c_void_p),
+        ("dst", ctypes.c_void_p),
+        ("z_ld", ctypes.c_longlong),
+        ("t_ld", ctypes.c_longlong),
+        ("g_ld", ctypes.c_longlong),
+        ("dst_ld", ctypes.c_longlong),
+        ("part_stride", ctypes.c_longlong),
+        ("rows", ctypes.c_longlong),
+        ("cols", ctypes.c_int),
+        ("pattern", ctypes.c_int),
+        ("slot", ctypes.c_int),
+        ("vec", ctypes.c_int),
+        ("counter", ctypes.c_int),
         ("unused", ctypes.c_int),
     ]
 

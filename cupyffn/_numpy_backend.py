@@ -20,6 +20,11 @@ def gelu_grad(x, t):
     return half * (one + t) + half * x * (one - t * t) * _SQRT_2_OVER_PI * (one + _CUBIC_COEFF * x * x)
 
 
+def tanh_inner(z):
+    """tanh(sqrt(2/pi) (z + 0.044715 z^3)) in fp32."""
+    return numpy.tanh(_SQRT_2_OVER_PI * (z + numpy.float32(0.044715) * z * z * z)).astype(numpy.float32)
+
+
 def bf16_round(x):
     """float32 array -> float32 array of bf16 values (nearest even; finite values never round to inf)."""
     x = numpy.asarray(x, dtype=numpy.float32)
@@ -84,10 +89,17 @@ def _matmul(a, b, precision):
 
 
 def backward(call, precision, need_grad_hidden, need_weight_grads, accumulate, outputs):
-    """Compute the gradients of `call` (a _validate.Call on NumPy arrays) into `outputs` (2-D views)."""
-    dy, x, w1, w2, l1, t, g = (_arrays.view2d(a, m) for a, m in zip(call.arrays, call.inputs))
+    """Compute the gradients of `call` (a _validate.Call on NumPy arrays) into `outputs` (2-D views).
+
+    tanh_inner / gelu_out may be absent (memory mode): they are recomputed from linear1_out.
+    """
+    dy, x, w1, w2, l1, t, g = (None if a is None else _arrays.view2d(a, m) for a, m in zip(call.arrays, call.inputs))
     grad_hidden, grad_w1, grad_w2 = outputs
     with numpy.errstate(all="ignore"):
+        if t is None:
+            t = tanh_inner(l1)
+        if g is None and need_weight_grads:
+            g = numpy.float32(0.5) * l1 * (numpy.float32(1) + t)
         grad_gelu = _matmul(dy, w2, precision)
         if need_weight_grads:
             _store(grad_w2, _matmul(dy.T, g, precision), accumulate)
@@ -96,6 +108,17 @@ def backward(call, precision, need_grad_hidden, need_weight_grads, accumulate, o
             _store(grad_hidden, _matmul(grad_linear1, w1, precision), False)
         if need_weight_grads:
             _store(grad_w1, _matmul(grad_linear1.T, x, precision), accumulate)
+
+
+def forward(x, w1, w2, precision, outputs):
+    """output, linear1_out, tanh_inner, gelu_out of the 2-D fp32 arrays x, w1, w2 into `outputs` (2-D views)."""
+    y, z_out, t_out, g_out = outputs
+    with numpy.errstate(all="ignore"):
+        z = _matmul(x, w1.T, precision)
+        t = tanh_inner(z)
+        g = numpy.float32(0.5) * z * (numpy.float32(1) + t)
+        z_out[...], t_out[...], g_out[...] = z, t, g
+        y[...] = _matmul(g, w2.T, precision)
 
 
 def _store(dst, value, accumulate):

@@ -27,7 +27,7 @@ class Call(NamedTuple):
     dim: int                     # D
     hidden_dim: int              # H
     lead_shape: Tuple[int, ...]  # leading dimensions of the activations
-    inputs: Tuple[_arrays.Matrix, ...]           # geometry, in INPUT_NAMES order
+    inputs: Tuple[Optional[_arrays.Matrix], ...]  # geometry, INPUT_NAMES order (None: not kept, recomputed)
     out: Tuple[Optional[_arrays.Matrix], ...]    # in OUTPUT_NAMES order; None where not given
     arrays: Tuple[Any, ...]                      # the (imported) input arrays
     out_arrays: Tuple[Any, ...]                  # the (imported) out= arrays, or None entries
@@ -69,9 +69,12 @@ def signature(args, out, accumulate):
     nd = _cupy_ndarray
     sig = [accumulate]
     for a in args:
-        if type(a) is not nd:
+        if type(a) is nd:
+            sig.append((a.data.ptr, a.shape, a.strides, a.dtype))
+        elif a is None:  # memory mode (tanh_inner / gelu_out not kept); prepare() decides if allowed
+            sig.append(None)
+        else:
             return None
-        sig.append((a.data.ptr, a.shape, a.strides, a.dtype))
     if out is not None:
         if not isinstance(out, (tuple, list)):
             return None
@@ -98,24 +101,31 @@ def prepare(args, out=None, stream=None, need_grad_hidden=True, need_weight_grad
     if stream is not None and not hasattr(stream, "ptr"):
         raise TypeError(f"stream must be a cupy.cuda.Stream (or ExternalStream) or None; got {type(stream).__name__}")
 
-    imported = [_arrays.import_array(a, n, stream) for a, n in zip(args, INPUT_NAMES)]
+    for a, n in zip(args[:5], INPUT_NAMES[:5]):
+        if a is None:
+            raise TypeError(f"{n} is required; only tanh_inner and gelu_out may be None (recomputed from linear1_out)")
+    # Memory mode: a missing tanh_inner / gelu_out is recomputed from linear1_out inside the kernels.
+    present = [(a, n) for a, n in zip(args, INPUT_NAMES) if a is not None]
+    imported = [_arrays.import_array(a, n, stream) for a, n in present]
     backends = {b for b, _ in imported}
+    names = [n for _, n in present]
     if len(backends) > 1:
-        cpu = next(n for (b, _), n in zip(imported, INPUT_NAMES) if b == "cpu")
-        gpu = next(n for (b, _), n in zip(imported, INPUT_NAMES) if b == "gpu")
+        cpu = next(n for (b, _), n in zip(imported, names) if b == "cpu")
+        gpu = next(n for (b, _), n in zip(imported, names) if b == "gpu")
         raise ValueError(f"cannot mix NumPy (CPU) and GPU arrays: {cpu} is on the CPU but {gpu} is on a GPU")
     backend = backends.pop()
     if backend == "cpu" and stream is not None:
         raise ValueError("stream= is for GPU arrays; these inputs are NumPy (CPU) arrays")
-    arrays = [a for _, a in imported]
+    given = dict(zip(names, (a for _, a in imported)))
+    arrays = [given.get(n) for n in INPUT_NAMES]
 
-    for a, n in zip(arrays, INPUT_NAMES):
+    for n, a in given.items():
         if a.dtype != numpy.float32:
             raise TypeError(f"{n} must be float32; got {a.dtype}")
 
-    devices = [_arrays.device_of(a) for a in arrays]
+    devices = [_arrays.device_of(a) for a in given.values()]
     if len(set(devices)) > 1:
-        where = ", ".join(f"{n} on {'cuda:%s' % d if d != 'cpu' else 'cpu'}" for n, d in zip(INPUT_NAMES, devices))
+        where = ", ".join(f"{n} on {'cuda:%s' % d if d != 'cpu' else 'cpu'}" for n, d in zip(names, devices))
         raise ValueError(f"all arrays must be on one device; got {where}")
 
     grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out = arrays
@@ -136,12 +146,12 @@ def prepare(args, out=None, stream=None, need_grad_hidden=True, need_weight_grad
                          f"got {tuple(weight2.shape)}")
     act_shape = lead + (hidden_dim,)
     for a, n in ((linear1_out, "linear1_out"), (tanh_inner, "tanh_inner"), (gelu_out, "gelu_out")):
-        if tuple(a.shape) != act_shape:
+        if a is not None and tuple(a.shape) != act_shape:
             raise ValueError(f"{n} must have shape {act_shape} (grad_output's leading dimensions "
                              f"{lead} + hidden_dim {hidden_dim} from weight1 {tuple(weight1.shape)}); "
                              f"got {tuple(a.shape)}")
 
-    inputs = tuple(_matrix(a, n) for a, n in zip(arrays, INPUT_NAMES))
+    inputs = tuple(None if a is None else _matrix(a, n) for a, n in zip(arrays, INPUT_NAMES))
     outs, out_arrays = _prepare_out(out, backend, devices[0], stream, inputs, arrays,
                                     need_grad_hidden, need_weight_grads, accumulate)
     tokens = inputs[0].rows
@@ -159,7 +169,7 @@ def _prepare_out(out, backend, device, stream, inputs, arrays, need_grad_hidden,
                         "an entry may be None to have cupyffn allocate it")
     expected = (tuple(arrays[1].shape), tuple(arrays[2].shape), tuple(arrays[3].shape))
     needed = (need_grad_hidden, need_weight_grads, need_weight_grads)
-    spans = [m.span for m in inputs]
+    spans = [(m.span, n) for m, n in zip(inputs, INPUT_NAMES) if m is not None]
     result, imported_out = [], []
     for i, (obj, name) in enumerate(zip(out, OUTPUT_NAMES)):
         label = f"out[{i}] ({name})"
@@ -188,7 +198,7 @@ def _prepare_out(out, backend, device, stream, inputs, arrays, need_grad_hidden,
             raise ValueError(f"{label} is read-only")
         m = _matrix(a, label)
         (m0, m1) = m.span
-        for (s0, s1), iname in zip(spans, INPUT_NAMES):
+        for (s0, s1), iname in spans:
             if m0 < s1 and s0 < m1:
                 raise ValueError(f"{label} overlaps the memory of {iname}: outputs may not alias inputs")
         for j, prev in enumerate(result):

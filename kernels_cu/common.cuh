@@ -37,6 +37,17 @@ __device__ __forceinline__ float gelu_grad(float x, float t) {
   return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + kCubicCoeff * x * x);
 }
 
+// GELU(tanh) of z: t = tanh(sqrt(2/pi) * (z + 0.044715 z^3)) and g = 0.5 z (1 + t).
+__device__ __forceinline__ float tanh_inner_of(float z) {
+  const float kSqrt2OverPi = 0.7978845608028654f;
+  return tanhf(kSqrt2OverPi * (z + 0.044715f * z * z * z));
+}
+
+__device__ __forceinline__ void gelu(float z, float& t, float& g) {
+  t = tanh_inner_of(z);
+  g = 0.5f * z * (1.0f + t);
+}
+
 // bf16(x) rounded to nearest even, except that a finite x beyond bf16's largest finite value is
 // truncated instead of rounded to infinity, so that hi + lo still represents it. Written with
 // selects, not branches, so that the compiler keeps all loads of a thread in flight together.
@@ -69,11 +80,20 @@ __device__ __forceinline__ float finite_absmax(float m, float x) {
   return a <= 3.402823466e38f ? fmaxf(m, a) : m;
 }
 
-// Reduce a per-thread maximum of non-negative floats over the warp and fold it into *dst with one
-// atomic per warp. Non-negative floats order like their bit patterns.
-__device__ __forceinline__ void warp_absmax_to(unsigned int* dst, float m) {
+// Fold a per-thread maximum of non-negative floats into *dst: warp shuffles, then one shared-memory
+// step, then one atomic per block (same-address atomics serialize in L2, so fewer is faster).
+// Non-negative floats order like their bit patterns. Every thread of the block must call this.
+__device__ __forceinline__ void block_absmax_to(unsigned int* dst, float m) {
+  __shared__ float warp_max[32];
   for (int offset = 16; offset > 0; offset >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-  if ((threadIdx.x & 31) == 0 && m > 0.0f) atomicMax(dst, __float_as_uint(m));
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) warp_max[warp] = m;
+  __syncthreads();
+  if (warp == 0) {
+    m = lane < (int)(blockDim.x >> 5) ? warp_max[lane] : 0.0f;
+    for (int offset = 16; offset > 0; offset >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    if (lane == 0 && m > 0.0f) atomicMax(dst, __float_as_uint(m));
+  }
 }
 
 // GEMM g multiplies the tensors in slots kGemmSlots[g][0] and kGemmSlots[g][1] (cupyffn/_precision.py SLOT).
@@ -116,7 +136,7 @@ __device__ __forceinline__ void f16_decide_slot(int* state, int s) {
 // Called by every block at the end of a first (gathering) pass: the last block to arrive decides
 // the slots in slot_mask (all maxima are in by then) and resets the counter for the next call.
 __device__ __forceinline__ void last_block_decides(int* state, int counter, int slot_mask) {
-  __syncthreads();  // every warp of this block has issued its atomicMax
+  __syncthreads();  // this block's atomicMax (block_absmax_to) has been issued
   if (threadIdx.x != 0) return;
   __threadfence();
   if (atomicAdd(reinterpret_cast<unsigned int*>(state + 3 * kSlots + counter), 1u) != gridDim.x - 1) return;

@@ -6,6 +6,8 @@
 // [block_begin, block_begin + block_count), which take items b - block_begin, + block_count, ...
 // Each thread moves 8 floats per item (two 16-byte loads, one 16-byte store per plane) when the
 // job allows it, else one float.
+// kind 1 computes gelu_out from linear1_out on the fly (the backward's memory mode, where the caller
+// kept only the pre-activation). FMT_F32 writes plain floats (gelu_out for the "ieee" plan).
 //
 // FMT_F16S runs twice per call: a gathering pass (rescue == 0) that converts with each slot's
 // current exponent, gathers max |x| and lets its last block decide the exponents; then a rescue
@@ -15,8 +17,10 @@
 
 struct ConvertJob {
   const float* src;        // [rows, cols] fp32, row stride src_ld elements
-  unsigned short* dst;     // 16-bit codes, row stride dst_ld elements
+  const float* src2;       // kind 1: tanh_inner (nullptr: recompute it from src)
+  unsigned short* dst;     // 16-bit codes (FMT_F32: floats), row stride dst_ld elements
   long long src_ld;
+  long long src2_ld;
   long long dst_ld;
   long long part_stride;   // FMT_BF16X3: elements between the three planes
   long long rows;
@@ -26,8 +30,23 @@ struct ConvertJob {
   int vec;                 // 1: cols % 8 == 0 and every row start is 16-byte aligned
   int block_begin;
   int block_count;
+  int kind;                // 0: convert src; 1: convert gelu_out = 0.5 x (1 + t) of x = src, t = src2
+  int unused;
 };
-static_assert(sizeof(ConvertJob) == 72, "ConvertJob layout is mirrored in cupyffn/_kernels.py");
+static_assert(sizeof(ConvertJob) == 96, "ConvertJob layout is mirrored in cupyffn/_kernels.py");
+
+// The value converted at src[c] (kind 0), or the GELU output recomputed from linear1_out (kind 1).
+__device__ __forceinline__ float gelu_out_of(const ConvertJob& job, const float* x, long long r, int c) {
+  const float z = __ldcs(x);
+  float t, g;
+  if (job.src2 != nullptr) {
+    t = __ldcs(job.src2 + r * job.src2_ld + c);
+    g = 0.5f * z * (1.0f + t);
+  } else {
+    cupyffn::gelu(z, t, g);
+  }
+  return g;
+}
 
 #define kMaxJobs 5
 struct ConvertJobs {
@@ -39,7 +58,7 @@ struct ConvertJobs {
   int alpha_mask;  // FMT_F16S: GEMM alphas the rescue pass writes
   int unused;
 };
-static_assert(sizeof(ConvertJobs) == 72 * kMaxJobs + 24, "ConvertJobs layout is mirrored in cupyffn/_kernels.py");
+static_assert(sizeof(ConvertJobs) == 96 * kMaxJobs + 24, "ConvertJobs layout is mirrored in cupyffn/_kernels.py");
 
 template <int FMT>
 __global__ void __launch_bounds__(256) convert_kernel(const __grid_constant__ ConvertJobs jobs, int* state,
@@ -67,18 +86,33 @@ __global__ void __launch_bounds__(256) convert_kernel(const __grid_constant__ Co
     const int c = (int)(w - r * per_row) * chunk + width * (int)threadIdx.x;
     if (c >= cols) continue;
     const float* src = job.src + r * job.src_ld + c;
-    unsigned short* dst = job.dst + r * job.dst_ld + c;
     if (job.vec) {
-      const cupyffn::F8 x = cupyffn::load8_stream(src);
-      cupyffn::write_operand<FMT, 8>(x.v, dst, job.part_stride, job.pattern, scale, amax);
+      cupyffn::F8 x;
+      if (job.kind == 1) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) x.v[i] = gelu_out_of(job, src + i, r, c + i);
+      } else {
+        x = cupyffn::load8_stream(src);
+      }
+      if constexpr (FMT == FMT_F32) {
+        float4* out = reinterpret_cast<float4*>(reinterpret_cast<float*>(job.dst) + r * job.dst_ld + c);
+        __stcg(out, make_float4(x.v[0], x.v[1], x.v[2], x.v[3]));
+        __stcg(out + 1, make_float4(x.v[4], x.v[5], x.v[6], x.v[7]));
+      } else {
+        cupyffn::write_operand<FMT, 8>(x.v, job.dst + r * job.dst_ld + c, job.part_stride, job.pattern, scale, amax);
+      }
     } else {
-      const float x[1] = {__ldcs(src)};
-      cupyffn::write_operand<FMT, 1>(x, dst, job.part_stride, job.pattern, scale, amax);
+      const float x[1] = {job.kind == 1 ? gelu_out_of(job, src, r, c) : __ldcs(src)};
+      if constexpr (FMT == FMT_F32) {
+        reinterpret_cast<float*>(job.dst)[r * job.dst_ld + c] = x[0];
+      } else {
+        cupyffn::write_operand<FMT, 1>(x, job.dst + r * job.dst_ld + c, job.part_stride, job.pattern, scale, amax);
+      }
     }
   }
   if constexpr (FMT == FMT_F16S) {
     if (!jobs.rescue) {
-      cupyffn::warp_absmax_to(reinterpret_cast<unsigned int*>(state + kSlots + job.slot), amax);
+      cupyffn::block_absmax_to(reinterpret_cast<unsigned int*>(state + kSlots + job.slot), amax);
       cupyffn::last_block_decides(state, jobs.counter, jobs.slot_mask);
     }
   }

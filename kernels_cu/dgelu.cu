@@ -7,7 +7,7 @@
 struct DgeluJob {
   const float* grad_gelu;  // [rows, cols] fp32 (cupyffn scratch)
   const float* x;          // linear1_out
-  const float* t;          // tanh_inner
+  const float* t;          // tanh_inner; nullptr: recomputed from x (memory mode)
   void* dst;               // FMT_F32: float*, may equal grad_gelu; else 16-bit codes
   long long grad_gelu_ld;
   long long x_ld;
@@ -51,11 +51,17 @@ __global__ void __launch_bounds__(256, 6) dgelu_kernel(const __grid_constant__ D
     if (c >= cols) continue;
     const float* gg = job.grad_gelu + r * job.grad_gelu_ld + c;
     const float* xr = job.x + r * job.x_ld + c;
-    const float* tr = job.t + r * job.t_ld + c;
+    const float* tr = job.t != nullptr ? job.t + r * job.t_ld + c : nullptr;
     if (job.vec) {
       const cupyffn::F8 g = cupyffn::load8_stream(gg);
       const cupyffn::F8 x = cupyffn::load8_stream(xr);
-      const cupyffn::F8 t = cupyffn::load8_stream(tr);
+      cupyffn::F8 t;
+      if (job.t != nullptr) {
+        t = cupyffn::load8_stream(tr);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) t.v[i] = cupyffn::tanh_inner_of(x.v[i]);
+      }
       float d[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) d[i] = g.v[i] * cupyffn::gelu_grad(x.v[i], t.v[i]);
@@ -68,7 +74,9 @@ __global__ void __launch_bounds__(256, 6) dgelu_kernel(const __grid_constant__ D
         cupyffn::write_operand<FMT, 8>(d, out, job.part_stride, job.pattern, scale, amax);
       }
     } else {
-      const float d[1] = {__ldcs(gg) * cupyffn::gelu_grad(__ldcs(xr), __ldcs(tr))};
+      const float x = __ldcs(xr);
+      const float t = job.t != nullptr ? __ldcs(tr) : cupyffn::tanh_inner_of(x);
+      const float d[1] = {__ldcs(gg) * cupyffn::gelu_grad(x, t)};
       if constexpr (FMT == FMT_F32) {
         static_cast<float*>(job.dst)[r * job.dst_ld + c] = d[0];
       } else {
@@ -79,7 +87,7 @@ __global__ void __launch_bounds__(256, 6) dgelu_kernel(const __grid_constant__ D
   }
   if constexpr (FMT == FMT_F16S) {
     if (!job.rescue) {
-      cupyffn::warp_absmax_to(reinterpret_cast<unsigned int*>(state + kSlots + job.slot), amax);
+      cupyffn::block_absmax_to(reinterpret_cast<unsigned int*>(state + kSlots + job.slot), amax);
       cupyffn::last_block_decides(state, job.counter, 1 << job.slot);
     }
   }
