@@ -4,6 +4,7 @@ Everything here is about what an argument *is* (backend, device, memory span, 2-
 what it must be is decided in _validate.py.
 """
 
+import contextlib
 from typing import NamedTuple
 
 import numpy
@@ -39,24 +40,17 @@ def import_array(obj, name, stream):
             return "cpu", _import_with(lambda: numpy.from_dlpack(obj), name)
         if device_type in (_DL_CUDA, _DL_CUDA_MANAGED):
             cupy = _cupy()
-            with (stream if stream is not None else _null_context()):
+            with (stream if stream is not None else contextlib.nullcontext()):
                 return "gpu", _import_with(lambda: cupy.from_dlpack(obj), name)
         raise TypeError(f"{name} lives on DLPack device type {device_type}; cupyffn takes CPU or CUDA arrays")
     if hasattr(obj, "__cuda_array_interface__"):
         cupy = _cupy()
-        with (stream if stream is not None else _null_context()):
+        with (stream if stream is not None else contextlib.nullcontext()):
             return "gpu", _import_with(lambda: cupy.asarray(obj), name)
     raise TypeError(
         f"{name} must be a numpy.ndarray, a cupy.ndarray or an object with __dlpack__ or "
         f"__cuda_array_interface__ (torch.Tensor, jax.Array, ...); got {type(obj).__module__}.{type(obj).__name__}")
 
-
-class _null_context:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _import_with(load, name):

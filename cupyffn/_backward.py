@@ -1,6 +1,7 @@
 """Public backward API: `GeluFFNBackward` (a plan per shape) and `gelu_ffn_backward` (cached plans)."""
 
 import collections
+import contextlib
 import threading
 from typing import Any, NamedTuple
 
@@ -160,7 +161,11 @@ class GeluFFNBackward:
         import cupy
 
         engine = self._engine
-        with cupy.cuda.Device(self.device):
+        if cupy.cuda.runtime.getDevice() == self.device:  # the common case: no context switch needed
+            device = contextlib.nullcontext()
+        else:
+            device = cupy.cuda.Device(self.device)
+        with device:
             s = stream if stream is not None else cupy.cuda.get_current_stream()
             with self._lock:
                 results, pointers = self._outputs(call, out, s)
@@ -254,6 +259,7 @@ class GeluFFNBackward:
             self.close()
         except Exception:
             pass
+
 
 
 def _allocate(cupy, shape, stream):
