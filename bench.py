@@ -418,6 +418,7 @@ def run_loop(args, cupy):
     chosen = [w for w in W.WORKLOADS if not args.quick or w.label in QUICK]
     n = args.loop_calls
     rows = []
+    compiled = None
     print(f"\n# Loop mode: {n} back-to-back calls per implementation, no L2 flush")
     print(f"{'workload':12s} {'implementation':26s} {'host us/call':>12s} {'wall us/call':>12s} {'GPU us/call':>12s} {'wall/GPU':>8s}")
     for w in chosen:
@@ -437,10 +438,11 @@ def run_loop(args, cupy):
             lambda args=args2d: cupyffn.gelu_ffn_backward(*args, stream=stream), None)
         if torch is not None:
             targs = [torch.from_dlpack(a) for a in args2d]
-            impls["torch-fp32"] = (lambda: torch_backward(*targs), None)
+            impls["torch-fp32"] = (lambda a=targs: torch_backward(*a), None)
             if args.compile:
-                compiled = torch.compile(torch_backward, mode="reduce-overhead")
-                impls["torch-compile-reduce-overhead"] = (lambda: compiled(*targs), None)
+                if compiled is None:  # one compilation for all shapes; CUDA graphs recorded per shape
+                    compiled = torch.compile(torch_backward, mode="reduce-overhead", dynamic=True)
+                impls["torch-compile-reduce-overhead"] = (lambda fn=compiled, a=targs: fn(*a), None)
         row = {"label": w.label, "tokens": w.tokens, "results": {}}
         for name, (run, plan) in impls.items():
             tctx = torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)) if torch is not None else None
@@ -460,7 +462,7 @@ def run_loop(args, cupy):
                         stream.synchronize()
                         spans.append(cupy.cuda.get_elapsed_time(a, b) * 1e3)
                     issue = []  # host time to issue one call, with the launch queue drained first
-                    for _ in range(20):
+                    for _ in range(50):
                         stream.synchronize()
                         a = time.perf_counter()
                         run()
