@@ -1,0 +1,93 @@
+"""Train ``cupyffn.torch.GeluFFN`` with a torch optimizer (autograd through cupyffn's backward).
+
+Task: regression onto a fixed random "teacher" FFN of the same shape (plain torch ops: Linear ->
+GELU(tanh) -> Linear, weights of twice the default scale). Each step draws a fresh batch
+x ~ N(0, 1) of shape [batch, dim] and minimizes ``0.5 * mean over the batch of ||y - target||^2``
+with torch.optim.Adam (or SGD).
+
+    python examples/train_torch.py                   # CUDA if torch sees a GPU, else CPU
+    python examples/train_torch.py --device cpu --optimizer sgd
+
+Defaults: CUDA dim=512, hidden_dim=2048, batch=1024; CPU dim=32, hidden_dim=128, batch=256.
+``main()`` returns the per-step losses.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import cupyffn.torch as cupyffn_torch
+except ImportError:  # running from a checkout without installing: use the package beside examples/
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import cupyffn.torch as cupyffn_torch
+
+SIZES = {"cpu": (32, 128, 256), "cuda": (512, 2048, 1024)}  # dim, hidden_dim, batch
+DEFAULT_LR = {"adam": 3e-3, "sgd": None}  # SGD: 20 / hidden_dim
+
+
+def main(steps=200, device="auto", precision="bf16x3", save="all", optimizer="adam", dim=None, hidden_dim=None,
+         batch=None, lr=None, seed=0, verbose=False):
+    """Train for `steps` optimizer steps; returns the list of losses (floats), one per step.
+
+    device: "auto" (CUDA if torch.cuda.is_available(), else CPU), "cuda" or "cpu".
+    optimizer: "adam" (lr 3e-3) or "sgd" (lr 20 / hidden_dim).
+    """
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in SIZES:
+        raise ValueError(f"device must be 'auto', 'cuda' or 'cpu'; got {device!r}")
+    if optimizer not in DEFAULT_LR:
+        raise ValueError(f"optimizer must be 'adam' or 'sgd'; got {optimizer!r}")
+    d, h, t = SIZES[device]
+    dim, hidden_dim, batch = dim or d, hidden_dim or h, batch or t
+    if lr is None:
+        lr = DEFAULT_LR[optimizer] or 20.0 / hidden_dim
+
+    gen = torch.Generator().manual_seed(seed)  # CPU generator: the same weights and data on every device
+    teacher1 = (2 * torch.rand(hidden_dim, dim, generator=gen) - 1) * (2 / dim ** 0.5)
+    teacher2 = (2 * torch.rand(dim, hidden_dim, generator=gen) - 1) * (2 / hidden_dim ** 0.5)
+    teacher1, teacher2 = teacher1.to(device), teacher2.to(device)
+    torch.manual_seed(seed)
+    model = cupyffn_torch.GeluFFN(dim, hidden_dim, precision=precision, save=save, device=device)
+    opt = (torch.optim.Adam(model.parameters(), lr=lr) if optimizer == "adam"
+           else torch.optim.SGD(model.parameters(), lr=lr))
+
+    if verbose:
+        print(f"device={device} {model} batch={batch} optimizer={optimizer} lr={lr:g}")
+    losses = []
+    for step in range(steps):
+        x = torch.randn(batch, dim, generator=gen).to(device)
+        with torch.no_grad():
+            target = F.linear(F.gelu(F.linear(x, teacher1), approximate="tanh"), teacher2)
+        loss = 0.5 * (model(x) - target).square().sum() / batch
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if verbose and (step % max(1, steps // 10) == 0 or step == steps - 1):
+            print(f"step {step:5d}  loss {losses[-1]:.5f}")
+    return losses
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--precision", choices=("bf16x3", "ieee", "tf32", "bf16"), default="bf16x3")
+    p.add_argument("--save", choices=("all", "linear1_out"), default="all")
+    p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    args = _parse(sys.argv[1:])
+    losses = main(steps=args.steps, device=args.device, precision=args.precision, save=args.save,
+                  optimizer=args.optimizer, lr=args.lr, seed=args.seed, verbose=True)
+    head, tail = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    print(f"mean loss of the first 10 steps {head:.5f}, of the last 10 steps {tail:.5f} ({tail / head:.3f}x)")

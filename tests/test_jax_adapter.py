@@ -1,0 +1,141 @@
+"""cupyffn.jax.gelu_ffn (custom VJP) against a float64 NumPy reference, on CPU JAX and on GPU JAX (marked gpu).
+
+The reference (forward and the three gradients of sum(output * r), written out below) is checked against
+central finite differences of the float64 forward first; each cupyffn result must be within the
+precision's contract (relative L2 error, cupyffn.PRECISIONS[p].contract).
+"""
+
+import math
+import os
+
+import numpy
+import pytest
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before JAX starts: leave the GPU to CuPy too
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+
+import cupyffn  # noqa: E402
+import cupyffn.jax as cj  # noqa: E402
+
+PRECISION_NAMES = tuple(cupyffn.PRECISIONS)
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("gpu", marks=pytest.mark.gpu, id="gpu")]
+SIZES = {"cpu": ((2, 64), 256, 1024), "gpu": ((2, 512), 1024, 4096)}  # (leading dims, D, H)
+NAMES = ("output", "grad_hidden_states", "grad_weight1", "grad_weight2")
+C = math.sqrt(2.0 / math.pi)
+
+
+@pytest.fixture
+def device(request):
+    """The jax.Device of the parametrized kind ('cpu' or 'gpu'); skips where JAX has none."""
+    kind = request.param
+    try:
+        return jax.devices(kind)[0]
+    except RuntimeError as e:
+        pytest.skip(f"JAX has no {kind} backend here: {' '.join(str(e).split())[:200]}")
+
+
+def forward64(x, w1, w2):
+    z = x @ w1.T
+    t = numpy.tanh(C * (z + 0.044715 * z ** 3))
+    return (0.5 * z * (1 + t)) @ w2.T, z, t
+
+
+def reference(x, w1, w2, r):
+    """float64 (output, grad_x, grad_w1, grad_w2) of loss = sum(output * r); x, r [..., D]."""
+    x, w1, w2, r = (numpy.asarray(a, dtype=numpy.float64) for a in (x, w1, w2, r))
+    lead = x.shape[:-1]
+    x2, r2 = x.reshape(-1, x.shape[-1]), r.reshape(-1, r.shape[-1])
+    y, z, t = forward64(x2, w1, w2)
+    g = 0.5 * z * (1 + t)
+    dz = (r2 @ w2) * (0.5 * (1 + t) + 0.5 * z * (1 - t * t) * C * (1 + 3 * 0.044715 * z * z))
+    return y.reshape(r.shape), (dz @ w1).reshape(lead + (x.shape[-1],)), dz.T @ x2, r2.T @ g
+
+
+def test_reference_matches_finite_differences():
+    rng = numpy.random.default_rng(7)
+    x, w1, w2, r = rng.standard_normal((5, 6)), rng.standard_normal((9, 6)) / 2, rng.standard_normal((6, 9)) / 3, \
+        rng.standard_normal((5, 6))
+    _, *grads = reference(x, w1, w2, r)
+    args = [x, w1, w2]
+    for i, grad in enumerate(grads):
+        for idx in [(0, 0), (2, 3), (4, 5)]:
+            plus, minus = [a.copy() for a in args], [a.copy() for a in args]
+            plus[i][idx] += 1e-6
+            minus[i][idx] -= 1e-6
+            fd = ((forward64(*plus)[0] * r).sum() - (forward64(*minus)[0] * r).sum()) / 2e-6
+            assert abs(fd - grad[idx]) <= 1e-6 * max(1.0, abs(fd)), (i, idx, fd, grad[idx])
+
+
+def make(rng, device, lead=None, dim=None, hidden=None):
+    """x ~ N(0, 1), weights like nn.Linear's init, r ~ N(0, 1): float32 NumPy arrays and their jax.Arrays."""
+    kind = "gpu" if device.platform != "cpu" else "cpu"
+    d_lead, d_dim, d_hidden = SIZES[kind]
+    lead, dim, hidden = lead or d_lead, dim or d_dim, hidden or d_hidden
+    host = (rng.standard_normal(lead + (dim,)), rng.uniform(-1, 1, (hidden, dim)) / math.sqrt(dim),
+            rng.uniform(-1, 1, (dim, hidden)) / math.sqrt(hidden), rng.standard_normal(lead + (dim,)))
+    host = tuple(a.astype(numpy.float32) for a in host)
+    return host, tuple(jax.device_put(a, device) for a in host)
+
+
+def rel(a, ref):
+    a = numpy.asarray(a)
+    assert a.dtype == numpy.float32 and a.shape == ref.shape
+    return float(numpy.linalg.norm(a.astype(numpy.float64) - ref) / numpy.linalg.norm(ref))
+
+
+def loss_fn(precision, r):
+    return lambda x, w1, w2: (cj.gelu_ffn(x, w1, w2, precision) * r).sum()
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@pytest.mark.parametrize("precision", PRECISION_NAMES)
+def test_value_and_grad_match_float64(rng, device, precision):
+    host, (x, w1, w2, r) = make(rng, device)
+    refs = reference(*host)
+    y = cj.gelu_ffn(x, w1, w2, precision)
+    _, grads = jax.value_and_grad(loss_fn(precision, r), argnums=(0, 1, 2))(x, w1, w2)
+    results = (y,) + tuple(grads)
+    for a in results:
+        assert isinstance(a, jax.Array) and a.devices() == {device}
+    errors = {n: rel(a, b) for n, a, b in zip(NAMES, results, refs)}
+    assert all(e <= cupyffn.PRECISIONS[precision].contract for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_vjp_of_one_argument(rng, device):
+    host, (x, w1, w2, r) = make(rng, device)
+    refs = reference(*host)
+    y, pullback = jax.vjp(lambda w2: cj.gelu_ffn(x, w1, w2, "ieee"), w2)
+    (grad_w2,) = pullback(r)
+    contract = cupyffn.PRECISIONS["ieee"].contract
+    assert rel(y, refs[0]) <= contract and rel(grad_w2, refs[3]) <= contract
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_tracing_raises_a_clear_type_error(rng, device):
+    _, (x, w1, w2, r) = make(rng, device, lead=(8,), dim=16, hidden=32)
+    f = loss_fn("bf16x3", r)
+    message = "cannot run inside jax.jit"
+    with pytest.raises(TypeError, match=message):
+        jax.jit(f)(x, w1, w2)
+    with pytest.raises(TypeError, match=message):
+        jax.jit(jax.grad(f))(x, w1, w2)
+    with pytest.raises(TypeError, match=message):
+        jax.vmap(lambda xi: cj.gelu_ffn(xi, w1, w2))(x[None])
+    assert numpy.isfinite(float(f(x, w1, w2)))  # the same call outside jit works
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_argument_errors(rng, device):
+    host, (x, w1, w2, _) = make(rng, device, lead=(8,), dim=16, hidden=32)
+    with pytest.raises(TypeError, match=r"hidden_states \(x\) must be float32.*float16"):
+        cj.gelu_ffn(x.astype(jnp.float16), w1, w2)
+    with pytest.raises(TypeError, match="weight2 must be float32.*bfloat16"):
+        cj.gelu_ffn(x, w1, w2.astype(jnp.bfloat16))
+    with pytest.raises(TypeError, match="weight1 must be a jax.Array"):
+        cj.gelu_ffn(x, host[1], w2)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        cj.gelu_ffn(x, w1, w2, "fp8")
+    with pytest.raises(ValueError, match="weight1 must have shape"):
+        cj.gelu_ffn(x, w1[:, :8], w2)

@@ -1,0 +1,287 @@
+"""cupyffn.torch (GeluFFNFunction, GeluFFN, gelu_ffn) against torch autograd of the plain block in float64.
+
+Every test runs on CPU torch (cupyffn's NumPy backend) and on CUDA (marked gpu; also skipped where torch
+has no CUDA). The reference is ``F.linear(F.gelu(F.linear(x, w1), approximate="tanh"), w2)`` evaluated and
+differentiated by torch in float64 from the same float32 values; each output must be within the
+precision's contract (relative L2 error, cupyffn.PRECISIONS[p].contract).
+"""
+
+import subprocess
+import sys
+
+import numpy
+import pytest
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+import cupyffn  # noqa: E402
+import cupyffn.torch as ct  # noqa: E402
+
+PRECISION_NAMES = tuple(cupyffn.PRECISIONS)
+CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.cuda is not available")]
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", marks=CUDA, id="cuda")]
+# (leading dims, D, H): T = 128 on the CPU, 2048 on the GPU
+SIZES = {"cpu": ((2, 64), 256, 1024), "cuda": ((4, 512), 1024, 4096)}
+NAMES = ("output", "grad_hidden_states", "grad_weight1", "grad_weight2")
+
+
+def make(rng, device, lead=None, dim=None, hidden=None):
+    """x ~ N(0, 1) [*lead, D], weights like nn.Linear's init, r ~ N(0, 1) (the output's gradient), float32."""
+    d_lead, d_dim, d_hidden = SIZES[device]
+    lead, dim, hidden = lead or d_lead, dim or d_dim, hidden or d_hidden
+    x = rng.standard_normal(lead + (dim,))
+    w1 = rng.uniform(-1, 1, (hidden, dim)) / numpy.sqrt(dim)
+    w2 = rng.uniform(-1, 1, (dim, hidden)) / numpy.sqrt(hidden)
+    r = rng.standard_normal(lead + (dim,))
+    return tuple(torch.from_numpy(a.astype(numpy.float32)).to(device) for a in (x, w1, w2, r))
+
+
+def reference(x, w1, w2, r):
+    """float64 (output, grad_x, grad_w1, grad_w2) of loss = sum(output * r), by torch autograd."""
+    x64, w1_64, w2_64 = (t.detach().double().requires_grad_() for t in (x, w1, w2))
+    y = F.linear(F.gelu(F.linear(x64, w1_64), approximate="tanh"), w2_64)
+    (y * r.double()).sum().backward()
+    return y.detach(), x64.grad, w1_64.grad, w2_64.grad
+
+
+def rel(a, ref):
+    assert a is not None and a.shape == ref.shape and a.dtype == torch.float32 and a.device == ref.device
+    return float((a.double() - ref).norm() / ref.norm())
+
+
+def run(fn, x, w1, w2, r):
+    """(output, grad_x, grad_w1, grad_w2) of loss = sum(fn(x, w1, w2) * r) through cupyffn.torch."""
+    x, w1, w2 = (t.detach().clone().requires_grad_() for t in (x, w1, w2))
+    y = fn(x, w1, w2)
+    (y * r).sum().backward()
+    return y.detach(), x.grad, w1.grad, w2.grad
+
+
+def assert_within(results, refs, contract):
+    errors = {n: rel(a, b) for n, a, b in zip(NAMES, results, refs)}
+    assert all(e <= contract for e in errors.values()), (errors, contract)
+    return errors
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Records the arguments of every cupyffn forward / backward call cupyffn.torch makes."""
+    calls = {"forward": [], "backward": []}
+
+    def wrap(kind, fn):
+        def recorder(*args, **kwargs):
+            calls[kind].append((args, kwargs))
+            return fn(*args, **kwargs)
+        return recorder
+
+    monkeypatch.setattr(ct, "_gelu_ffn_forward", wrap("forward", ct._gelu_ffn_forward))
+    monkeypatch.setattr(ct, "_gelu_ffn_backward", wrap("backward", ct._gelu_ffn_backward))
+    return calls
+
+
+def test_import_cupyffn_imports_neither_torch_nor_jax():
+    code = "import sys, cupyffn; print(sorted(m for m in ('torch', 'jax') if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("save", ("all", "linear1_out"))
+@pytest.mark.parametrize("precision", PRECISION_NAMES)
+def test_function_matches_float64_autograd(rng, device, precision, save):
+    x, w1, w2, r = make(rng, device)
+    refs = reference(x, w1, w2, r)
+    results = run(lambda a, b, c: ct.GeluFFNFunction.apply(a, b, c, precision, save), x, w1, w2, r)
+    assert_within(results, refs, cupyffn.PRECISIONS[precision].contract)
+    assert results[0].shape == x.shape and results[0].device == x.device
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("precision", PRECISION_NAMES)
+def test_memory_mode_saves_less_and_agrees(rng, device, precision):
+    x, w1, w2, r = make(rng, device)
+    outs = {}
+    for save, count in (("all", 6), ("linear1_out", 4)):
+        xs = x.clone().requires_grad_()
+        y = ct.gelu_ffn(xs, w1.clone().requires_grad_(), w2, precision=precision, save=save)
+        saved = y.grad_fn.saved_tensors
+        assert len(saved) == count  # x, w1, w2, linear1_out (+ tanh_inner, gelu_out)
+        assert saved[3].shape == x.shape[:-1] + (w1.shape[0],)
+        (y * r).sum().backward()
+        outs[save] = (y.detach(), xs.grad)
+    contract = cupyffn.PRECISIONS[precision].contract
+    for a, b in zip(outs["all"], outs["linear1_out"]):
+        assert rel(b, a.double()) <= contract
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("precision", ("bf16x3", "ieee"))
+def test_module_matches_float64_autograd(rng, device, precision):
+    lead, dim, hidden = SIZES[device]
+    torch.manual_seed(1234)
+    ffn = ct.GeluFFN(dim, hidden, precision=precision, device=device)
+    assert ffn.weight1.shape == (hidden, dim) and ffn.weight2.shape == (dim, hidden)
+    assert ffn.weight1.device.type == device and ffn.weight1.dtype == torch.float32
+    # nn.Linear's init: U(-1/sqrt(in_features), 1/sqrt(in_features)), spread over the whole range
+    for w, fan_in in ((ffn.weight1.detach(), dim), (ffn.weight2.detach(), hidden)):
+        bound = 1 / fan_in ** 0.5
+        assert float(w.abs().max()) <= bound and float(w.abs().max()) > 0.99 * bound
+        assert abs(float(w.std()) - bound / 3 ** 0.5) < 0.02 * bound
+    assert repr(ffn) == f"GeluFFN(dim={dim}, hidden_dim={hidden}, precision={precision!r}, save='all')"
+    x, _, _, r = make(rng, device)
+    x.requires_grad_()
+    y = ffn(x)
+    (y * r).sum().backward()
+    refs = reference(x, ffn.weight1, ffn.weight2, r)
+    results = (y.detach(), x.grad, ffn.weight1.grad, ffn.weight2.grad)
+    assert_within(results, refs, cupyffn.PRECISIONS[precision].contract)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("precision", ("bf16x3", "ieee"))
+def test_sgd_steps_track_the_torch_module(rng, device, precision):
+    """5 SGD steps of GeluFFN and of a float64 torch module from the same weights stay together."""
+    lead, dim, hidden = SIZES[device]
+    torch.manual_seed(99)
+    ffn = ct.GeluFFN(dim, hidden, precision=precision, device=device)
+    ref = torch.nn.Sequential(torch.nn.Linear(dim, hidden, bias=False), torch.nn.GELU(approximate="tanh"),
+                              torch.nn.Linear(hidden, dim, bias=False)).to(device=device, dtype=torch.float64)
+    with torch.no_grad():
+        ref[0].weight.copy_(ffn.weight1)
+        ref[2].weight.copy_(ffn.weight2)
+    start = [w.detach().double().clone() for w in (ffn.weight1, ffn.weight2)]
+    lr = 40.0 / hidden
+    opt, opt_ref = torch.optim.SGD(ffn.parameters(), lr=lr), torch.optim.SGD(ref.parameters(), lr=lr)
+    teacher = make(rng, device)[1:3]
+    for step in range(5):
+        x = make(rng, device)[0]
+        with torch.no_grad():
+            target = F.linear(F.gelu(F.linear(x, 2 * teacher[0]), approximate="tanh"), 2 * teacher[1])
+        for model, o, dtype in ((ffn, opt, torch.float32), (ref, opt_ref, torch.float64)):
+            o.zero_grad()
+            loss = 0.5 * (model(x.to(dtype)) - target.to(dtype)).square().sum() / x.shape[:-1].numel()
+            loss.backward()
+            o.step()
+    for w, w_ref, w0 in zip((ffn.weight1, ffn.weight2), (ref[0].weight, ref[2].weight), start):
+        w, w_ref = w.detach().double(), w_ref.detach()
+        assert float((w - w_ref).norm() / w_ref.norm()) < 1e-4
+        # the updates themselves (the part the gradients made) agree to a small multiple of the contract
+        update, update_ref = w - w0, w_ref - w0
+        assert float(update_ref.norm() / w0.norm()) > 0.02  # the weights did move (w1 ~5%, w2 ~25%)
+        assert float((update - update_ref).norm() / update_ref.norm()) < 10 * cupyffn.PRECISIONS[precision].contract
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_needs_input_grad_selects_the_work(rng, device, spy):
+    x, w1, w2, r = make(rng, device)
+    refs = reference(x, w1, w2, r)
+    contract = cupyffn.PRECISIONS["bf16x3"].contract
+
+    # x is data (no grad): only the weight gradients are computed
+    w1p, w2p = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    xd = x.clone()
+    (ct.gelu_ffn(xd, w1p, w2p) * r).sum().backward()
+    kwargs = spy["backward"][-1][1]
+    assert kwargs["need_grad_hidden"] is False and kwargs["need_weight_grads"] is True
+    assert xd.grad is None
+    assert rel(w1p.grad, refs[2]) <= contract and rel(w2p.grad, refs[3]) <= contract
+
+    # frozen weights: only grad_hidden_states
+    xg = x.clone().requires_grad_()
+    (ct.gelu_ffn(xg, w1, w2) * r).sum().backward()
+    kwargs = spy["backward"][-1][1]
+    assert kwargs["need_grad_hidden"] is True and kwargs["need_weight_grads"] is False
+    assert kwargs["out"][1] is None and kwargs["out"][2] is None
+    assert w1.grad is None and w2.grad is None
+    assert rel(xg.grad, refs[1]) <= contract
+
+    # one weight frozen: both weight gradients come from the same GEMMs, the frozen one is dropped
+    xg, w1p = x.clone().requires_grad_(), w1.clone().requires_grad_()
+    (ct.gelu_ffn(xg, w1p, w2) * r).sum().backward()
+    kwargs = spy["backward"][-1][1]
+    assert kwargs["need_grad_hidden"] is True and kwargs["need_weight_grads"] is True
+    assert w2.grad is None
+    assert rel(xg.grad, refs[1]) <= contract and rel(w1p.grad, refs[2]) <= contract
+    assert len(spy["backward"]) == 3 and len(spy["forward"]) == 3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_only_float32(rng, device):
+    x, w1, w2, _ = make(rng, device, lead=(8,), dim=16, hidden=32)
+    args = {"hidden_states": x, "weight1": w1, "weight2": w2}
+    for name in args:
+        bad = dict(args, **{name: args[name].double()})
+        with pytest.raises(TypeError, match=f"{name} must be float32.*float64"):
+            ct.GeluFFNFunction.apply(bad["hidden_states"], bad["weight1"], bad["weight2"], "bf16x3", "all")
+    ffn = ct.GeluFFN(16, 32, device=device)
+    with pytest.raises(TypeError, match="hidden_states must be float32.*float16"):
+        ffn(x.half())
+    with pytest.raises(TypeError, match="float32 only.*float64"):
+        ct.GeluFFN(16, 32, device=device, dtype=torch.float64)
+    with pytest.raises(ValueError, match="save must be one of"):
+        ct.gelu_ffn(x, w1, w2, save="nothing")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        ct.gelu_ffn(x, w1, w2, precision="fp8")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layouts_zero_copy_where_readable(rng, device, spy):
+    """Column slices go to cupyffn as they are; a transposed weight is made contiguous; results unchanged."""
+    dim, hidden = 128, 512
+    x_wide, w1, _, r = make(rng, device, lead=(2, 64), dim=dim + 32, hidden=hidden)
+    w2_wide = make(rng, device, lead=(1,), dim=hidden + 8, hidden=dim)[1]  # [dim, hidden + 8]
+    r = r[..., :dim]
+    x_base, w2_base = x_wide.clone().requires_grad_(), w2_wide.clone().requires_grad_()
+    w1_base = w1[:, :dim].t().contiguous().requires_grad_()  # [dim, hidden]
+    x, w2, w1t = x_base[..., :dim], w2_base[:, :hidden], w1_base.t()  # w1t: strides (1, hidden)
+    assert not x.is_contiguous() and not w2.is_contiguous() and not w1t.is_contiguous()
+    y = ct.gelu_ffn(x, w1t, w2, "ieee")
+    y.sum().backward()  # grad_output is an expanded tensor (stride 0): copied for cupyffn
+    refs = reference(x, w1t, w2, torch.ones_like(r))
+    results = (y.detach(), x_base.grad[..., :dim], w1_base.grad.t(), w2_base.grad[:, :hidden])
+    assert_within(results, refs, cupyffn.PRECISIONS["ieee"].contract)
+    assert float(x_base.grad[..., dim:].abs().max()) == 0 and float(w2_base.grad[:, hidden:].abs().max()) == 0
+
+    def ptr(a):
+        return a.__array_interface__["data"][0] if isinstance(a, numpy.ndarray) else a.data_ptr()
+
+    fwd_args, bwd_args = spy["forward"][-1][0], spy["backward"][-1][0]
+    assert ptr(fwd_args[0]) == x.data_ptr() and ptr(fwd_args[2]) == w2.data_ptr()  # zero-copy
+    assert ptr(fwd_args[1]) != w1t.data_ptr() and fwd_args[1].shape == (hidden, dim)  # contiguous copy
+    dy = bwd_args[0]
+    assert dy.flags.c_contiguous if isinstance(dy, numpy.ndarray) else dy.is_contiguous()  # was stride 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero_tokens(rng, device):
+    x, w1, w2, _ = make(rng, device, lead=(0,), dim=64, hidden=256)
+    x.requires_grad_()
+    w1.requires_grad_()
+    y = ct.gelu_ffn(x, w1, w2)
+    assert y.shape == (0, 64)
+    y.sum().backward()
+    assert x.grad.shape == (0, 64) and w1.grad.shape == (256, 64) and float(w1.grad.abs().max()) == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.cuda is not available")
+def test_cuda_side_stream_needs_no_synchronization(rng):
+    """Forward and backward on a non-default torch stream, right after long work on it, read back on it."""
+    x, w1, w2, r = make(rng, "cuda")
+    refs = reference(x, w1, w2, r)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        busy = torch.randn(4096, 4096, device="cuda")
+        for _ in range(20):  # keeps `side` busy for a while: work not ordered after it would read stale data
+            busy = torch.tanh(busy @ busy)
+        xs = torch.empty_like(x)
+        xs.copy_(x + 0 * busy[0, 0])  # x's values land only after the busy work
+        xs.requires_grad_()
+        w1p, w2p = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+        y = ct.gelu_ffn(xs, w1p, w2p, precision="bf16x3")
+        (y * r).sum().backward()
+        errors = [rel(a, b) for a, b in zip((y.detach(), xs.grad, w1p.grad, w2p.grad), refs)]  # .norm() read on `side`
+    assert all(e <= cupyffn.PRECISIONS["bf16x3"].contract for e in errors), errors
