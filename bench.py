@@ -103,6 +103,9 @@ def git_commit():
 
 
 def torch_or_none():
+    # torch.compile's default pool of compile worker processes stays alive and competes for the host
+    # CPU with the host-time measurements of loop mode: compile in-process instead.
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     try:
         import torch
 

@@ -169,7 +169,7 @@ def test_sgd_steps_track_the_torch_module(rng, device, precision):
         assert float((w - w_ref).norm() / w_ref.norm()) < 1e-4
         # the updates themselves (the part the gradients made) agree to a small multiple of the contract
         update, update_ref = w - w0, w_ref - w0
-        assert float(update_ref.norm() / w0.norm()) > 0.02  # the weights did move (w1 ~5%, w2 ~25%)
+        assert float(update_ref.norm() / w0.norm()) > 2e-3  # the weights did move (0.9% to 25% by size)
         assert float((update - update_ref).norm() / update_ref.norm()) < 10 * cupyffn.PRECISIONS[precision].contract
 
 
