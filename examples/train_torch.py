@@ -51,8 +51,8 @@ def main(steps=200, device="auto", precision="bf16x3", save="all", optimizer="ad
     teacher1 = (2 * torch.rand(hidden_dim, dim, generator=gen) - 1) * (2 / dim ** 0.5)
     teacher2 = (2 * torch.rand(dim, hidden_dim, generator=gen) - 1) * (2 / hidden_dim ** 0.5)
     teacher1, teacher2 = teacher1.to(device), teacher2.to(device)
-    torch.manual_seed(seed)
-    model = cupyffn_torch.GeluFFN(dim, hidden_dim, precision=precision, save=save, device=device)
+    torch.manual_seed(seed)  # initialize on the CPU and move: the same starting weights on every device
+    model = cupyffn_torch.GeluFFN(dim, hidden_dim, precision=precision, save=save, device="cpu").to(device)
     opt = (torch.optim.Adam(model.parameters(), lr=lr) if optimizer == "adam"
            else torch.optim.SGD(model.parameters(), lr=lr))
 
