@@ -17,7 +17,7 @@ bf16       bf16(x), one pass                                                    
 (*) relative L2 error ||out - ref64|| / ||ref64|| of every output against a float64 reference, on
 the benchmark's inputs (normal data, weights 0.02 * N(0, 1)). ieee and bf16x3 also pass the
 benchmark's check against the plain-fp32 reference on all 16 workloads; tf32 and bf16 do not at
-large T (measured: ../results).
+large T (measured: results/ in the repository).
 """
 
 from typing import NamedTuple

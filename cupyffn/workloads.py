@@ -112,6 +112,15 @@ def reference(inputs, xp=numpy, dtype=numpy.float64):
     return grad_hidden, grad_w1, grad_w2
 
 
+def forward_reference(hidden_states, weight1, weight2, xp=numpy):
+    """The forward in float64: (output, linear1_out, tanh_inner, gelu_out) as 2-D arrays."""
+    x, w1, w2 = (a.astype(xp.float64) for a in (hidden_states, weight1, weight2))
+    z = x.reshape(-1, x.shape[-1]) @ w1.T
+    t = xp.tanh(math.sqrt(2.0 / math.pi) * (z + 0.044715 * z ** 3))
+    g = 0.5 * z * (1.0 + t)
+    return g @ w2.T, z, t, g
+
+
 class Check(NamedTuple):
     passed: bool
     matched: float     # fraction of elements within ATOL + RTOL * |ref|

@@ -163,6 +163,24 @@ __device__ __forceinline__ unsigned int pack2(unsigned short a, unsigned short b
   return (unsigned int)a | ((unsigned int)b << 16);
 }
 
+// Work items of an elementwise kernel over [rows, cols]: (row, chunk) pairs, a chunk being the
+// width * blockDim columns one block covers in one step (width 8 on the vector path, else 1), so that
+// few long rows (weights, small T) still spread over many blocks.
+struct RowChunks {
+  int width, chunk, per_row;
+  long long count;
+
+  __device__ __forceinline__ RowChunks(long long rows, int cols, int vec)
+      : width(vec ? 8 : 1), chunk(width * (int)blockDim.x), per_row((cols + chunk - 1) / chunk),
+        count(rows * per_row) {}
+
+  // Row of item w and the first column this thread handles in it (may be past the row's end).
+  __device__ __forceinline__ void locate(long long w, long long& r, int& c) const {
+    r = w / per_row;
+    c = (int)(w - r * per_row) * chunk + width * (int)threadIdx.x;
+  }
+};
+
 // Eight consecutive floats, loaded as two 16-byte streaming loads (each input is read once).
 struct F8 {
   float v[8];

@@ -1,9 +1,8 @@
 // Conversion of fp32 operands into the 16-bit formats the GEMMs read (see common.cuh).
 //
-// One launch converts up to kMaxJobs matrices. A job's work items are (row, chunk) pairs, a chunk
-// being the 8 * blockDim columns one block covers in one step (blockDim on the scalar path), so
-// that few long rows (weights, small T) still spread over many blocks. Job k owns blocks
-// [block_begin, block_begin + block_count), which take items b - block_begin, + block_count, ...
+// One launch converts up to kMaxJobs matrices, each as (row, chunk) work items (RowChunks in
+// common.cuh). Job k owns blocks [block_begin, block_begin + block_count), which take items
+// b - block_begin, + block_count, ...
 // Each thread moves 8 floats per item (two 16-byte loads, one 16-byte store per plane) when the
 // job allows it, else one float.
 // kind 1 computes gelu_out from linear1_out on the fly (the backward's memory mode, where the caller
@@ -77,13 +76,11 @@ __global__ void __launch_bounds__(256) convert_kernel(const __grid_constant__ Co
   }
   float amax = 0.0f;
   const int cols = job.cols;
-  const int width = job.vec ? 8 : 1;
-  const int chunk = width * (int)blockDim.x;
-  const int per_row = (cols + chunk - 1) / chunk;
-  const long long items = job.rows * per_row;
-  for (long long w = (int)blockIdx.x - job.block_begin; w < items; w += job.block_count) {
-    const long long r = w / per_row;
-    const int c = (int)(w - r * per_row) * chunk + width * (int)threadIdx.x;
+  const cupyffn::RowChunks items(job.rows, cols, job.vec);
+  for (long long w = (int)blockIdx.x - job.block_begin; w < items.count; w += job.block_count) {
+    long long r;
+    int c;
+    items.locate(w, r, c);
     if (c >= cols) continue;
     const float* src = job.src + r * job.src_ld + c;
     if (job.vec) {

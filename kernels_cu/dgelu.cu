@@ -41,13 +41,11 @@ __global__ void __launch_bounds__(256, 6) dgelu_kernel(const __grid_constant__ D
   }
   float amax = 0.0f;
   const int cols = job.cols;
-  const int width = job.vec ? 8 : 1;
-  const int chunk = width * (int)blockDim.x;
-  const int per_row = (cols + chunk - 1) / chunk;
-  const long long items = job.rows * per_row;
-  for (long long w = blockIdx.x; w < items; w += gridDim.x) {  // (row, chunk) items, as in convert.cu
-    const long long r = w / per_row;
-    const int c = (int)(w - r * per_row) * chunk + width * (int)threadIdx.x;
+  const cupyffn::RowChunks items(job.rows, cols, job.vec);
+  for (long long w = blockIdx.x; w < items.count; w += gridDim.x) {
+    long long r;
+    int c;
+    items.locate(w, r, c);
     if (c >= cols) continue;
     const float* gg = job.grad_gelu + r * job.grad_gelu_ld + c;
     const float* xr = job.x + r * job.x_ld + c;

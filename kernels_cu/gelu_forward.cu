@@ -32,13 +32,11 @@ __global__ void __launch_bounds__(256, 6) gelu_forward_kernel(const __grid_const
   if constexpr (FMT == FMT_F16S) scale = ldexpf(1.0f, state[job.slot]);
   float amax = 0.0f;
   const int cols = job.cols;
-  const int width = job.vec ? 8 : 1;
-  const int chunk = width * (int)blockDim.x;
-  const int per_row = (cols + chunk - 1) / chunk;
-  const long long items = job.rows * per_row;
-  for (long long w = blockIdx.x; w < items; w += gridDim.x) {  // (row, chunk) items, as in convert.cu
-    const long long r = w / per_row;
-    const int c = (int)(w - r * per_row) * chunk + width * (int)threadIdx.x;
+  const cupyffn::RowChunks items(job.rows, cols, job.vec);
+  for (long long w = blockIdx.x; w < items.count; w += gridDim.x) {
+    long long r;
+    int c;
+    items.locate(w, r, c);
     if (c >= cols) continue;
     float* tr = job.t + r * job.t_ld + c;
     float* gr = job.g + r * job.g_ld + c;
