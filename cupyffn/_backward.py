@@ -7,7 +7,8 @@ from typing import Any, NamedTuple
 
 import numpy
 
-from . import _arrays, _checks, _numpy_backend, _precision, _validate
+from . import _arrays, _checks, _forward, _numpy_backend, _precision, _validate
+from ._plan_cache import PlanCache
 
 
 class FFNGrads(NamedTuple):
@@ -320,43 +321,24 @@ def _run_cpu(call, out, precision, need_grad_hidden, need_weight_grads, accumula
 
 # ---------------------------------------------------------------------- functional API
 _CACHE_SIZE = 4
-_cache = collections.OrderedDict()
-_cache_lock = threading.Lock()
+_plans = PlanCache(_CACHE_SIZE)
 _recent = {}  # (signature, precision, flags, stream) -> plan: skips shape-based lookup for repeated arrays
 
 
 def clear_cache():
-    """Drop the plans `gelu_ffn_backward` keeps (their device memory goes back to CuPy's pool)."""
-    with _cache_lock:
-        plans = list(_cache.values())
-        _cache.clear()
-        _recent.clear()
-    for plan in plans:
-        plan.close()
+    """Drop the plans `gelu_ffn_backward` and `gelu_ffn_forward` keep (their device memory goes back to
+    CuPy's pool once their last call has finished)."""
+    _recent.clear()
+    _plans.clear()
+    _forward.clear_cache()
 
 
 def _cached_plan(call, precision, stream_ptr, need_grad_hidden, need_weight_grads):
     key = (call.device, call.tokens, call.dim, call.hidden_dim, precision.name, need_grad_hidden,
            need_weight_grads, stream_ptr)
-    with _cache_lock:
-        plan = _cache.get(key)
-        if plan is not None:
-            _cache.move_to_end(key)
-            return plan
-    plan = GeluFFNBackward(call.tokens, call.dim, call.hidden_dim, precision=precision.name, device=call.device,
-                           need_grad_hidden=need_grad_hidden, need_weight_grads=need_weight_grads)
-    with _cache_lock:
-        existing = _cache.get(key)
-        if existing is not None:  # another thread built the same plan meanwhile
-            plan.close()
-            return existing
-        _cache[key] = plan
-        evicted = []
-        while len(_cache) > _CACHE_SIZE:
-            evicted.append(_cache.popitem(last=False)[1])
-    for old in evicted:
-        old.close()
-    return plan
+    return _plans.get(key, lambda: GeluFFNBackward(
+        call.tokens, call.dim, call.hidden_dim, precision=precision.name, device=call.device,
+        need_grad_hidden=need_grad_hidden, need_weight_grads=need_weight_grads))
 
 
 def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner=None, gelu_out=None, *,

@@ -8,7 +8,7 @@ its rows. For "tf32", the fp16 scale slots reuse the backward's table (kernels_c
 slot 0 and W1 in slot 1 (GEMM pair 0), G in slot 5 and W2 in slot 4 (GEMM pair 2).
 """
 
-import collections
+import ctypes
 import threading
 from typing import Any, NamedTuple
 
@@ -16,7 +16,8 @@ import numpy
 
 from . import _arrays, _cublas, _kernels, _numpy_backend, _precision
 from . import _precision as P
-from ._gpu_engine import _align, _items, _Operand, _vec_ok
+from ._gpu_engine import _align, _items, _Operand, _vec_ok, convert_launch
+from ._plan_cache import PlanCache
 
 FORWARD_OUTPUTS = ("output", "linear1_out", "tanh_inner", "gelu_out")
 _SLOT = {"hidden_states": 0, "weight1": 1, "weight2": 4, "gelu_out": 5}
@@ -126,6 +127,8 @@ class GpuForward:
                 raise MemoryError(f"cupyffn's forward needs {offset} bytes of device scratch for T={tokens}, "
                                   f"D={dim}, H={hidden_dim}: {e}") from None
             self._base = self._scratch.ptr
+            self._state_ptr = ctypes.c_void_p(self._state.data.ptr)
+            self._consts_ptr = ctypes.c_void_p(self._consts.data.ptr)
             self._handle = _cublas.acquire(device_id)
             self.lock = threading.Lock()
             self._ev_done = cupy.cuda.Event(disable_timing=True)
@@ -138,22 +141,8 @@ class GpuForward:
 
     def _convert_launch(self, names, grid, rescue, alpha_mask):
         kernel = _kernels.get_function("convert", f"convert_kernel<{self.precision.fmt}>", self.device_id)
-        jobs = _kernels.ConvertJobs()
-        jobs.count, jobs.rescue, jobs.counter = len(names), rescue, 0
-        jobs.slot_mask = sum(1 << _SLOT[n] for n in names)
-        jobs.alpha_mask = alpha_mask
-        sizes = [self.ops[n].rows * self.ops[n].cols for n in names]
-        begin = 0
-        for k, name in enumerate(names):
-            op, job = self.ops[name], jobs.job[k]
-            job.dst, job.dst_ld, job.part_stride = self._addr(name), op.dst_ld, op.part_stride
-            job.rows, job.cols, job.pattern, job.slot = op.rows, op.cols, _PATTERN[name], _SLOT[name]
-            job.block_begin = begin
-            job.block_count = max(1, min(_items(op.rows, op.cols), round(grid * sizes[k] / sum(sizes))))
-            begin += job.block_count
-        launch = _kernels.KernelLaunch(kernel, jobs, ctypes_ptr(self._state), ctypes_ptr(self._consts))
-        launch.grid = begin
-        return launch
+        targets = [(self.ops[n], self._addr(n), _PATTERN[n], _SLOT[n]) for n in names]
+        return convert_launch(kernel, targets, grid, rescue, 0, alpha_mask, self._state_ptr, self._consts_ptr)
 
     def _build(self):
         dev, prec, p = self.device_id, self.precision, self.planes
@@ -173,7 +162,7 @@ class GpuForward:
         if p:
             op = self.ops["gelu_out"]
             job.dst, job.dst_ld, job.part_stride = self._addr("gelu_out"), op.dst_ld, op.part_stride
-        self._gelu = _kernels.KernelLaunch(_kernels.get_function("gelu_forward", expr, dev), job, ctypes_ptr(self._state))
+        self._gelu = _kernels.KernelLaunch(_kernels.get_function("gelu_forward", expr, dev), job, self._state_ptr)
         self._gelu.grid = max(1, min(_items(self.T, self.H), sms * _kernels.blocks_per_sm("gelu_forward", expr, dev) * 2))
         dtype = {P.FMT_F32: _cublas.R_32F, P.FMT_BF16: _cublas.R_16BF, P.FMT_BF16X3: _cublas.R_16BF,
                  P.FMT_F16S: _cublas.R_16F}[prec.fmt]
@@ -244,40 +233,11 @@ class GpuForward:
             self._scratch = None
 
 
-def ctypes_ptr(array):
-    import ctypes
-
-    return ctypes.c_void_p(array.data.ptr)
-
-
-_engines = collections.OrderedDict()
-_engines_lock = threading.Lock()
-
-
-def _engine(device, T, D, H, precision, stream_ptr):
-    key = (device, T, D, H, precision.name, stream_ptr)
-    with _engines_lock:
-        engine = _engines.get(key)
-        if engine is not None:
-            _engines.move_to_end(key)
-            return engine
-    engine = GpuForward(T, D, H, precision, device)
-    with _engines_lock:
-        _engines[key] = engine
-        evicted = []
-        while len(_engines) > 4:
-            evicted.append(_engines.popitem(last=False)[1])
-    for old in evicted:
-        old.close()
-    return engine
+_engines = PlanCache(4)
 
 
 def clear_cache():
-    with _engines_lock:
-        engines = list(_engines.values())
-        _engines.clear()
-    for e in engines:
-        e.close()
+    _engines.clear()
 
 
 def gelu_ffn_forward(hidden_states, weight1, weight2, *, precision=_precision.DEFAULT, out=None, stream=None):
@@ -320,7 +280,7 @@ def gelu_ffn_forward(hidden_states, weight1, weight2, *, precision=_precision.DE
                 ptrs.append(a.data.ptr)
         if T == 0:
             return FFNForward(*results)
-        engine = _engine(device, T, D, H, prec, s.ptr)
+        engine = _engines.get((device, T, D, H, prec.name, s.ptr), lambda: GpuForward(T, D, H, prec, device))
         try:
             with engine.lock:
                 engine.run(mats, ptrs, s.ptr)

@@ -36,6 +36,33 @@ def _items(rows, cols):
     return rows * -(-cols // (8 * _kernels.BLOCK))
 
 
+def convert_launch(kernel, targets, total_blocks, rescue, counter, alpha_mask, state_ptr, consts_ptr):
+    """One convert_kernel launch (convert.cu). `targets`: per matrix (geometry, dst address, plane pattern,
+    scale slot); blocks are shared out in proportion to the matrices' sizes. Source pointers are set per call."""
+    jobs = _kernels.ConvertJobs()
+    jobs.count = len(targets)
+    jobs.rescue = rescue
+    jobs.counter = counter
+    jobs.slot_mask = sum(1 << slot for *_, slot in targets)
+    jobs.alpha_mask = alpha_mask
+    sizes = [op.rows * op.cols for op, *_ in targets]
+    begin = 0
+    for job, (op, dst, pattern, slot), size in zip(jobs.job, targets, sizes):
+        job.dst = dst
+        job.dst_ld = op.dst_ld
+        job.part_stride = op.part_stride
+        job.rows = op.rows
+        job.cols = op.cols
+        job.pattern = pattern
+        job.slot = slot
+        job.block_begin = begin
+        job.block_count = max(1, min(_items(op.rows, op.cols), round(total_blocks * size / sum(sizes))))
+        begin += job.block_count
+    launch = _kernels.KernelLaunch(kernel, jobs, state_ptr, consts_ptr)
+    launch.grid = begin
+    return launch
+
+
 def _vec_ok(ptr, ld, cols, itemsize=4):
     """The 8-wide path needs every row to start 16-byte aligned and to hold whole groups of 8."""
     return cols % 8 == 0 and ptr % 16 == 0 and (ld * itemsize) % 16 == 0
@@ -210,31 +237,9 @@ class GpuEngine:
 
     def _convert_launch(self, kernel, names, total_blocks, rescue, counter, alpha_mask, targets=None):
         """A convert launch for `names`; `targets` maps a name to (geometry, address) outside the scratch layout."""
-        jobs = _kernels.ConvertJobs()
-        jobs.count = len(names)
-        jobs.rescue = rescue
-        jobs.counter = counter
-        jobs.slot_mask = sum(1 << P.SLOT[n] for n in names)
-        jobs.alpha_mask = alpha_mask
-        geometry = [(targets[n][0] if targets else self.ops[n]) for n in names]
-        sizes = [op.rows * op.cols for op in geometry]
-        begin = 0
-        for k, name in enumerate(names):
-            op, dst = targets[name] if targets else (self.ops[name], self._addr(name))
-            job = jobs.job[k]
-            job.dst = dst
-            job.dst_ld = op.dst_ld
-            job.part_stride = op.part_stride
-            job.rows = op.rows
-            job.cols = op.cols
-            job.pattern = P.PATTERN[name]
-            job.slot = P.SLOT[name]
-            job.block_begin = begin
-            job.block_count = max(1, min(_items(op.rows, op.cols), round(total_blocks * sizes[k] / sum(sizes))))
-            begin += job.block_count
-        launch = _kernels.KernelLaunch(kernel, jobs, self._state_ptr, self._consts_ptr)
-        launch.grid = begin
-        return launch
+        placed = [(targets[n] if targets else (self.ops[n], self._addr(n))) + (P.PATTERN[n], P.SLOT[n]) for n in names]
+        return convert_launch(kernel, placed, total_blocks, rescue, counter, alpha_mask, self._state_ptr,
+                              self._consts_ptr)
 
     def _dgelu_launch(self, kernel, grid, rescue):
         job = _kernels.DgeluJob()

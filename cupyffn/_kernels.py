@@ -11,7 +11,6 @@ cost of a launch at about a microsecond and works unchanged inside CUDA-graph ca
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
@@ -194,8 +193,3 @@ class KernelLaunch:
 
         driver.launchKernel(self.function, self.grid, 1, 1, self.block, 1, 1, 0, stream_ptr,
                             ctypes.addressof(self._argv), 0)
-
-
-def cache_dir_note():
-    """Where CuPy keeps compiled kernels (for error messages)."""
-    return os.environ.get("CUPY_CACHE_DIR", str(Path.home() / ".cupy" / "kernel_cache"))
