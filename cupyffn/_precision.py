@@ -15,9 +15,11 @@ bf16       bf16(x), one pass                                                    
 =========  ====================================================================  ==============
 
 (*) relative L2 error ||out - ref64|| / ||ref64|| of every output against a float64 reference, on
-the benchmark's inputs (normal data, weights 0.02 * N(0, 1)). ieee and bf16x3 also pass the
-benchmark's check against the plain-fp32 reference on all 16 workloads; tf32 and bf16 do not at
-large T (measured: results/ in the repository).
+the benchmark's inputs (normal data, weights 0.02 * N(0, 1)). `passes_check`: the benchmark's own
+check (cupyffn.workloads.check: per-workload max_atol, 99% of the elements) against the plain-fp32
+reference, measured on the H200 on all 16 workloads over rounds of fresh inputs: ieee, bf16x3 and
+tf32 pass it (tf32 with every element inside max_atol, worst max|err|/atol 0.90); bf16 fails it on
+every workload (max|err| up to 7x atol).
 """
 
 from typing import NamedTuple
@@ -47,7 +49,7 @@ class Precision(NamedTuple):
     fmt: int           # operand format written by the conversion kernels
     planes: int        # 16-bit planes per operand (0: the fp32 inputs are used as they are)
     contract: float    # relative L2 error bound per output (see module docstring)
-    passes_check: bool  # passes the benchmark's check against the fp32 reference on every workload
+    passes_check: bool  # passes the benchmark's own check against the fp32 reference on every workload (measured)
     summary: str
 
 
@@ -55,7 +57,7 @@ PRECISIONS = {
     "bf16x3": Precision("bf16x3", FMT_BF16X3, 3, 1e-4, True,
                         "3 bf16 tensor-core products per GEMM (hi*hi + hi*lo + lo*hi), fp32 accumulation"),
     "ieee": Precision("ieee", FMT_F32, 0, 5e-6, True, "plain fp32 arithmetic (cuBLAS SGEMM, no TF32)"),
-    "tf32": Precision("tf32", FMT_F16S, 1, 6e-4, False,
+    "tf32": Precision("tf32", FMT_F16S, 1, 6e-4, True,
                       "TF32-class: fp16 operands with per-tensor power-of-two scales, fp32 accumulation"),
     "bf16": Precision("bf16", FMT_BF16, 1, 5e-3, False, "one bf16 tensor-core pass, fp32 accumulation"),
 }
