@@ -10,22 +10,48 @@
 ``F.linear(F.gelu(F.linear(x, weight1), approximate="tanh"), weight2)`` within the accuracy contract
 of the precision (``cupyffn.PRECISIONS[precision].contract``, relative L2 error per output).
 
-Devices and streams: CUDA tensors are handed to cupyffn zero-copy (DLPack) and the work is enqueued on
-torch's current stream of the tensors' device (``torch.cuda.current_stream(device)``), so it is ordered
-like any torch op and the host is never synchronized. CPU tensors run on cupyffn's NumPy backend
-(zero-copy ``Tensor.numpy()`` views). Every result (output, saved activations, gradients) is a tensor
-allocated by torch with ``torch.empty`` and written by cupyffn through ``out=``, so torch's caching
-allocator owns it. cupyffn's own scratch buffers and cuBLAS workspaces (kept per shape and stream, see
-``cupyffn.clear_cache``) come from CuPy's memory pool, not torch's.
+Operators: the forward and the backward are ``torch.library.custom_op``s, ``torch.ops.cupyffn.forward``
+and ``torch.ops.cupyffn.backward``, with fake (meta) implementations and an autograd formula
+(``register_autograd``). So ``torch.compile(model, fullgraph=True)`` traces a model using ``GeluFFN``
+without a graph break (the ops stay opaque calls in the compiled graph, forward and backward), and
+``torch.compile(mode="reduce-overhead")`` and ``torch.cuda.graph`` capture them: every result is
+allocated by torch (``torch.empty``, inside the op) and handed to cupyffn as ``out=``, so under capture
+it comes from the graph's memory pool. Capture needs the call's plan built first: run the step once
+(the usual warm-up iterations) before capturing.
 
-Limitations: float32 only (other dtypes, including autocast's bf16/fp16 activations, raise TypeError
-naming the tensor); no double backward; the call is opaque to ``torch.compile`` (graph break) and to
-``torch.func`` transforms; all three tensors on one device.
+Autocast: under ``torch.autocast`` (CUDA or CPU) the forward casts its floating-point inputs to float32
+(``torch.library.register_autocast``) and computes in float32: the output is always float32, whatever
+the autocast dtype; gradients come back in the inputs' dtypes (autograd casts them). Outside autocast
+only float32 tensors are accepted (TypeError naming the tensor).
+
+Devices and streams: the work is enqueued on torch's current stream of the tensors' device
+(``torch.cuda.current_stream(device)``), so it is ordered like any torch op and the host is never
+synchronized. CPU tensors run on cupyffn's NumPy backend (zero-copy ``Tensor.numpy()`` views).
+cupyffn's own scratch buffers and cuBLAS workspaces come from CuPy's memory pool, not torch's.
+
+Host fast path: a CUDA tensor reaches cupyffn as a CuPy view built from its pointer, shape and strides
+(no DLPack import; the stream handshake DLPack would do is empty since cupyffn works on the stream
+torch is using). The views are cached by (pointer, shape, strides, device): a view is a pure
+function of that key and owns nothing, so when torch frees a tensor and reuses its address for a
+tensor of the same geometry, the cached view describes that tensor exactly; a view is only used while
+the tensor it was looked up for is alive (during the call). Repeated tensors (a training loop under
+torch's caching allocator) then take cupyffn's validated-call fast path.
+
+Tensor parallelism: autograd hands grad_input to the previous layer only when this op's backward
+returns (after both weight-gradient GEMMs), so the torch layer cannot start an all-reduce of
+grad_hidden_states early. A caller that wants to overlap it uses the functional API,
+``cupyffn.gelu_ffn_backward(..., grad_hidden_ready=event)`` (a ``cupy.cuda.Event`` recorded on the
+stream right after grad_hidden_states is written, before the weight gradients finish), e.g. in its own
+``torch.autograd.Function``.
+
+Limitations: no double backward; opaque to ``torch.func`` transforms (vmap, jacrev); all three tensors
+on one device.
 
 This module imports torch; ``import cupyffn`` does not import it.
 """
 
 import math
+from typing import Optional, Tuple
 
 import torch
 
@@ -52,19 +78,61 @@ class _StreamHandle:
         return (0, self.ptr)
 
 
-def _cupy_stream(device):
-    """torch's current stream on `device` as a CuPy stream that does not own (or destroy) it.
+def _external_stream(ptr, device_index):
+    """A CuPy stream object for the raw stream `ptr` of `device_index`; it does not own (or destroy) it.
 
     CuPy >= 14: ``cupy.cuda.Stream.from_external``; older CuPy: ``cupy.cuda.ExternalStream`` (deprecated in 14).
-    Call with `device` current in CuPy (``cupy.cuda.Device(index)``): the stream belongs to it.
+    Call with `device_index` current in CuPy: the stream belongs to it.
     """
     import cupy
 
-    ptr = int(torch.cuda.current_stream(device).cuda_stream)
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
     if from_external is not None:
         return from_external(_StreamHandle(ptr))
-    return cupy.cuda.ExternalStream(ptr, device.index)
+    return cupy.cuda.ExternalStream(ptr, device_index)
+
+
+# (raw stream pointer, device index) -> CuPy stream object. The object is only a (pointer, device) pair
+# that owns nothing, so a pointer torch reuses for a new stream maps to an equivalent object.
+_streams = {}
+
+
+def _cupy_stream(device):
+    """torch's current stream on `device` as a CuPy stream (see _external_stream)."""
+    ptr = int(torch.cuda.current_stream(device).cuda_stream)
+    key = (ptr, device.index)
+    stream = _streams.get(key)
+    if stream is None:
+        if len(_streams) >= 64:
+            _streams.clear()
+        stream = _streams[key] = _external_stream(ptr, device.index)
+    return stream
+
+
+# (data_ptr, shape, strides, device index) -> CuPy view of a float32 CUDA tensor: see the module docstring.
+_views = {}
+_VIEWS_MAX = 256
+
+
+def _cuda_view(tensor):
+    """A CuPy ndarray over `tensor`'s memory (float32, CUDA), without DLPack and without owning it."""
+    import cupy
+
+    shape, strides = tuple(tensor.shape), tensor.stride()
+    key = (tensor.data_ptr(), shape, strides, tensor.device.index)
+    view = _views.get(key)
+    if view is not None:
+        return view
+    if tensor.numel() == 0:
+        return tensor.detach()  # nothing to point at: the ordinary DLPack import handles empty tensors
+    extent = 4 * (1 + sum((n - 1) * s for n, s in zip(shape, strides)))
+    memory = cupy.cuda.UnownedMemory(key[0], extent, None, key[3])
+    view = cupy.ndarray(shape, cupy.float32, cupy.cuda.MemoryPointer(memory, 0),
+                        strides=tuple(4 * s for s in strides))
+    if len(_views) >= _VIEWS_MAX:
+        _views.clear()
+    _views[key] = view
+    return view
 
 
 def _readable(tensor):
@@ -88,7 +156,8 @@ def _check_tensors(named):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__module__}.{type(t).__name__}")
         if t.dtype != torch.float32:
-            raise TypeError(f"{name} must be float32 (cupyffn computes in float32); got {t.dtype}")
+            raise TypeError(f"{name} must be float32 (cupyffn computes in float32; under torch.autocast the inputs "
+                            f"are cast to float32 for you); got {t.dtype}")
     device = named[0][1].device
     for name, t in named:
         if t.device.type not in ("cpu", "cuda"):
@@ -102,32 +171,36 @@ def _check_tensors(named):
 class _Call:
     """How a call reaches cupyffn on `device`: the arrays to pass and the stream (None on the CPU)."""
 
+    __slots__ = ("device", "cuda", "stream", "_switch")
+
     def __init__(self, device):
         self.device = device
         self.cuda = device.type == "cuda"
 
     def __enter__(self):
+        self._switch = None
+        self.stream = None
         if self.cuda:
             import cupy
 
-            self._device = cupy.cuda.Device(self.device.index)
-            self._device.__enter__()
+            if cupy.cuda.runtime.getDevice() != self.device.index:
+                self._switch = cupy.cuda.Device(self.device.index)
+                self._switch.__enter__()
             self.stream = _cupy_stream(self.device)
-        else:
-            self.stream = None
         return self
 
     def __exit__(self, *exc):
-        if self.cuda:
-            self._device.__exit__(*exc)
+        if self._switch is not None:
+            self._switch.__exit__(*exc)
         return False
 
     def arg(self, tensor):
-        """What cupyffn gets for `tensor`: the detached tensor (DLPack) on CUDA, a NumPy view on the CPU."""
+        """What cupyffn gets for `tensor`: a CuPy view on CUDA, a NumPy view on the CPU."""
         if tensor is None:
             return None
-        tensor = tensor.detach()
-        return tensor if self.cuda else tensor.numpy()
+        if self.cuda:
+            return _cuda_view(tensor)
+        return tensor.detach().numpy()
 
     def empty(self, shape):
         return torch.empty(shape, dtype=torch.float32, device=self.device)
@@ -139,10 +212,107 @@ def _check_save(save):
     return save
 
 
-class GeluFFNFunction(torch.autograd.Function):
+# ---------------------------------------------------------------------- the operators
+_NOTHING = (0,)  # shape of the placeholder a not-needed gradient is returned as (ops cannot return None)
+
+
+@torch.library.custom_op("cupyffn::forward", mutates_args=())
+def _forward_op(hidden_states: torch.Tensor, weight1: torch.Tensor, weight2: torch.Tensor, precision: str,
+                save: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(output, linear1_out, tanh_inner, gelu_out); `save` only matters to the autograd formula."""
+    device = _check_tensors((("hidden_states", hidden_states), ("weight1", weight1), ("weight2", weight2)))
+    x, w1, w2 = (_readable(t) for t in (hidden_states, weight1, weight2))
+    lead = tuple(x.shape[:-1]) if x.dim() else ()
+    hidden = w1.shape[0] if w1.dim() == 2 else 0
+    with _Call(device) as call:
+        outs = None
+        if x.dim() >= 1 and w1.dim() == 2:  # else cupyffn raises the shape error
+            outs = (call.empty(lead + (x.shape[-1],)),) + tuple(call.empty(lead + (hidden,)) for _ in range(3))
+        _gelu_ffn_forward(call.arg(x), call.arg(w1), call.arg(w2), precision=precision,
+                          out=None if outs is None else [call.arg(o) for o in outs], stream=call.stream)
+    return outs
+
+
+@_forward_op.register_fake
+def _forward_fake(hidden_states, weight1, weight2, precision, save):
+    # the checks the real op makes first, so a compiled graph fails at trace time as eager does
+    _check_tensors((("hidden_states", hidden_states), ("weight1", weight1), ("weight2", weight2)))
+    if hidden_states.dim() < 1 or weight1.dim() != 2:
+        raise ValueError(f"hidden_states must be [..., dim] and weight1 [hidden_dim, dim]; got "
+                         f"{tuple(hidden_states.shape)} and {tuple(weight1.shape)}")
+    lead = tuple(hidden_states.shape[:-1])
+    hidden = weight1.shape[0]
+    return (hidden_states.new_empty(tuple(hidden_states.shape), dtype=torch.float32),) + tuple(
+        hidden_states.new_empty(lead + (hidden,), dtype=torch.float32) for _ in range(3))
+
+
+@torch.library.custom_op("cupyffn::backward", mutates_args=())
+def _backward_op(grad_output: torch.Tensor, hidden_states: torch.Tensor, weight1: torch.Tensor,
+                 weight2: torch.Tensor, linear1_out: torch.Tensor, tanh_inner: Optional[torch.Tensor],
+                 gelu_out: Optional[torch.Tensor], precision: str, need_grad_hidden: bool,
+                 need_weight_grads: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_hidden_states, grad_weight1, grad_weight2); one not needed is an empty [0] tensor."""
+    # the saved inputs are the caller's tensors, as the forward got them: the same layouts are copied again
+    dy, x, weight1, weight2 = (_readable(t) for t in (grad_output, hidden_states, weight1, weight2))
+    with _Call(x.device) as call:
+        out = (call.empty(x.shape) if need_grad_hidden else None,
+               call.empty(weight1.shape) if need_weight_grads else None,
+               call.empty(weight2.shape) if need_weight_grads else None)
+        _gelu_ffn_backward(call.arg(dy), call.arg(x), call.arg(weight1), call.arg(weight2), call.arg(linear1_out),
+                           call.arg(tanh_inner), call.arg(gelu_out), precision=precision,
+                           out=[call.arg(o) for o in out], stream=call.stream, need_grad_hidden=need_grad_hidden,
+                           need_weight_grads=need_weight_grads)
+    return tuple(o if o is not None else call.empty(_NOTHING) for o in out)
+
+
+@_backward_op.register_fake
+def _backward_fake(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out, precision,
+                   need_grad_hidden, need_weight_grads):
+    def empty(shape, needed):
+        return hidden_states.new_empty(tuple(shape) if needed else _NOTHING, dtype=torch.float32)
+
+    return (empty(hidden_states.shape, need_grad_hidden), empty(weight1.shape, need_weight_grads),
+            empty(weight2.shape, need_weight_grads))
+
+
+def _setup_context(ctx, inputs, output):
+    x, w1, w2, precision, save = inputs
+    _, z, t, g = output
+    ctx.precision = precision
+    if save == "all":
+        ctx.save_for_backward(x, w1, w2, z, t, g)
+    else:  # memory mode: tanh_inner and gelu_out are recomputed from z inside the backward's kernels
+        ctx.save_for_backward(x, w1, w2, z)
+
+
+def _autograd_backward(ctx, grad_output, *unused_grads):
+    """Gradients of (hidden_states, weight1, weight2); the other forward results are internal (not returned)."""
+    need_x, need_w1, need_w2 = ctx.needs_input_grad[:3]
+    need_weights = need_w1 or need_w2
+    if not (need_x or need_weights):
+        return None, None, None, None, None
+    saved = ctx.saved_tensors
+    x, w1, w2, z = saved[:4]
+    t, g = saved[4:] if len(saved) == 6 else (None, None)
+    if grad_output.dtype != torch.float32:  # a hook changed it; the math is float32 anyway
+        grad_output = grad_output.float()
+    grad_x, grad_w1, grad_w2 = _backward_op(grad_output, x, w1, w2, z, t, g, ctx.precision, need_x, need_weights)
+    return (grad_x if need_x else None, grad_w1 if need_w1 else None, grad_w2 if need_w2 else None, None, None)
+
+
+_forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+for _device_type in ("cuda", "cpu"):
+    torch.library.register_autocast("cupyffn::forward", _device_type, torch.float32)
+del _device_type
+
+
+# ---------------------------------------------------------------------- public API
+class GeluFFNFunction:
     """``output = gelu_tanh(hidden_states @ weight1.T) @ weight2.T`` with cupyffn's forward and backward.
 
-    ``GeluFFNFunction.apply(hidden_states, weight1, weight2, precision, save)``:
+    ``GeluFFNFunction.apply(hidden_states, weight1, weight2, precision, save)`` (kept for code written
+    against the earlier ``torch.autograd.Function``; it is ``gelu_ffn``, the operators with their
+    autograd formula):
 
     * hidden_states ``[..., D]``, weight1 ``[H, D]``, weight2 ``[D, H]``: float32, one CPU or CUDA device.
       A tensor whose layout cupyffn cannot read (last dimension not unit-stride, or leading dimensions
@@ -157,62 +327,21 @@ class GeluFFNFunction(torch.autograd.Function):
 
     The backward runs ``cupyffn.gelu_ffn_backward`` with ``need_grad_hidden`` / ``need_weight_grads``
     from ``ctx.needs_input_grad`` (a weight gradient that is computed but not needed is dropped).
-    Streams, memory and limitations: see the module docstring.
     """
 
     @staticmethod
-    def forward(ctx, hidden_states, weight1, weight2, precision=_DEFAULT_PRECISION, save="all"):
-        prec = _lookup_precision(precision)
-        _check_save(save)
-        device = _check_tensors((("hidden_states", hidden_states), ("weight1", weight1), ("weight2", weight2)))
-        x, w1, w2 = (_readable(t) for t in (hidden_states, weight1, weight2))
-        lead = tuple(x.shape[:-1]) if x.dim() else ()
-        hidden = w1.shape[0] if w1.dim() == 2 else 0
-        with _Call(device) as call:
-            outs = None
-            if x.dim() >= 1 and w1.dim() == 2:  # else cupyffn raises the shape error
-                outs = (call.empty(lead + (x.shape[-1],)),) + tuple(call.empty(lead + (hidden,)) for _ in range(3))
-            _gelu_ffn_forward(call.arg(x), call.arg(w1), call.arg(w2), precision=prec.name,
-                              out=None if outs is None else [call.arg(o) for o in outs], stream=call.stream)
-        output, z, t, g = outs
-        ctx.precision = prec.name
-        if save == "all":
-            ctx.save_for_backward(x, w1, w2, z, t, g)
-        else:
-            ctx.save_for_backward(x, w1, w2, z)
-        return output
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_output):
-        need_x, need_w1, need_w2 = ctx.needs_input_grad[:3]
-        need_weights = need_w1 or need_w2
-        if not (need_x or need_weights):
-            return None, None, None, None, None
-        saved = ctx.saved_tensors
-        x, w1, w2, z = saved[:4]
-        t, g = saved[4:] if len(saved) == 6 else (None, None)
-        if grad_output.dtype != torch.float32:  # autograd hands back the output's dtype unless a hook changed it
-            raise TypeError(f"grad_output must be float32; got {grad_output.dtype}")
-        dy = _readable(grad_output)
-        with _Call(x.device) as call:
-            out = (call.empty(x.shape) if need_x else None,
-                   call.empty(w1.shape) if need_weights else None,
-                   call.empty(w2.shape) if need_weights else None)
-            _gelu_ffn_backward(call.arg(dy), call.arg(x), call.arg(w1), call.arg(w2), call.arg(z), call.arg(t),
-                               call.arg(g), precision=ctx.precision, out=[call.arg(o) for o in out],
-                               stream=call.stream, need_grad_hidden=need_x, need_weight_grads=need_weights)
-        grad_x, grad_w1, grad_w2 = out
-        return (grad_x, grad_w1 if need_w1 else None, grad_w2 if need_w2 else None, None, None)
+    def apply(hidden_states, weight1, weight2, precision=_DEFAULT_PRECISION, save="all"):
+        return gelu_ffn(hidden_states, weight1, weight2, precision, save)
 
 
 def gelu_ffn(x, weight1, weight2, precision=_DEFAULT_PRECISION, save="all"):
     """``gelu_tanh(x @ weight1.T) @ weight2.T`` (no biases), differentiable; see ``GeluFFNFunction``.
 
     x ``[..., D]``, weight1 ``[H, D]``, weight2 ``[D, H]`` (``[out_features, in_features]``), float32 on one
-    CPU or CUDA device. Returns a ``[..., D]`` float32 tensor.
+    CPU or CUDA device (any floating dtype under ``torch.autocast``: cast to float32). Returns a ``[..., D]``
+    float32 tensor. Traceable by ``torch.compile`` (``fullgraph=True``) and capturable in CUDA graphs.
     """
-    return GeluFFNFunction.apply(x, weight1, weight2, precision, save)
+    return torch.ops.cupyffn.forward(x, weight1, weight2, _lookup_precision(precision).name, _check_save(save))[0]
 
 
 class GeluFFN(torch.nn.Module):
@@ -221,8 +350,9 @@ class GeluFFN(torch.nn.Module):
     Parameters ``weight1 [hidden_dim, dim]`` and ``weight2 [dim, hidden_dim]`` (``[out_features,
     in_features]``), initialized like ``torch.nn.Linear`` (``kaiming_uniform_(a=sqrt(5))``, i.e.
     U(-1/sqrt(in_features), 1/sqrt(in_features))). ``precision`` and ``save`` as in ``GeluFFNFunction``.
-    Only float32 is supported (``dtype`` other than torch.float32 raises TypeError). Input ``[..., dim]``,
-    output ``[..., dim]``, on the parameters' device.
+    Only float32 parameters (``dtype`` other than torch.float32 raises TypeError). Input ``[..., dim]``
+    (float32, or any floating dtype under autocast), output ``[..., dim]`` float32, on the parameters'
+    device. Runs ``gelu_ffn`` (the cupyffn operators): compiles without graph breaks.
     """
 
     def __init__(self, dim, hidden_dim, *, precision=_DEFAULT_PRECISION, save="all", device=None,
@@ -248,7 +378,7 @@ class GeluFFN(torch.nn.Module):
         torch.nn.init.kaiming_uniform_(self.weight2, a=math.sqrt(5))
 
     def forward(self, x):
-        return GeluFFNFunction.apply(x, self.weight1, self.weight2, self.precision, self.save)
+        return torch.ops.cupyffn.forward(x, self.weight1, self.weight2, self.precision, self.save)[0]
 
     def extra_repr(self):
         return f"dim={self.dim}, hidden_dim={self.hidden_dim}, precision={self.precision!r}, save={self.save!r}"
