@@ -8,7 +8,7 @@
 See README.md for the formulas, the precision contracts and measured speed.
 """
 
-from ._backward import FFNGrads, GeluFFNBackward, clear_cache, gelu_ffn_backward
+from ._backward import FFNGrads, GeluFFNBackward, clear_cache, gelu_ffn_backward, release_captured_plans
 from ._checks import ActivationMismatchError
 from ._cublas import CublasError
 from ._forward import FFNForward, gelu_ffn_forward
@@ -29,5 +29,6 @@ __all__ = [
     "DEFAULT_PRECISION",
     "CublasError",
     "clear_cache",
+    "release_captured_plans",
     "__version__",
 ]

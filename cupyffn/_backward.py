@@ -7,8 +7,8 @@ from typing import Any, NamedTuple
 
 import numpy
 
-from . import _arrays, _checks, _forward, _numpy_backend, _precision, _validate
-from ._plan_cache import PlanCache
+from . import _arrays, _checks, _forward, _numpy_backend, _plan_cache, _precision, _validate
+from ._plan_cache import PlanCache, release_captured_plans  # noqa: F401 (re-exported by the package)
 
 
 class FFNGrads(NamedTuple):
@@ -67,7 +67,15 @@ class GeluFFNBackward:
 
     The plan owns its scratch buffers, cuBLAS handles and side stream: in steady state a call
     allocates nothing on the device beyond the outputs it is not given. Calls from several threads
-    are serialized per plan; use one plan per stream for concurrency.
+    are serialized per plan, and calls on different streams are ordered on the device (they share
+    the scratch); use one plan per stream for concurrency.
+
+    CUDA graphs captured by the caller (``torch.cuda.graph``, ``cupy.cuda.Stream.begin_capture``):
+    a call on a capturing stream allocates nothing, never synchronizes and uses no event from outside
+    the capture, so it needs a plan that has run once outside the capture and every output given in
+    ``out=``. From then on the plan is pinned (``close()`` refuses, the cache keeps it) until
+    ``cupyffn.release_captured_plans()``. Ordering the graph's replays with eager calls of the same
+    plan on other streams is the caller's business (they share the scratch).
     """
 
     def __init__(self, tokens, dim, hidden_dim, *, precision=_precision.DEFAULT, device=None, graph=False,
@@ -126,6 +134,8 @@ class GeluFFNBackward:
 
         `sig`: _validate.signature of the arrays, or None; `call`: an already prepared Call, or None.
         """
+        if self._closed:
+            raise _closed_error()
         if call is None:
             last = self._last  # (signature, validated call); one read, so threads see a consistent pair
             if sig is not None and last is not None and last[0] == sig:
@@ -141,6 +151,9 @@ class GeluFFNBackward:
         elif sig is not None:
             self._last = (sig, call._replace(arrays=None, out_arrays=None))
         if check_activations:
+            if self._engine is not None and _plan_cache.is_capturing(_stream_ptr(stream, self.device)):
+                raise ValueError("check_activations=True synchronizes with the stream, which CUDA stream capture "
+                                 "does not allow: check once before capturing")
             _checks.check(call, stream)
         return self._execute(call, out, stream, accumulate)
 
@@ -168,7 +181,17 @@ class GeluFFNBackward:
             device = cupy.cuda.Device(self.device)
         with device:
             s = stream if stream is not None else cupy.cuda.get_current_stream()
+            sp = s.ptr
+            # Under a caller's capture: no allocation, no host synchronization, no event from outside
+            # the capture (so no order_after_previous: ordering the graph's replays with earlier eager
+            # calls is the caller's business), and _ev_done is not recorded (close() synchronizes on it).
+            # The engine's own fork/join to its side stream is captured as graph edges.
+            capturing = _plan_cache.is_capturing(sp)
             with self._lock:
+                if self._closed:
+                    raise _closed_error()
+                if capturing:
+                    self._check_capturable(call)
                 results, pointers = self._outputs(call, out, s)
                 if self.tokens == 0:
                     with s:
@@ -176,21 +199,51 @@ class GeluFFNBackward:
                             if needed and not accumulate:
                                 _as_cupy(r).fill(0)
                     return FFNGrads(*results)
-                engine.order_after_previous(s.ptr)
                 io = (call.inputs, tuple(pointers), bool(accumulate))
-                if io != self._io:
-                    engine.set_io(call.inputs, pointers, accumulate)
-                    self._io = io
+                if capturing:
+                    _plan_cache.pin(self)  # from now on a graph may replay this plan's scratch
+                else:
+                    engine.order_after_previous(sp)
                 try:
-                    if self.graph:
+                    if io != self._io:
+                        self._io = None  # half-set launches must not be taken for this call's
+                        engine.set_io(call.inputs, pointers, accumulate)
+                        self._io = io
+                    if self.graph and not capturing:
                         self._replay_or_capture(io, s)
                     else:
-                        engine.enqueue(s.ptr)
-                except BaseException:
-                    _poison(call, s)
-                    raise
-                engine.record_done(s.ptr)
+                        engine.enqueue(sp)
+                except BaseException as e:
+                    if capturing:  # nothing ran; the caller must discard the capture
+                        raise
+                    error = _plan_cache.fill_nan_after_failure(e, lambda: self._after_failure(call, s))
+                    if error is e:
+                        raise
+                    raise error from e
+                if not capturing:
+                    engine.record_done(sp)
         return FFNGrads(*results)
+
+    def _check_capturable(self, call):
+        """Raise, before anything is enqueued, if this call would have to allocate during capture."""
+        names = [n for i, n in enumerate(_validate.OUTPUT_NAMES)
+                 if (self.need_grad_hidden, self.need_weight_grads, self.need_weight_grads)[i]
+                 and call.out[i] is None and not (self.graph and self._owned_out and self._owned_out[i] is not None)]
+        if names:
+            raise RuntimeError(
+                f"cupyffn: gelu_ffn_backward was called during CUDA stream capture without out= for "
+                f"{', '.join(names)}: allocating from CuPy's memory pool inside a capture would tie that "
+                f"memory to the graph with nothing keeping it alive. Pass every output in out=")
+        if self._engine.allocates_for(call.inputs):
+            raise RuntimeError(
+                "cupyffn: gelu_ffn_backward was called during CUDA stream capture, but this plan has not "
+                "yet run in memory mode (gelu_out=None) and would allocate its buffer; call it once with "
+                "the same arguments outside the capture first")
+
+    def _after_failure(self, call, stream):
+        """Mark the failed call's work done (close() waits for it) and NaN-fill the caller's out= arrays."""
+        self._engine.record_done(stream.ptr)
+        _poison(call, stream)
 
     def _outputs(self, call, out, stream):
         """(results to return, device pointers to write): the caller's out= objects, else new (or plan-owned) arrays."""
@@ -247,12 +300,19 @@ class GeluFFNBackward:
     def close(self):
         """Give back device memory and cuBLAS handles now (also done when the plan is collected).
 
-        Waits for the plan's last call to finish on the device first, so nothing it still uses is reused.
+        Waits (on the host) for the plan's calls to finish on the device first, so nothing they still
+        use is reused; calls after close() raise RuntimeError. A plan captured into a CUDA graph
+        (pinned) cannot be closed until ``cupyffn.release_captured_plans()``.
         """
-        self._closed = True
-        self._graphs.clear()
-        self._owned_out = None
-        if self._engine is not None:
+        with self._lock:  # a call in progress finishes enqueuing first
+            if self._closed:
+                return
+            if _plan_cache.is_pinned(self):
+                raise _plan_cache.pinned_error("GeluFFNBackward plan")
+            self._closed = True
+            self._graphs.clear()  # an executable graph still running is freed when it completes
+            self._owned_out = None
+        if self._engine is not None:  # waits on the device outside the lock
             self._engine.close()
 
     def __del__(self):
@@ -260,6 +320,61 @@ class GeluFFNBackward:
             self.close()
         except Exception:
             pass
+
+    # ------------------------------------------------------------------ profiling hook (bench.py)
+    def profile_stages(self, *arrays, out, stream=None, reps=5, before_each=None):
+        """GPU time of each stage of one call, for profiling (the benchmark's stage table).
+
+        Runs the call once the ordinary way (so `arrays` and `out` are validated as usual), then
+        `reps` more times with every step serialized on `stream` and an event after each step;
+        `before_each()`, if given, is called (on `stream`) before each rep, e.g. to flush the L2.
+        Serialized steps do not overlap, so their sum exceeds an ordinary call's time at small T.
+        Returns ``{stage: {"ms": median ms, "bytes": bytes moved}}`` in issue order; "bytes" only for
+        memory-bound stages; a stage issued twice in one call gets " #2" (the fp16 rescue launches).
+        GPU plans only; `out` (all three outputs) receives the results, as in an ordinary call.
+        """
+        if self._engine is None:
+            raise RuntimeError("profile_stages needs a GPU plan; a device='cpu' plan has no GPU stages")
+        if out is None or len(out) != 3 or any(o is None for o in out):
+            raise ValueError("profile_stages needs out= with all three output arrays")
+        if isinstance(reps, bool) or not isinstance(reps, (int, numpy.integer)) or reps < 1:
+            raise ValueError(f"reps must be an integer >= 1; got {reps!r}")
+        import cupy
+
+        s = stream if stream is not None else cupy.cuda.get_current_stream()
+        self(*arrays, out=out, stream=s)
+        engine = self._engine
+        samples = {}
+        with self._lock:  # no ordinary call of this plan interleaves with the serialized ones
+            for _ in range(int(reps)):
+                if before_each is not None:
+                    with s:
+                        before_each()
+                events = [(None, cupy.cuda.Event())]
+                events[0][1].record(s)
+
+                def mark(stage):
+                    e = cupy.cuda.Event()
+                    e.record(s)
+                    events.append((stage, e))
+
+                engine.order_after_previous(s.ptr)
+                engine.enqueue(s.ptr, serial=True, mark=mark)
+                engine.record_done(s.ptr)
+                s.synchronize()
+                seen = {}
+                for (_, a), (stage, b) in zip(events, events[1:]):
+                    seen[stage] = seen.get(stage, 0) + 1
+                    key = stage if seen[stage] == 1 else f"{stage} #{seen[stage]}"
+                    samples.setdefault(key, []).append(cupy.cuda.get_elapsed_time(a, b))
+        nbytes = engine.stage_bytes()
+        result = {}
+        for stage, values in samples.items():
+            row = {"ms": float(numpy.median(values))}
+            if stage in nbytes:
+                row["bytes"] = nbytes[stage]
+            result[stage] = row
+        return result
 
 
 
@@ -279,14 +394,25 @@ def _as_cupy(array):
 
 
 def _poison(call, stream):
-    """After a failure mid-call, fill the caller's out= arrays with NaN so no stale or partial value passes."""
-    try:
-        with stream:
-            for array, m in zip(call.out_arrays, call.out):
-                if m is not None:
-                    _arrays.view2d(array, m).fill(numpy.nan)
-    except Exception:
-        pass  # the device itself may be unusable; the original error is what matters
+    """After a failure mid-call, fill the caller's out= arrays with NaN so no stale or partial value
+    passes (with accumulate=True too: a partial accumulation cannot be undone)."""
+    with stream:
+        for array, m in zip(call.out_arrays, call.out):
+            if m is not None:
+                _arrays.view2d(array, m).fill(numpy.nan)
+
+
+def _closed_error():
+    return RuntimeError("this GeluFFNBackward plan was closed")
+
+
+def _stream_ptr(stream, device):
+    import cupy
+
+    if stream is not None:
+        return stream.ptr
+    with cupy.cuda.Device(device):
+        return cupy.cuda.get_current_stream().ptr
 
 
 def _run_cpu(call, out, precision, need_grad_hidden, need_weight_grads, accumulate):
@@ -322,21 +448,38 @@ def _run_cpu(call, out, precision, need_grad_hidden, need_weight_grads, accumula
 # ---------------------------------------------------------------------- functional API
 _CACHE_SIZE = 4
 _plans = PlanCache(_CACHE_SIZE)
-_recent = {}  # (signature, precision, flags, stream) -> plan: skips shape-based lookup for repeated arrays
+# (signature, precision, flags) -> plan: skips validation and the shape lookup for repeated arrays.
+# Like the plans, not keyed by stream: a warm-up on any stream serves a capture on another.
+_recent = {}
 
 
 def clear_cache():
-    """Drop the plans `gelu_ffn_backward` and `gelu_ffn_forward` keep (their device memory goes back to
-    CuPy's pool once their last call has finished)."""
+    """Drop the plans `gelu_ffn_backward` and `gelu_ffn_forward` keep (waiting for their last calls; their
+    device memory goes back to CuPy's pool). Plans captured into a CUDA graph stay (see
+    ``release_captured_plans``); plans in use by another thread are closed when that call ends."""
     _recent.clear()
     _plans.clear()
     _forward.clear_cache()
 
 
-def _cached_plan(call, precision, stream_ptr, need_grad_hidden, need_weight_grads):
+def _no_plan_error(what):
+    return RuntimeError(f"cupyffn: {what} was called during CUDA stream capture but no plan exists for this "
+                        f"shape/precision; call it once outside the capture first (on any stream)")
+
+
+def _acquire_plan(call, precision, stream, need_grad_hidden, need_weight_grads):
+    """The cached plan for `call` (keyed by device, shape, precision and flags; in use until released)."""
+    import cupy
+
     key = (call.device, call.tokens, call.dim, call.hidden_dim, precision.name, need_grad_hidden,
-           need_weight_grads, stream_ptr)
-    return _plans.get(key, lambda: GeluFFNBackward(
+           need_weight_grads)
+    plan = _plans.acquire(key)
+    if plan is not None:
+        return plan
+    with cupy.cuda.Device(call.device):
+        if _plan_cache.is_capturing(_stream_ptr(stream, call.device)):
+            raise _no_plan_error("gelu_ffn_backward")  # building allocates and zero-fills
+    return _plans.acquire(key, lambda: GeluFFNBackward(
         call.tokens, call.dim, call.hidden_dim, precision=precision.name, device=call.device,
         need_grad_hidden=need_grad_hidden, need_weight_grads=need_weight_grads))
 
@@ -366,11 +509,15 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
     out : sequence of 3 arrays, optional
         Where to write (grad_hidden_states, grad_weight1, grad_weight2): float32, C-contiguous, the
         shapes of hidden_states, weight1 and weight2, not overlapping any input or each other. An entry
-        may be None to have it allocated. If the call fails after validation, the given arrays are
-        filled with NaN; if validation fails they are untouched.
+        may be None to have it allocated (not during CUDA stream capture: there every computed output
+        must be given). If the call fails after validation, the given arrays are filled with NaN, with
+        accumulate=True too (a partial accumulation cannot be undone, so the gradients accumulated so
+        far are lost); if that fill fails as well, the raised error says so. If validation fails they
+        are untouched.
     stream : cupy.cuda.Stream, optional
         Stream to work on (default: CuPy's current stream). Results are ready on it when the call
-        returns; the host is never synchronized.
+        returns; the host is never synchronized. The stream may be capturing a CUDA graph once a call
+        of this shape and precision has run outside the capture (README, "Plan lifetime").
     accumulate : bool
         Add into ``out`` grad_weight1 / grad_weight2 instead of overwriting them (grad_hidden_states
         is always overwritten).
@@ -390,25 +537,24 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
     args = (grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out)
     sig = _validate.signature(args, out, accumulate)
     if sig is not None:  # CuPy arrays: the plan (and its validated call) may be known already
-        import cupy
-
-        stream_ptr = stream.ptr if stream is not None and hasattr(stream, "ptr") else cupy.cuda.get_current_stream().ptr
-        key = (sig, prec.name, need_grad_hidden, need_weight_grads, stream_ptr)
+        key = (sig, prec.name, need_grad_hidden, need_weight_grads)
         plan = _recent.get(key)
-        if plan is not None and not plan._closed:
-            return plan._run(args, out, stream, accumulate, sig, check_activations=check_activations)
+        if plan is not None and _plans.reacquire(plan):  # not if evicted meanwhile
+            try:
+                return plan._run(args, out, stream, accumulate, sig, check_activations=check_activations)
+            finally:
+                _plans.release(plan)
     call = _validate.prepare(args, out, stream, need_grad_hidden, need_weight_grads, accumulate)
     if call.backend == "cpu":
         if check_activations:
             _checks.check(call)
         return _run_cpu(call, out, prec, need_grad_hidden, need_weight_grads, accumulate)
-    import cupy
-
-    with cupy.cuda.Device(call.device):
-        stream_ptr = (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
-    plan = _cached_plan(call, prec, stream_ptr, need_grad_hidden, need_weight_grads)
-    if sig is not None:
-        if len(_recent) >= 4 * _CACHE_SIZE:
-            _recent.clear()
-        _recent[(sig, prec.name, need_grad_hidden, need_weight_grads, stream_ptr)] = plan
-    return plan._run(args, out, stream, accumulate, sig, call, check_activations=check_activations)
+    plan = _acquire_plan(call, prec, stream, need_grad_hidden, need_weight_grads)
+    try:
+        if sig is not None:
+            if len(_recent) >= 4 * _CACHE_SIZE:
+                _recent.clear()
+            _recent[(sig, prec.name, need_grad_hidden, need_weight_grads)] = plan
+        return plan._run(args, out, stream, accumulate, sig, call, check_activations=check_activations)
+    finally:
+        _plans.release(plan)

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy
 
-from . import _arrays, _cublas, _kernels, _numpy_backend, _precision
+from . import _arrays, _cublas, _kernels, _numpy_backend, _plan_cache, _precision
 from . import _precision as P
 from ._gpu_engine import _align, _items, _Operand, _vec_ok, convert_launch
 from ._plan_cache import PlanCache
@@ -131,6 +131,7 @@ class GpuForward:
             self._consts_ptr = ctypes.c_void_p(self._consts.data.ptr)
             self._handle = _cublas.acquire(device_id)
             self.lock = threading.Lock()
+            self.closed = False
             self._ev_done = cupy.cuda.Event(disable_timing=True)
             self._ev_done.record()
             if tokens > 0:
@@ -181,12 +182,15 @@ class GpuForward:
             self.gemm_y.a.value, self.gemm_y.lda.value = self._addr("gelu_out"), p * self.H
             self.gemm_y.b.value, self.gemm_y.ldb.value = self._addr("weight2"), p * self.H
 
-    def run(self, mats, out_ptrs, stream_ptr):
+    def run(self, mats, out_ptrs, stream_ptr, capturing=False):
+        """Enqueue one forward (hold `lock`). During a caller's capture `_ev_done` is neither waited on
+        nor recorded (as in the backward engine): ordering replays with eager calls is the caller's."""
         from cupy_backends.cuda.api import runtime
 
         x, w1, w2 = mats
         y_ptr, z_ptr, t_ptr, g_ptr = out_ptrs
-        runtime.streamWaitEvent(stream_ptr, self._ev_done.ptr, 0)  # scratch of a call on another stream
+        if not capturing:
+            runtime.streamWaitEvent(stream_ptr, self._ev_done.ptr, 0)  # scratch of a call on another stream
         if self.planes:
             for launch in (self._convert, self._rescue):
                 if launch is None:
@@ -212,31 +216,41 @@ class GpuForward:
                      and (not self.planes or _vec_ok(gj.dst, gj.dst_ld, self.H, 2)))
         self.gemm_z.c.value, self.gemm_z.ldc.value = z_ptr, self.H
         self.gemm_y.c.value, self.gemm_y.ldc.value = y_ptr, self.D
-        self._handle.bind(stream_ptr)
-        for launch in (self._convert, self._rescue):
-            if launch is not None:
-                launch(stream_ptr)
-        self.gemm_z(self._handle)
-        self._gelu(stream_ptr)
-        if self._g_rescue is not None:
-            self._g_rescue(stream_ptr)
-        self.gemm_y(self._handle)
-        runtime.eventRecord(self._ev_done.ptr, stream_ptr)
+        try:
+            self._handle.bind(stream_ptr)
+            for launch in (self._convert, self._rescue):
+                if launch is not None:
+                    launch(stream_ptr)
+            self.gemm_z(self._handle)
+            self._gelu(stream_ptr)
+            if self._g_rescue is not None:
+                self._g_rescue(stream_ptr)
+            self.gemm_y(self._handle)
+        finally:  # also after a failure: close() must wait for the part that was enqueued
+            if not capturing:
+                runtime.eventRecord(self._ev_done.ptr, stream_ptr)
 
     def close(self):
+        """Wait for the last eager call (each waits for the one before), then give back scratch and handle."""
         from cupy_backends.cuda.api import runtime
 
-        if self._handle is not None:
-            runtime.eventSynchronize(self._ev_done.ptr)
-            _cublas.release(self._handle)
-            self._handle = None
-            self._scratch = None
+        with self.lock:  # a call in progress finishes enqueuing first
+            if self.closed:
+                return
+            if _plan_cache.is_pinned(self):
+                raise _plan_cache.pinned_error("forward engine")
+            self.closed = True
+        runtime.eventSynchronize(self._ev_done.ptr)
+        _cublas.release(self._handle)
+        self._handle = None
+        self._scratch = None
 
 
 _engines = PlanCache(4)
 
 
 def clear_cache():
+    """Drop the cached forward engines (not those pinned by a captured graph; see _plan_cache)."""
     _engines.clear()
 
 
@@ -247,8 +261,9 @@ def gelu_ffn_forward(hidden_states, weight1, weight2, *, precision=_precision.DE
     ``tanh_inner = tanh(sqrt(2/pi) (z + 0.044715 z^3))``, ``gelu_out = 0.5 z (1 + tanh_inner)`` in fp32
     (GELU evaluated in fp32 from the GEMM's fp32 result), exactly what ``gelu_ffn_backward`` takes.
     `precision` treats the two GEMMs' operands as in the backward (same contracts); `out` may give any
-    of the four outputs (float32, C-contiguous, not overlapping the inputs); arrays and streams as in
-    ``gelu_ffn_backward``.
+    of the four outputs (float32, C-contiguous, not overlapping the inputs); arrays, streams, CUDA
+    stream capture (all four outputs in `out`, one call of the shape outside the capture first) and
+    failures (given outputs NaN-filled) as in ``gelu_ffn_backward``.
     """
     prec = _precision.lookup(precision)
     if stream is not None and not hasattr(stream, "ptr"):
@@ -268,26 +283,57 @@ def gelu_ffn_forward(hidden_states, weight1, weight2, *, precision=_precision.DE
     device = _arrays.device_of(arrays[0])
     with cupy.cuda.Device(device):
         s = stream if stream is not None else cupy.cuda.get_current_stream()
-        results, ptrs = [], []
-        for i in range(4):
-            if outs[i] is not None:
-                results.append(given[i])
-                ptrs.append(outs[i].ptr)
-            else:
-                with s:
-                    a = cupy.empty(shapes[i], dtype=cupy.float32)
-                results.append(a)
-                ptrs.append(a.data.ptr)
-        if T == 0:
-            return FFNForward(*results)
-        engine = _engines.get((device, T, D, H, prec.name, s.ptr), lambda: GpuForward(T, D, H, prec, device))
+        capturing = _plan_cache.is_capturing(s.ptr)
+        if capturing and any(m is None for m in outs):
+            missing = ", ".join(n for n, m in zip(FORWARD_OUTPUTS, outs) if m is None)
+            raise RuntimeError(f"cupyffn: gelu_ffn_forward was called during CUDA stream capture without out= for "
+                               f"{missing}: allocating from CuPy's memory pool inside a capture would tie that memory "
+                               f"to the graph with nothing keeping it alive. Pass all four outputs in out=")
+        key = (device, T, D, H, prec.name)  # not by stream: a warm-up on any stream serves a capture
+        engine = None
+        if T > 0:
+            engine = _engines.acquire(key)
+            if engine is None:
+                if capturing:
+                    raise RuntimeError("cupyffn: gelu_ffn_forward was called during CUDA stream capture but no plan "
+                                       "exists for this shape/precision; call it once outside the capture first "
+                                       "(on any stream)")
+                engine = _engines.acquire(key, lambda: GpuForward(T, D, H, prec, device))
         try:
-            with engine.lock:
-                engine.run(mats, ptrs, s.ptr)
-        except BaseException:
-            with s:
-                for a, m in zip(out_arrays, outs):
-                    if m is not None:
-                        _arrays.view2d(a, m).fill(numpy.nan)
-            raise
+            results, ptrs = [], []
+            for i in range(4):
+                if outs[i] is not None:
+                    results.append(given[i])
+                    ptrs.append(outs[i].ptr)
+                else:
+                    with s:
+                        a = cupy.empty(shapes[i], dtype=cupy.float32)
+                    results.append(a)
+                    ptrs.append(a.data.ptr)
+            if engine is None:  # T == 0
+                return FFNForward(*results)
+            try:
+                with engine.lock:
+                    if engine.closed:  # cannot happen while acquired; a guard, not a path
+                        raise RuntimeError("this forward engine was closed")
+                    if capturing:
+                        _plan_cache.pin(engine)  # a graph may replay its scratch from now on
+                    engine.run(mats, ptrs, s.ptr, capturing)
+            except BaseException as e:
+                if capturing:  # the caller must discard the capture
+                    raise
+
+                def fill():
+                    with s:
+                        for a, m in zip(out_arrays, outs):
+                            if m is not None:
+                                _arrays.view2d(a, m).fill(numpy.nan)
+
+                error = _plan_cache.fill_nan_after_failure(e, fill)
+                if error is e:
+                    raise
+                raise error from e
+        finally:
+            if engine is not None:
+                _engines.release(engine)
     return FFNForward(*results)

@@ -438,6 +438,16 @@ class GpuEngine:
             record(self._ev_side, S2)
             wait(S, self._ev_side)
 
+    def allocates_for(self, inputs):
+        """Whether set_io(inputs, ...) would allocate (ieee memory mode's gelu_out buffer, on first use)."""
+        return inputs[6] is None and self.need_weight_grads and not self.planes and self._ieee_gelu is None
+
+    # Ordering and lifetime. Every eager call on a stream other than the previous call's first waits
+    # for `_ev_done` (order_after_previous), and the side stream joins back into the caller's stream
+    # before `_ev_done` is recorded (enqueue's finally), so the last `_ev_done` follows all work of
+    # every earlier call on every stream: close() waits on that one event. Calls during a caller's
+    # CUDA stream capture neither wait on `_ev_done` nor record it (an event recorded outside the
+    # capture may not be waited on inside it, and one recorded inside cannot be synchronized on).
     def order_after_previous(self, stream_ptr):
         """Make `stream_ptr` wait for the previous call if that ran on another stream (shared scratch)."""
         from cupy_backends.cuda.api import runtime
@@ -447,6 +457,7 @@ class GpuEngine:
         self._last_stream_ptr = stream_ptr
 
     def record_done(self, stream_ptr):
+        """Mark the end of a call on `stream_ptr` (also after a failed call: its partial work counts)."""
         from cupy_backends.cuda.api import runtime
 
         runtime.eventRecord(self._ev_done.ptr, stream_ptr)
@@ -461,7 +472,9 @@ class GpuEngine:
         return out
 
     def close(self):
-        """Wait for this engine's last call, then give back its scratch and cuBLAS handles.
+        """Wait for all of this engine's eager calls (the last `_ev_done`, see above), then give back its
+        scratch and cuBLAS handles. Graph replays are not tracked: a plan a caller's graph captured is
+        pinned and not closed (_plan_cache).
 
         Waiting (rather than passing an event on to whoever reuses the handles and memory) keeps the
         ordering local; a plan is closed when it is evicted or collected, by then its work is done.
