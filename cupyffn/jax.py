@@ -2,35 +2,44 @@
 
     from cupyffn.jax import gelu_ffn
     y = gelu_ffn(x, w1, w2)                                  # x [..., D], w1 [H, D], w2 [D, H], float32
-    grads = jax.grad(lambda x, w1, w2: (gelu_ffn(x, w1, w2) * r).sum(), argnums=(0, 1, 2))(x, w1, w2)
+    loss, grads = jax.jit(jax.value_and_grad(lambda x, w1, w2: (gelu_ffn(x, w1, w2) * r).sum(),
+                                             argnums=(0, 1, 2)))(x, w1, w2)
 
-``gelu_ffn`` is a ``jax.custom_vjp`` function: the forward calls ``cupyffn.gelu_ffn_forward`` and keeps
-the residuals (x, weight1, weight2, linear1_out, tanh_inner, gelu_out); the backward calls
-``cupyffn.gelu_ffn_backward`` on them. ``weight1`` is ``[H, D]`` and ``weight2`` ``[D, H]``
+``gelu_ffn`` is a ``jax.custom_vjp`` function whose forward and backward are
+``jax.experimental.buffer_callback`` calls: it works eagerly and inside ``jax.jit``, ``jax.grad``,
+``jax.value_and_grad``, ``jax.vjp`` (and ``vmap``, one call per batch element). The forward keeps the
+residuals (x, weight1, weight2, linear1_out, tanh_inner, gelu_out) as ordinary JAX arrays; the backward
+computes the three gradients from them. ``weight1`` is ``[H, D]`` and ``weight2`` ``[D, H]``
 (``[out_features, in_features]``). Results equal the plain JAX expression within the precision's
 contract (``cupyffn.PRECISIONS[precision].contract``, relative L2 error per output).
 
-Devices: arrays on one CUDA device cross to CuPy zero-copy through DLPack; cupyffn runs on CuPy's current
-stream of that device, ordered after JAX's pending writes by the DLPack handshake, and the results come
-back with ``jnp.from_dlpack`` (zero-copy; JAX's stream waits for them; their memory belongs to CuPy's
-pool and is returned to it when JAX drops them). Arrays on the CPU run on cupyffn's NumPy backend
-(``numpy.asarray`` in, ``jnp.asarray`` out, which copies).
+GPU: XLA calls cupyffn while it runs the compiled program, with XLA's own device buffers (outputs
+allocated by XLA, written in place) and XLA's stream: the work is enqueued on that stream, in order with
+the rest of the program, and the host is never synchronized. CPU: the same callbacks run cupyffn's NumPy
+backend on XLA's host buffers (zero-copy).
 
-Limitations: the calls into CuPy / NumPy happen eagerly, so ``gelu_ffn`` cannot be traced: calling it
-inside ``jax.jit``, ``vmap``, ``scan`` etc. (or ``jax.grad`` under ``jit``) raises TypeError. Call it
-outside jit (``jax.grad`` / ``jax.value_and_grad`` / ``jax.vjp`` on their own are fine; ``jax.jacrev``
-vmaps the backward and raises too). No forward mode (``jvp`` / ``jacfwd``: JAX's custom_vjp error) and
-no higher-order derivatives. float32 only; single-device (unsharded) arrays only.
+Memory (GPU): cupyffn's scratch buffers and cuBLAS workspaces come from CuPy's memory pool, beside XLA's.
+By default XLA preallocates 75% of the GPU when it starts, so a large shape can run out of memory in
+cupyffn; leave room, before JAX starts, with ``XLA_PYTHON_CLIENT_MEM_FRACTION=.5`` (a fraction that
+leaves enough for cupyffn: ``GeluFFNBackward(...).scratch_bytes`` tells how much one shape needs) or
+``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (XLA then allocates as it goes).
+
+Limitations: no forward mode (``jvp`` / ``jacfwd``: JAX's custom_vjp error) and no higher-order
+derivatives; float32 only; under ``jit`` with sharded inputs XLA gathers them to one device first (the
+callback has no sharding rule): use it on single-device arrays or inside ``shard_map``.
 
 This module imports jax; ``import cupyffn`` does not import it.
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy
+from jax.experimental.buffer_callback import buffer_callback
 
+from . import _views
 from ._backward import gelu_ffn_backward as _gelu_ffn_backward
 from ._forward import gelu_ffn_forward as _gelu_ffn_forward
 from ._precision import DEFAULT as _DEFAULT_PRECISION
@@ -38,66 +47,101 @@ from ._precision import lookup as _lookup_precision
 
 __all__ = ["gelu_ffn"]
 
-_DL_CPU = 1
-_DL_CUDA = 2
 
-try:
-    _Tracer = jax.core.Tracer
-except AttributeError:  # pragma: no cover - a JAX that moved it
-    from jax._src.core import Tracer as _Tracer
+# ---------------------------------------------------------------------- inside XLA's execution
+def _on_device(ctx, buffers):
+    """cupyffn's view of XLA's `buffers` and the stream to run on: (arrays, stream, device id or None for the CPU)."""
+    try:
+        stream_ptr = int(ctx.stream)
+    except Exception:  # the CPU client has no GPU context ("XLA FFI GPU context is not available")
+        return [numpy.asarray(b) for b in buffers], None, None
+    from cupy_backends.cuda.api import runtime
+
+    cai = [b.__cuda_array_interface__ for b in buffers]
+    device = runtime.pointerGetAttributes(next(c["data"][0] for c in cai if c["data"][0])).device \
+        if any(c["data"][0] for c in cai) else runtime.getDevice()
+    arrays = []
+    for c in cai:
+        shape = tuple(c["shape"])
+        strides = c.get("strides")
+        if strides is None:  # C order
+            strides, step = [], 1
+            for n in reversed(shape):
+                strides.append(step)
+                step *= max(n, 1)
+            strides = tuple(reversed(strides))
+        else:
+            strides = tuple(s // 4 for s in strides)
+        arrays.append(_views.float32_view(c["data"][0], shape, strides, device))
+    return arrays, _views.external_stream(stream_ptr, device), device
 
 
-def _not_traced(named, where):
-    for name, a in named:
-        if isinstance(a, _Tracer):
-            raise TypeError(
-                f"cupyffn.jax.gelu_ffn got a traced value for {name} ({type(a).__name__}) in {where}: it calls "
-                f"CuPy/NumPy eagerly and cannot run inside jax.jit, vmap, scan or other tracing transformations. "
-                f"Call it outside jit (jax.grad / value_and_grad / vjp without jit are fine).")
+def _run(ctx, buffers, compute):
+    arrays, stream, device = _on_device(ctx, buffers)
+    if device is None:
+        compute(arrays, None)
+        return
+    import cupy
+
+    with cupy.cuda.Device(device):
+        compute(arrays, stream)
 
 
-def _check(named, where_label):
-    """Concrete float32 jax.Arrays on one device; returns (jax.Device, DLPack (device type, device id))."""
-    _not_traced(named, where_label)
-    where = None
-    for name, a in named:
+@functools.lru_cache(maxsize=None)
+def _forward_callback(precision):
+    # one callback object per precision: JAX caches compiled eager calls by the callback's identity
+    def callback(ctx, out, x, w1, w2):
+        def compute(arrays, stream):
+            x, w1, w2, *results = arrays
+            _gelu_ffn_forward(x, w1, w2, precision=precision, out=results, stream=stream)
+
+        _run(ctx, (x, w1, w2) + tuple(out), compute)
+
+    return callback
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_callback(precision):
+    def callback(ctx, out, dy, x, w1, w2, z, t, g):
+        def compute(arrays, stream):
+            inputs, results = arrays[:7], arrays[7:]
+            _gelu_ffn_backward(*inputs, precision=precision, out=results, stream=stream)
+
+        _run(ctx, (dy, x, w1, w2, z, t, g) + tuple(out), compute)
+
+    return callback
+
+
+# ---------------------------------------------------------------------- traced side
+def _shapes(x, w1, w2, where):
+    """Check the arguments (concrete or traced); returns (leading dims, D, H)."""
+    for name, a in (("hidden_states (x)", x), ("weight1", w1), ("weight2", w2)):
         if not isinstance(a, jax.Array):
             raise TypeError(f"{name} must be a jax.Array; got {type(a).__module__}.{type(a).__name__}")
         if a.dtype != jnp.float32:
             raise TypeError(f"{name} must be float32 (cupyffn computes in float32); got {a.dtype}")
-        if len(a.devices()) != 1:
+        if not isinstance(a, jax.core.Tracer) and len(a.devices()) != 1:
             raise ValueError(f"{name} is sharded over {len(a.devices())} devices; cupyffn.jax takes single-device "
-                             f"arrays")
-        dl = tuple(int(v) for v in a.__dlpack_device__())
-        if dl[0] not in (_DL_CPU, _DL_CUDA):
-            raise ValueError(f"{name} is on {next(iter(a.devices()))}; cupyffn.jax runs CPU and CUDA arrays")
-        if where is None:
-            where = dl
-        elif dl != where:
-            raise ValueError(f"all arrays must be on one device; {named[0][0]} is on {named[0][1].devices()} but "
-                             f"{name} is on {a.devices()}")
-    return next(iter(named[0][1].devices())), where
-
-
-def _run(placement, compute):
-    """compute(convert_in, stream) on the inputs' device (`placement` from _check); results as jax.Arrays there."""
-    device, where = placement
-    if where[0] == _DL_CPU:
-        results = compute(numpy.asarray, None)
-        return tuple(None if r is None else jax.device_put(r, device) for r in results)  # not the default device
-    import cupy
-
-    with cupy.cuda.Device(where[1]):
-        stream = cupy.cuda.get_current_stream()
-        results = compute(lambda a: a, stream)  # cupyffn imports jax.Arrays through DLPack on `stream`
-        with stream:  # JAX's stream is made to wait for `stream` (cupy's __dlpack__ handshake)
-            return tuple(None if r is None else jnp.from_dlpack(r) for r in results)
+                             f"arrays (or use it inside shard_map)")
+    if x.ndim < 1 or x.shape[-1] < 1:
+        raise ValueError(f"hidden_states (x) must have shape [..., dim] with dim >= 1; got {x.shape}")
+    dim = x.shape[-1]
+    if w1.ndim != 2 or w1.shape[1] != dim or w1.shape[0] < 1:
+        raise ValueError(f"weight1 must have shape (hidden_dim, dim) with dim = x.shape[-1] = {dim}; got {w1.shape}")
+    hidden = w1.shape[0]
+    if w2.shape != (dim, hidden):
+        raise ValueError(f"weight2 must have shape (dim, hidden_dim) = {(dim, hidden)}; got {w2.shape}")
+    return tuple(x.shape[:-1]), dim, hidden
 
 
 def _forward(x, w1, w2, precision):
-    placement = _check((("hidden_states (x)", x), ("weight1", w1), ("weight2", w2)), "the forward")
-    return _run(placement, lambda conv, stream: _gelu_ffn_forward(conv(x), conv(w1), conv(w2), precision=precision,
-                                                             stream=stream))
+    lead, dim, hidden = _shapes(x, w1, w2, "the forward")
+    f32 = jnp.float32
+    if math.prod(lead) == 0:  # no tokens: nothing for cupyffn to do
+        z = jnp.zeros(lead + (hidden,), f32)
+        return jnp.zeros(lead + (dim,), f32), z, z, z
+    shapes = (jax.ShapeDtypeStruct(lead + (dim,), f32),) + (jax.ShapeDtypeStruct(lead + (hidden,), f32),) * 3
+    return tuple(buffer_callback(_forward_callback(precision), shapes, vmap_method="sequential")(x, w1, w2))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -112,13 +156,13 @@ def _gelu_ffn_fwd(x, w1, w2, precision):
 
 def _gelu_ffn_bwd(precision, residuals, dy):
     x, w1, w2, z, t, g = residuals
-    _not_traced((("the output cotangent", dy),), "the backward")
     if dy.dtype != jnp.float32:
         raise TypeError(f"the output cotangent must be float32; got {dy.dtype}")
-    placement = _check((("hidden_states (x)", x), ("weight1", w1), ("weight2", w2)), "the backward")
-    dy = jax.device_put(dy, placement[0])  # no-op when it is already there
-    return _run(placement, lambda conv, stream: _gelu_ffn_backward(
-        conv(dy), conv(x), conv(w1), conv(w2), conv(z), conv(t), conv(g), precision=precision, stream=stream))
+    if math.prod(x.shape[:-1]) == 0:
+        return jnp.zeros_like(x), jnp.zeros_like(w1), jnp.zeros_like(w2)
+    shapes = tuple(jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in (x, w1, w2))
+    return tuple(buffer_callback(_backward_callback(precision), shapes, vmap_method="sequential")(
+        dy, x, w1, w2, z, t, g))
 
 
 _gelu_ffn.defvjp(_gelu_ffn_fwd, _gelu_ffn_bwd)
@@ -127,10 +171,10 @@ _gelu_ffn.defvjp(_gelu_ffn_fwd, _gelu_ffn_bwd)
 def gelu_ffn(x, weight1, weight2, precision=_DEFAULT_PRECISION):
     """``gelu_tanh(x @ weight1.T) @ weight2.T`` (no biases), differentiable with ``jax.grad`` (custom VJP).
 
-    x ``[..., D]``, weight1 ``[H, D]``, weight2 ``[D, H]``: float32 ``jax.Array``s on one CPU or CUDA device.
-    precision: ``"bf16x3"`` (default), ``"ieee"``, ``"tf32"`` or ``"bf16"`` (``cupyffn.PRECISIONS``).
-    Returns ``[..., D]`` float32. Not traceable: raises TypeError inside ``jax.jit`` (module docstring).
+    x ``[..., D]``, weight1 ``[H, D]``, weight2 ``[D, H]``: float32 ``jax.Array``s on one CPU or CUDA device
+    (or traced values of those). precision: ``"bf16x3"`` (default), ``"ieee"``, ``"tf32"`` or ``"bf16"``
+    (``cupyffn.PRECISIONS``). Returns ``[..., D]`` float32. Works eagerly and under ``jax.jit``.
     """
-    # Tracers are only refused where cupyffn is called (_forward / _gelu_ffn_bwd): under jax.grad alone the
-    # arguments here are linearize tracers, but the custom VJP's forward and backward see concrete arrays.
-    return _gelu_ffn(x, weight1, weight2, _lookup_precision(precision).name)
+    precision = _lookup_precision(precision).name
+    _shapes(x, weight1, weight2, "gelu_ffn")  # errors at the call (trace time under jit), naming the argument
+    return _gelu_ffn(x, weight1, weight2, precision)

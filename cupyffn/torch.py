@@ -31,11 +31,9 @@ cupyffn's own scratch buffers and cuBLAS workspaces come from CuPy's memory pool
 
 Host fast path: a CUDA tensor reaches cupyffn as a CuPy view built from its pointer, shape and strides
 (no DLPack import; the stream handshake DLPack would do is empty since cupyffn works on the stream
-torch is using). The views are cached by (pointer, shape, strides, device): a view is a pure
-function of that key and owns nothing, so when torch frees a tensor and reuses its address for a
-tensor of the same geometry, the cached view describes that tensor exactly; a view is only used while
-the tensor it was looked up for is alive (during the call). Repeated tensors (a training loop under
-torch's caching allocator) then take cupyffn's validated-call fast path.
+torch is using), cached by (pointer, shape, strides, device) as ``cupyffn._views`` explains (why a
+freed and reused address is safe). Repeated tensors (a training loop under torch's caching
+allocator) then take cupyffn's validated-call fast path.
 
 Tensor parallelism: autograd hands grad_input to the previous layer only when this op's backward
 returns (after both weight-gradient GEMMs), so the torch layer cannot start an all-reduce of
@@ -55,7 +53,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _arrays
+from . import _arrays, _views
 from ._backward import gelu_ffn_backward as _gelu_ffn_backward
 from ._forward import gelu_ffn_forward as _gelu_ffn_forward
 from ._precision import DEFAULT as _DEFAULT_PRECISION
@@ -66,73 +64,14 @@ __all__ = ["GeluFFN", "GeluFFNFunction", "gelu_ffn"]
 SAVE_MODES = ("all", "linear1_out")
 
 
-class _StreamHandle:
-    """A raw CUDA stream pointer behind the CUDA stream protocol (for ``cupy.cuda.Stream.from_external``)."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
-
-
-def _external_stream(ptr, device_index):
-    """A CuPy stream object for the raw stream `ptr` of `device_index`; it does not own (or destroy) it.
-
-    CuPy >= 14: ``cupy.cuda.Stream.from_external``; older CuPy: ``cupy.cuda.ExternalStream`` (deprecated in 14).
-    Call with `device_index` current in CuPy: the stream belongs to it.
-    """
-    import cupy
-
-    from_external = getattr(cupy.cuda.Stream, "from_external", None)
-    if from_external is not None:
-        return from_external(_StreamHandle(ptr))
-    return cupy.cuda.ExternalStream(ptr, device_index)
-
-
-# (raw stream pointer, device index) -> CuPy stream object. The object is only a (pointer, device) pair
-# that owns nothing, so a pointer torch reuses for a new stream maps to an equivalent object.
-_streams = {}
-
-
 def _cupy_stream(device):
-    """torch's current stream on `device` as a CuPy stream (see _external_stream)."""
-    ptr = int(torch.cuda.current_stream(device).cuda_stream)
-    key = (ptr, device.index)
-    stream = _streams.get(key)
-    if stream is None:
-        if len(_streams) >= 64:
-            _streams.clear()
-        stream = _streams[key] = _external_stream(ptr, device.index)
-    return stream
-
-
-# (data_ptr, shape, strides, device index) -> CuPy view of a float32 CUDA tensor: see the module docstring.
-_views = {}
-_VIEWS_MAX = 256
+    """torch's current stream on `device` as a CuPy stream that does not own it (call with `device` current)."""
+    return _views.external_stream(int(torch.cuda.current_stream(device).cuda_stream), device.index)
 
 
 def _cuda_view(tensor):
-    """A CuPy ndarray over `tensor`'s memory (float32, CUDA), without DLPack and without owning it."""
-    import cupy
-
-    shape, strides = tuple(tensor.shape), tensor.stride()
-    key = (tensor.data_ptr(), shape, strides, tensor.device.index)
-    view = _views.get(key)
-    if view is not None:
-        return view
-    if tensor.numel() == 0:
-        return tensor.detach()  # nothing to point at: the ordinary DLPack import handles empty tensors
-    extent = 4 * (1 + sum((n - 1) * s for n, s in zip(shape, strides)))
-    memory = cupy.cuda.UnownedMemory(key[0], extent, None, key[3])
-    view = cupy.ndarray(shape, cupy.float32, cupy.cuda.MemoryPointer(memory, 0),
-                        strides=tuple(4 * s for s in strides))
-    if len(_views) >= _VIEWS_MAX:
-        _views.clear()
-    _views[key] = view
-    return view
+    """A CuPy ndarray over a float32 CUDA tensor's memory: no DLPack import, owns nothing (cupyffn._views)."""
+    return _views.float32_view(tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.device.index)
 
 
 def _readable(tensor):

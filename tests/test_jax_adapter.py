@@ -1,4 +1,5 @@
-"""cupyffn.jax.gelu_ffn (custom VJP) against a float64 NumPy reference, on CPU JAX and on GPU JAX (marked gpu).
+"""cupyffn.jax.gelu_ffn (custom VJP over buffer callbacks) against a float64 NumPy reference, eagerly and under
+jax.jit, on CPU JAX and on GPU JAX (marked gpu).
 
 The reference (forward and the three gradients of sum(output * r), written out below) is checked against
 central finite differences of the float64 forward first; each cupyffn result must be within the
@@ -113,17 +114,52 @@ def test_vjp_of_one_argument(rng, device):
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
-def test_tracing_raises_a_clear_type_error(rng, device):
-    _, (x, w1, w2, r) = make(rng, device, lead=(8,), dim=16, hidden=32)
-    f = loss_fn("bf16x3", r)
-    message = "cannot run inside jax.jit"
-    with pytest.raises(TypeError, match=message):
-        jax.jit(f)(x, w1, w2)
-    with pytest.raises(TypeError, match=message):
-        jax.jit(jax.grad(f))(x, w1, w2)
-    with pytest.raises(TypeError, match=message):
-        jax.vmap(lambda xi: cj.gelu_ffn(xi, w1, w2))(x[None])
-    assert numpy.isfinite(float(f(x, w1, w2)))  # the same call outside jit works
+@pytest.mark.parametrize("precision", ("bf16x3", "ieee"))
+def test_jit_grad_and_value_and_grad_match_float64(rng, device, precision):
+    """Under jax.jit: the forward, jax.grad and jax.value_and_grad, each against the float64 reference."""
+    host, (x, w1, w2, r) = make(rng, device)
+    refs = reference(*host)
+    contract = cupyffn.PRECISIONS[precision].contract
+    f = loss_fn(precision, r)
+    y = jax.jit(lambda x, w1, w2: cj.gelu_ffn(x, w1, w2, precision))(x, w1, w2)
+    grads = jax.jit(jax.grad(f, argnums=(0, 1, 2)))(x, w1, w2)
+    value, grads2 = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(x, w1, w2)
+    for a in (y,) + tuple(grads) + tuple(grads2):
+        assert isinstance(a, jax.Array) and a.devices() == {device}
+    assert rel(y, refs[0]) <= contract
+    for results in (grads, grads2):
+        errors = {n: rel(a, b) for n, a, b in zip(NAMES[1:], results, refs[1:])}
+        assert all(e <= contract for e in errors.values()), errors
+    loss64 = float((refs[0] * host[3].astype(numpy.float64)).sum())
+    assert abs(float(value) - loss64) <= 10 * contract * float(numpy.abs(refs[0] * host[3]).sum())
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_jit_reruns_with_new_values(rng, device):
+    """A jitted step called again with new inputs computes from the new values (nothing stale is reused)."""
+    step = jax.jit(jax.grad(lambda x, w1, w2, r: (cj.gelu_ffn(x, w1, w2, "ieee") * r).sum(), argnums=(1, 2)))
+    contract = cupyffn.PRECISIONS["ieee"].contract
+    for _ in range(3):
+        host, arrays = make(rng, device, lead=(64,), dim=64, hidden=256)
+        refs = reference(*host)
+        grad_w1, grad_w2 = step(*arrays)
+        assert rel(grad_w1, refs[2]) <= contract and rel(grad_w2, refs[3]) <= contract
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_vmap_runs_one_call_per_element(rng, device):
+    host, (x, w1, w2, r) = make(rng, device, lead=(3, 16), dim=32, hidden=64)
+    contract = cupyffn.PRECISIONS["ieee"].contract
+    y = jax.jit(jax.vmap(lambda xi: cj.gelu_ffn(xi, w1, w2, "ieee")))(x)
+    assert rel(y, reference(*host)[0]) <= contract
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_zero_tokens(rng, device):
+    _, (x, w1, w2, _) = make(rng, device, lead=(0,), dim=16, hidden=32)
+    y, grads = jax.value_and_grad(lambda w1, w2: cj.gelu_ffn(x, w1, w2).sum(), argnums=(0, 1))(w1, w2)
+    assert float(y) == 0.0 and all(float(jnp.abs(g).max()) == 0.0 for g in grads)
+    assert cj.gelu_ffn(x, w1, w2).shape == (0, 16)
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
@@ -139,3 +175,7 @@ def test_argument_errors(rng, device):
         cj.gelu_ffn(x, w1, w2, "fp8")
     with pytest.raises(ValueError, match="weight1 must have shape"):
         cj.gelu_ffn(x, w1[:, :8], w2)
+    with pytest.raises(ValueError, match="weight1 must have shape"):  # raised at trace time under jit
+        jax.jit(cj.gelu_ffn)(x, w1[:, :8], w2)
+    with pytest.raises(ValueError, match=r"weight2 must have shape \(dim, hidden_dim\) = \(16, 32\)"):
+        cj.gelu_ffn(x, w1, w2.T)
