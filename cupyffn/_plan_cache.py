@@ -15,10 +15,11 @@ a plan is built or closed, so a thread waiting on the device blocks no other thr
 import collections
 import sys
 import threading
+import weakref
 
 _lock = threading.Lock()
 _pinned = {}  # id(plan) -> plan: plans a caller's CUDA graph uses
-_caches = []  # every PlanCache, so that dropping pins can evict what they held past a cache's size
+_caches = weakref.WeakSet()  # every PlanCache: dropping pins may leave one above its size
 
 
 class PlanCache:
@@ -33,7 +34,7 @@ class PlanCache:
         self.size = size
         self._plans = collections.OrderedDict()
         with _lock:
-            _caches.append(self)
+            _caches.add(self)
 
     def __len__(self):
         return len(self._plans)
@@ -143,7 +144,7 @@ def release_captured_plans():
         plans = list(_pinned.values())
         _pinned.clear()
         doomed = [p for p in plans if getattr(p, "_evicted", False) and p._users == 0]
-        for cache in _caches:
+        for cache in list(_caches):
             doomed += cache._evict_locked()
     _close_all(doomed)
     return len(plans)
