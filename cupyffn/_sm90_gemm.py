@@ -1,0 +1,387 @@
+"""Launcher of the Hopper (sm_90a) GEMM in ``kernels_cu/gemm_sm90.cu``: C = A @ B^T, both K-major.
+
+Standalone for now (issue 10, first step): not used by the engine yet. What it computes:
+
+* :func:`gemm_tn` -- ``out[M, N] (fp32) = a[M, K] @ b[N, K]^T``;
+* :func:`gemm_tn_dgelu` -- GEMM1 with the GELU derivative in its epilogue:
+  ``out = acc * gelu'(linear1_out, tanh_inner)`` rounded to bf16 (``out.dtype == uint16``, bf16
+  bit patterns) or to fp16 after scaling by a power of two ``alpha`` (``out.dtype == float16``);
+  ``tanh_inner=None`` recomputes t from linear1_out (memory mode).
+
+Operands ``a`` and ``b`` are 16-bit: ``float16`` arrays, or bf16 bit patterns in ``uint16`` arrays
+(CuPy has no bfloat16 dtype). Constraints (checked, ValueError otherwise): K >= 1; a and b K-contiguous
+with row strides a multiple of 8 elements (16 bytes, for the TMA unit) and 16-byte-aligned data;
+out, linear1_out and tanh_inner row-contiguous with even row strides and 16-byte-aligned data; out
+overlapping no input. M, N and K need not be multiples of the tile: the TMA unit zero-fills what lies
+outside A and B, and the epilogue stores only in-bounds elements.
+
+The module is compiled by NVRTC through :class:`cupy.RawModule` with ``-arch=sm_90a`` (wgmma and
+setmaxnreg exist only there; CuPy appends its own ``-arch=sm_90``, and NVRTC then still compiles for
+sm_90a: a plain sm_90 pass would reject wgmma, so a successful build is an sm_90a one). The TMA
+descriptors (CUtensorMap, 128 opaque bytes) are encoded by ``cuTensorMapEncodeTiled`` from
+libcuda through ctypes, cached per (address, shape, stride, tile), and passed by value as
+``__grid_constant__`` kernel parameters.
+"""
+
+import collections
+import ctypes
+import functools
+import math
+import threading
+
+from cupyffn import _kernels
+
+#: Source file in kernels_cu/ (compiled for sm_90a only; not one of _kernels.MODULES, which build for any GPU).
+SOURCE = "gemm_sm90.cu"
+#: NVRTC options; CuPy adds its include paths and its own -arch (see the module docstring).
+NVRTC_OPTIONS = ("-arch=sm_90a", "--std=c++17")
+
+# Must match gemm_sm90.cu.
+THREADS = 384
+BLOCK_M = 128
+BLOCK_K = 64
+BLOCK_NS = (128, 256)
+OP_F16 = 0
+OP_BF16 = 1
+EPI_F32 = 0
+EPI_DGELU_BF16 = 1
+EPI_DGELU_F16 = 2
+
+EXPRESSIONS = tuple(f"gemm_sm90_kernel<{op}, {bn}, {epi}>" for op in (OP_F16, OP_BF16) for bn in BLOCK_NS
+                    for epi in (EPI_F32, EPI_DGELU_BF16, EPI_DGELU_F16))
+
+
+def stages_for(block_n):
+    """Pipeline stages (stages_for in gemm_sm90.cu): as many as fit in 192 KiB."""
+    return (192 * 1024) // ((BLOCK_M + block_n) * BLOCK_K * 2)
+
+
+def smem_bytes(block_n):
+    """Dynamic shared memory of one CTA (smem_bytes_for in gemm_sm90.cu)."""
+    s = stages_for(block_n)
+    return s * (BLOCK_M + block_n) * BLOCK_K * 2 + 1024 + 2 * 8 * s
+
+
+class TmaDesc(ctypes.Structure):
+    """Mirror of ``struct TmaDesc`` (a CUtensorMap: 128 opaque bytes)."""
+
+    _fields_ = [("opaque", ctypes.c_uint64 * 16)]
+
+
+class GemmArgs(ctypes.Structure):
+    """Mirror of ``struct GemmArgs`` in gemm_sm90.cu (64 bytes)."""
+
+    _fields_ = [
+        ("c", ctypes.c_void_p),
+        ("x", ctypes.c_void_p),
+        ("t", ctypes.c_void_p),
+        ("ldc", ctypes.c_longlong),
+        ("ldx", ctypes.c_longlong),
+        ("ldt", ctypes.c_longlong),
+        ("m", ctypes.c_int),
+        ("n", ctypes.c_int),
+        ("k", ctypes.c_int),
+        ("alpha", ctypes.c_float),
+    ]
+
+
+@functools.lru_cache(maxsize=None)
+def module_source():
+    """gemm_sm90.cu with common.cuh pasted in (as _kernels.module_source does, for the same reason)."""
+    folder = _kernels.kernel_dir()
+    common = (folder / "common.cuh").read_text().replace("#pragma once\n", "")
+    text = (folder / SOURCE).read_text()
+    include = '#include "common.cuh"'
+    if include not in text:
+        raise RuntimeError(f"{SOURCE} must include common.cuh")
+    return text.replace(include, common, 1)
+
+
+def device_supported(device_id):
+    """True on compute capability 9.0 (H100, H200): the sm_90a code runs only there."""
+    import cupy
+
+    return cupy.cuda.Device(device_id).compute_capability == "90"
+
+
+@functools.lru_cache(maxsize=None)
+def _module(device_id):
+    import cupy
+
+    if not device_supported(device_id):
+        cc = cupy.cuda.Device(device_id).compute_capability
+        raise RuntimeError(f"the sm_90a GEMM needs a compute capability 9.0 GPU; device {device_id} has {cc}")
+    with cupy.cuda.Device(device_id):
+        module = cupy.RawModule(code=module_source(), options=NVRTC_OPTIONS, name_expressions=EXPRESSIONS)
+        module.compile()
+    return module
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(op, block_n, epi, device_id):
+    import cupy
+
+    module = _module(device_id)
+    with cupy.cuda.Device(device_id):
+        kernel = module.get_function(f"gemm_sm90_kernel<{op}, {block_n}, {epi}>")
+        kernel.max_dynamic_shared_size_bytes = smem_bytes(block_n)  # above 48 KiB needs the opt-in
+    return kernel
+
+
+# ---- tensor maps --------------------------------------------------------------------------------
+_CU_TENSOR_MAP_DATA_TYPE_FLOAT16 = 6
+_CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 = 9
+_CU_TENSOR_MAP_INTERLEAVE_NONE = 0
+_CU_TENSOR_MAP_SWIZZLE_128B = 3
+_CU_TENSOR_MAP_L2_PROMOTION_L2_256B = 3
+_CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE = 0  # out-of-bounds elements read as zeros
+
+_libcuda = None
+_libcuda_lock = threading.Lock()
+
+
+def _driver():
+    global _libcuda
+    with _libcuda_lock:
+        if _libcuda is None:
+            lib = ctypes.CDLL("libcuda.so.1")
+            f = lib.cuTensorMapEncodeTiled
+            f.restype = ctypes.c_int
+            f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                          ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                          ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                          ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+            lib.cuGetErrorName.restype = ctypes.c_int
+            lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+            _libcuda = lib
+    return _libcuda
+
+
+class _AlignedDesc:
+    """A TmaDesc on a 64-byte boundary (CUtensorMap is declared alignas(64)); keeps its buffer alive."""
+
+    def __init__(self):
+        self._buffer = (ctypes.c_uint8 * (ctypes.sizeof(TmaDesc) + 64))()
+        offset = (-ctypes.addressof(self._buffer)) % 64
+        self.desc = TmaDesc.from_buffer(self._buffer, offset)
+
+
+def encode_tensor_map(ptr, rows, cols, row_stride_bytes, op, box_rows):
+    """CUtensorMap of a [rows, cols] 16-bit row-major matrix at `ptr`, box [box_rows, 64], 128-byte swizzle."""
+    lib = _driver()
+    holder = _AlignedDesc()
+    dims = (ctypes.c_uint64 * 2)(cols, rows)
+    strides = (ctypes.c_uint64 * 1)(row_stride_bytes)
+    box = (ctypes.c_uint32 * 2)(BLOCK_K, box_rows)
+    elem = (ctypes.c_uint32 * 2)(1, 1)
+    dtype = _CU_TENSOR_MAP_DATA_TYPE_FLOAT16 if op == OP_F16 else _CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+    status = lib.cuTensorMapEncodeTiled(ctypes.addressof(holder.desc), dtype, 2, ctypes.c_void_p(ptr), dims, strides,
+                                        box, elem, _CU_TENSOR_MAP_INTERLEAVE_NONE, _CU_TENSOR_MAP_SWIZZLE_128B,
+                                        _CU_TENSOR_MAP_L2_PROMOTION_L2_256B, _CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if status != 0:
+        name = ctypes.c_char_p()
+        lib.cuGetErrorName(status, ctypes.byref(name))
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with {(name.value or b'?').decode()} ({status}) for a "
+                           f"[{rows}, {cols}] matrix, row stride {row_stride_bytes} bytes, box [{box_rows}, {BLOCK_K}]")
+    return holder
+
+
+class _MapCache:
+    """Tensor maps by everything they encode, so a hit is the very descriptor a fresh encode would give
+    (a freed and reused address with the same shape is the same descriptor). Bounded, LRU."""
+
+    def __init__(self, size=256):
+        self._size = size
+        self._maps = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, *key):
+        with self._lock:
+            holder = self._maps.get(key)
+            if holder is not None:
+                self._maps.move_to_end(key)
+                return holder
+        holder = encode_tensor_map(*key)
+        with self._lock:
+            self._maps[key] = holder
+            while len(self._maps) > self._size:
+                self._maps.popitem(last=False)
+        return holder
+
+
+_maps = _MapCache()
+
+
+# ---- validation ---------------------------------------------------------------------------------
+def _operand_code(dtype, name):
+    import numpy
+
+    if dtype == numpy.float16:
+        return OP_F16
+    if dtype == numpy.uint16:
+        return OP_BF16
+    raise ValueError(f"{name} must be float16 (fp16) or uint16 (bf16 bit patterns), got {dtype}")
+
+
+def _check_matrix(x, name, shape, dtype=None, row_multiple=2):
+    """x is a 2-D CuPy array of `shape`, row-contiguous, 16-byte aligned, row stride a multiple of
+    `row_multiple` elements; returns its row stride in elements."""
+    import cupy
+
+    if not isinstance(x, cupy.ndarray):
+        raise ValueError(f"{name} must be a cupy.ndarray, got {type(x).__name__}")
+    if x.ndim != 2 or tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+    if dtype is not None and x.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {x.dtype}")
+    item = x.dtype.itemsize
+    if x.shape[1] > 1 and x.strides[1] != item:
+        raise ValueError(f"{name} must be contiguous along its last dimension (stride {item} bytes), "
+                         f"got strides {x.strides}")
+    if x.data.ptr % 16:
+        raise ValueError(f"{name} must be 16-byte aligned, its data is at {x.data.ptr:#x}")
+    if x.shape[0] <= 1:  # the row stride of a single row is never used: any valid one will do
+        return -(-x.shape[1] // row_multiple) * row_multiple
+    if x.strides[0] % item or x.strides[0] // item < x.shape[1]:
+        raise ValueError(f"{name} must have rows of {x.shape[1]} elements one after another (a positive row "
+                         f"stride of at least that many elements), got strides {x.strides}")
+    ld = x.strides[0] // item
+    if ld % row_multiple:
+        raise ValueError(f"{name} needs a row stride that is a multiple of {row_multiple} elements, got {ld}")
+    return ld
+
+
+def _span(x, ld):
+    """[first byte, one past the last byte] the 2-D array x covers."""
+    item = x.dtype.itemsize
+    return x.data.ptr, x.data.ptr + ((x.shape[0] - 1) * ld + x.shape[1]) * item
+
+
+def _check_no_overlap(out, out_ld, inputs):
+    if out.size == 0:
+        return
+    lo, hi = _span(out, out_ld)
+    for name, x, ld in inputs:
+        if x is None or x.size == 0:
+            continue
+        a, b = _span(x, ld)
+        if a < hi and lo < b:
+            raise ValueError(f"out must not overlap {name}")
+
+
+def _check_device(arrays):
+    import cupy
+
+    device = cupy.cuda.Device().id
+    for name, x in arrays:
+        if x is not None and x.device.id != device:
+            raise ValueError(f"{name} is on device {x.device.id}, but the current device is {device}")
+    return device
+
+
+def _check_operands(a, b):
+    """(operand code, M, N, K, lda, ldb) of a [M, K] and b [N, K]."""
+    import cupy
+
+    for name, x in (("a", a), ("b", b)):
+        if not isinstance(x, cupy.ndarray) or x.ndim != 2:
+            raise ValueError(f"{name} must be a 2-D cupy.ndarray (a [M, K], b [N, K]), got "
+                             f"{getattr(x, 'shape', type(x).__name__)}")
+    op = _operand_code(a.dtype, "a")
+    if b.dtype != a.dtype:
+        raise ValueError(f"b must have the dtype of a ({a.dtype}), got {b.dtype}")
+    m, k = a.shape
+    n = b.shape[0]
+    if b.shape[1] != k:
+        raise ValueError(f"b must be [N, K] with K = a.shape[1] = {k}, got shape {b.shape}")
+    lda = _check_matrix(a, "a", (m, k), row_multiple=8)
+    ldb = _check_matrix(b, "b", (n, k), row_multiple=8)
+    return op, m, n, k, lda, ldb
+
+
+def _check_block_n(block_n):
+    if block_n not in BLOCK_NS:
+        raise ValueError(f"block_n must be one of {BLOCK_NS}, got {block_n!r}")
+
+
+def _check_size(m, n, k):
+    if k < 1:
+        raise ValueError(f"K (a.shape[1]) must be >= 1, got {k}")
+    if max(m, n, k) >= 2 ** 31:
+        raise ValueError(f"M, N, K must each be below 2^31, got {m}, {n}, {k}")
+
+
+# ---- launch -------------------------------------------------------------------------------------
+def _launch(op, block_n, epi, a, lda, b, ldb, args, stream):
+    import cupy
+    from cupy_backends.cuda.api import driver
+
+    m, n = args.m, args.n
+    device = cupy.cuda.Device().id
+    kernel = _kernel(op, block_n, epi, device)
+    map_a = _maps.get(a.data.ptr, m, args.k, lda * 2, op, BLOCK_M)
+    map_b = _maps.get(b.data.ptr, n, args.k, ldb * 2, op, block_n)
+    tiles = -(-m // BLOCK_M) * -(-n // block_n)
+    grid = min(tiles, _kernels.sm_count(device))
+    argv = (ctypes.c_void_p * 3)(ctypes.addressof(map_a.desc), ctypes.addressof(map_b.desc), ctypes.addressof(args))
+    stream_ptr = (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
+    # The driver copies the parameters at launch: map_a/map_b/args may be reused as soon as this returns.
+    driver.launchKernel(kernel.kernel.ptr, grid, 1, 1, THREADS, 1, 1, smem_bytes(block_n), stream_ptr,
+                        ctypes.addressof(argv), 0)
+
+
+def gemm_tn(a, b, out, *, block_n=256, stream=None):
+    """out[M, N] (float32) = a[M, K] @ b[N, K]^T on the sm_90a kernel; returns out.
+
+    a, b: float16, or uint16 holding bf16 bit patterns (both the same). stream: a cupy Stream
+    (default: the current one)."""
+    import numpy
+
+    _check_block_n(block_n)
+    op, m, n, k, lda, ldb = _check_operands(a, b)
+    ldc = _check_matrix(out, "out", (m, n), numpy.float32)
+    _check_device((("a", a), ("b", b), ("out", out)))
+    _check_size(m, n, k)
+    _check_no_overlap(out, ldc, (("a", a, lda), ("b", b, ldb)))
+    if m == 0 or n == 0:
+        return out
+    args = GemmArgs(out.data.ptr, None, None, ldc, 0, 0, m, n, k, 1.0)
+    _launch(op, block_n, EPI_F32, a, lda, b, ldb, args, stream)
+    return out
+
+
+def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, block_n=256, stream=None):
+    """GEMM1 with the GELU derivative fused: g = (a @ b^T) * gelu'(linear1_out, tanh_inner) in fp32,
+    stored as bf16 bits (out uint16) or as fp16(alpha * g) (out float16); returns out.
+
+    linear1_out, tanh_inner: float32 [M, N]; tanh_inner None recomputes it (memory mode). alpha:
+    a power of two (exact scaling), only with a float16 out."""
+    import numpy
+
+    _check_block_n(block_n)
+    op, m, n, k, lda, ldb = _check_operands(a, b)
+    ldx = _check_matrix(linear1_out, "linear1_out", (m, n), numpy.float32)
+    ldt = _check_matrix(tanh_inner, "tanh_inner", (m, n), numpy.float32) if tanh_inner is not None else 0
+    out_dtype = getattr(out, "dtype", None)
+    if out_dtype == numpy.uint16:
+        epi = EPI_DGELU_BF16
+        if alpha != 1.0:
+            raise ValueError(f"alpha applies to a float16 out only; with bf16 (uint16) out it must be 1.0, got {alpha}")
+    elif out_dtype == numpy.float16:
+        epi = EPI_DGELU_F16
+    else:
+        raise ValueError(f"out must be uint16 (bf16 bit patterns) or float16, got {out_dtype}")
+    alpha = float(alpha)
+    if not (math.isfinite(alpha) and alpha > 0 and math.frexp(alpha)[0] == 0.5 and -126 <= math.frexp(alpha)[1] - 1 <= 127):
+        raise ValueError(f"alpha must be a power of two 2^e with -126 <= e <= 127 (a normal float), got {alpha}")
+    ldc = _check_matrix(out, "out", (m, n))
+    _check_device((("a", a), ("b", b), ("linear1_out", linear1_out), ("tanh_inner", tanh_inner), ("out", out)))
+    _check_size(m, n, k)
+    _check_no_overlap(out, ldc, (("a", a, lda), ("b", b, ldb), ("linear1_out", linear1_out, ldx),
+                                 ("tanh_inner", tanh_inner, ldt)))
+    if m == 0 or n == 0:
+        return out
+    args = GemmArgs(out.data.ptr, linear1_out.data.ptr, tanh_inner.data.ptr if tanh_inner is not None else None,
+                    ldc, ldx, ldt, m, n, k, alpha)
+    _launch(op, block_n, epi, a, lda, b, ldb, args, stream)
+    return out

@@ -1,0 +1,414 @@
+// Hopper (sm_90a) GEMM: C[M,N] = A[M,K] @ B[N,K]^T with 16-bit operands (fp16 or bf16), fp32
+// accumulation in registers, and an epilogue chosen at compile time.
+//
+//   A: [M, K] row-major (K contiguous), B: [N, K] row-major (K contiguous): both operands K-major
+//   ("TN"), the layout wgmma reads from 128-byte-swizzled shared memory without transposes.
+//
+// Structure (technique as in CUTLASS's sm90 warp-specialized kernels and public write-ups of
+// hand-written wgmma GEMMs; this code is our own):
+//   * 384 threads = 3 warpgroups. Warpgroup 0 is the producer: one thread issues TMA bulk tensor
+//     copies (cp.async.bulk.tensor.2d) of a 128 x 64 tile of A and a BN x 64 tile of B per stage,
+//     completing on the stage's "full" mbarrier. Warpgroups 1 and 2 are consumers: each owns 64 rows
+//     of the 128-row tile and issues wgmma.mma_async m64nBNk16 (4 per 64-wide K step) from shared
+//     memory, then releases the stage on its "empty" mbarrier.
+//   * setmaxnreg hands the producer's registers to the consumers (40 / 232 per thread).
+//   * Persistent: the grid is at most one CTA per SM; CTAs walk the output tiles with a stride of
+//     gridDim.x (M fastest, so CTAs running together share B tiles in L2). The pipeline runs on
+//     across tile boundaries, so the producer loads the next tile while the consumers store.
+//   * Out-of-bounds rows/columns/K of a tile are zero-filled by TMA; the epilogue stores only
+//     in-bounds elements.
+//
+// Epilogues (template parameter EPI):
+//   kEpiF32         C = acc, fp32 [M, N] with leading dimension ldc
+//   kEpiDgeluBf16   C = bf16(acc * gelu'(x, t)) (bits, uint16), x = linear1_out, t = tanh_inner
+//                   (fp32 [M, N]); t == nullptr recomputes t from x (memory mode)
+//   kEpiDgeluF16    C = fp16(alpha * acc * gelu'(x, t)), alpha a power of two chosen by the caller
+//
+// Constraints (checked by cupyffn/_sm90_gemm.py): K >= 1; lda, ldb multiples of 8 elements and A, B
+// 16-byte aligned (TMA); ldc, ldx, ldt multiples of 8 elements and C, x, t 16-byte aligned.
+// No headers: conversions are written in PTX so that NVRTC needs no include path.
+
+#include "common.cuh"
+
+#define kEpiF32 0
+#define kEpiDgeluBf16 1
+#define kEpiDgeluF16 2
+#define kOpF16 0
+#define kOpBf16 1
+
+namespace sm90 {
+
+constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
+constexpr int kBM = 128;       // rows of a CTA tile (64 per consumer warpgroup)
+constexpr int kBK = 64;        // K per stage: 64 16-bit elements = one 128-byte swizzle row
+
+// A CUtensorMap: 128 opaque bytes built on the host by cuTensorMapEncodeTiled, passed by value as a
+// __grid_constant__ parameter (so its address is a valid generic address for the TMA unit).
+struct __align__(64) TmaDesc {
+  unsigned long long opaque[16];
+};
+
+struct GemmArgs {
+  void* c;        // kEpiF32: float*; else 16-bit codes
+  const float* x; // linear1_out (dgelu epilogues)
+  const float* t; // tanh_inner (dgelu epilogues); nullptr: recomputed from x
+  long long ldc;
+  long long ldx;
+  long long ldt;
+  int m;
+  int n;
+  int k;
+  float alpha;    // kEpiDgeluF16: scale applied before rounding to fp16
+};
+static_assert(sizeof(GemmArgs) == 64, "GemmArgs layout is mirrored in cupyffn/_sm90_gemm.py");
+static_assert(sizeof(TmaDesc) == 128, "a CUtensorMap is 128 bytes");
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return (unsigned)__cvta_generic_to_shared(p);
+}
+
+// ---- mbarrier -----------------------------------------------------------------------------------
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// Returns once the phase of parity `parity` has completed (a fresh barrier counts its phase before
+// phase 0 as completed: waiting for parity 1 returns at once).
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  unsigned done;
+  do {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// ---- TMA ----------------------------------------------------------------------------------------
+__device__ __forceinline__ void tma_load_2d(unsigned dst, const TmaDesc* map, unsigned bar, int inner, int outer) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(inner), "r"(outer), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(map)) : "memory");
+}
+
+// ---- wgmma --------------------------------------------------------------------------------------
+// Shared-memory matrix descriptor (sm90 GMMA descriptor): start address >> 4 in bits 0-13, leading
+// byte offset >> 4 in bits 16-29 (unused for swizzled K-major; 1 by convention), stride byte offset
+// >> 4 in bits 32-45 (1024 B: one 8-row x 128 B swizzle atom to the next), layout in bits 62-63
+// (1 = 128-byte swizzle). Tiles start on 1024-byte boundaries (base offset 0); stepping K by 16
+// elements inside the 128-byte row adds 32 bytes to the start address.
+__device__ __forceinline__ unsigned long long smem_desc(unsigned addr) {
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+         (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+// Keeps the compiler from moving accesses to the accumulators across the asynchronous wgmma.
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// The m64nNk16 wgmma with both operands from shared memory, scale-d = 1 (accumulate into d), no
+// transposes (both K-major). The register lists are mechanical: d[0..N/2).
+
+__device__ __forceinline__ void wgmma_m64n128k16_f16(float (&d)[64], unsigned long long desc_a,
+                                                  unsigned long long desc_b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, %64, %65, 1, 1, 1, 0, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b));
+}
+
+__device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], unsigned long long desc_a,
+                                                  unsigned long long desc_b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, %64, %65, 1, 1, 1, 0, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b));
+}
+
+__device__ __forceinline__ void wgmma_m64n256k16_f16(float (&d)[128], unsigned long long desc_a,
+                                                  unsigned long long desc_b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, %128, %129, 1, 1, 1, 0, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(desc_a), "l"(desc_b));
+}
+
+__device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], unsigned long long desc_a,
+                                                  unsigned long long desc_b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, %128, %129, 1, 1, 1, 0, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(desc_a), "l"(desc_b));
+}
+
+template <int OP, int BN>
+__device__ __forceinline__ void wgmma_k16(float (&d)[BN / 2], unsigned long long desc_a, unsigned long long desc_b) {
+  if constexpr (OP == kOpF16 && BN == 128) wgmma_m64n128k16_f16(d, desc_a, desc_b);
+  if constexpr (OP == kOpBf16 && BN == 128) wgmma_m64n128k16_bf16(d, desc_a, desc_b);
+  if constexpr (OP == kOpF16 && BN == 256) wgmma_m64n256k16_f16(d, desc_a, desc_b);
+  if constexpr (OP == kOpBf16 && BN == 256) wgmma_m64n256k16_bf16(d, desc_a, desc_b);
+}
+
+// Pipeline depth: as many (128 + BN) x 64 stages as fit in 192 KiB of the 227 KiB of shared memory.
+__host__ __device__ constexpr int stages_for(int bn) { return (192 * 1024) / ((kBM + bn) * kBK * 2); }
+
+// Shared memory a launch needs: the stages, 1 KiB of slack to align them to 1024 bytes, and the
+// 2 * stages mbarriers (8 bytes each). cupyffn/_sm90_gemm.py computes the same number.
+__host__ __device__ constexpr int smem_bytes_for(int bn) { return stages_for(bn) * (kBM + bn) * kBK * 2 + 1024 + 2 * 8 * stages_for(bn); }
+
+__device__ __forceinline__ unsigned short f16_code(float x) {
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(h) : "f"(x));
+  return h;
+}
+
+// Stores a consumer's 64 x BN block of the tile whose top-left output element is (row0, col0).
+// wgmma's accumulator layout: thread `lane` of warp w holds, for each 8-column group j, columns
+// 8j + 2(lane % 4) + {0, 1} of rows 16w + lane / 4 (d[4j], d[4j+1]) and 16w + lane / 4 + 8 (d[4j+2], d[4j+3]).
+template <int EPI, int BN>
+__device__ __forceinline__ void store_block(const float (&acc)[BN / 2], const GemmArgs& args, int row0, int col0,
+                                            int tid) {
+  const int warp = tid >> 5, lane = tid & 31;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = row0 + 16 * warp + (lane >> 2) + 8 * h;
+    if (r >= args.m) continue;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      const int col = col0 + 8 * j + 2 * (lane & 3);
+      if (col >= args.n) continue;
+      const bool pair = col + 1 < args.n;  // col is even and leading dimensions are multiples of 8
+      float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+      if constexpr (EPI == kEpiF32) {
+        float* p = static_cast<float*>(args.c) + r * args.ldc + col;
+        if (pair) {
+          *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+        } else {
+          p[0] = v0;
+        }
+      } else {
+        const float* xp = args.x + r * args.ldx + col;
+        float x0, x1 = 0.0f, t0, t1;
+        if (pair) {
+          const float2 xv = __ldcs(reinterpret_cast<const float2*>(xp));
+          x0 = xv.x;
+          x1 = xv.y;
+        } else {
+          x0 = __ldcs(xp);
+        }
+        if (args.t != nullptr) {
+          const float* tp = args.t + r * args.ldt + col;
+          if (pair) {
+            const float2 tv = __ldcs(reinterpret_cast<const float2*>(tp));
+            t0 = tv.x;
+            t1 = tv.y;
+          } else {
+            t0 = __ldcs(tp);
+            t1 = 0.0f;
+          }
+        } else {
+          t0 = cupyffn::tanh_inner_of(x0);
+          t1 = cupyffn::tanh_inner_of(x1);
+        }
+        v0 *= cupyffn::gelu_grad(x0, t0);
+        v1 *= cupyffn::gelu_grad(x1, t1);
+        unsigned short c0, c1;
+        if constexpr (EPI == kEpiDgeluBf16) {
+          c0 = cupyffn::bf16_bits(v0);  // the same rounding as the engine's dgelu kernel
+          c1 = cupyffn::bf16_bits(v1);
+        } else {
+          c0 = f16_code(v0 * args.alpha);
+          c1 = f16_code(v1 * args.alpha);
+        }
+        unsigned short* p = static_cast<unsigned short*>(args.c) + r * args.ldc + col;
+        if (pair) {
+          *reinterpret_cast<unsigned*>(p) = cupyffn::pack2(c0, c1);
+        } else {
+          p[0] = c0;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace sm90
+
+template <int OP, int BN, int EPI>
+__global__ void __launch_bounds__(sm90::kThreads, 1)
+    gemm_sm90_kernel(const __grid_constant__ sm90::TmaDesc map_a, const __grid_constant__ sm90::TmaDesc map_b,
+                     const __grid_constant__ sm90::GemmArgs args) {
+  using namespace sm90;
+  constexpr int kStages = stages_for(BN);
+  constexpr unsigned kABytes = kBM * kBK * 2;
+  constexpr unsigned kBBytes = BN * kBK * 2;
+  extern __shared__ unsigned char smem_raw[];
+  const unsigned raw = smem_addr(smem_raw);
+  const unsigned a_smem = (raw + 1023u) & ~1023u;  // 128-byte swizzle atoms sit on 1024-byte boundaries
+  const unsigned b_smem = a_smem + kStages * kABytes;
+  const unsigned full_bar = b_smem + kStages * kBBytes;  // stage s: full_bar + 8 s; empty: empty_bar + 8 s
+  const unsigned empty_bar = full_bar + 8 * kStages;
+
+  const int m_tiles = (args.m + kBM - 1) / kBM;
+  const int n_tiles = (args.n + BN - 1) / BN;
+  const int tiles = m_tiles * n_tiles;
+  const int k_tiles = (args.k + kBK - 1) / kBK;
+  const int wg = threadIdx.x >> 7;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full_bar + 8 * s, 1);   // the producer's arrive_expect_tx (+ the TMA bytes)
+      mbar_init(empty_bar + 8 * s, 8);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
+    tma_prefetch_desc(&map_a);
+    tma_prefetch_desc(&map_b);
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // Producer warpgroup: every thread gives up registers; one thread issues the copies.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if (threadIdx.x == 0) {
+      unsigned it = 0;
+      for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int mb = tile % m_tiles, nb = tile / m_tiles;
+        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+          const unsigned s = it % kStages, phase = (it / kStages) & 1u;
+          mbar_wait(empty_bar + 8 * s, phase ^ 1u);  // the consumers are done with this stage
+          // TMA counts the whole box, out-of-bounds (zero-filled) elements included.
+          mbar_arrive_expect_tx(full_bar + 8 * s, kABytes + kBBytes);
+          tma_load_2d(a_smem + s * kABytes, &map_a, full_bar + 8 * s, kt * kBK, mb * kBM);
+          tma_load_2d(b_smem + s * kBBytes, &map_b, full_bar + 8 * s, kt * kBK, nb * BN);
+        }
+      }
+    }
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    const int consumer = wg - 1;
+    const int tid = threadIdx.x & 127;
+    float acc[BN / 2];
+    unsigned it = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      const int mb = tile % m_tiles, nb = tile / m_tiles;
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        const unsigned s = it % kStages, phase = (it / kStages) & 1u;
+        mbar_wait(full_bar + 8 * s, phase);
+        const unsigned a_stage = a_smem + s * kABytes + consumer * (64 * 128);  // this consumer's 64 rows
+        const unsigned b_stage = b_smem + s * kBBytes;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk) {
+          wgmma_k16<OP, BN>(acc, smem_desc(a_stage + 32 * kk), smem_desc(b_stage + 32 * kk));
+        }
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_regs(acc);
+        if ((tid & 31) == 0) mbar_arrive(empty_bar + 8 * s);  // this warp's reads of the stage are done
+      }
+      store_block<EPI, BN>(acc, args, mb * kBM + consumer * 64, nb * BN, tid);
+    }
+  }
+}
