@@ -123,19 +123,21 @@ class GeluFFNBackward:
 
     # ------------------------------------------------------------------ calls
     def __call__(self, grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner=None, gelu_out=None, *,
-                 out=None, stream=None, accumulate=False, check_activations=False):
+                 out=None, stream=None, accumulate=False, check_activations=False, grad_hidden_ready=None):
         """Run the backward; returns FFNGrads. See ``cupyffn.gelu_ffn_backward`` for the arguments."""
         args = (grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out)
         sig = _validate.signature(args, out, accumulate) if self._engine is not None else None
-        return self._run(args, out, stream, accumulate, sig, check_activations=check_activations)
+        return self._run(args, out, stream, accumulate, sig, check_activations=check_activations,
+                         grad_hidden_ready=grad_hidden_ready)
 
-    def _run(self, args, out, stream, accumulate, sig, call=None, check_activations=False):
+    def _run(self, args, out, stream, accumulate, sig, call=None, check_activations=False, grad_hidden_ready=None):
         """Validate (or reuse the validation of an identical earlier call) and execute.
 
         `sig`: _validate.signature of the arrays, or None; `call`: an already prepared Call, or None.
         """
         if self._closed:
             raise _closed_error()
+        ready = _ready_event_ptr(grad_hidden_ready, self)
         if call is None:
             last = self._last  # (signature, validated call); one read, so threads see a consistent pair
             if sig is not None and last is not None and last[0] == sig:
@@ -155,7 +157,7 @@ class GeluFFNBackward:
                 raise ValueError("check_activations=True synchronizes with the stream, which CUDA stream capture "
                                  "does not allow: check once before capturing")
             _checks.check(call, stream)
-        return self._execute(call, out, stream, accumulate)
+        return self._execute(call, out, stream, accumulate, ready)
 
     def _check_call(self, call):
         expected = (self.tokens, self.dim, self.hidden_dim)
@@ -166,12 +168,12 @@ class GeluFFNBackward:
             where = "the CPU" if call.device == "cpu" else f"cuda:{call.device}"
             raise ValueError(f"this plan is for device {self.device!r}; the arrays are on {where}")
 
-    def _execute(self, call, out, stream, accumulate):
+    def _execute(self, call, out, stream, accumulate, ready=None):
         if self._engine is None:
             return _run_cpu(call, out, self.precision, self.need_grad_hidden, self.need_weight_grads, accumulate)
-        return self._run_gpu(call, out, stream, accumulate)
+        return self._run_gpu(call, out, stream, accumulate, ready)
 
-    def _run_gpu(self, call, out, stream, accumulate):
+    def _run_gpu(self, call, out, stream, accumulate, ready=None):
         import cupy
 
         engine = self._engine
@@ -194,6 +196,8 @@ class GeluFFNBackward:
                     self._check_capturable(call)
                 results, pointers = self._outputs(call, out, s)
                 if self.tokens == 0:
+                    if ready:  # grad_hidden_states is empty: ready at once, in stream order
+                        cupy.cuda.runtime.eventRecord(ready, sp)
                     with s:
                         for r, needed in zip(results[1:], (self.need_weight_grads,) * 2):
                             if needed and not accumulate:
@@ -212,7 +216,7 @@ class GeluFFNBackward:
                     if self.graph and not capturing:
                         self._replay_or_capture(io, s)
                     else:
-                        engine.enqueue(sp)
+                        engine.enqueue(sp, grad_hidden_ready=ready)
                 except BaseException as e:
                     if capturing:  # nothing ran; the caller must discard the capture
                         raise
@@ -467,6 +471,24 @@ def _no_plan_error(what):
                         f"shape/precision; call it once outside the capture first (on any stream)")
 
 
+def _ready_event_ptr(event, plan):
+    """The raw pointer of a grad_hidden_ready event (0 for None), after checking it can be honoured."""
+    if event is None:
+        return 0
+    if plan is not None and plan._engine is None:
+        raise ValueError("grad_hidden_ready= is for GPU arrays (a cupy.cuda.Event); these are NumPy (CPU) arrays, "
+                         "whose results are all ready when the call returns")
+    if plan is not None and not plan.need_grad_hidden:
+        raise ValueError("grad_hidden_ready= was given but grad_hidden_states is not computed (need_grad_hidden=False)")
+    if plan is not None and plan.graph:
+        raise ValueError("grad_hidden_ready= is not supported by graph=True plans (a replayed graph records the "
+                         "events it was captured with); capture the call in your own graph instead")
+    ptr = getattr(event, "ptr", None)
+    if not isinstance(ptr, int) or not ptr:
+        raise TypeError(f"grad_hidden_ready must be a cupy.cuda.Event or None; got {type(event).__name__}")
+    return ptr
+
+
 def _acquire_plan(call, precision, stream, need_grad_hidden, need_weight_grads):
     """The cached plan for `call` (keyed by device, shape, precision and flags; in use until released)."""
     import cupy
@@ -486,7 +508,8 @@ def _acquire_plan(call, precision, stream, need_grad_hidden, need_weight_grads):
 
 def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner=None, gelu_out=None, *,
                       precision=_precision.DEFAULT, out=None, stream=None, accumulate=False,
-                      need_grad_hidden=True, need_weight_grads=True, check_activations=False):
+                      need_grad_hidden=True, need_weight_grads=True, check_activations=False,
+                      grad_hidden_ready=None):
     """Backward pass of ``y = gelu_tanh(x @ weight1.T) @ weight2.T`` (no biases).
 
     Parameters
@@ -527,6 +550,13 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
         Before computing, compare a sample of tanh_inner / gelu_out with the tanh-GELU of linear1_out
         and raise ``cupyffn.ActivationMismatchError`` naming the likely cause (erf GELU, tanh's
         argument instead of its output, swapped or stale buffers). Synchronizes with the stream.
+    grad_hidden_ready : cupy.cuda.Event, optional
+        Recorded on the stream as soon as grad_hidden_states is written, before the weight gradients
+        are finished (tensor parallelism: start its all-reduce on another stream with
+        ``other.wait_event(grad_hidden_ready)`` while the weight-gradient GEMMs run). The call still
+        returns everything ready on the stream. GPU only, needs need_grad_hidden=True; not with
+        graph=True plans. Under a caller's CUDA stream capture the record is captured too (wait on
+        it inside the same capture).
 
     Arrays may be NumPy (computed on the CPU), CuPy, or any DLPack / CUDA Array Interface producer
     (torch.Tensor, jax.Array), all on one device, float32. The last dimension must be contiguous and
@@ -541,11 +571,15 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
         plan = _recent.get(key)
         if plan is not None and _plans.reacquire(plan):  # not if evicted meanwhile
             try:
-                return plan._run(args, out, stream, accumulate, sig, check_activations=check_activations)
+                return plan._run(args, out, stream, accumulate, sig, check_activations=check_activations,
+                                 grad_hidden_ready=grad_hidden_ready)
             finally:
                 _plans.release(plan)
     call = _validate.prepare(args, out, stream, need_grad_hidden, need_weight_grads, accumulate)
     if call.backend == "cpu":
+        if grad_hidden_ready is not None:
+            raise ValueError("grad_hidden_ready= is for GPU arrays (a cupy.cuda.Event); these are NumPy (CPU) "
+                             "arrays, whose results are all ready when the call returns")
         if check_activations:
             _checks.check(call)
         return _run_cpu(call, out, prec, need_grad_hidden, need_weight_grads, accumulate)
@@ -555,6 +589,7 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
             if len(_recent) >= 4 * _CACHE_SIZE:
                 _recent.clear()
             _recent[(sig, prec.name, need_grad_hidden, need_weight_grads)] = plan
-        return plan._run(args, out, stream, accumulate, sig, call, check_activations=check_activations)
+        return plan._run(args, out, stream, accumulate, sig, call, check_activations=check_activations,
+                         grad_hidden_ready=grad_hidden_ready)
     finally:
         _plans.release(plan)

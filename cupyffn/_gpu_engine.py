@@ -373,11 +373,12 @@ class GpuEngine:
                 rescue(stream_ptr)
                 mark("f16 rescue")
 
-    def enqueue(self, stream_ptr, serial=False, mark=None):
+    def enqueue(self, stream_ptr, serial=False, mark=None, grad_hidden_ready=0):
         """Issue the whole backward on `stream_ptr`, with the side stream S2 (module docstring).
 
         `serial`: everything on `stream_ptr`, in order; `mark(stage)` is then called after each step
-        (the benchmark's per-stage profile).
+        (the benchmark's per-stage profile). `grad_hidden_ready`: a raw event pointer (0: none)
+        recorded on `stream_ptr` right after GEMM3, so a caller can use grad_hidden before GEMM4 ends.
         """
         from cupy_backends.cuda.api import runtime
 
@@ -426,6 +427,8 @@ class GpuEngine:
             record(self._ev_d, S)
             if self.gemm3 is not None:
                 self.gemm3(self._main)
+                if grad_hidden_ready:
+                    runtime.eventRecord(grad_hidden_ready, S)
                 mark("GEMM3 grad_hidden")
             if self.gemm4 is not None:
                 if self.lean:
