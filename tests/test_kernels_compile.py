@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy
 import pytest
 
-from cupyffn import _kernels, _numpy_backend, _precision
+from cupyffn import _kernels, _numpy_backend, _precision, _sm90_gemm
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
@@ -146,6 +146,7 @@ def test_common_header_is_pasted_in(module):
 def test_every_source_is_a_module():
     sources = {p.name for p in (REPO / "kernels_cu").glob("*.cu")}
     listed = {filename for filename, _ in _kernels.MODULES.values()}
+    listed.add(_sm90_gemm.SOURCE)  # sm_90a only: built by cupyffn/_sm90_gemm.py, tested at the end of this file
     assert sources, "no .cu files found in kernels_cu/"
     assert sources == listed, {"not in MODULES": sources - listed, "missing files": listed - sources}
     assert (REPO / "kernels_cu" / "common.cuh").is_file()
@@ -333,3 +334,90 @@ def test_gelu_constants_match_python():
     assert abs(cubic - 3 * 0.044715) < 1e-15
     assert _numpy_backend._SQRT_2_OVER_PI == numpy.float32(sqrt2pi)
     assert _numpy_backend._CUBIC_COEFF == numpy.float32(cubic)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Hopper GEMM (kernels_cu/gemm_sm90.cu): sm_90a only, built by cupyffn/_sm90_gemm.py
+# ---------------------------------------------------------------------------------------------
+class CompiledSm90:
+    """gemm_sm90.cu compiled as the launcher builds it (its options, -arch=sm_90a), plus static_asserts
+    that the launcher's shared-memory and stage numbers are the kernel's."""
+
+    def __init__(self):
+        g = _sm90_gemm
+        checks = "".join(f"static_assert(sm90::stages_for({bn}) == {g.stages_for(bn)}, \"stages\");\n"
+                         f"static_assert(sm90::smem_bytes_for({bn}) == {g.smem_bytes(bn)}, \"smem\");\n"
+                         for bn in g.BLOCK_NS)
+        checks += (f"static_assert(sm90::kThreads == {g.THREADS} && sm90::kBM == {g.BLOCK_M} && sm90::kBK == {g.BLOCK_K}, "
+                   f"\"tile\");\n")
+        self.source = g.module_source() + "\n" + checks
+        prog = nvrtc.createProgram(self.source, g.SOURCE, (), ())
+        try:
+            for e in g.EXPRESSIONS:
+                nvrtc.addNameExpression(prog, e)
+            self.error = None
+            try:
+                nvrtc.compileProgram(prog, ["-ftz=true", "-Xptxas=-v", "-I" + cuda_include_dir()] + list(g.NVRTC_OPTIONS))
+            except Exception as e:
+                self.error = e
+            self.log = nvrtc.getProgramLog(prog)
+            self.lowered, self.ptx = {}, ""
+            if self.error is None:
+                self.lowered = {e: nvrtc.getLoweredName(prog, e) for e in g.EXPRESSIONS}
+                ptx = nvrtc.getPTX(prog)
+                self.ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+                self.cubin_size = len(nvrtc.getCUBIN(prog))
+        finally:
+            nvrtc.destroyProgram(prog)
+
+
+@pytest.fixture(scope="module")
+def sm90_gemm():
+    return CompiledSm90()
+
+
+def test_sm90_gemm_compiles_for_sm90a_without_spills(sm90_gemm):
+    c = sm90_gemm
+    assert c.error is None, f"{_sm90_gemm.SOURCE} failed to compile for sm_90a:\n{c.log}"
+    assert "warning" not in c.log.lower(), c.log  # C7508 would say setmaxnreg was ignored
+    entries = re.findall(r"Compiling entry function '([^']+)' for '(\w+)'", c.log)
+    assert {arch for _, arch in entries} == {"sm_90a"}, entries
+    assert {name for name, _ in entries} == set(c.lowered.values()), (entries, c.lowered)
+    report = ptxas_functions(c.log)
+    registers = {}
+    for name in c.lowered.values():
+        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report[name], (name, report[name])
+        m = re.search(r"Function properties for " + re.escape(name) + r"\n.*\n.*Used (\d+) registers", c.log)
+        assert m, (name, c.log)
+        registers[name] = int(m.group(1))
+    # 384 threads at one CTA per SM: the entry cap is 168; setmaxnreg moves 40 -> 232 at run time.
+    assert max(registers.values()) <= 168, registers
+    print("sm90 GEMM registers:", {e: registers[c.lowered[e]] for e in _sm90_gemm.EXPRESSIONS}, c.cubin_size)
+
+
+def test_sm90_gemm_ptx_uses_the_hopper_paths(sm90_gemm):
+    """wgmma from shared memory, TMA loads completing on mbarriers, register reallocation: if any of
+    these were missing, the kernel would be on a slower path or not the kernel described."""
+    c = sm90_gemm
+    assert c.error is None, c.log
+    for needle in ("wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16", "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
+                   "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes",
+                   "setmaxnreg.inc.sync.aligned.u32 232", "setmaxnreg.dec.sync.aligned.u32 40", "mbarrier.try_wait.parity"):
+        assert needle in c.ptx, needle
+    assert ".local" not in c.ptx  # no local-memory arrays (the accumulators stay in registers)
+
+
+def test_sm90_gemm_args_mirror():
+    source = (_kernels.kernel_dir() / _sm90_gemm.SOURCE).read_text()
+    cuda = cuda_struct_members(source, "GemmArgs")
+    kinds = {ctypes.c_void_p: "ptr", ctypes.c_longlong: "i64", ctypes.c_int: "i32", ctypes.c_float: "float"}
+    mirror = [(name, kinds[t]) for name, t in _sm90_gemm.GemmArgs._fields_]
+    assert mirror == cuda
+    m = re.search(r"static_assert\(sizeof\(GemmArgs\) == (\d+),", source)
+    assert m and int(m.group(1)) == ctypes.sizeof(_sm90_gemm.GemmArgs) == 64
+    assert ctypes.sizeof(_sm90_gemm.TmaDesc) == 128
+    assert define(source, "kEpiF32") == _sm90_gemm.EPI_F32
+    assert define(source, "kEpiDgeluBf16") == _sm90_gemm.EPI_DGELU_BF16
+    assert define(source, "kEpiDgeluF16") == _sm90_gemm.EPI_DGELU_F16
+    assert define(source, "kOpF16") == _sm90_gemm.OP_F16
+    assert define(source, "kOpBf16") == _sm90_gemm.OP_BF16
