@@ -1,4 +1,5 @@
-"""cupyffn.torch (GeluFFNFunction, GeluFFN, gelu_ffn) against torch autograd of the plain block in float64.
+"""cupyffn.torch (GeluFFNFunction, GeluFFN, gelu_ffn) against torch autograd of the plain block in float64;
+the custom operators (opcheck), torch.compile(fullgraph=True) and autocast on the CPU.
 
 Every test runs on CPU torch (cupyffn's NumPy backend) and on CUDA (marked gpu; also skipped where torch
 has no CUDA). The reference is ``F.linear(F.gelu(F.linear(x, w1), approximate="tanh"), w2)`` evaluated and
@@ -244,14 +245,14 @@ def test_layouts_zero_copy_where_readable(rng, device, spy):
     assert_within(results, refs, cupyffn.PRECISIONS["ieee"].contract)
     assert float(x_base.grad[..., dim:].abs().max()) == 0 and float(w2_base.grad[:, hidden:].abs().max()) == 0
 
-    def ptr(a):
-        return a.__array_interface__["data"][0] if isinstance(a, numpy.ndarray) else a.data_ptr()
+    def ptr(a):  # NumPy views on the CPU, CuPy views on CUDA
+        return a.__array_interface__["data"][0] if isinstance(a, numpy.ndarray) else a.data.ptr
 
     fwd_args, bwd_args = spy["forward"][-1][0], spy["backward"][-1][0]
     assert ptr(fwd_args[0]) == x.data_ptr() and ptr(fwd_args[2]) == w2.data_ptr()  # zero-copy
     assert ptr(fwd_args[1]) != w1t.data_ptr() and fwd_args[1].shape == (hidden, dim)  # contiguous copy
     dy = bwd_args[0]
-    assert dy.flags.c_contiguous if isinstance(dy, numpy.ndarray) else dy.is_contiguous()  # was stride 0
+    assert dy.flags.c_contiguous  # was stride 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -285,3 +286,83 @@ def test_cuda_side_stream_needs_no_synchronization(rng):
         (y * r).sum().backward()
         errors = [rel(a, b) for a, b in zip((y.detach(), xs.grad, w1p.grad, w2p.grad), refs)]  # .norm() read on `side`
     assert all(e <= cupyffn.PRECISIONS["bf16x3"].contract for e in errors), errors
+
+
+# ---------------------------------------------------------------------- operators, torch.compile, autocast (CPU)
+def test_operators_pass_opcheck(rng):
+    """torch.library.opcheck: schema, fake (meta) implementation, autograd registration, AOT dispatch."""
+    x, w1, w2, r = make(rng, "cpu", lead=(4, 8), dim=32, hidden=64)
+    x, w1, w2 = (t.requires_grad_() for t in (x, w1, w2))
+    for save in ("all", "linear1_out"):
+        torch.library.opcheck(torch.ops.cupyffn.forward.default, (x, w1, w2, "ieee", save))
+    y, z, t, g = torch.ops.cupyffn.forward(x.detach(), w1.detach(), w2.detach(), "ieee", "all")
+    for need_x, need_w in ((True, True), (True, False), (False, True)):
+        torch.library.opcheck(torch.ops.cupyffn.backward.default,
+                              (r, x.detach(), w1.detach(), w2.detach(), z, t, g, "ieee", need_x, need_w))
+    torch.library.opcheck(torch.ops.cupyffn.backward.default,
+                          (r, x.detach(), w1.detach(), w2.detach(), z, None, None, "ieee", True, True))
+
+
+@pytest.mark.parametrize("backend", ("aot_eager", "inductor"))
+def test_fullgraph_compile_gives_the_eager_gradients(rng, backend):
+    torch._dynamo.reset()
+    lead, dim, hidden = (2, 32), 64, 256
+    torch.manual_seed(5)
+    ffn = ct.GeluFFN(dim, hidden, precision="bf16x3")
+    x, _, _, r = make(rng, "cpu", lead=lead, dim=dim, hidden=hidden)
+
+    def step(model):
+        xs = x.clone().requires_grad_()
+        ffn.zero_grad(set_to_none=True)
+        y = model(xs)
+        (torch.tanh(y) * r).sum().backward()  # a nonlinear loss: grad_output is not r itself
+        return y.detach(), xs.grad, ffn.weight1.grad.clone(), ffn.weight2.grad.clone()
+
+    eager = step(ffn)
+    explanation = torch._dynamo.explain(ffn)(x)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    compiled = step(torch.compile(ffn, fullgraph=True, backend=backend))
+    for a, b, name in zip(compiled, eager, NAMES):
+        assert torch.equal(a, b), name  # the same cupyffn calls on the same values
+    with torch.no_grad():
+        y64 = F.linear(F.gelu(F.linear(x.double(), ffn.weight1.double()), approximate="tanh"), ffn.weight2.double())
+    assert rel(compiled[0], y64) <= cupyffn.PRECISIONS["bf16x3"].contract
+
+
+def test_compile_with_dynamic_shapes(rng):
+    torch._dynamo.reset()
+    ffn = ct.GeluFFN(32, 64, precision="ieee")
+    compiled = torch.compile(ffn, fullgraph=True, backend="aot_eager", dynamic=True)
+    for rows in (8, 24, 40):
+        x = make(rng, "cpu", lead=(rows,), dim=32, hidden=64)[0]
+        assert torch.equal(compiled(x), ffn(x))
+
+
+@pytest.mark.parametrize("compiled", (False, True), ids=("eager", "compiled"))
+def test_autocast_computes_in_float32(rng, compiled):
+    """Under bf16 autocast the inputs are cast to float32: float32 output, gradients in the inputs' dtypes."""
+    torch._dynamo.reset()
+    dim, hidden = 64, 256
+    torch.manual_seed(9)
+    ffn = ct.GeluFFN(dim, hidden, precision="ieee")
+    model = torch.compile(ffn, fullgraph=True, backend="aot_eager") if compiled else ffn
+    x, _, _, r = make(rng, "cpu", lead=(32,), dim=dim, hidden=hidden)
+    xb = x.bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model(xb)
+        z = F.linear(y, torch.eye(dim))  # a torch op after it runs in bf16 as usual
+    assert y.dtype == torch.float32 and z.dtype == torch.bfloat16
+    (y * r).sum().backward()
+    assert xb.grad.dtype == torch.bfloat16 and ffn.weight1.grad.dtype == torch.float32
+    refs = reference(xb.detach().float(), ffn.weight1, ffn.weight2, r)
+    contract = cupyffn.PRECISIONS["ieee"].contract
+    assert rel(y, refs[0]) <= contract
+    assert rel(ffn.weight1.grad, refs[2]) <= contract and rel(ffn.weight2.grad, refs[3]) <= contract
+    assert float((xb.grad.double() - refs[1]).norm() / refs[1].norm()) <= 2 ** -8  # bf16 rounding of grad_x
+
+
+def test_gelu_ffn_function_keeps_its_name(rng):
+    x, w1, w2, r = make(rng, "cpu", lead=(16,), dim=32, hidden=64)
+    a = ct.GeluFFNFunction.apply(x, w1, w2, "ieee", "linear1_out")
+    assert torch.equal(a, ct.gelu_ffn(x, w1, w2, "ieee", "linear1_out"))
+    assert torch.equal(a, torch.ops.cupyffn.forward(x, w1, w2, "ieee", "linear1_out")[0])
