@@ -1,0 +1,149 @@
+"""The implementations the bench compares: cupyffn's precisions and its peers (plain CuPy, PyTorch).
+
+Each is an `Impl` with `bind(args2d, out) -> run`, where `run()` enqueues one backward on the current
+stream (the bench's) and returns the three outputs; `takes_out`: whether it writes into given `out=`
+buffers (those are NaN-poisoned before each checked call; the others allocate new outputs, which
+the fresh inputs of every round keep from passing with stale values).
+"""
+
+import math
+import os
+import time
+
+import cupyffn
+
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def torch_backward(dy, x, w1, w2, z, t, g):
+    """The reference formula in PyTorch eager ops (2-D tensors)."""
+    gg = dy @ w2
+    gw2 = dy.t() @ g
+    gelu_grad = 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * SQRT_2_OVER_PI * (1 + 0.134145 * z * z)
+    dz = gg * gelu_grad
+    return dz @ w1, dz.t() @ x, gw2
+
+
+# Two functions with their own code objects: torch.compile caches per code object, so the fp32 and
+# the TF32 compilation (whose kernels depend on the TF32 flag at compile time) never share an entry.
+def _compiled_fp32(dy, x, w1, w2, z, t, g):
+    return torch_backward(dy, x, w1, w2, z, t, g)
+
+
+def _compiled_tf32(dy, x, w1, w2, z, t, g):
+    return torch_backward(dy, x, w1, w2, z, t, g)
+
+
+def torch_or_none(in_process_compile=False):
+    if in_process_compile:
+        # torch.compile's pool of compile workers stays alive and competes for the host CPU with the
+        # host-time measurements of loop mode: compile in-process there (slower to compile).
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    try:
+        import torch
+
+        return torch if torch.cuda.is_available() else None
+    except Exception:
+        return None
+
+
+class Impl:
+    def __init__(self, name, bind, takes_out=False, plan=None):
+        self.name, self.bind, self.takes_out, self.plan = name, bind, takes_out, plan
+
+    def close(self):
+        if self.plan is not None:
+            self.plan.close()
+
+
+class Implementations:
+    """Builds each workload's implementations; keeps what lives across workloads (compiled functions)."""
+
+    def __init__(self, cupy, torch, compile_):
+        self.cupy, self.torch = cupy, torch
+        self.compiled = {}
+        if torch is not None and compile_:
+            for name, fn in (("torch-compile-fp32", _compiled_fp32), ("torch-compile-tf32", _compiled_tf32)):
+                self.compiled[name] = torch.compile(fn, mode="max-autotune-no-cudagraphs", dynamic=True)
+        self._naive_dgelu = cupy.ElementwiseKernel(
+            "float32 gg, float32 x, float32 t", "float32 dz",
+            "dz = gg * (0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * 0.7978845608028654f"
+            " * (1.0f + 0.134145f * x * x))", "bench_naive_dgelu")
+
+    def names(self):
+        names = [f"cupyffn-{p}" for p in cupyffn.PRECISIONS] + ["cupy-naive-fp32", "cupy-naive-tf32"]
+        if self.torch is not None:
+            names += ["torch-fp32", "torch-tf32"] + list(self.compiled)
+        return names
+
+    def build(self, names, tokens, dim, hidden_dim):
+        """{name: Impl} for one shape, in the order of `names`."""
+        return {n: self._build(n, tokens, dim, hidden_dim) for n in names}
+
+    def _build(self, name, T, D, H):
+        cupy, torch = self.cupy, self.torch
+        if name.startswith("cupyffn-"):
+            plan = cupyffn.GeluFFNBackward(T, D, H, precision=name[len("cupyffn-"):])
+
+            def bind(args, out, plan=plan):
+                return lambda: plan(*args, out=out)  # the current stream: the bench's
+            return Impl(name, bind, takes_out=True, plan=plan)
+        if name.startswith("cupy-naive-"):
+            tf32 = name.endswith("tf32")
+            return Impl(name, lambda args, out: (lambda: self._naive(args, tf32)))
+        if name in ("torch-fp32", "torch-tf32") or name in self.compiled:
+            fn = self.compiled.get(name, torch_backward)
+            tf32 = name.endswith("tf32")
+
+            def bind(args, out):
+                targs = [torch.from_dlpack(a) for a in args]
+
+                def run():
+                    torch.backends.cuda.matmul.allow_tf32 = tf32
+                    return fn(*targs)
+                return run
+            return Impl(name, bind)
+        raise ValueError(f"unknown implementation {name!r}")
+
+    def _naive(self, args, tf32):
+        """Plain CuPy: four cupy.matmul (cuBLAS gemmEx; FAST_TF32 compute for -tf32) + one ElementwiseKernel."""
+        from cupy._core import _routines_linalg as linalg
+
+        dy, x, w1, w2, z, t, g = args
+        previous = linalg.get_compute_type(self.cupy.float32)
+        if tf32:
+            linalg.set_compute_type(self.cupy.float32, linalg.COMPUTE_TYPE_TF32)
+        try:
+            gg = dy @ w2
+            gw2 = dy.T @ g
+            dz = self._naive_dgelu(gg, z, t)
+            return dz @ w1, dz.T @ x, gw2
+        finally:  # the fp32 reference and every other matmul must stay without TF32
+            linalg.set_compute_type(self.cupy.float32, previous)
+
+
+def stream_context(cupy, torch, stream):
+    """A context factory: `stream` current for CuPy and (if present) for torch."""
+
+    class Both:
+        def __enter__(s):
+            stream.__enter__()
+            s.t = None
+            if torch is not None:
+                s.t = torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr))
+                s.t.__enter__()
+
+        def __exit__(s, *exc):
+            if s.t is not None:
+                s.t.__exit__(*exc)
+            stream.__exit__(*exc)
+
+    return Both
+
+
+def timed_first_call(run, cupy):
+    """(outputs, seconds) of a call including its device work (a first call: compilation, autotuning)."""
+    t0 = time.perf_counter()
+    out = run()
+    cupy.cuda.runtime.deviceSynchronize()
+    return out, time.perf_counter() - t0

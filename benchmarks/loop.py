@@ -1,0 +1,157 @@
+"""Loop mode: steady state without L2 flush: host time per call, wall time per call in a loop of
+back-to-back calls, GPU span of one call; CUDA-graph plans; and a host-time breakdown of one call."""
+
+import datetime
+import statistics
+import sys
+import time
+
+import cupyffn
+from cupyffn import workloads as W
+
+from .gpu import QUICK, git_commit
+from .impls import torch_backward, torch_or_none
+
+def run_loop(args, cupy):
+    """Steady state, no L2 flush: host time per call, wall time per call, GPU span of one call."""
+    torch = torch_or_none(in_process_compile=True)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    chosen = [w for w in W.WORKLOADS if not args.quick or w.label in QUICK]
+    n = args.loop_calls
+    rows = []
+    compiled = None
+    print(f"\n# Loop mode: {n} back-to-back calls per implementation, no L2 flush")
+    print(f"{'workload':12s} {'implementation':26s} {'host us/call':>12s} {'wall us/call':>12s} {'GPU us/call':>12s} {'wall/GPU':>8s}")
+    for w in chosen:
+        inputs = W.make_inputs((w.batch_size, w.seq_len), xp=cupy, seed=w.tokens)
+        args2d = [inputs[k].reshape(-1, inputs[k].shape[-1]) for k in W.INPUT_NAMES]
+        T, D = args2d[0].shape
+        H = args2d[2].shape[0]
+        shapes = [(T, D), (H, D), (D, H)]
+        impls = {}
+        for p in cupyffn.PRECISIONS:
+            for graph in (False, True):
+                plan = cupyffn.GeluFFNBackward(T, D, H, precision=p, graph=graph)
+                out = tuple(cupy.empty(s, dtype=cupy.float32) for s in shapes)
+                impls[f"cupyffn-{p}" + ("-graph" if graph else "")] = (
+                    lambda plan=plan, out=out, args=args2d: plan(*args, out=out, stream=stream), plan)
+        impls["cupyffn-bf16x3-functional"] = (
+            lambda args=args2d: cupyffn.gelu_ffn_backward(*args, stream=stream), None)
+        if torch is not None:
+            targs = [torch.from_dlpack(a) for a in args2d]
+            impls["torch-fp32"] = (lambda a=targs: torch_backward(*a), None)
+            if args.compile:
+                if compiled is None:  # one compilation for all shapes; CUDA graphs recorded per shape
+                    compiled = torch.compile(torch_backward, mode="reduce-overhead", dynamic=True)
+                impls["torch-compile-reduce-overhead"] = (lambda fn=compiled, a=targs: fn(*a), None)
+        row = {"label": w.label, "tokens": w.tokens, "results": {}}
+        for name, (run, plan) in impls.items():
+            tctx = torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)) if torch is not None else None
+            with stream:
+                if tctx:
+                    tctx.__enter__()
+                try:
+                    for _ in range(5):
+                        run()
+                    stream.synchronize()
+                    spans = []
+                    for _ in range(10):
+                        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+                        a.record(stream)
+                        run()
+                        b.record(stream)
+                        stream.synchronize()
+                        spans.append(cupy.cuda.get_elapsed_time(a, b) * 1e3)
+                    issue = []  # host time to issue one call, with the launch queue drained first
+                    for _ in range(50):
+                        stream.synchronize()
+                        a = time.perf_counter()
+                        run()
+                        issue.append(time.perf_counter() - a)
+                    stream.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(n):
+                        run()
+                    stream.synchronize()
+                    t2 = time.perf_counter()
+                finally:
+                    if tctx:
+                        tctx.__exit__(None, None, None)
+            res = {"host_us": statistics.median(issue) * 1e6, "wall_us": (t2 - t0) / n * 1e6,
+                   "gpu_us": statistics.median(spans)}
+            res["wall_over_gpu"] = res["wall_us"] / res["gpu_us"]
+            row["results"][name] = res
+            print(f"{w.label:12s} {name:26s} {res['host_us']:12.1f} {res['wall_us']:12.1f} {res['gpu_us']:12.1f} "
+                  f"{res['wall_over_gpu']:8.2f}")
+        for run, plan in impls.values():
+            if plan is not None:
+                plan.close()
+        rows.append(row)
+        del impls, inputs, args2d
+        cupy.get_default_memory_pool().free_all_blocks()
+    print_loop_summary(rows)
+    breakdown = host_breakdown(cupy, stream)
+    return {"host_breakdown_us": breakdown,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "git_commit": git_commit(), "command": " ".join(["python", "bench.py"] + sys.argv[1:]),
+            "calls_per_measurement": n, "workloads": rows}
+
+
+def host_breakdown(cupy, stream, tokens=256):
+    """Host microseconds of the pieces of one bf16x3 call at T=256 (median of many, queue drained)."""
+    from cupy_backends.cuda.api import runtime
+
+    from cupyffn import _validate
+
+    inputs = W.make_inputs((tokens,), xp=cupy, seed=1)
+    args = [inputs[k] for k in W.INPUT_NAMES]
+    out = (cupy.empty((tokens, W.DIM), cupy.float32), cupy.empty((W.HIDDEN_DIM, W.DIM), cupy.float32),
+           cupy.empty((W.DIM, W.HIDDEN_DIM), cupy.float32))
+    plan = cupyffn.GeluFFNBackward(tokens, W.DIM, W.HIDDEN_DIM)
+    plan(*args, out=out, stream=stream)
+    engine = plan._engine  # a diagnostic of the host cost of the engine's pieces: it needs them by name
+    event = cupy.cuda.Event(disable_timing=True)
+
+    def timed(fn, reps=200):
+        samples = []
+        for i in range(reps):
+            if i % 10 == 0:
+                stream.synchronize()
+            a = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - a)
+        stream.synchronize()
+        return statistics.median(samples) * 1e6
+
+    result = {
+        "signature": timed(lambda: _validate.signature(args, out, False)),
+        "prepare (full validation)": timed(lambda: _validate.prepare(args, out, stream)),
+        "enqueue (all launches)": timed(lambda: engine.enqueue(stream.ptr)),
+        "one cublasGemmEx": timed(lambda: engine.gemm1(engine._main)),
+        "one kernel launch": timed(lambda: engine._dgelu(stream.ptr)),
+        "one event record": timed(lambda: runtime.eventRecord(event.ptr, stream.ptr)),
+        "whole plan call": timed(lambda: plan(*args, out=out, stream=stream)),
+    }
+    plan.close()
+    print("\n# Host time breakdown, bf16x3, T=256 (us, median)")
+    for k, v in result.items():
+        print(f"{k:28s} {v:8.1f}")
+    return result
+
+
+def print_loop_summary(rows):
+    """Where we stand against the host-overhead targets of issue 4."""
+    def worst(name, key):
+        values = [r["results"][name][key] for r in rows if name in r["results"]]
+        return max(values) if values else float("nan")
+
+    print("\n# Loop targets (issue 4): worst over workloads")
+    for p in cupyffn.PRECISIONS:
+        g, e = worst(f"cupyffn-{p}-graph", "host_us"), worst(f"cupyffn-{p}", "host_us")
+        print(f"cupyffn-{p}: host us/call with graph {g:.1f} (target <= 15) {'MET' if g <= 15 else 'missed'}; "
+              f"without {e:.1f} (target <= 60) {'MET' if e <= 60 else 'missed'}")
+    small = [r for r in rows if r["tokens"] == 256]
+    for r in small:
+        for name in ("cupyffn-bf16x3", "cupyffn-bf16x3-graph"):
+            ratio = r["results"][name]["wall_over_gpu"]
+            print(f"{r['label']} {name}: wall / GPU span {ratio:.2f} (target <= 1.15) {'MET' if ratio <= 1.15 else 'missed'}")
