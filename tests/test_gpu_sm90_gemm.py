@@ -1,0 +1,293 @@
+"""The sm_90a GEMM (kernels_cu/gemm_sm90.cu through cupyffn/_sm90_gemm.py) on a Hopper GPU.
+
+Every result is checked against a float64 product of the same 16-bit operands (and against cuBLAS
+on the same operands); outputs are NaN-poisoned before the call, and the poisoned margins around
+them (extra columns and rows of the buffer) and NaN padding of the operands' rows must survive:
+that is what the predicated stores and the TMA bounds protect.
+"""
+
+import math
+
+import numpy
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+cupy = pytest.importorskip("cupy")
+from cupyffn import _sm90_gemm  # noqa: E402
+
+SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
+
+
+@pytest.fixture(autouse=True)
+def hopper():
+    if not _sm90_gemm.device_supported(cupy.cuda.Device().id):
+        pytest.skip("the sm_90a GEMM needs a compute capability 9.0 GPU")
+
+
+def bf16_bits(x32):
+    """Round-to-nearest-even bf16 bit patterns of finite float32 values (numpy or cupy)."""
+    xp = cupy.get_array_module(x32)
+    u = x32.view(xp.uint32).astype(xp.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(xp.uint16)
+
+
+def bf16_value(bits):
+    xp = cupy.get_array_module(bits)
+    return (bits.astype(xp.uint32) << 16).view(xp.float32)
+
+
+def padded(rows, cols, dtype, ld_multiple, fill, extra_rows=0, extra_cols=0):
+    """A [rows, cols] view into a bigger buffer filled with `fill`: row stride rounded up to
+    ld_multiple (plus extra_cols), extra_rows more rows below. Returns (view, buffer)."""
+    ld = -(-(cols + extra_cols) // ld_multiple) * ld_multiple
+    buf = cupy.full((rows + extra_rows, max(ld, ld_multiple)), fill, dtype=dtype)
+    return buf[:rows, :cols], buf
+
+
+def operand(rng, rows, cols, kind, pad_cols=8):
+    """16-bit operand [rows, cols] (K contiguous) with NaN in the padding of each row, and its value in float64."""
+    x32 = rng.standard_normal((rows, cols), dtype=numpy.float32)
+    if kind == "fp16":
+        view, buf = padded(rows, cols, numpy.float16, 8, numpy.nan, extra_cols=pad_cols)
+        view[...] = cupy.asarray(x32.astype(numpy.float16))
+        return view, cupy.asarray(view.get().astype(numpy.float64))
+    nan_bits = numpy.uint16(0x7FC0)  # bf16 NaN
+    view, buf = padded(rows, cols, numpy.uint16, 8, nan_bits, extra_cols=pad_cols)
+    view[...] = cupy.asarray(bf16_bits(x32))
+    return view, bf16_value(view).astype(cupy.float64)
+
+
+def rel_l2(x, ref):
+    x = cupy.asarray(x, dtype=cupy.float64)
+    return float(cupy.linalg.norm(x - ref) / cupy.linalg.norm(ref))
+
+
+SHAPES = [
+    (1, 64, 16),
+    (77, 300, 64),
+    (130, 257, 40),      # N odd, K below one 64-wide step
+    (129, 136, 200),     # K not a multiple of 64
+    (256, 6144, 1536),   # GEMM1 at T = 256
+    (1000, 1536, 6144),  # GEMM3-like, K = H
+    (1536, 4096, 192),   # more tiles than SMs: persistent CTAs, pipeline phases across tiles
+]
+
+
+@pytest.mark.parametrize("block_n", _sm90_gemm.BLOCK_NS)
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_gemm_tn_fp32_out(rng, m, n, k, kind, block_n):
+    a, a64 = operand(rng, m, k, kind)
+    b, b64 = operand(rng, n, k, kind)
+    out, buf = padded(m, n, numpy.float32, 2, numpy.nan, extra_rows=3, extra_cols=5)
+    a_before, b_before = a.copy(), b.copy()
+    result = _sm90_gemm.gemm_tn(a, b, out, block_n=block_n)
+    cupy.cuda.get_current_stream().synchronize()
+    assert result is out
+    ref = a64 @ b64.T
+    assert bool(cupy.isfinite(out).all()), "some outputs were not written"
+    err = rel_l2(out, ref)
+    # cuBLAS on the very same values (fp32 in, fp32 out, no TF32): the accuracy to match
+    cublas = cupy.matmul(a64.astype(cupy.float32), b64.astype(cupy.float32).T)
+    err_cublas = rel_l2(cublas, ref)
+    assert err <= 2e-5 and err <= 10 * err_cublas + 1e-7, (err, err_cublas)
+    # elementwise: no tile, row or column may be off (a missing or misplaced tile would dominate)
+    scale = float(cupy.sqrt(cupy.mean(ref * ref)))
+    assert float(cupy.abs(out - ref).max()) <= 1e-4 * scale, (float(cupy.abs(out - ref).max()), scale)
+    # margins untouched (still the NaN poison), inputs unchanged
+    assert bool(cupy.isnan(buf[:m, n:]).all()) and bool(cupy.isnan(buf[m:]).all())
+    assert bool((a.view(cupy.uint16) == a_before.view(cupy.uint16)).all())
+    assert bool((b.view(cupy.uint16) == b_before.view(cupy.uint16)).all())
+
+
+def gelu_grad64(x, t):
+    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * SQRT_2_OVER_PI * (1 + 0.134145 * x * x)
+
+
+def activations(rng, m, n):
+    """linear1_out (fp32, a padded view) and tanh_inner as a forward pass stores it (fp32)."""
+    x32 = (2 * rng.standard_normal((m, n))).astype(numpy.float32)
+    t32 = numpy.tanh(numpy.float32(SQRT_2_OVER_PI) * (x32 + numpy.float32(0.044715) * x32 * x32 * x32))
+    x, _ = padded(m, n, numpy.float32, 2, numpy.nan, extra_cols=3)
+    t, _ = padded(m, n, numpy.float32, 2, numpy.nan, extra_cols=1)
+    x[...] = cupy.asarray(x32)
+    t[...] = cupy.asarray(t32)
+    return x, t
+
+
+DGELU_SHAPES = [(1, 64, 16), (77, 300, 64), (130, 257, 40), (256, 6144, 1536), (1536, 4096, 192)]
+
+
+@pytest.mark.parametrize("memory_mode", [False, True])
+@pytest.mark.parametrize("out_format,alpha", [("bf16", 1.0), ("fp16", 2.0 ** 4), ("fp16", 2.0 ** -3)])
+@pytest.mark.parametrize("block_n", _sm90_gemm.BLOCK_NS)
+@pytest.mark.parametrize("m,n,k", DGELU_SHAPES)
+def test_gemm_tn_dgelu(rng, m, n, k, block_n, out_format, alpha, memory_mode):
+    kind = "bf16" if out_format == "bf16" else "fp16"  # the plans: bf16 operands -> bf16; fp16 -> scaled fp16
+    a, a64 = operand(rng, m, k, kind)
+    b, b64 = operand(rng, n, k, kind)
+    x, t = activations(rng, m, n)
+    x_before, t_before = x.copy(), t.copy()
+    if out_format == "bf16":
+        out, buf = padded(m, n, numpy.uint16, 2, 0x7FC0, extra_rows=2, extra_cols=3)
+    else:
+        out, buf = padded(m, n, numpy.float16, 2, numpy.nan, extra_rows=2, extra_cols=3)
+    _sm90_gemm.gemm_tn_dgelu(a, b, x, None if memory_mode else t, out, alpha=alpha, block_n=block_n)
+    cupy.cuda.get_current_stream().synchronize()
+    x64, t64 = x.astype(cupy.float64), t.astype(cupy.float64)
+    if memory_mode:
+        t64 = cupy.tanh(SQRT_2_OVER_PI * (x64 + 0.044715 * x64 ** 3))
+    ref = (a64 @ b64.T) * gelu_grad64(x64, t64)
+    if out_format == "bf16":
+        got = bf16_value(out).astype(cupy.float64)
+        unit = 2.0 ** -8  # bf16: 8 significant bits, relative rounding error <= 2^-9
+        margin = buf.copy()
+        margin[:m, :n] = 0x7FC0
+        assert bool((margin == 0x7FC0).all()), "stores outside [M, N]"
+    else:
+        got = out.astype(cupy.float64) / alpha
+        unit = 2.0 ** -10
+        assert bool(cupy.isnan(buf[:m, n:]).all()) and bool(cupy.isnan(buf[m:]).all()), "stores outside [M, N]"
+    assert bool(cupy.isfinite(got).all()), "some outputs were not written"
+    err = rel_l2(got, ref)
+    assert err <= unit, err  # RMS rounding error is unit / (2 sqrt 3); fp32 accumulation adds ~1e-6
+    scale = float(cupy.sqrt(cupy.mean(ref * ref)))
+    bound = unit * cupy.abs(ref) + 1e-4 * scale  # one rounding (half a unit) plus accumulation noise
+    worst = float((cupy.abs(got - ref) / bound).max())
+    assert worst <= 1.0, worst
+    # the same through cuBLAS + a separate fp32 pass, rounded the same way: equal up to one rounding step
+    acc32 = cupy.matmul(a64.astype(cupy.float32), b64.astype(cupy.float32).T)
+    g32 = acc32 * gelu_grad64(x64, t64).astype(cupy.float32)
+    if out_format == "bf16":
+        sep = bf16_value(bf16_bits(g32)).astype(cupy.float64)
+        assert float((got == sep).mean()) >= 0.95
+    else:
+        sep = (g32 * numpy.float32(alpha)).astype(cupy.float16).astype(cupy.float64) / alpha
+        assert float((got == sep).mean()) >= 0.95
+    assert float((cupy.abs(got - sep) / (2 * unit * cupy.abs(sep) + 1e-4 * scale)).max()) <= 1.0
+    assert bool((x == x_before).all()) and bool((t == t_before).all())
+
+
+def test_dgelu_bf16_truncates_finite_overflow():
+    """A finite fp32 result above the largest bf16 is truncated to it, not rounded to infinity (the
+    rule of common.cuh's bf16_bits, so grad_linear1 is what the engine's dgelu kernel writes)."""
+    m, n, k = 64, 64, 16
+    bf16_max = float(bf16_value(numpy.array([0x7F7F], numpy.uint16))[0])  # 3.3895e38
+    a32 = numpy.zeros((m, k), numpy.float32)
+    b32 = numpy.zeros((n, k), numpy.float32)
+    a32[:, 0] = 1.0
+    b32[:, 0] = bf16_max
+    a, b = cupy.asarray(bf16_bits(a32)), cupy.asarray(bf16_bits(b32))
+    # x = 0: gelu'(0, t) = 0.5 (1 + t). t = 1 gives exactly bf16_max; t = 1.005 gives 3.398e38, finite
+    # in fp32 but past the midpoint 3.3961e38 where round-to-nearest would give inf.
+    x = cupy.zeros((m, n), cupy.float32)
+    t = cupy.ones((m, n), cupy.float32)
+    t[:, n // 2:] = 1.005
+    assert 3.3961e38 < bf16_max * 0.5 * (1 + 1.005) < 3.4028e38
+    out = cupy.full((m, n), 0x7FC0, cupy.uint16)
+    _sm90_gemm.gemm_tn_dgelu(a, b, x, t, out)
+    cupy.cuda.get_current_stream().synchronize()
+    assert bool((out == 0x7F7F).all()), cupy.unique(out)
+
+
+# ---- input validation ---------------------------------------------------------------------------
+def _ok_operands(m=64, n=64, k=64, dtype=numpy.float16):
+    a = cupy.ones((m, k), dtype)
+    b = cupy.ones((n, k), dtype)
+    return a, b
+
+
+@pytest.mark.parametrize("case,message", [
+    ("k0", "K"),
+    ("lda", "multiple of 8"),
+    ("misaligned", "16-byte aligned"),
+    ("noncontig", "contiguous"),
+    ("dtype", "float16"),
+    ("mixed", "dtype of a"),
+    ("kmismatch", "K = a.shape"),
+    ("outshape", "shape"),
+    ("outdtype", "float32"),
+    ("overlap", "overlap"),
+    ("block_n", "block_n"),
+    ("numpy", "cupy.ndarray"),
+])
+def test_gemm_tn_rejects_bad_input(case, message):
+    a, b = _ok_operands()
+    out = cupy.empty((64, 64), cupy.float32)
+    if case == "k0":
+        a, b = cupy.ones((64, 0), cupy.float16), cupy.ones((64, 0), cupy.float16)
+    elif case == "lda":
+        a, b = cupy.ones((64, 20), cupy.float16), cupy.ones((64, 20), cupy.float16)
+    elif case == "misaligned":
+        a = cupy.ones((64 * 64 + 8,), cupy.float16)[1:1 + 64 * 64].reshape(64, 64)
+    elif case == "noncontig":
+        a = cupy.ones((64, 128), cupy.float16)[:, ::2]
+    elif case == "dtype":
+        a, b = a.astype(cupy.float32), b.astype(cupy.float32)
+    elif case == "mixed":
+        b = b.view(cupy.uint16)
+    elif case == "kmismatch":
+        b = cupy.ones((64, 72), cupy.float16)
+    elif case == "outshape":
+        out = cupy.empty((64, 65), cupy.float32)
+    elif case == "outdtype":
+        out = cupy.empty((64, 64), cupy.float16)
+    elif case == "overlap":
+        buf = cupy.ones((64, 64), cupy.float32)
+        a = buf.view(cupy.float16)[:, :64]
+        out = buf
+    elif case == "numpy":
+        a = a.get()
+    with pytest.raises(ValueError, match=message):
+        _sm90_gemm.gemm_tn(a, b, out, block_n=192 if case == "block_n" else 256)
+
+
+@pytest.mark.parametrize("case,message", [
+    ("alpha_not_pow2", "power of two"),
+    ("alpha_bf16", "alpha"),
+    ("outdtype", "uint16"),
+    ("xshape", "linear1_out"),
+    ("tdtype", "tanh_inner"),
+    ("overlap_x", "overlap"),
+])
+def test_gemm_tn_dgelu_rejects_bad_input(case, message):
+    a, b = _ok_operands()
+    x = cupy.zeros((64, 64), cupy.float32)
+    t = cupy.zeros((64, 64), cupy.float32)
+    out = cupy.empty((64, 64), cupy.float16)
+    alpha = 1.0
+    if case == "alpha_not_pow2":
+        alpha = 3.0
+    elif case == "alpha_bf16":
+        out = cupy.empty((64, 64), cupy.uint16)
+        alpha = 2.0
+    elif case == "outdtype":
+        out = cupy.empty((64, 64), cupy.float32)
+    elif case == "xshape":
+        x = cupy.zeros((64, 66), cupy.float32)
+    elif case == "tdtype":
+        t = cupy.zeros((64, 64), cupy.float16)
+    elif case == "overlap_x":
+        out = x.view(cupy.float16)[:, :64]
+    with pytest.raises(ValueError, match=message):
+        _sm90_gemm.gemm_tn_dgelu(a, b, x, t, out, alpha=alpha)
+
+
+def test_empty_output_is_a_no_op():
+    a = cupy.ones((0, 64), cupy.float16)
+    b = cupy.ones((64, 64), cupy.float16)
+    out = cupy.empty((0, 64), cupy.float32)
+    assert _sm90_gemm.gemm_tn(a, b, out) is out
+
+
+def test_runs_on_the_given_stream(rng):
+    """Launched on a non-default stream, the result is there once that stream synchronizes."""
+    m, n, k = 512, 1024, 512
+    a, a64 = operand(rng, m, k, "fp16")
+    b, b64 = operand(rng, n, k, "fp16")
+    out, _ = padded(m, n, numpy.float32, 2, numpy.nan)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    _sm90_gemm.gemm_tn(a, b, out, stream=stream)
+    stream.synchronize()
+    assert rel_l2(out, a64 @ b64.T) <= 2e-5
