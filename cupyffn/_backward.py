@@ -380,61 +380,6 @@ class GeluFFNBackward:
             result[stage] = row
         return result
 
-    # ------------------------------------------------------------------ profiling hook (bench.py)
-    def profile_stages(self, *arrays, out, stream=None, reps=5, before_each=None):
-        """GPU time of each stage of one call, for profiling (the benchmark's stage table).
-
-        Runs the call once the ordinary way (so `arrays` and `out` are validated as usual), then
-        `reps` more times with every step serialized on `stream` and an event after each step;
-        `before_each()`, if given, is called (on `stream`) before each rep, e.g. to flush the L2.
-        Serialized steps do not overlap, so their sum exceeds an ordinary call's time at small T.
-        Returns ``{stage: {"ms": median ms, "bytes": bytes moved}}`` in issue order; "bytes" only for
-        memory-bound stages; a stage issued twice in one call gets " #2" (the fp16 rescue launches).
-        GPU plans only; `out` (all three outputs) receives the results, as in an ordinary call.
-        """
-        if self._engine is None:
-            raise RuntimeError("profile_stages needs a GPU plan; a device='cpu' plan has no GPU stages")
-        if out is None or len(out) != 3 or any(o is None for o in out):
-            raise ValueError("profile_stages needs out= with all three output arrays")
-        if isinstance(reps, bool) or not isinstance(reps, (int, numpy.integer)) or reps < 1:
-            raise ValueError(f"reps must be an integer >= 1; got {reps!r}")
-        import cupy
-
-        s = stream if stream is not None else cupy.cuda.get_current_stream()
-        self(*arrays, out=out, stream=s)
-        engine = self._engine
-        samples = {}
-        with self._lock:  # no ordinary call of this plan interleaves with the serialized ones
-            for _ in range(int(reps)):
-                if before_each is not None:
-                    with s:
-                        before_each()
-                events = [(None, cupy.cuda.Event())]
-                events[0][1].record(s)
-
-                def mark(stage):
-                    e = cupy.cuda.Event()
-                    e.record(s)
-                    events.append((stage, e))
-
-                engine.order_after_previous(s.ptr)
-                engine.enqueue(s.ptr, serial=True, mark=mark)
-                engine.record_done(s.ptr)
-                s.synchronize()
-                seen = {}
-                for (_, a), (stage, b) in zip(events, events[1:]):
-                    seen[stage] = seen.get(stage, 0) + 1
-                    key = stage if seen[stage] == 1 else f"{stage} #{seen[stage]}"
-                    samples.setdefault(key, []).append(cupy.cuda.get_elapsed_time(a, b))
-        nbytes = engine.stage_bytes()
-        result = {}
-        for stage, values in samples.items():
-            row = {"ms": float(numpy.median(values))}
-            if stage in nbytes:
-                row["bytes"] = nbytes[stage]
-            result[stage] = row
-        return result
-
 
 
 def _allocate(cupy, shape, stream):
