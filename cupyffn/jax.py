@@ -47,6 +47,11 @@ from ._precision import lookup as _lookup_precision
 
 __all__ = ["gelu_ffn"]
 
+try:
+    _Tracer = jax.core.Tracer
+except AttributeError:  # pragma: no cover - a JAX that moved it
+    from jax._src.core import Tracer as _Tracer
+
 
 # ---------------------------------------------------------------------- inside XLA's execution
 def _on_device(ctx, buffers):
@@ -113,14 +118,14 @@ def _backward_callback(precision):
 
 
 # ---------------------------------------------------------------------- traced side
-def _shapes(x, w1, w2, where):
+def _shapes(x, w1, w2):
     """Check the arguments (concrete or traced); returns (leading dims, D, H)."""
     for name, a in (("hidden_states (x)", x), ("weight1", w1), ("weight2", w2)):
         if not isinstance(a, jax.Array):
             raise TypeError(f"{name} must be a jax.Array; got {type(a).__module__}.{type(a).__name__}")
         if a.dtype != jnp.float32:
             raise TypeError(f"{name} must be float32 (cupyffn computes in float32); got {a.dtype}")
-        if not isinstance(a, jax.core.Tracer) and len(a.devices()) != 1:
+        if not isinstance(a, _Tracer) and len(a.devices()) != 1:
             raise ValueError(f"{name} is sharded over {len(a.devices())} devices; cupyffn.jax takes single-device "
                              f"arrays (or use it inside shard_map)")
     if x.ndim < 1 or x.shape[-1] < 1:
@@ -135,7 +140,7 @@ def _shapes(x, w1, w2, where):
 
 
 def _forward(x, w1, w2, precision):
-    lead, dim, hidden = _shapes(x, w1, w2, "the forward")
+    lead, dim, hidden = _shapes(x, w1, w2)
     f32 = jnp.float32
     if math.prod(lead) == 0:  # no tokens: nothing for cupyffn to do
         z = jnp.zeros(lead + (hidden,), f32)
@@ -176,5 +181,5 @@ def gelu_ffn(x, weight1, weight2, precision=_DEFAULT_PRECISION):
     (``cupyffn.PRECISIONS``). Returns ``[..., D]`` float32. Works eagerly and under ``jax.jit``.
     """
     precision = _lookup_precision(precision).name
-    _shapes(x, weight1, weight2, "gelu_ffn")  # errors at the call (trace time under jit), naming the argument
+    _shapes(x, weight1, weight2)  # errors at the call (trace time under jit), naming the argument
     return _gelu_ffn(x, weight1, weight2, precision)
