@@ -81,7 +81,7 @@ class Implementations:
         return {n: self._build(n, tokens, dim, hidden_dim) for n in names}
 
     def _build(self, name, T, D, H):
-        cupy, torch = self.cupy, self.torch
+        torch = self.torch
         if name.startswith("cupyffn-"):
             plan = cupyffn.GeluFFNBackward(T, D, H, precision=name[len("cupyffn-"):])
 

@@ -107,3 +107,97 @@ def test_old_results_are_read_without_verdicts():
     if full.get("converted_from_earlier_format"):
         assert all(e["passes"] is None for e in full["summary"]["implementations"].values())
         assert "predates the benchmark's own check" in R.markdown(full)
+
+
+class _FakeCupti:
+    """Just enough of cupti-python's activity API for Timer: each launch() makes one API record and one kernel."""
+
+    class ActivityKind:
+        RUNTIME, DRIVER, CONCURRENT_KERNEL, MEMCPY, MEMSET = 5, 4, 10, 1, 2
+
+    class _Record:
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+    def __init__(self, fail_enable=False):
+        self.clock, self.corr, self.pending, self.enabled = 0, 0, [], set()
+        self.fail_enable, self.finalized = fail_enable, 0
+
+    def get_timestamp(self):
+        self.clock += 10
+        return self.clock
+
+    def activity_enable(self, kind):
+        if self.fail_enable:
+            raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")
+        self.enabled.add(kind)
+
+    def activity_disable(self, kind):
+        self.enabled.discard(kind)
+
+    def activity_register_callbacks(self, requested, completed):
+        assert requested()[0] > 0
+        self.completed = completed
+
+    def launch(self, gpu_ms):
+        if not self.enabled:
+            return
+        self.clock += 1
+        self.corr += 1
+        K = self.ActivityKind
+        self.pending.append(self._Record(kind=K.DRIVER, start=self.clock, end=self.clock + 1, correlation_id=self.corr))
+        self.pending.append(self._Record(kind=K.CONCURRENT_KERNEL, start=1000 * self.corr,
+                                         end=1000 * self.corr + int(gpu_ms * 1e6), correlation_id=self.corr, name="k"))
+
+    def activity_flush_all(self, flag):
+        self.completed(self.pending)
+        self.pending = []
+
+    def finalize(self):
+        self.finalized += 1
+
+
+class _FakeCupy:
+    class cuda:
+        class runtime:
+            @staticmethod
+            def deviceSynchronize():
+                pass
+
+        class Event:
+            def record(self, stream=None):
+                pass
+
+        @staticmethod
+        def get_current_stream():
+            return None
+
+        @staticmethod
+        def get_elapsed_time(a, b):
+            return 0.25
+
+
+def _timer(cupti, flushes):
+    import contextlib
+
+    t = P.Timer(_FakeCupy, contextlib.nullcontext, lambda: flushes.append(1), warmup=2, iters=5)
+    t.cupti, t.cupti_reason = cupti, None
+    return t
+
+
+def test_timer_cupti_path_gives_each_iteration_its_own_span():
+    cupti, flushes = _FakeCupti(), []
+    calls = []
+    got = _timer(cupti, flushes).measure(lambda i: (calls.append(i), cupti.launch(0.1 * (i + 1))))
+    assert got["timing"] == "cupti" and "timing_note" not in got
+    assert calls == list(range(7)) and len(flushes) == 7  # 2 warm-up + 5 timed, each after a flush
+    assert got["times"] == [pytest.approx(0.1 * (i + 1)) for i in range(2, 7)]
+    assert cupti.finalized == 1 and not cupti.enabled
+
+
+def test_timer_falls_back_to_events_and_says_why():
+    cupti, flushes = _FakeCupti(fail_enable=True), []
+    got = _timer(cupti, flushes).measure(lambda i: cupti.launch(1.0))
+    assert got["timing"] == "cuda-events" and got["times"] == [0.25] * 5
+    assert "CUPTI failed (RuntimeError: CUPTI_ERROR_NOT_INITIALIZED)" in got["timing_note"]
+    assert cupti.finalized == 1
