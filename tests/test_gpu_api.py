@@ -106,17 +106,21 @@ def test_different_devices_rejected():
 
 
 def test_side_stream_join_read_immediately():
-    """grad_weight2 comes from the side stream; reading it on the caller's stream right away must see it."""
+    """grad_weight1 (GEMM4, the last work on the side stream, which the final join guards) and
+    grad_weight2 (GEMM2) come from the side stream; reading them on the caller's stream right away must
+    see their final values."""
     args, inputs = make((8192,), 1536, 6144, seed=5)
     stream = cupy.cuda.Stream(non_blocking=True)
     cupy.cuda.Device().synchronize()  # inputs were made on the legacy stream, which `stream` does not follow
     with stream:
         out = poisoned(args)
         cupyffn.gelu_ffn_backward(*args, precision="ieee", out=out, stream=stream)
-        snapshot = out[2].copy()  # enqueued behind the call, no host synchronization in between
+        # enqueued behind the call, no host synchronization in between; grad_weight1 first
+        snapshots = (out[1].copy(), out[2].copy())
     stream.synchronize()
-    assert not bool(cupy.isnan(snapshot).any())
-    assert bool((snapshot == out[2]).all())
+    for label, snapshot, final in zip(("grad_weight1", "grad_weight2"), snapshots, out[1:]):
+        assert not bool(cupy.isnan(snapshot).any()), f"{label} read before the side stream wrote it"
+        assert bool((snapshot == final).all()), f"{label} read before the side stream finished it"
 
 
 def test_inputs_unchanged_and_outputs_not_aliased():
