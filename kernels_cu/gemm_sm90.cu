@@ -82,9 +82,12 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned byt
 
 // Returns once the phase of parity `parity` has completed (a fresh barrier counts its phase before
 // phase 0 as completed: waiting for parity 1 returns at once).
+// A wait that never ends (a pipeline bug) traps after ~2^26 polls, seconds at least: a launch error
+// the caller sees instead of a process that hangs.
 __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-  unsigned done;
+  unsigned done, polls = 0;
   do {
+    if (++polls == (1u << 26)) __trap();
     asm volatile(
         "{\n"
         ".reg .pred p;\n"
