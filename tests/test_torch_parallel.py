@@ -10,8 +10,13 @@ the unsharded block in float64 (within the precision's contract) and against the
 cupyffn result (GeluFFNFunction).
 """
 
+import json
+import math
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy
 import pytest
@@ -27,6 +32,7 @@ from cupyffn import _torch_parallel as tp  # noqa: E402
 if not dist.is_available():
     pytest.skip("torch.distributed is not available in this torch build", allow_module_level=True)
 
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 NAMES = ("output", "grad_hidden_states", "grad_weight1", "grad_weight2")
 CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.cuda is not available")]
 SEED = 20261201
@@ -372,6 +378,42 @@ def test_reexported_from_cupyffn_torch():
         assert getattr(ct, name) is getattr(tp, name)
 
 
+def torchrun(nproc, *args, timeout=300):
+    """Run examples/train_tp_torch.py under torchrun (--standalone: a free local port); returns its stdout lines."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(EXAMPLES / "train_tp_torch.py"), *args]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()
+
+
+def example_means(lines):
+    """(mean loss of the first 10 steps, of the last 10) from the example's last line."""
+    words = lines[-1].replace(",", "").split()
+    assert words[:7] == ["mean", "loss", "of", "the", "first", "10", "steps"], lines[-1]
+    return float(words[7]), float(words[-2])
+
+
+def unsharded_example_means(steps, device):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cupyffn_example_train_torch", EXAMPLES / "train_torch.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    losses = module.main(steps=steps, device=device)
+    return sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+
+
+def test_example_trains_like_the_unsharded_layer_under_torchrun_on_cpu():
+    lines = torchrun(2, "--cpu", "--steps", "60")
+    assert lines[0].startswith("check (256x32x128, bf16x3, world size 2): ") and lines[0].endswith(": ok"), lines[0]
+    head, tail = example_means(lines)
+    assert tail / head < 0.25, lines[-1]
+    # examples/train_torch.py trains the same unsharded GeluFFN (same seed, teacher, data and optimizer)
+    want = unsharded_example_means(60, "cpu")
+    assert math.isclose(head, want[0], rel_tol=1e-3) and math.isclose(tail, want[1], rel_tol=1e-3), (lines[-1], want)
+
+
 # ---------------------------------------------------------------------- GPU
 def gpu_cases(rng, repeats=1):
     lead, dim, hidden = (4, 256), 1024, 2048
@@ -441,3 +483,35 @@ def test_nccl_group_of_one_takes_the_overlap_path(rng, tmp_path, monkeypatch):
         check_ranks(case, [got], "cuda")
     finally:
         dist.destroy_process_group()
+
+
+def check_example_on_cuda(lines, world):
+    assert lines[0].startswith(f"check (1024x512x2048, bf16x3, world size {world}): ") and lines[0].endswith(": ok")
+    head, tail = example_means(lines)
+    assert tail / head < 0.1, lines[-1]
+    # the unsharded layer on one GPU, same run; Adam over 150 steps may carry rounding differences further
+    want = unsharded_example_means(150, "cuda")
+    assert math.isclose(head, want[0], rel_tol=1e-2) and math.isclose(tail, want[1], rel_tol=1e-2), (lines[-1], want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.cuda is not available")
+def test_example_and_bench_under_torchrun_on_one_gpu(tmp_path):
+    # a group of one (NCCL): the script paths the two-GPU run takes, on the one-GPU machine
+    check_example_on_cuda(torchrun(1, "--steps", "150"), 1)
+    path = tmp_path / "tp-bench.json"
+    torchrun(1, "--bench", str(path), "--bench-shapes", "1024x512x2048", "--warmup", "1", "--iters", "3")
+    data = json.loads(path.read_text())
+    assert data["meta"]["world_size"] == 1 and data["meta"]["overlap_hook"] == tp._hook_available()
+    (row,) = data["results"]
+    keys = ("tp_step_ms_overlap", "tp_step_ms_no_overlap", "single_gpu_step_ms", "tp_backward_ms_overlap",
+            "tp_backward_ms_no_overlap", "single_gpu_backward_ms", "all_reduce_ms")
+    assert all(math.isfinite(row[k]) and row[k] > 0 for k in keys), row
+    assert max(row["check_vs_float64"].values()) <= cupyffn.PRECISIONS["bf16x3"].contract, row
+
+
+@pytest.mark.gpu
+def test_example_under_torchrun_on_two_gpus():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    check_example_on_cuda(torchrun(2, "--steps", "150"), 2)
