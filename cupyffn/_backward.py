@@ -218,7 +218,7 @@ class GeluFFNBackward:
                     else:
                         engine.enqueue(sp, grad_hidden_ready=ready)
                 except BaseException as e:
-                    if capturing:  # nothing ran; the caller must discard the capture
+                    if capturing:  # no NaN fill: it would be captured too; the caller must discard the capture
                         raise
                     error = _plan_cache.fill_nan_after_failure(e, lambda: self._after_failure(call, s))
                     if error is e:

@@ -320,7 +320,7 @@ def gelu_ffn_forward(hidden_states, weight1, weight2, *, precision=_precision.DE
                         _plan_cache.pin(engine)  # a graph may replay its scratch from now on
                     engine.run(mats, ptrs, s.ptr, capturing)
             except BaseException as e:
-                if capturing:  # the caller must discard the capture
+                if capturing:  # no NaN fill: it would be captured too; the caller must discard the capture
                     raise
 
                 def fill():
