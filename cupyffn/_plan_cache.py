@@ -82,9 +82,9 @@ class PlanCache:
         """End a call on `plan`; the last user of an evicted, unpinned plan closes it."""
         with _lock:
             plan._users -= 1
-            close = plan._users == 0 and plan._evicted and id(plan) not in _pinned
-        if close:
-            plan.close()
+            if plan._users or not plan._evicted or id(plan) in _pinned:
+                return
+        plan.close()
 
     def clear(self):
         """Drop every unpinned plan (closed now, or by its last user when in use)."""

@@ -20,6 +20,7 @@ cupy = pytest.importorskip("cupy")
 PRECISIONS = list(cupyffn.PRECISIONS)
 T, D, H = 384, 128, 512
 CHURN = [(64 * (i + 1), 64 + 32 * (i % 3), 256 + 128 * (i % 4)) for i in range(9)]  # 9 shapes, none (T, D, H)
+assert (T, D, H) not in CHURN and len(set(CHURN)) == len(CHURN)
 
 
 @pytest.fixture(autouse=True)
