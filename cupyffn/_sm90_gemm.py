@@ -120,11 +120,14 @@ def _module(device_id):
 @functools.lru_cache(maxsize=None)
 def _kernel(op, block_n, epi, device_id):
     import cupy
+    from cupy_backends.cuda.api import driver
 
     module = _module(device_id)
     with cupy.cuda.Device(device_id):
         kernel = module.get_function(f"gemm_sm90_kernel<{op}, {block_n}, {epi}>")
-        kernel.max_dynamic_shared_size_bytes = smem_bytes(block_n)  # above 48 KiB needs the opt-in
+        # above 48 KiB of dynamic shared memory needs the opt-in, on the very function we launch
+        driver.funcSetAttribute(kernel.kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                smem_bytes(block_n))
     return kernel
 
 

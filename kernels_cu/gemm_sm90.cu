@@ -125,7 +125,9 @@ __device__ __forceinline__ unsigned long long smem_desc(unsigned addr) {
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Waits until at most N committed wgmma groups of this warpgroup are still running.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 
 // Keeps the compiler from moving accesses to the accumulators across the asynchronous wgmma.
 template <int N>
@@ -396,6 +398,9 @@ __global__ void __launch_bounds__(sm90::kThreads, 1)
       const int mb = tile % m_tiles, nb = tile / m_tiles;
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+      // One group of wgmma stays in flight while the next stage's are issued; a stage is released once
+      // the group that read it has completed (wait<1> leaves only the newest one running).
+      unsigned previous = 0;
       for (int kt = 0; kt < k_tiles; ++kt, ++it) {
         const unsigned s = it % kStages, phase = (it / kStages) & 1u;
         mbar_wait(full_bar + 8 * s, phase);
@@ -407,10 +412,13 @@ __global__ void __launch_bounds__(sm90::kThreads, 1)
           wgmma_k16<OP, BN>(acc, smem_desc(a_stage + 32 * kk), smem_desc(b_stage + 32 * kk));
         }
         wgmma_commit();
-        wgmma_wait_all();
-        fence_regs(acc);
-        if ((tid & 31) == 0) mbar_arrive(empty_bar + 8 * s);  // this warp's reads of the stage are done
+        wgmma_wait<1>();
+        if (kt > 0 && (tid & 31) == 0) mbar_arrive(empty_bar + 8 * previous);  // this warp is done with it
+        previous = s;
       }
+      wgmma_wait<0>();
+      fence_regs(acc);
+      if ((tid & 31) == 0) mbar_arrive(empty_bar + 8 * previous);
       store_block<EPI, BN>(acc, args, mb * kBM + consumer * 64, nb * BN, tid);
     }
   }
