@@ -31,6 +31,7 @@ callback has no sharding rule): use it on single-device arrays or inside ``shard
 This module imports jax; ``import cupyffn`` does not import it.
 """
 
+import ctypes
 import functools
 import math
 
@@ -57,9 +58,10 @@ except AttributeError:  # pragma: no cover - a JAX that moved it
 def _on_device(ctx, buffers):
     """cupyffn's view of XLA's `buffers` and the stream to run on: (arrays, stream, device id or None for the CPU)."""
     try:
-        stream_ptr = int(ctx.stream)
+        stream = ctx.stream
     except Exception:  # the CPU client has no GPU context ("XLA FFI GPU context is not available")
         return [numpy.asarray(b) for b in buffers], None, None
+    stream_ptr = _pointer(stream)
     from cupy_backends.cuda.api import runtime
 
     cai = [b.__cuda_array_interface__ for b in buffers]
@@ -79,6 +81,22 @@ def _on_device(ctx, buffers):
             strides = tuple(s // 4 for s in strides)
         arrays.append(_views.float32_view(c["data"][0], shape, strides, device))
     return arrays, _views.external_stream(stream_ptr, device), device
+
+
+def _pointer(obj):
+    """The address behind ExecutionContext.stream: a Python int, or a capsule (how nanobind passes a void*)."""
+    if obj is None:  # a null stream: CUDA's legacy default stream
+        return 0
+    if isinstance(obj, int):
+        return obj
+    api = ctypes.pythonapi
+    api.PyCapsule_GetName.restype, api.PyCapsule_GetName.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+    api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    try:
+        return int(api.PyCapsule_GetPointer(obj, api.PyCapsule_GetName(obj)) or 0)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"cupyffn.jax: XLA's stream came as {type(obj).__name__}, neither an int nor a capsule") from e
 
 
 def _run(ctx, buffers, compute):

@@ -179,3 +179,21 @@ def test_argument_errors(rng, device):
         jax.jit(cj.gelu_ffn)(x, w1[:, :8], w2)
     with pytest.raises(ValueError, match=r"weight2 must have shape \(dim, hidden_dim\) = \(16, 32\)"):
         cj.gelu_ffn(x, w1, w2.T)
+
+
+def test_jitted_training_example_learns_on_cpu():
+    import importlib.util
+    from pathlib import Path
+
+    try:
+        jax.devices("cpu")
+    except RuntimeError as e:
+        pytest.skip(f"JAX has no cpu backend here: {e}")
+    path = Path(__file__).resolve().parent.parent / "examples" / "train_jax.py"
+    spec = importlib.util.spec_from_file_location("cupyffn_example_train_jax", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    losses = example.main(steps=60, device="cpu")
+    assert len(losses) == 60 and all(math.isfinite(v) for v in losses)
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    assert last / first < 0.5, (losses[:10], losses[-10:])
