@@ -20,7 +20,7 @@ def test_generated_sections_are_up_to_date():
 def test_ci_runs_the_readme_commands():
     readme = (ROOT / "README.md").read_text()
     block = re.search(r"## Install and test\n\n```\n(.*?)```", readme, re.S).group(1).strip().splitlines()
-    assert block == ['python -m pip install ".[test]"', "python -m pytest"]
+    assert block == ['python -m pip install ".[test,test-frameworks]"', "python -m pytest"]
     ci = (ROOT / ".ci" / "run").read_text()
     for command in block:
         assert command in ci, command
