@@ -213,7 +213,12 @@ class GeluFFNBackward:
                         self._io = None  # half-set launches must not be taken for this call's
                         engine.set_io(call.inputs, pointers, accumulate)
                         self._io = io
-                    if self.graph and not capturing:
+                    if capturing:
+                        engine.side_in_capture = True
+                        engine.enqueue(sp, grad_hidden_ready=ready)
+                    elif engine.side_in_capture and not engine.side_stream_free():
+                        engine.enqueue(sp, serial=True, grad_hidden_ready=ready)  # all on the caller's stream
+                    elif self.graph:
                         self._replay_or_capture(io, s)
                     else:
                         engine.enqueue(sp, grad_hidden_ready=ready)

@@ -21,7 +21,7 @@ which is dead by then. At that size each GEMM fills the GPU, so nothing is lost 
 
 import ctypes
 
-from . import _cublas, _kernels
+from . import _cublas, _kernels, _plan_cache
 from . import _precision as P
 
 _ALIGN = 256
@@ -105,6 +105,7 @@ class GpuEngine:
             (self._ev_start, self._ev_a, self._ev_b, self._ev_d, self._ev_side,
              self._ev_done) = (cupy.cuda.Event(disable_timing=True) for _ in range(6))
             self._last_stream_ptr = None
+            self.side_in_capture = False  # a captured call made the side stream join a caller's capture
             self._ieee_gelu = None  # (names, launch, None) once memory mode needs it (ieee only)
             self._recompute_g = False
             self._main = _cublas.acquire(device_id)
@@ -451,6 +452,16 @@ class GpuEngine:
     # every earlier call on every stream: close() waits on that one event. Calls during a caller's
     # CUDA stream capture neither wait on `_ev_done` nor record it (an event recorded outside the
     # capture may not be waited on inside it, and one recorded inside cannot be synchronized on).
+    def side_stream_free(self):
+        """False while the side stream still belongs to a caller's capture: it joins at a captured call
+        and stays in capture mode until the caller ends the capture, so an eager call meanwhile must not
+        use it (its waits and launches would land in, and break, that capture). Call with the plan's
+        lock held, when `side_in_capture` is set."""
+        if _plan_cache.is_capturing(self._side.ptr):
+            return False
+        self.side_in_capture = False
+        return True
+
     def order_after_previous(self, stream_ptr):
         """Make `stream_ptr` wait for the previous call if that ran on another stream (shared scratch)."""
         from cupy_backends.cuda.api import runtime

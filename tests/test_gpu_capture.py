@@ -130,6 +130,38 @@ def test_cupy_capture_memory_mode_and_accumulate():
         assert_contract(out, want, "ieee", f"memory mode, accumulate, replay {step}")
 
 
+def test_eager_call_while_a_capture_holds_the_side_stream():
+    """Between a captured call and the end of that capture, the plan's side stream is part of the
+    capture; an eager call of the same plan on another stream (relaxed mode allows it) must neither
+    break the capture nor lose its own work."""
+    args, inputs = make(14)
+    args2, inputs2 = make(15)
+    out, out2 = nan_outputs(args), nan_outputs(args2)
+    cap, other = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    cupyffn.gelu_ffn_backward(*args, out=out)  # warm-up, legacy stream
+    cupy.cuda.Device().synchronize()
+
+    def captured_then_eager():
+        cupyffn.gelu_ffn_backward(*args, out=out, stream=cap)
+        cupyffn.gelu_ffn_backward(*args2, out=out2, stream=other)  # same plan (same shape), eager
+
+    poison(out, cap)
+    cap.synchronize()
+    graph = capture(cap, captured_then_eager)
+    other.synchronize()
+    assert_contract(out2, W.reference(inputs2, xp=cupy), "bf16x3", "eager call during the capture")
+    assert bool(cupy.isnan(out[1]).all())  # the captured call did not run eagerly
+    ref = refill(args, seed=16)
+    cupy.cuda.Device().synchronize()
+    graph.launch(stream=cap)
+    cap.synchronize()
+    assert_contract(out, ref, "bf16x3", "replay")
+    poison(out2, other)
+    cupyffn.gelu_ffn_backward(*args2, out=out2, stream=other)  # after the capture: the side stream again
+    other.synchronize()
+    assert_contract(out2, W.reference(inputs2, xp=cupy), "bf16x3", "eager call after the capture")
+
+
 def test_replay_survives_clear_cache_and_churn():
     args, inputs = make(3)
     out = nan_outputs(args)
