@@ -8,6 +8,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 import zlib
 
 import numpy
@@ -109,6 +110,7 @@ def _args2d(inputs):
 
 
 def run_gpu(args, cupy):
+    started = time.perf_counter()
     torch = I.torch_or_none(in_process_compile=args.loop or args.loop_only)
     if args.compile and torch is None:
         print("--compile: torch is not available; compiled baselines skipped")
@@ -197,6 +199,8 @@ def run_gpu(args, cupy):
         cupy.get_default_memory_pool().free_all_blocks()
     summary = R.summarize(rows)
     R.print_summary(summary, compile_s)
+    wall_s = time.perf_counter() - started
+    print(f"\n# bench wall time {wall_s:.0f} s")
     protocol = {"timing": timer.method, "cupti_unavailable": timer.cupti_reason, "warmup": args.warmup,
                 "iters": args.iters, "statistic": "median per workload; mean and geomean over workloads",
                 "input_sets": INPUT_SETS, "l2_flush_bytes": flush.nbytes, "rounds": args.rounds,
@@ -206,4 +210,4 @@ def run_gpu(args, cupy):
     return {"format": R.FORMAT, "env": env,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "git_commit": git_commit(), "command": " ".join(["python", "bench.py"] + sys.argv[1:]),
-            "protocol": protocol, "compile_s": compile_s, "workloads": rows, "summary": summary}
+            "protocol": protocol, "compile_s": compile_s, "wall_s": wall_s, "workloads": rows, "summary": summary}
