@@ -404,6 +404,7 @@ def test_fixed_shape_stays_correct_while_another_thread_churns():
             with cupy.cuda.Device(0):
                 s = cupy.cuda.Stream(non_blocking=True)
                 out = nan_outputs(args)
+                cupy.cuda.Device().synchronize()  # made on the legacy stream, which `s` does not follow
                 while not done.is_set() or checked[0] < 20:
                     poison(out, s)
                     cupyffn.gelu_ffn_backward(*args, out=out, stream=s)
