@@ -28,28 +28,25 @@ point of the benchmark in examples/train_tp_torch.py). On CPU tensors (gloo) the
 synchronously by the NumPy backend and the all-reduce follows it: correct, nothing to overlap.
 
 The accuracy contract of each output is the precision's (``cupyffn.PRECISIONS[p].contract``) up to the
-rounding of the p-term sum. Limitations as in ``cupyffn.torch`` (float32, no double backward, opaque to
-torch.compile), plus: not capturable in a CUDA graph (the collectives and the side stream), and every
+rounding of the p-term sum. float32 tensors only, except under CUDA autocast (``torch.autocast("cuda")``),
+where the inputs are cast to float32 (the output is float32; gradients come back in the inputs' dtypes).
+No double backward; a graph break for torch.compile (an autograd.Function around collectives, not
+cupyffn.torch's custom ops); not capturable in a CUDA graph (the collectives and the side stream); every
 rank must call forward and backward in the same order (they are collectives).
 """
 
-import inspect
 import math
 import threading
 
 import torch
 import torch.distributed as dist
 
-from . import _backward
+from ._backward import gelu_ffn_backward as _gelu_ffn_backward
 from ._forward import gelu_ffn_forward as _gelu_ffn_forward
 from ._precision import DEFAULT as _DEFAULT_PRECISION
 from ._precision import lookup as _lookup_precision
 
 __all__ = ["TensorParallelGeluFFN", "TensorParallelGeluFFNFunction", "shard_weights", "tensor_parallel_gelu_ffn"]
-
-# Looked up through the module on each call so a test can wrap it (as cupyffn.torch's tests do).
-_gelu_ffn_backward = _backward.gelu_ffn_backward
-
 
 
 def _adapter():
@@ -62,11 +59,6 @@ def _adapter():
 
 _side_streams = {}  # CUDA device index -> the torch stream the overlapped all-reduce is issued from
 _side_lock = threading.Lock()
-
-
-def _hook_available():
-    """Whether cupyffn's backward takes the grad_hidden-ready event (``grad_hidden_ready=``)."""
-    return "grad_hidden_ready" in inspect.signature(_backward.gelu_ffn_backward).parameters
 
 
 def _check_int(name, value, minimum):
@@ -155,6 +147,7 @@ class TensorParallelGeluFFNFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)  # CUDA autocast: computed in float32
     def forward(ctx, hidden_states, weight1, weight2, group=None, precision=_DEFAULT_PRECISION, save="all",
                 overlap=True):
         prec = _lookup_precision(precision)
@@ -182,6 +175,7 @@ class TensorParallelGeluFFNFunction(torch.autograd.Function):
         return output
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
         need_x, need_w1, need_w2 = ctx.needs_input_grad[:3]
@@ -196,7 +190,7 @@ class TensorParallelGeluFFNFunction(torch.autograd.Function):
             raise TypeError(f"grad_output must be float32; got {grad_output.dtype}")
         ct = _adapter()
         dy = ct._readable(grad_output)
-        overlap = ctx.overlap and need_x and x.is_cuda and _hook_available()
+        overlap = ctx.overlap and need_x and x.is_cuda  # CPU results are complete when the call returns
         with ct._Call(x.device) as call:
             out = (call.empty(x.shape) if need_x else None,
                    call.empty(w1.shape) if need_weights else None,

@@ -322,5 +322,6 @@ class GeluFFN(torch.nn.Module):
     def extra_repr(self):
         return f"dim={self.dim}, hidden_dim={self.hidden_dim}, precision={self.precision!r}, save={self.save!r}"
 
+
 from ._torch_parallel import (TensorParallelGeluFFN, TensorParallelGeluFFNFunction,  # noqa: E402,F401 (tensor
                               shard_weights, tensor_parallel_gelu_ffn)  # parallelism, cupyffn/_torch_parallel.py)

@@ -229,7 +229,7 @@ def bench(path, shapes, device, precision, save, seed, warmup, iters):
         meta = {"world_size": world, "device": torch.cuda.get_device_name(device), "precision": precision, "save": save,
                 "warmup": warmup, "iters": iters, "torch": torch.__version__, "cupy": cupy.__version__,
                 "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl),
-                "python": platform.python_version(), "overlap_hook": cupyffn._torch_parallel._hook_available(),
+                "python": platform.python_version(),
                 "timing": "median CUDA-event ms per iteration on each rank's stream, slowest rank"}
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps({"meta": meta, "results": rows}, indent=1) + "\n")

@@ -46,15 +46,15 @@ VS_UNSHARDED = {"ieee": 2e-6, "bf16x3": 5e-6, "bf16": 1e-3, "tf32": 2 * cupyffn.
 # ---------------------------------------------------------------------- the ranks' side (spawned processes)
 def _rank_main(rank, world, backend, device_kind, folder):
     """One rank: join the group, run every case of folder/cases.pt on its shard, save folder/rank<r>.pt."""
+    if device_kind == "cuda":
+        index = rank % torch.cuda.device_count()  # one GPU shared by all ranks, or one GPU per rank
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
+    else:
+        device = torch.device("cpu")
     dist.init_process_group(backend, store=dist.FileStore(os.path.join(folder, "store"), world), rank=rank,
                             world_size=world)
     try:
-        if device_kind == "cuda":
-            index = rank % torch.cuda.device_count()  # one GPU shared by all ranks, or one GPU per rank
-            torch.cuda.set_device(index)
-            device = torch.device("cuda", index)
-        else:
-            device = torch.device("cpu")
         poison_outputs(setattr)
         data = torch.load(os.path.join(folder, "cases.pt"))
         results = {name: _run_case(case, rank, world, device) for name, case in data["cases"].items()}
@@ -445,8 +445,6 @@ def test_two_gpus_nccl_match_the_unsharded_block(rng, tmp_path):
 def test_two_gloo_ranks_on_one_gpu_overlap_ordering(rng, tmp_path):
     # Both ranks on one GPU (gloo takes CUDA tensors; NCCL refuses two ranks on one device): the overlapped
     # all-reduce reads grad_hidden_states on gloo's stream, ordered only by the grad_hidden-ready event.
-    if not tp._hook_available():
-        pytest.skip("cupyffn.gelu_ffn_backward has no grad_hidden_ready keyword (the overlap hook)")
     cases = gpu_cases(rng, repeats=3)
     check_gpu_run(cases, spawn(tmp_path, 2, "gloo", "cuda", cases))
 
@@ -454,8 +452,6 @@ def test_two_gloo_ranks_on_one_gpu_overlap_ordering(rng, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.cuda is not available")
 def test_nccl_group_of_one_takes_the_overlap_path(rng, tmp_path, monkeypatch):
-    if not tp._hook_available():
-        pytest.skip("cupyffn.gelu_ffn_backward has no grad_hidden_ready keyword (the overlap hook)")
     device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
                             device_id=device)
@@ -481,6 +477,16 @@ def test_nccl_group_of_one_takes_the_overlap_path(rng, tmp_path, monkeypatch):
         assert seen["streams"][1][1] is True and seen["streams"][1][0] != caller  # grad_hidden's, from the side
         assert len(seen["backward"]) == 1 and seen["backward"][0] is not None  # the ready event was asked for
         check_ranks(case, [got], "cuda")
+        # CUDA autocast: the inputs are cast to float32 and the gradient comes back in the input's dtype
+        x16 = case["x"].to(device, torch.bfloat16).requires_grad_()
+        w1, w2 = (case[k].to(device).requires_grad_() for k in ("w1", "w2"))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = tp.tensor_parallel_gelu_ffn(x16, w1, w2, None, "bf16x3")
+        assert y.dtype == torch.float32
+        (y * case["r"].to(device)).sum().backward()
+        assert x16.grad.dtype == torch.bfloat16 and w1.grad.dtype == torch.float32
+        want = _run_case(dict(case, x=x16.detach().float().cpu()), 0, 1, device)
+        assert torch.equal(y.detach().cpu(), want[0]) and torch.equal(x16.grad.cpu(), want[1].to(torch.bfloat16))
     finally:
         dist.destroy_process_group()
 
@@ -502,7 +508,7 @@ def test_example_and_bench_under_torchrun_on_one_gpu(tmp_path):
     path = tmp_path / "tp-bench.json"
     torchrun(1, "--bench", str(path), "--bench-shapes", "1024x512x2048", "--warmup", "1", "--iters", "3")
     data = json.loads(path.read_text())
-    assert data["meta"]["world_size"] == 1 and data["meta"]["overlap_hook"] == tp._hook_available()
+    assert data["meta"]["world_size"] == 1
     (row,) = data["results"]
     keys = ("tp_step_ms_overlap", "tp_step_ms_no_overlap", "single_gpu_step_ms", "tp_backward_ms_overlap",
             "tp_backward_ms_no_overlap", "single_gpu_backward_ms", "all_reduce_ms")
