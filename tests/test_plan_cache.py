@@ -1,5 +1,6 @@
 """Plan lifetime without a GPU: PlanCache in-use counts, eviction, pins, clear(); closed and pinned
-CPU plans; the failure note when the NaN fill fails; the capture query's legacy-stream shortcut."""
+CPU plans; the failure note when the NaN fill fails; the capture query's legacy-stream shortcut; and
+the GPU call's control flow (ordering, events, pins, side stream, failures) with a logging fake engine."""
 
 import threading
 import types
@@ -262,3 +263,150 @@ def test_legacy_streams_are_never_queried():
 def test_release_captured_plans_is_exported():
     assert "release_captured_plans" in cupyffn.__all__
     assert cupyffn.release_captured_plans() == 0
+
+
+# ---------------------------------------------------------------------- the GPU call's control flow
+class FakeEngine:
+    """Stands in for GpuEngine: logs the ordering, enqueue and event calls a GPU call makes."""
+
+    scratch_bytes = workspace_bytes = 0
+
+    def __init__(self):
+        self.log = []
+        self.side_in_capture = False
+        self.side_busy = False  # the side stream still in a caller's capture
+        self.fail = None
+
+    def allocates_for(self, inputs):
+        return False
+
+    def order_after_previous(self, sp):
+        self.log.append(("order", sp))
+
+    def set_io(self, inputs, pointers, accumulate):
+        self.log.append(("set_io",))
+
+    def enqueue(self, sp, serial=False, grad_hidden_ready=0):
+        if self.fail is not None:
+            raise self.fail
+        self.log.append(("enqueue", sp, serial))
+
+    def record_done(self, sp):
+        self.log.append(("done", sp))
+
+    def side_stream_free(self):
+        if self.side_busy:
+            return False
+        self.side_in_capture = False
+        return True
+
+    def close(self):
+        self.log.append(("close",))
+
+
+class FakeStream:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.fixture
+def gpu_like(monkeypatch):
+    """A CPU-built plan whose engine is a FakeEngine on "device 0", and a set of capturing streams."""
+    cupy = pytest.importorskip("cupy")
+    from cupyffn import _validate
+
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    capturing = set()
+    monkeypatch.setattr(_plan_cache, "_stream_is_capturing", lambda ptr: ptr in capturing)
+    plan = cupyffn.GeluFFNBackward(16, 8, 32, device="cpu")
+    plan._engine, plan.device = FakeEngine(), 0
+    args, _ = _cpu_args(2)
+    out = [numpy.zeros((16, 8), numpy.float32), numpy.zeros((32, 8), numpy.float32),
+           numpy.zeros((8, 32), numpy.float32)]
+    call = _validate.prepare(args, out)._replace(device=0)
+    yield plan, call, out, capturing
+    _plan_cache.release_captured_plans()
+
+
+def test_eager_call_orders_after_the_previous_and_records_done(gpu_like):
+    plan, call, out, _ = gpu_like
+    grads = plan._run_gpu(call, out, FakeStream(7), False)
+    assert all(g is o for g, o in zip(grads, out))
+    assert plan._engine.log == [("order", 7), ("set_io",), ("enqueue", 7, False), ("done", 7)]
+    assert not _plan_cache.is_pinned(plan)
+
+
+def test_captured_call_pins_and_uses_no_event_from_outside(gpu_like):
+    plan, call, out, capturing = gpu_like
+    engine = plan._engine
+    plan._run_gpu(call, out, FakeStream(7), False)  # warm-up
+    engine.log.clear()
+    capturing.add(9)
+    plan._run_gpu(call, out, FakeStream(9), False)
+    assert engine.log == [("enqueue", 9, False)]  # no order_after_previous wait, no _ev_done record
+    assert _plan_cache.is_pinned(plan) and engine.side_in_capture
+    with pytest.raises(RuntimeError, match="pinned"):
+        plan.close()
+    # an eager call while that capture still holds the side stream: everything on its own stream
+    engine.log.clear()
+    engine.side_busy = True
+    plan._run_gpu(call, out, FakeStream(7), False)
+    assert engine.log == [("order", 7), ("enqueue", 7, True), ("done", 7)]
+    engine.side_busy = False  # the caller ended the capture
+    engine.log.clear()
+    plan._run_gpu(call, out, FakeStream(7), False)
+    assert engine.log == [("order", 7), ("enqueue", 7, False), ("done", 7)] and not engine.side_in_capture
+    assert cupyffn.release_captured_plans() == 1
+    plan.close()
+    assert engine.log[-1] == ("close",)
+    with pytest.raises(RuntimeError, match="this GeluFFNBackward plan was closed"):
+        plan._run_gpu(call, out, FakeStream(7), False)
+
+
+def test_captured_call_without_out_raises_before_anything(gpu_like):
+    plan, call, out, capturing = gpu_like
+    capturing.add(9)
+    partial = call._replace(out=(call.out[0], None, None))
+    with pytest.raises(RuntimeError, match="without out= for grad_weight1, grad_weight2: allocating from CuPy"):
+        plan._run_gpu(partial, [out[0], None, None], FakeStream(9), False)
+    assert plan._engine.log == [] and not _plan_cache.is_pinned(plan)
+
+
+def test_failed_eager_call_records_done_and_fills_nan(gpu_like):
+    plan, call, out, _ = gpu_like
+    plan._engine.fail = ValueError("injected")
+    with pytest.raises(ValueError, match="injected") as info:
+        plan._run_gpu(call, out, FakeStream(7), False)
+    assert ("done", 7) in plan._engine.log  # close() must wait for the partial work too
+    assert all(numpy.isnan(o).all() for o in out)
+    assert not getattr(info.value, "__notes__", None)
+
+
+def test_failed_nan_fill_after_a_failed_call_is_reported(gpu_like, monkeypatch):
+    plan, call, out, _ = gpu_like
+    from cupyffn import _backward
+
+    def broken(call, stream):
+        raise RuntimeError("sticky CUDA error")
+
+    monkeypatch.setattr(_backward, "_poison", broken)
+    plan._engine.fail = ValueError("injected")
+    with pytest.raises(ValueError, match="injected") as info:
+        plan._run_gpu(call, out, FakeStream(7), False)
+    assert any("out= may hold stale or partial values" in n for n in info.value.__notes__)
+
+
+def test_failed_call_during_capture_fills_nothing(gpu_like):
+    plan, call, out, capturing = gpu_like
+    capturing.add(9)
+    plan._engine.fail = ValueError("injected")
+    with pytest.raises(ValueError, match="injected"):
+        plan._run_gpu(call, out, FakeStream(9), False)
+    assert plan._engine.log == [("set_io",)]  # no NaN fill (it would be captured), no events
+    assert not any(numpy.isnan(o).any() for o in out)
