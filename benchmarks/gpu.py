@@ -138,7 +138,7 @@ def run_gpu(args, cupy):
         ref_rel = {}
         poisoned = {n: tuple(cupy.empty(s, dtype=cupy.float32) for s in shapes) for n in names if impls[n].takes_out}
         for r in range(args.rounds):
-            inputs = W.make_inputs(lead, xp=cupy, seed=_seed(w.label, "check", r))
+            inputs = W.make_inputs(lead, W.DIM, W.HIDDEN_DIM, xp=cupy, seed=_seed(w.label, "check", r))
             args2d = _args2d(inputs)
             ref64 = W.reference(inputs, xp=cupy)
             ref32 = W.reference(inputs, xp=cupy, dtype=numpy.float32)
@@ -156,7 +156,8 @@ def run_gpu(args, cupy):
                 rounds[n].add(P.check_outputs(cupy, outputs, ref32, ref64, T))
                 del outputs
             del inputs, args2d, ref64, ref32
-        pool = [_args2d(W.make_inputs(lead, xp=cupy, seed=_seed(w.label, "time", k))) for k in range(INPUT_SETS)]
+        pool = [_args2d(W.make_inputs(lead, W.DIM, W.HIDDEN_DIM, xp=cupy, seed=_seed(w.label, "time", k)))
+                for k in range(INPUT_SETS)]
         outs = {n: [tuple(cupy.empty(s, dtype=cupy.float32) for s in shapes) for _ in pool]
                 for n in names if impls[n].takes_out}
         cupy.cuda.runtime.deviceSynchronize()
