@@ -304,6 +304,10 @@ def markdown(result):
     lines = [f"Measured on {env['device']} (driver {env['driver']}, CUDA runtime {env['cuda_runtime']}, "
              f"cuBLAS {env['cublas']}, CuPy {env['cupy']}, torch {env['torch']}) on {result['date']}, "
              f"commit {str(result['git_commit'])[:12]}; `{result['command']}`. {protocol_text(result)}", ""]
+    if result.get("compile_s"):
+        lines += ["torch.compile(mode=\"max-autotune-no-cudagraphs\", dynamic=True), compiled once per mode; first "
+                  "call (compile and autotune): " + ", ".join(f"{k} {v:.0f} s" for k, v in result["compile_s"].items())
+                  + ".", ""]
     if not result["protocol"].get("earlier_protocol"):
         lines += [f"**{headline_text(summary['headline'])}**", ""]
     score = "SOL score vs " + SCORE_BASELINE
