@@ -7,6 +7,7 @@ measured the way SOL-ExecBench measures L2/068.
     python bench.py --quick --rounds 2   # a subset, for a quick look
     python bench.py --impls 'cupyffn-*,torch-tf32'   # only some implementations (fnmatch patterns)
     python bench.py --loop               # also the steady-state loop (host time per call, graph replay)
+    python bench.py --timer events --rounds 1 --json /tmp/events.json   # CUDA-event timing, for comparison
     python bench.py --readme             # regenerate README.md's tables from results/*.json (no GPU needed)
 
 Correctness: per workload, --rounds rounds of freshly seeded inputs for every implementation, each
@@ -45,6 +46,8 @@ def parse_args(argv=None):
     parser.add_argument("--loop-only", action="store_true", help="only the loop mode")
     parser.add_argument("--loop-calls", type=int, default=50)
     parser.add_argument("--no-write", action="store_true", help="do not write results/")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="write the run's results JSON to PATH instead of results/ (e.g. a comparison run)")
     parser.add_argument("--readme", action="store_true", help="regenerate README.md from results/ and exit")
     args = parser.parse_args(argv)
     for name in ("rounds", "iters", "warmup", "loop_calls"):
@@ -81,7 +84,13 @@ def main(argv=None):
         loop = run_loop(args, cupy)
         loop["device"] = (result["env"]["device"] if result is not None
                           else gpu.environment(cupy, None)["device"])
-    if not args.no_write:
+    if args.json:
+        import json
+        from pathlib import Path
+
+        Path(args.json).write_text(json.dumps({"full": result, "loop": loop}, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    elif not args.no_write:
         R.write_results(result, loop)
     return 0
 
