@@ -463,7 +463,7 @@ def plot(result, path):
     ax1.grid(True, which="both", alpha=0.3)
     ax1.legend(fontsize=7, ncol=2)
     order = [n for n in names if n.startswith("cupyffn")] + [n for n in names if not n.startswith("cupyffn")]
-    worst = [per[n]["max_rel_l2"] for n in order]
+    worst = [per[n]["max_rel_l2"] if math.isfinite(per[n]["max_rel_l2"]) else 1.0 for n in order]  # NaN/Inf out: 1
     colors = [{True: "tab:blue", False: "tab:red", None: "tab:gray"}[per[n]["passes"]] for n in order]
     ax2.barh(range(len(order)), worst, color=colors)
     for i, n in enumerate(order):
