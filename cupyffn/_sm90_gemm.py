@@ -47,7 +47,10 @@ EPI_F32 = 0
 EPI_DGELU_BF16 = 1
 EPI_DGELU_F16 = 2
 
-EXPRESSIONS = tuple(f"gemm_sm90_kernel<{op}, {bn}, {epi}>" for op in (OP_F16, OP_BF16) for bn in BLOCK_NS
+#: (block_n, pingpong) schedules: cooperative 128x128 and 128x256 tiles, ping-pong 128x128 (see gemm_sm90.cu).
+CONFIGS = ((128, False), (256, False), (128, True))
+
+EXPRESSIONS = tuple(f"gemm_sm90_kernel<{op}, {bn}, {epi}, {int(pp)}>" for op in (OP_F16, OP_BF16) for bn, pp in CONFIGS
                     for epi in (EPI_F32, EPI_DGELU_BF16, EPI_DGELU_F16))
 
 
@@ -118,13 +121,13 @@ def _module(device_id):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(op, block_n, epi, device_id):
+def _kernel(op, block_n, epi, pingpong, device_id):
     import cupy
     from cupy_backends.cuda.api import driver
 
     module = _module(device_id)
     with cupy.cuda.Device(device_id):
-        kernel = module.get_function(f"gemm_sm90_kernel<{op}, {block_n}, {epi}>")
+        kernel = module.get_function(f"gemm_sm90_kernel<{op}, {block_n}, {epi}, {int(pingpong)}>")
         # above 48 KiB of dynamic shared memory needs the opt-in, on the very function we launch
         driver.funcSetAttribute(kernel.kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                 smem_bytes(block_n))
@@ -302,9 +305,9 @@ def _check_operands(a, b):
     return op, m, n, k, lda, ldb
 
 
-def _check_block_n(block_n):
-    if block_n not in BLOCK_NS:
-        raise ValueError(f"block_n must be one of {BLOCK_NS}, got {block_n!r}")
+def _check_config(block_n, pingpong):
+    if (block_n, bool(pingpong)) not in CONFIGS:
+        raise ValueError(f"(block_n, pingpong) must be one of {CONFIGS}, got ({block_n!r}, {pingpong!r})")
 
 
 def _check_size(m, n, k):
@@ -315,13 +318,13 @@ def _check_size(m, n, k):
 
 
 # ---- launch -------------------------------------------------------------------------------------
-def _launch(op, block_n, epi, a, lda, b, ldb, args, stream):
+def _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream):
     import cupy
     from cupy_backends.cuda.api import driver
 
     m, n = args.m, args.n
     device = cupy.cuda.Device().id
-    kernel = _kernel(op, block_n, epi, device)
+    kernel = _kernel(op, block_n, epi, bool(pingpong), device)
     map_a = _maps.get(a.data.ptr, m, args.k, lda * 2, op, BLOCK_M)
     map_b = _maps.get(b.data.ptr, n, args.k, ldb * 2, op, block_n)
     tiles = -(-m // BLOCK_M) * -(-n // block_n)
@@ -333,14 +336,14 @@ def _launch(op, block_n, epi, a, lda, b, ldb, args, stream):
                         ctypes.addressof(argv), 0)
 
 
-def gemm_tn(a, b, out, *, block_n=256, stream=None):
+def gemm_tn(a, b, out, *, block_n=256, pingpong=False, stream=None):
     """out[M, N] (float32) = a[M, K] @ b[N, K]^T on the sm_90a kernel; returns out.
 
-    a, b: float16, or uint16 holding bf16 bit patterns (both the same). stream: a cupy Stream
-    (default: the current one)."""
+    a, b: float16, or uint16 holding bf16 bit patterns (both the same). (block_n, pingpong): the
+    schedule, one of CONFIGS. stream: a cupy Stream (default: the current one)."""
     import numpy
 
-    _check_block_n(block_n)
+    _check_config(block_n, pingpong)
     op, m, n, k, lda, ldb = _check_operands(a, b)
     ldc = _check_matrix(out, "out", (m, n), numpy.float32)
     _check_device((("a", a), ("b", b), ("out", out)))
@@ -349,11 +352,11 @@ def gemm_tn(a, b, out, *, block_n=256, stream=None):
     if m == 0 or n == 0:
         return out
     args = GemmArgs(out.data.ptr, None, None, ldc, 0, 0, m, n, k, 1.0)
-    _launch(op, block_n, EPI_F32, a, lda, b, ldb, args, stream)
+    _launch(op, block_n, pingpong, EPI_F32, a, lda, b, ldb, args, stream)
     return out
 
 
-def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, block_n=256, stream=None):
+def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, block_n=256, pingpong=False, stream=None):
     """GEMM1 with the GELU derivative fused: g = (a @ b^T) * gelu'(linear1_out, tanh_inner) in fp32,
     stored as bf16 bits (out uint16) or as fp16(alpha * g) (out float16); returns out.
 
@@ -361,7 +364,7 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, block_n=256,
     a power of two (exact scaling), only with a float16 out."""
     import numpy
 
-    _check_block_n(block_n)
+    _check_config(block_n, pingpong)
     op, m, n, k, lda, ldb = _check_operands(a, b)
     ldx = _check_matrix(linear1_out, "linear1_out", (m, n), numpy.float32)
     ldt = _check_matrix(tanh_inner, "tanh_inner", (m, n), numpy.float32) if tanh_inner is not None else 0
@@ -386,5 +389,5 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, block_n=256,
         return out
     args = GemmArgs(out.data.ptr, linear1_out.data.ptr, tanh_inner.data.ptr if tanh_inner is not None else None,
                     ldc, ldx, ldt, m, n, k, alpha)
-    _launch(op, block_n, epi, a, lda, b, ldb, args, stream)
+    _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream)
     return out

@@ -339,12 +339,18 @@ __device__ __forceinline__ void store_block(const float (&acc)[BN / 2], const Ge
 
 }  // namespace sm90
 
-template <int OP, int BN, int EPI>
+// PP = 0 ("cooperative"): both consumers work on one 128 x BN tile, 64 rows each.
+// PP = 1 ("ping-pong", BN = 128 only): each consumer owns whole 128 x 128 tiles, the two taking turns
+// along the CTA's tile sequence; the stages arrive in tile order, so one consumer's epilogue runs
+// while the other one's mainloop keeps the tensor cores busy.
+template <int OP, int BN, int EPI, int PP>
 __global__ void __launch_bounds__(sm90::kThreads, 1)
     gemm_sm90_kernel(const __grid_constant__ sm90::TmaDesc map_a, const __grid_constant__ sm90::TmaDesc map_b,
                      const __grid_constant__ sm90::GemmArgs args) {
   using namespace sm90;
+  static_assert(PP == 0 || BN == 128, "ping-pong keeps a whole 128 x BN tile per warpgroup: BN = 128 only");
   constexpr int kStages = stages_for(BN);
+  constexpr int kHalves = PP ? 2 : 1;  // 64-row halves of a tile that one consumer computes
   constexpr unsigned kABytes = kBM * kBK * 2;
   constexpr unsigned kBBytes = BN * kBK * 2;
   extern __shared__ unsigned char smem_raw[];
@@ -363,7 +369,7 @@ __global__ void __launch_bounds__(sm90::kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full_bar + 8 * s, 1);   // the producer's arrive_expect_tx (+ the TMA bytes)
-      mbar_init(empty_bar + 8 * s, 8);  // one arrival per consumer warp
+      mbar_init(empty_bar + 8 * s, 4 * (2 / kHalves));  // one arrival per warp of the stage's consumers
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
     tma_prefetch_desc(&map_a);
@@ -392,24 +398,36 @@ __global__ void __launch_bounds__(sm90::kThreads, 1)
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
     const int consumer = wg - 1;
     const int tid = threadIdx.x & 127;
-    float acc[BN / 2];
+    float acc[kHalves][BN / 2];
     unsigned it = 0;
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    int local = 0;  // index of the tile in this CTA's sequence
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, ++local) {
+      if (PP && (local & 1) != consumer) {  // the other consumer's tile: skip its stages
+        it += k_tiles;
+        continue;
+      }
       const int mb = tile % m_tiles, nb = tile / m_tiles;
 #pragma unroll
-      for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+      for (int h = 0; h < kHalves; ++h) {
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) acc[h][i] = 0.0f;
+      }
       // One group of wgmma stays in flight while the next stage's are issued; a stage is released once
       // the group that read it has completed (wait<1> leaves only the newest one running).
       unsigned previous = 0;
       for (int kt = 0; kt < k_tiles; ++kt, ++it) {
         const unsigned s = it % kStages, phase = (it / kStages) & 1u;
         mbar_wait(full_bar + 8 * s, phase);
-        const unsigned a_stage = a_smem + s * kABytes + consumer * (64 * 128);  // this consumer's 64 rows
+        // cooperative: this consumer's 64 rows; ping-pong: both halves, 64 rows (8 KiB) apart
+        const unsigned a_stage = a_smem + s * kABytes + (PP ? 0 : consumer * (64 * 128));
         const unsigned b_stage = b_smem + s * kBBytes;
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kBK / 16; ++kk) {
-          wgmma_k16<OP, BN>(acc, smem_desc(a_stage + 32 * kk), smem_desc(b_stage + 32 * kk));
+#pragma unroll
+          for (int h = 0; h < kHalves; ++h) {
+            wgmma_k16<OP, BN>(acc[h], smem_desc(a_stage + h * (64 * 128) + 32 * kk), smem_desc(b_stage + 32 * kk));
+          }
         }
         wgmma_commit();
         wgmma_wait<1>();
@@ -417,9 +435,13 @@ __global__ void __launch_bounds__(sm90::kThreads, 1)
         previous = s;
       }
       wgmma_wait<0>();
-      fence_regs(acc);
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) fence_regs(acc[h]);
       if ((tid & 31) == 0) mbar_arrive(empty_bar + 8 * previous);
-      store_block<EPI, BN>(acc, args, mb * kBM + consumer * 64, nb * BN, tid);
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) {
+        store_block<EPI, BN>(acc[h], args, mb * kBM + 64 * (PP ? h : consumer), nb * BN, tid);
+      }
     }
   }
 }

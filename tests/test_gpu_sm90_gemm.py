@@ -93,18 +93,23 @@ SHAPES = [
     (256, 6144, 1536),   # GEMM1 at T = 256
     (1000, 1536, 6144),  # GEMM3-like, K = H
     (1536, 4096, 192),   # more tiles than SMs: persistent CTAs, pipeline phases across tiles
+    (2048, 2056, 1000),  # ~2 tiles per CTA with more k-steps than stages; a partial tile column
 ]
 
 
-@pytest.mark.parametrize("block_n", _sm90_gemm.BLOCK_NS)
+CONFIG_IDS = [f"bn{bn}{'pp' if pp else ''}" for bn, pp in _sm90_gemm.CONFIGS]
+
+
+@pytest.mark.parametrize("config", _sm90_gemm.CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("kind", ["fp16", "bf16"])
 @pytest.mark.parametrize("m,n,k", SHAPES)
-def test_gemm_tn_fp32_out(rng, m, n, k, kind, block_n):
+def test_gemm_tn_fp32_out(rng, m, n, k, kind, config):
+    block_n, pingpong = config
     a, a64 = operand(rng, m, k, kind)
     b, b64 = operand(rng, n, k, kind)
     out, buf = padded(m, n, numpy.float32, 2, numpy.nan, extra_rows=3, extra_cols=5)
     a_before, b_before = a.copy(), b.copy()
-    result = _sm90_gemm.gemm_tn(a, b, out, block_n=block_n)
+    result = _sm90_gemm.gemm_tn(a, b, out, block_n=block_n, pingpong=pingpong)
     cupy.cuda.get_current_stream().synchronize()
     assert result is out
     ref = a64 @ b64.T
@@ -144,9 +149,10 @@ DGELU_SHAPES = [(1, 64, 16), (77, 300, 64), (130, 257, 40), (256, 6144, 1536), (
 
 @pytest.mark.parametrize("memory_mode", [False, True])
 @pytest.mark.parametrize("out_format,alpha", [("bf16", 1.0), ("fp16", 2.0 ** 4), ("fp16", 2.0 ** -3)])
-@pytest.mark.parametrize("block_n", _sm90_gemm.BLOCK_NS)
+@pytest.mark.parametrize("config", _sm90_gemm.CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("m,n,k", DGELU_SHAPES)
-def test_gemm_tn_dgelu(rng, m, n, k, block_n, out_format, alpha, memory_mode):
+def test_gemm_tn_dgelu(rng, m, n, k, config, out_format, alpha, memory_mode):
+    block_n, pingpong = config
     kind = "bf16" if out_format == "bf16" else "fp16"  # the plans: bf16 operands -> bf16; fp16 -> scaled fp16
     a, a64 = operand(rng, m, k, kind)
     b, b64 = operand(rng, n, k, kind)
@@ -156,7 +162,7 @@ def test_gemm_tn_dgelu(rng, m, n, k, block_n, out_format, alpha, memory_mode):
         out, buf = padded(m, n, numpy.uint16, 2, 0x7FC0, extra_rows=2, extra_cols=3)
     else:
         out, buf = padded(m, n, numpy.float16, 2, numpy.nan, extra_rows=2, extra_cols=3)
-    _sm90_gemm.gemm_tn_dgelu(a, b, x, None if memory_mode else t, out, alpha=alpha, block_n=block_n)
+    _sm90_gemm.gemm_tn_dgelu(a, b, x, None if memory_mode else t, out, alpha=alpha, block_n=block_n, pingpong=pingpong)
     cupy.cuda.get_current_stream().synchronize()
     x64, t64 = x.astype(cupy.float64), t.astype(cupy.float64)
     if memory_mode:
@@ -232,6 +238,7 @@ def _ok_operands(m=64, n=64, k=64, dtype=numpy.float16):
     ("outdtype", "float32"),
     ("overlap", "overlap"),
     ("block_n", "block_n"),
+    ("pingpong256", "pingpong"),
     ("numpy", "cupy.ndarray"),
 ])
 def test_gemm_tn_rejects_bad_input(case, message):
@@ -262,7 +269,7 @@ def test_gemm_tn_rejects_bad_input(case, message):
     elif case == "numpy":
         a = a.get()
     with pytest.raises(ValueError, match=message):
-        _sm90_gemm.gemm_tn(a, b, out, block_n=192 if case == "block_n" else 256)
+        _sm90_gemm.gemm_tn(a, b, out, block_n=192 if case == "block_n" else 256, pingpong=case == "pingpong256")
 
 
 @pytest.mark.parametrize("case,message", [

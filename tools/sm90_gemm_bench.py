@@ -27,6 +27,10 @@ REPS = 20
 WARMUP = 3
 
 
+def config_name(block_n, pingpong):
+    return f"bn{block_n}{'pp' if pingpong else ''}"
+
+
 def shapes(t):
     return {"gemm1": (t, H, D), "gemm2": (D, H, t), "gemm3": (t, D, H), "gemm4": (H, D, t)}
 
@@ -78,7 +82,7 @@ def main():
     records = []
     errors = []
     t0 = time.perf_counter()
-    _sm90_gemm._kernel(_sm90_gemm.OP_F16, 256, _sm90_gemm.EPI_F32, device.id)
+    _sm90_gemm._kernel(_sm90_gemm.OP_F16, 256, _sm90_gemm.EPI_F32, False, device.id)
     compile_s = time.perf_counter() - t0
 
     # ---- the four GEMMs --------------------------------------------------------------------------
@@ -94,15 +98,15 @@ def main():
             c16 = cupy.empty((m, n), cupy.float16)
             ms = timed(lambda: cupy.matmul(a, b.T, out=c16))
             records.append(dict(gemm=name, T=t, M=m, N=n, K=k, impl="cupy_matmul_f16_f16out", ms=ms, tflops=flops / ms * 1e-9))
-            for bn in _sm90_gemm.BLOCK_NS:
+            for bn, pp in _sm90_gemm.CONFIGS:
                 c = cupy.full((m, n), cupy.nan, cupy.float32)
                 try:
-                    ms = timed(lambda: _sm90_gemm.gemm_tn(a, b, c, block_n=bn))
+                    ms = timed(lambda: _sm90_gemm.gemm_tn(a, b, c, block_n=bn, pingpong=pp))
                     err = rel_l2(c, ref)
                 except Exception as e:  # record and go on: one run should tell as much as it can
-                    errors.append(f"{name} T={t} bn={bn}: {type(e).__name__}: {e}")
+                    errors.append(f"{name} T={t} {config_name(bn, pp)}: {type(e).__name__}: {e}")
                     continue
-                records.append(dict(gemm=name, T=t, M=m, N=n, K=k, impl=f"sm90_bn{bn}", ms=ms,
+                records.append(dict(gemm=name, T=t, M=m, N=n, K=k, impl="sm90_" + config_name(bn, pp), ms=ms,
                                     tflops=flops / ms * 1e-9, rel_l2_vs_cublas=err))
     # ---- GEMM1 + GELU derivative -----------------------------------------------------------------
     pass_f16 = cupy.ElementwiseKernel(
@@ -140,20 +144,22 @@ def main():
         gemm()
         pass_f16(acc, x, tt, alpha, out16)
         ref16 = out16.astype(cupy.float32)
-        for bn in _sm90_gemm.BLOCK_NS:
+        for bn, pp in _sm90_gemm.CONFIGS:
+            cfg = config_name(bn, pp)
             try:
                 out16.fill(cupy.nan)
-                row[f"fused_f16_bn{bn}_ms"] = timed(
-                    lambda: _sm90_gemm.gemm_tn_dgelu(a, b, x, tt, out16, alpha=0.25, block_n=bn))
-                row[f"fused_f16_bn{bn}_rel_l2"] = rel_l2(out16.astype(cupy.float32), ref16)
+                row[f"fused_f16_{cfg}_ms"] = timed(
+                    lambda: _sm90_gemm.gemm_tn_dgelu(a, b, x, tt, out16, alpha=0.25, block_n=bn, pingpong=pp))
+                row[f"fused_f16_{cfg}_rel_l2"] = rel_l2(out16.astype(cupy.float32), ref16)
                 outbf.fill(0x7FC0)
-                row[f"fused_bf16_bn{bn}_ms"] = timed(lambda: _sm90_gemm.gemm_tn_dgelu(a_bf, b_bf, x, tt, outbf, block_n=bn))
-                row[f"fused_bf16_bn{bn}_rel_l2"] = rel_l2((outbf.astype(cupy.uint32) << 16).view(cupy.float32),
-                                                          (ref_bf.astype(cupy.uint32) << 16).view(cupy.float32))
-                row[f"fused_f16_bn{bn}_memory_mode_ms"] = timed(
-                    lambda: _sm90_gemm.gemm_tn_dgelu(a, b, x, None, out16, alpha=0.25, block_n=bn))
+                row[f"fused_bf16_{cfg}_ms"] = timed(
+                    lambda: _sm90_gemm.gemm_tn_dgelu(a_bf, b_bf, x, tt, outbf, block_n=bn, pingpong=pp))
+                row[f"fused_bf16_{cfg}_rel_l2"] = rel_l2((outbf.astype(cupy.uint32) << 16).view(cupy.float32),
+                                                         (ref_bf.astype(cupy.uint32) << 16).view(cupy.float32))
+                row[f"fused_f16_{cfg}_memory_mode_ms"] = timed(
+                    lambda: _sm90_gemm.gemm_tn_dgelu(a, b, x, None, out16, alpha=0.25, block_n=bn, pingpong=pp))
             except Exception as e:
-                errors.append(f"fused T={t} bn={bn}: {type(e).__name__}: {e}")
+                errors.append(f"fused T={t} {cfg}: {type(e).__name__}: {e}")
         fused.append(row)
     # ---- host cost --------------------------------------------------------------------------------
     host = {}
@@ -180,44 +186,63 @@ def main():
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
 
-    # ---- compact tables, last -----------------------------------------------------------------------
-    by = {(r["gemm"], r["T"], r["impl"]): r for r in records}
-    print(f"\nsm90 GEMM bench ({result['device']}; compile {compile_s:.1f} s; json: {path})")
-    print("TFLOP/s (ms) per GEMM; ours vs cuBLAS fp16->fp32 (engine's call) and cupy.matmul fp16->fp16; err = rel L2 vs cuBLAS")
-    print(f"{'gemm':6} {'T':>5} | {'cuBLAS f32out':>15} | {'cupy f16out':>15} | {'ours bn128':>15} | {'ours bn256':>15} | {'best/cuBLAS':>11} | err")
-    for t in TS:
-        for name in ("gemm1", "gemm2", "gemm3", "gemm4"):
-            cells, ours = [], []
-            for impl in ("cublas_f16_f32out", "cupy_matmul_f16_f16out", "sm90_bn128", "sm90_bn256"):
-                r = by.get((name, t, impl))
-                cells.append(f"{r['tflops']:6.0f} ({r['ms']:.3f})" if r else f"{'failed':>15}")
-                if r and impl.startswith("sm90"):
-                    ours.append(r)
-            base = by.get((name, t, "cublas_f16_f32out"))
-            ratio = f"{min(r['ms'] for r in ours) / base['ms']:11.2f}" if ours and base else f"{'-':>11}"
-            err = max((r["rel_l2_vs_cublas"] for r in ours), default=float("nan"))
-            print(f"{name:6} {t:5d} | " + " | ".join(f"{c:>15}" for c in cells) + f" | {ratio} | {err:.1e}")
-    print("\nGEMM1 + GELU derivative, ms (ratio = fused / cuBLAS GEMM1 alone; target <= 1.05 at T >= 2048)")
-    print(f"{'T':>5} | {'cuBLAS':>7} | {'+cupy pass':>10} | {'cuBLASbf16':>10} | {'+engine':>8} | "
-          f"{'f16 bn128':>9} | {'f16 bn256':>9} | {'bf16 bn128':>10} | {'bf16 bn256':>10} | {'mem bn256':>9} | ratio | err f16/bf16")
-    for row in fused:
-        def g(key, width):
-            v = row.get(key)
-            return f"{v:{width}.3f}" if v is not None else f"{'-':>{width}}"
-        best = min((row[k] for k in (f"fused_f16_bn{bn}_ms" for bn in _sm90_gemm.BLOCK_NS) if k in row), default=None)
-        ratio = f"{best / row['cublas_gemm1_ms']:5.2f}" if best else "    -"
-        errs = "/".join(f"{max(row.get(f'fused_{f}_bn{bn}_rel_l2', float('nan')) for bn in _sm90_gemm.BLOCK_NS):.1e}"
-                        for f in ("f16", "bf16"))
-        print(f"{row['T']:5d} | {g('cublas_gemm1_ms', 7)} | {g('cublas_plus_cupy_pass_f16_ms', 10)} | "
-              f"{g('cublas_bf16_gemm1_ms', 10)} | {g('cublas_plus_engine_pass_bf16_ms', 8)} | {g('fused_f16_bn128_ms', 9)} | "
-              f"{g('fused_f16_bn256_ms', 9)} | {g('fused_bf16_bn128_ms', 10)} | {g('fused_bf16_bn256_ms', 10)} | "
-              f"{g('fused_f16_bn256_memory_mode_ms', 9)} | {ratio} | {errs}")
-    print(f"\nhost: encode_tensor_map {host['encode_tensor_map_us']:.1f} us, gemm_tn call (maps cached) "
-          f"{host['gemm_tn_call_cached_maps_us']:.1f} us")
+    print_tables(result, path, _sm90_gemm.CONFIGS)
     if errors:
         print("ERRORS:\n  " + "\n  ".join(errors))
         return 1
     return 0
+
+
+def print_tables(result, path, configs):
+    """The compact tables (stdout, last), from the JSON result alone."""
+    records, fused, host, compile_s = result["gemms"], result["fused"], result["host"], result["compile_s"]
+    cfgs = [config_name(bn, pp) for bn, pp in configs]
+    by = {(r["gemm"], r["T"], r["impl"]): r for r in records}
+    print(f"\nsm90 GEMM bench ({result['device']}; compile {compile_s:.1f} s; json: {path})")
+    print("TFLOP/s (ms) per GEMM: cuBLAS fp16->fp32 (the engine's call), cupy.matmul fp16->fp16, ours fp16->fp32 "
+          "(bn = tile N, pp = ping-pong); ratio = best ours / cuBLAS fp32-out time; err = worst rel L2 of ours vs cuBLAS")
+    impls = ["cublas_f16_f32out", "cupy_matmul_f16_f16out"] + ["sm90_" + c for c in cfgs]
+    heads = ["cuBLAS", "cupy f16out"] + ["ours " + c for c in cfgs]
+    print(f"{'gemm':5} {'T':>5} | " + " | ".join(f"{h:>14}" for h in heads) + " | ratio | err")
+    for t in TS:
+        for name in ("gemm1", "gemm2", "gemm3", "gemm4"):
+            cells, ours = [], []
+            for impl in impls:
+                r = by.get((name, t, impl))
+                cells.append(f"{r['tflops']:4.0f} ({r['ms']:.3f})" if r else "failed")
+                if r and impl.startswith("sm90"):
+                    ours.append(r)
+            base = by.get((name, t, "cublas_f16_f32out"))
+            ratio = f"{min(r['ms'] for r in ours) / base['ms']:5.2f}" if ours and base else "    -"
+            err = f"{max(r['rel_l2_vs_cublas'] for r in ours):.1e}" if ours else "-"
+            print(f"{name:5} {t:5d} | " + " | ".join(f"{c:>14}" for c in cells) + f" | {ratio} | {err}")
+    print("\nGEMM1 + GELU derivative, ms. Separate: cuBLAS GEMM1 (fp32 out) + a CuPy elementwise pass (fp16 out), "
+          "and cuBLAS bf16 GEMM1 + the engine's dgelu kernel (bf16 out). Fused: ours (f16 = scaled fp16 out, bf16 out, "
+          "mem = memory mode, fp16). ratio = best fused fp16 / cuBLAS GEMM1 alone (target <= 1.05 at T >= 2048)")
+    print(f"{'T':>5} | {'cuBLAS':>7} | {'+cupy':>7} | {'bf16 cuBLAS':>11} | {'+engine':>7} | {'fused f16':>16} | "
+          f"{'fused bf16':>16} | {'fused mem':>16} | ratio | worst err f16, bf16")
+    for row in fused:
+        def best(pattern):
+            """(fastest time, its config) over the configs, for keys fused_<pattern with CFG replaced>_ms."""
+            keys = [(f"fused_{pattern.replace('CFG', c)}_ms", c) for c in cfgs]
+            found = [(row[key], c) for key, c in keys if key in row]
+            return min(found) if found else None
+
+        def cell(b):
+            return f"{b[0]:.3f} {b[1]:>8}" if b else "-"
+
+        f16, bf16, mem = best("f16_CFG"), best("bf16_CFG"), best("f16_CFG_memory_mode")
+        sep = [f"{row[k]:.3f}" if k in row else "-" for k in ("cublas_gemm1_ms", "cublas_plus_cupy_pass_f16_ms",
+                                                              "cublas_bf16_gemm1_ms", "cublas_plus_engine_pass_bf16_ms")]
+        ratio = f"{f16[0] / row['cublas_gemm1_ms']:5.2f}" if f16 else "    -"
+        errs = []
+        for f in ("f16", "bf16"):
+            e = [row[f"fused_{f}_{c}_rel_l2"] for c in cfgs if f"fused_{f}_{c}_rel_l2" in row]
+            errs.append(f"{max(e):.1e}" if e else "-")
+        print(f"{row['T']:5d} | {sep[0]:>7} | {sep[1]:>7} | {sep[2]:>11} | {sep[3]:>7} | {cell(f16):>16} | "
+              f"{cell(bf16):>16} | {cell(mem):>16} | {ratio} | {', '.join(errs)}")
+    print(f"\nhost: encode_tensor_map {host['encode_tensor_map_us']:.1f} us, gemm_tn call (maps cached) "
+          f"{host['gemm_tn_call_cached_maps_us']:.1f} us")
 
 
 if __name__ == "__main__":
