@@ -474,7 +474,7 @@ def plot(result, path):
     ax2.set_yticklabels(order, fontsize=8)
     ax2.set_xscale("log")
     ax2.set_xlabel("worst relative L2 error vs float64 (black: contract)")
-    ax2.set_title("Accuracy (blue: passes the benchmark's check; red: fails; grey: not recorded)")
+    ax2.set_title("Accuracy (blue: passes the benchmark's check, red: fails, grey: n/a)", fontsize=9)
     ax2.grid(True, axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
