@@ -317,6 +317,7 @@ def test_runs_on_the_given_stream(rng):
     b, b64 = operand(rng, n, k, "fp16")
     out, _ = padded(m, n, numpy.float32, 2, numpy.nan)
     stream = cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.Device().synchronize()  # the inputs were written on the default stream, which `stream` does not wait for
     _sm90_gemm.gemm_tn(a, b, out, stream=stream)
     stream.synchronize()
     assert rel_l2(out, a64 @ b64.T) <= 1e-4
