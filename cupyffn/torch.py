@@ -64,9 +64,18 @@ __all__ = ["GeluFFN", "GeluFFNFunction", "gelu_ffn"]
 SAVE_MODES = ("all", "linear1_out")
 
 
+# torch's current raw stream without building a torch.cuda.Stream object per call (the call inductor's
+# generated code makes); the public spelling where this torch lacks it
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _cupy_stream(device):
     """torch's current stream on `device` as a CuPy stream that does not own it (call with `device` current)."""
-    return _views.external_stream(int(torch.cuda.current_stream(device).cuda_stream), device.index)
+    if _raw_stream is not None:
+        ptr = int(_raw_stream(device.index))
+    else:  # pragma: no cover
+        ptr = int(torch.cuda.current_stream(device).cuda_stream)
+    return _views.external_stream(ptr, device.index)
 
 
 def _cuda_view(tensor):
