@@ -245,6 +245,15 @@ def test_two_cpu_ranks_constructors(cpu_run):
     check_api(cpu_run[1])
 
 
+def test_three_cpu_ranks(tmp_path):
+    cases = {"ieee": make_case(numpy.random.default_rng(SEED + 3), (30,), 24, 3 * 20, "ieee"),
+             "bf16": make_case(numpy.random.default_rng(SEED + 4), (30,), 24, 3 * 20, "bf16", save="linear1_out")}
+    ranks_out = spawn(tmp_path, 3, "gloo", "cpu", cases)
+    for name, case in cases.items():
+        check_ranks(case, [out[name] for out in ranks_out])
+    check_api(ranks_out)
+
+
 # ---------------------------------------------------------------------- single process
 @pytest.fixture
 def group_of_one(tmp_path):
