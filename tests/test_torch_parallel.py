@@ -446,7 +446,7 @@ def test_two_gpus_nccl_match_the_unsharded_block(rng, tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     cases = gpu_cases(rng)
-    check_gpu_run(cases, spawn(tmp_path, 2, "nccl", "cuda", cases))
+    check_gpu_run(cases, spawn(tmp_path, 2, "nccl", "cuda", cases, timeout=180))
 
 
 @pytest.mark.gpu
@@ -455,7 +455,7 @@ def test_two_gloo_ranks_on_one_gpu_overlap_ordering(rng, tmp_path):
     # Both ranks on one GPU (gloo takes CUDA tensors; NCCL refuses two ranks on one device): the overlapped
     # all-reduce reads grad_hidden_states on gloo's stream, ordered only by the grad_hidden-ready event.
     cases = gpu_cases(rng, repeats=3)
-    check_gpu_run(cases, spawn(tmp_path, 2, "gloo", "cuda", cases))
+    check_gpu_run(cases, spawn(tmp_path, 2, "gloo", "cuda", cases, timeout=180))
 
 
 @pytest.mark.gpu
