@@ -201,3 +201,11 @@ def test_timer_falls_back_to_events_and_says_why():
     assert got["timing"] == "cuda-events" and got["times"] == [0.25] * 5
     assert "CUPTI failed (RuntimeError: CUPTI_ERROR_NOT_INITIALIZED)" in got["timing_note"]
     assert cupti.finalized == 1
+
+
+def test_profile_stages_needs_a_gpu_plan():
+    import cupyffn
+
+    plan = cupyffn.GeluFFNBackward(4, 8, 16, device="cpu")
+    with pytest.raises(RuntimeError, match="profile_stages needs a GPU plan"):
+        plan.profile_stages(out=(None, None, None))

@@ -65,3 +65,27 @@ def test_bf16_fails_the_benchmark_check():
     if len(_BF16_VERDICTS) < len(W.WORKLOADS):
         pytest.skip("needs the per-workload test above in the same session")
     assert not all(_BF16_VERDICTS), "bf16 passed the benchmark's check on every workload: is the check too loose?"
+
+
+@pytest.mark.parametrize("precision", ["bf16x3", "tf32", "ieee"])
+def test_profile_stages_hook(precision):
+    """The bench's documented hook: every stage timed, bytes for the memory-bound ones, results written."""
+    T = 512
+    inputs = W.make_inputs((T,), xp=cupy, seed=7)
+    args = [inputs[n] for n in W.INPUT_NAMES]
+    ref64 = W.reference(inputs, xp=cupy)
+    plan = cupyffn.GeluFFNBackward(T, W.DIM, W.HIDDEN_DIM, precision=precision)
+    out = (cupy.full((T, W.DIM), numpy.nan, cupy.float32), cupy.full((W.HIDDEN_DIM, W.DIM), numpy.nan, cupy.float32),
+           cupy.full((W.DIM, W.HIDDEN_DIM), numpy.nan, cupy.float32))
+    flushes = []
+    stages = plan.profile_stages(*args, out=out, reps=3, before_each=lambda: flushes.append(1))
+    cupy.cuda.Device().synchronize()
+    plan.close()
+    assert len(flushes) == 3
+    gemms = ["GEMM1 grad_gelu", "GEMM2 grad_weight2", "GEMM3 grad_hidden", "GEMM4 grad_weight1"]
+    assert [s for s in stages if s.startswith("GEMM")] == gemms
+    assert "dgelu" in stages and stages["dgelu"]["bytes"] >= 12 * T * W.HIDDEN_DIM
+    assert all(s["ms"] > 0 for s in stages.values())
+    assert all("bytes" not in stages[g] for g in gemms)
+    for o, r in zip(out, ref64):
+        assert W.relative_l2(o, r, xp=cupy) <= cupyffn.PRECISIONS[precision].contract
