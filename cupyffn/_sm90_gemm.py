@@ -72,7 +72,7 @@ class TmaDesc(ctypes.Structure):
 
 
 class GemmArgs(ctypes.Structure):
-    """Mirror of ``struct GemmArgs`` in gemm_sm90.cu (64 bytes)."""
+    """Mirror of ``struct GemmArgs`` in gemm_sm90.cu (72 bytes)."""
 
     _fields_ = [
         ("c", ctypes.c_void_p),
@@ -85,6 +85,7 @@ class GemmArgs(ctypes.Structure):
         ("n", ctypes.c_int),
         ("k", ctypes.c_int),
         ("alpha", ctypes.c_float),
+        ("amax", ctypes.c_void_p),
     ]
 
 
@@ -351,17 +352,20 @@ def gemm_tn(a, b, out, *, block_n=256, pingpong=False, stream=None):
     _check_no_overlap(out, ldc, (("a", a, lda), ("b", b, ldb)))
     if m == 0 or n == 0:
         return out
-    args = GemmArgs(out.data.ptr, None, None, ldc, 0, 0, m, n, k, 1.0)
+    args = GemmArgs(out.data.ptr, None, None, ldc, 0, 0, m, n, k, 1.0, None)
     _launch(op, block_n, pingpong, EPI_F32, a, lda, b, ldb, args, stream)
     return out
 
 
-def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, block_n=256, pingpong=False, stream=None):
+def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, block_n=256, pingpong=False,
+                  stream=None):
     """GEMM1 with the GELU derivative fused: g = (a @ b^T) * gelu'(linear1_out, tanh_inner) in fp32,
     stored as bf16 bits (out uint16) or as fp16(alpha * g) (out float16); returns out.
 
     linear1_out, tanh_inner: float32 [M, N]; tanh_inner None recomputes it (memory mode). alpha:
-    a power of two (exact scaling), only with a float16 out."""
+    a power of two (exact scaling), only with a float16 out. amax: None, or a 1-element uint32 CuPy
+    array that the kernel raises to the bits of max |g| over the finite g (before alpha) with atomicMax;
+    the caller initializes it (0, or a running maximum's bits)."""
     import numpy
 
     _check_config(block_n, pingpong)
@@ -381,13 +385,20 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, block_n=256,
     if not (math.isfinite(alpha) and alpha > 0 and math.frexp(alpha)[0] == 0.5 and -126 <= math.frexp(alpha)[1] - 1 <= 127):
         raise ValueError(f"alpha must be a power of two 2^e with -126 <= e <= 127 (a normal float), got {alpha}")
     ldc = _check_matrix(out, "out", (m, n))
-    _check_device((("a", a), ("b", b), ("linear1_out", linear1_out), ("tanh_inner", tanh_inner), ("out", out)))
+    if amax is not None:
+        import cupy
+
+        if not isinstance(amax, cupy.ndarray) or amax.dtype != numpy.uint32 or amax.size != 1:
+            raise ValueError(f"amax must be None or a 1-element uint32 cupy.ndarray, got "
+                             f"{getattr(amax, 'dtype', type(amax).__name__)} {getattr(amax, 'shape', '')}")
+    _check_device((("a", a), ("b", b), ("linear1_out", linear1_out), ("tanh_inner", tanh_inner), ("out", out),
+                   ("amax", amax)))
     _check_size(m, n, k)
     _check_no_overlap(out, ldc, (("a", a, lda), ("b", b, ldb), ("linear1_out", linear1_out, ldx),
                                  ("tanh_inner", tanh_inner, ldt)))
     if m == 0 or n == 0:
         return out
     args = GemmArgs(out.data.ptr, linear1_out.data.ptr, tanh_inner.data.ptr if tanh_inner is not None else None,
-                    ldc, ldx, ldt, m, n, k, alpha)
+                    ldc, ldx, ldt, m, n, k, alpha, amax.data.ptr if amax is not None else None)
     _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream)
     return out

@@ -23,6 +23,7 @@
 //   kEpiDgeluBf16   C = bf16(acc * gelu'(x, t)) (bits, uint16), x = linear1_out, t = tanh_inner
 //                   (fp32 [M, N]); t == nullptr recomputes t from x (memory mode)
 //   kEpiDgeluF16    C = fp16(alpha * acc * gelu'(x, t)), alpha a power of two chosen by the caller
+//   Both dgelu epilogues can also fold max |g| (finite g, before alpha) into a device word (GemmArgs::amax).
 //
 // Constraints (checked by cupyffn/_sm90_gemm.py): K >= 1; lda, ldb multiples of 8 elements and A, B
 // 16-byte aligned (TMA); ldc, ldx, ldt multiples of 8 elements and C, x, t 16-byte aligned.
@@ -59,8 +60,10 @@ struct GemmArgs {
   int n;
   int k;
   float alpha;    // kEpiDgeluF16: scale applied before rounding to fp16
+  unsigned* amax; // dgelu epilogues: if not nullptr, max |g| over the finite g (unscaled) is folded into
+                  // *amax by atomicMax on the float's bits (non-negative floats order like their bits)
 };
-static_assert(sizeof(GemmArgs) == 64, "GemmArgs layout is mirrored in cupyffn/_sm90_gemm.py");
+static_assert(sizeof(GemmArgs) == 72, "GemmArgs layout is mirrored in cupyffn/_sm90_gemm.py");
 static_assert(sizeof(TmaDesc) == 128, "a CUtensorMap is 128 bytes");
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
@@ -275,6 +278,7 @@ template <int EPI, int BN>
 __device__ __forceinline__ void store_block(const float (&acc)[BN / 2], const GemmArgs& args, int row0, int col0,
                                             int tid) {
   const int warp = tid >> 5, lane = tid & 31;
+  float amax = 0.0f;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = row0 + 16 * warp + (lane >> 2) + 8 * h;
@@ -318,6 +322,8 @@ __device__ __forceinline__ void store_block(const float (&acc)[BN / 2], const Ge
         }
         v0 *= cupyffn::gelu_grad(x0, t0);
         v1 *= cupyffn::gelu_grad(x1, t1);
+        amax = cupyffn::finite_absmax(amax, v0);
+        if (pair) amax = cupyffn::finite_absmax(amax, v1);
         unsigned short c0, c1;
         if constexpr (EPI == kEpiDgeluBf16) {
           c0 = cupyffn::bf16_bits(v0);  // the same rounding as the engine's dgelu kernel
@@ -333,6 +339,12 @@ __device__ __forceinline__ void store_block(const float (&acc)[BN / 2], const Ge
           p[0] = c0;
         }
       }
+    }
+  }
+  if constexpr (EPI != kEpiF32) {
+    if (args.amax != nullptr) {  // uniform: every thread of the warpgroup gets here
+      for (int offset = 16; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+      if (lane == 0 && amax > 0.0f) atomicMax(args.amax, __float_as_uint(amax));
     }
   }
 }

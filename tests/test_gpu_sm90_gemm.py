@@ -162,7 +162,9 @@ def test_gemm_tn_dgelu(rng, m, n, k, config, out_format, alpha, memory_mode):
         out, buf = padded(m, n, numpy.uint16, 2, 0x7FC0, extra_rows=2, extra_cols=3)
     else:
         out, buf = padded(m, n, numpy.float16, 2, numpy.nan, extra_rows=2, extra_cols=3)
-    _sm90_gemm.gemm_tn_dgelu(a, b, x, None if memory_mode else t, out, alpha=alpha, block_n=block_n, pingpong=pingpong)
+    amax = cupy.zeros(1, cupy.uint32)
+    _sm90_gemm.gemm_tn_dgelu(a, b, x, None if memory_mode else t, out, alpha=alpha, amax=amax, block_n=block_n,
+                             pingpong=pingpong)
     cupy.cuda.get_current_stream().synchronize()
     x64, t64 = x.astype(cupy.float64), t.astype(cupy.float64)
     if memory_mode:
@@ -195,6 +197,9 @@ def test_gemm_tn_dgelu(rng, m, n, k, config, out_format, alpha, memory_mode):
         assert float((got == sep).mean()) >= 0.95
     assert float((cupy.abs(got - sep) / (2 * unit * cupy.abs(sep) + 1e-3 * scale)).max()) <= 1.0
     assert bool((x == x_before).all()) and bool((t == t_before).all())
+    # max |g| before rounding and scaling, from the fp32 values: within accumulation error of the exact one
+    exact_max = float(cupy.abs(ref).max())
+    assert abs(float(amax.view(cupy.float32)[0]) - exact_max) <= 1e-4 * exact_max, (amax.view(cupy.float32), exact_max)
 
 
 def test_dgelu_bf16_truncates_finite_overflow():
@@ -279,6 +284,7 @@ def test_gemm_tn_rejects_bad_input(case, message):
     ("xshape", "linear1_out"),
     ("tdtype", "tanh_inner"),
     ("overlap_x", "overlap"),
+    ("amax_dtype", "amax"),
 ])
 def test_gemm_tn_dgelu_rejects_bad_input(case, message):
     a, b = _ok_operands()
@@ -286,7 +292,10 @@ def test_gemm_tn_dgelu_rejects_bad_input(case, message):
     t = cupy.zeros((64, 64), cupy.float32)
     out = cupy.empty((64, 64), cupy.float16)
     alpha = 1.0
-    if case == "alpha_not_pow2":
+    amax = None
+    if case == "amax_dtype":
+        amax = cupy.zeros(1, cupy.float32)
+    elif case == "alpha_not_pow2":
         alpha = 3.0
     elif case == "alpha_bf16":
         out = cupy.empty((64, 64), cupy.uint16)
@@ -300,7 +309,7 @@ def test_gemm_tn_dgelu_rejects_bad_input(case, message):
     elif case == "overlap_x":
         out = x.view(cupy.float16)[:, :64]
     with pytest.raises(ValueError, match=message):
-        _sm90_gemm.gemm_tn_dgelu(a, b, x, t, out, alpha=alpha)
+        _sm90_gemm.gemm_tn_dgelu(a, b, x, t, out, alpha=alpha, amax=amax)
 
 
 def test_empty_output_is_a_no_op():
