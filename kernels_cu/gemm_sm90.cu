@@ -8,9 +8,11 @@
 // hand-written wgmma GEMMs; this code is our own):
 //   * 384 threads = 3 warpgroups. Warpgroup 0 is the producer: one thread issues TMA bulk tensor
 //     copies (cp.async.bulk.tensor.2d) of a 128 x 64 tile of A and a BN x 64 tile of B per stage,
-//     completing on the stage's "full" mbarrier. Warpgroups 1 and 2 are consumers: each owns 64 rows
-//     of the 128-row tile and issues wgmma.mma_async m64nBNk16 (4 per 64-wide K step) from shared
-//     memory, then releases the stage on its "empty" mbarrier.
+//     completing on the stage's "full" mbarrier. Warpgroups 1 and 2 are consumers: they issue
+//     wgmma.mma_async m64nBNk16 from shared memory (4 per 64-wide K step and 64 rows), keep one group
+//     in flight, and release a stage on its "empty" mbarrier once the group that read it is done.
+//     Schedules (template parameter PP): cooperative (both consumers on one tile, 64 rows each) or
+//     ping-pong (each consumer owns whole 128 x 128 tiles in turn: one stores while the other computes).
 //   * setmaxnreg hands the producer's registers to the consumers (40 / 232 per thread).
 //   * Persistent: the grid is at most one CTA per SM; CTAs walk the output tiles with a stride of
 //     gridDim.x (M fastest, so CTAs running together share B tiles in L2). The pipeline runs on
@@ -26,8 +28,8 @@
 //   Both dgelu epilogues can also fold max |g| (finite g, before alpha) into a device word (GemmArgs::amax).
 //
 // Constraints (checked by cupyffn/_sm90_gemm.py): K >= 1; lda, ldb multiples of 8 elements and A, B
-// 16-byte aligned (TMA); ldc, ldx, ldt multiples of 8 elements and C, x, t 16-byte aligned.
-// No headers: conversions are written in PTX so that NVRTC needs no include path.
+// 16-byte aligned (TMA); ldc, ldx, ldt even (pairs of columns are stored/loaded together) and C, x, t
+// 16-byte aligned. Compile for sm_90a (wgmma, setmaxnreg): cupyffn/_sm90_gemm.py does.
 
 #include "common.cuh"
 
@@ -160,7 +162,8 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16(float (&d)[64], unsigned lo
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b));
+      : "l"(desc_a), "l"(desc_b)
+      : "memory");
 }
 
 __device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], unsigned long long desc_a,
@@ -181,7 +184,8 @@ __device__ __forceinline__ void wgmma_m64n128k16_bf16(float (&d)[64], unsigned l
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b));
+      : "l"(desc_a), "l"(desc_b)
+      : "memory");
 }
 
 __device__ __forceinline__ void wgmma_m64n256k16_f16(float (&d)[128], unsigned long long desc_a,
@@ -214,7 +218,8 @@ __device__ __forceinline__ void wgmma_m64n256k16_f16(float (&d)[128], unsigned l
         "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
         "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b));
+      : "l"(desc_a), "l"(desc_b)
+      : "memory");
 }
 
 __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], unsigned long long desc_a,
@@ -247,7 +252,8 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], unsigned 
         "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
         "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b));
+      : "l"(desc_a), "l"(desc_b)
+      : "memory");
 }
 
 template <int OP, int BN>
@@ -264,12 +270,6 @@ __host__ __device__ constexpr int stages_for(int bn) { return (192 * 1024) / ((k
 // Shared memory a launch needs: the stages, 1 KiB of slack to align them to 1024 bytes, and the
 // 2 * stages mbarriers (8 bytes each). cupyffn/_sm90_gemm.py computes the same number.
 __host__ __device__ constexpr int smem_bytes_for(int bn) { return stages_for(bn) * (kBM + bn) * kBK * 2 + 1024 + 2 * 8 * stages_for(bn); }
-
-__device__ __forceinline__ unsigned short f16_code(float x) {
-  unsigned short h;
-  asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(h) : "f"(x));
-  return h;
-}
 
 // Stores a consumer's 64 x BN block of the tile whose top-left output element is (row0, col0).
 // wgmma's accumulator layout: thread `lane` of warp w holds, for each 8-column group j, columns
@@ -329,8 +329,8 @@ __device__ __forceinline__ void store_block(const float (&acc)[BN / 2], const Ge
           c0 = cupyffn::bf16_bits(v0);  // the same rounding as the engine's dgelu kernel
           c1 = cupyffn::bf16_bits(v1);
         } else {
-          c0 = f16_code(v0 * args.alpha);
-          c1 = f16_code(v1 * args.alpha);
+          c0 = cupyffn::f16_bits(v0 * args.alpha);
+          c1 = cupyffn::f16_bits(v1 * args.alpha);
         }
         unsigned short* p = static_cast<unsigned short*>(args.c) + r * args.ldc + col;
         if (pair) {
