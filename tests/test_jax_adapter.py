@@ -197,3 +197,34 @@ def test_jitted_training_example_learns_on_cpu():
     assert len(losses) == 60 and all(math.isfinite(v) for v in losses)
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last / first < 0.5, (losses[:10], losses[-10:])
+
+
+def test_gpu_callback_reads_xlas_buffers_and_stream(monkeypatch):
+    """The GPU branch of the callbacks' plumbing, with stand-ins for XLA's context and buffers (no GPU needed):
+    views at the buffers' addresses with their shapes, XLA's stream (an int or a capsule), the device the
+    pointer lives on."""
+    import ctypes
+
+    from cupy_backends.cuda.api import runtime
+
+    from cupyffn import _views
+
+    class Buffer:
+        def __init__(self, ptr, shape):
+            self.__cuda_array_interface__ = {"shape": shape, "typestr": "<f4", "data": (ptr, False), "version": 2}
+
+    api = ctypes.pythonapi
+    api.PyCapsule_New.restype = ctypes.py_object
+    api.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    seen = []
+    monkeypatch.setattr(runtime, "pointerGetAttributes",
+                        lambda ptr: seen.append(ptr) or type("A", (), {"device": 0})())
+    monkeypatch.setattr(_views, "external_stream", lambda ptr, device: ("stream", ptr, device))
+    buffers = (Buffer(1 << 30, (4, 8, 16)), Buffer((1 << 30) + 4096, (32, 16)))
+    for stream in (0x5000, api.PyCapsule_New(0x5000, None, None)):
+        ctx = type("Ctx", (), {"stream": stream})()
+        arrays, s, device = cj._on_device(ctx, buffers)
+        assert s == ("stream", 0x5000, 0) and device == 0 and seen[-1] == 1 << 30
+        assert [a.data.ptr for a in arrays] == [1 << 30, (1 << 30) + 4096]
+        assert [a.shape for a in arrays] == [(4, 8, 16), (32, 16)]
+        assert [a.strides for a in arrays] == [(512, 64, 4), (64, 4)] and all(a.dtype == numpy.float32 for a in arrays)
