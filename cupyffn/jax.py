@@ -59,6 +59,8 @@ def _on_device(ctx, buffers):
     """cupyffn's view of XLA's `buffers` and the stream to run on: (arrays, stream, device id or None for the CPU)."""
     try:
         stream = ctx.stream
+        if callable(stream):  # a JAX whose ExecutionContext spells it as a method
+            stream = stream()
     except Exception:  # the CPU client has no GPU context ("XLA FFI GPU context is not available")
         return [numpy.asarray(b) for b in buffers], None, None
     stream_ptr = _pointer(stream)
