@@ -39,11 +39,12 @@ Tensor parallelism: autograd hands grad_input to the previous layer only when th
 returns (after both weight-gradient GEMMs), so the torch layer cannot start an all-reduce of
 grad_hidden_states early. A caller that wants to overlap it uses the functional API,
 ``cupyffn.gelu_ffn_backward(..., grad_hidden_ready=event)`` (a ``cupy.cuda.Event`` recorded on the
-stream right after grad_hidden_states is written, before the weight gradients finish), e.g. in its own
-``torch.autograd.Function``.
+stream right after grad_hidden_states is written, before the weight gradients finish), in its own
+``torch.autograd.Function``: ``TensorParallelGeluFFN`` (cupyffn/_torch_parallel.py) does, starting the
+all-reduce on a side stream that waits on the event.
 
-Limitations: no double backward; opaque to ``torch.func`` transforms (vmap, jacrev); all three tensors
-on one device.
+Limitations: no double backward (the backward operator has no autograd formula); no ``torch.func``
+rules (vmap), untested with ``torch.func``; all three tensors on one device.
 
 This module imports torch; ``import cupyffn`` does not import it.
 """
