@@ -47,9 +47,15 @@ def layer_impls(args2d, precision="bf16x3", compile=True):
 
     impls = {"cupyffn-torch-op": (eager, None)}
     if compile:
-        compiled = torch.compile(lambda *a: op(*a, precision, True, True), fullgraph=True)
+        if precision not in _compiled:  # one compilation for every shape (dynamic), as bench.py's torch rows
+            _compiled[precision] = torch.compile(lambda *a: op(*a, precision, True, True), fullgraph=True,
+                                                 dynamic=True)
+        compiled = _compiled[precision]
         impls["cupyffn-torch-op-compiled"] = (lambda: compiled(*targs), None)
     return impls
+
+
+_compiled = {}
 
 
 def jax_impl(args2d, precision="bf16x3"):
