@@ -377,11 +377,12 @@ def precision_table(result):
 def loop_markdown(loop):
     names = list(loop["workloads"][0]["results"])
     lines = [f"Steady-state loop ({loop['calls_per_measurement']} calls, no L2 flush), {loop['date']}, "
-             f"commit {str(loop['git_commit'])[:12]}: host µs per call / wall µs per call / GPU µs per call.", "",
+             f"commit {str(loop['git_commit'])[:12]}: host µs per call / wall µs per call / GPU µs per call "
+             "(n/a: runs on another framework's stream, e.g. XLA's, which our events cannot time).", "",
              "| workload | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for r in loop["workloads"]:
-        cells = [f"{r['results'][n]['host_us']:.0f} / {r['results'][n]['wall_us']:.0f} / {r['results'][n]['gpu_us']:.0f}"
-                 for n in names]
+        cells = [f"{res['host_us']:.0f} / {res['wall_us']:.0f} / " + ("n/a" if res["gpu_us"] is None else f"{res['gpu_us']:.0f}")
+                 if res else "" for res in (r["results"].get(n) for n in names)]
         lines.append(f"| {r['label']} (T={r['tokens']}) | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

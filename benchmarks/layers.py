@@ -1,7 +1,9 @@
 """Host time per backward call through the framework layers, next to the CuPy path (GPU only).
 
-    PYTHONPATH=. python3 examples/bench_layers.py            # T=2048, D=1536, H=6144 by default
-    PYTHONPATH=. python3 examples/bench_layers.py --tokens 256 --calls 300
+``bench.py --loop`` adds these rows to every workload (``layer_impls``, ``jax_impl``); standalone:
+
+    PYTHONPATH=. python3 -m benchmarks.layers              # T=2048, D=1536, H=6144 by default
+    PYTHONPATH=. python3 -m benchmarks.layers --tokens 256 --calls 300
 
 Rows (all "bf16x3", the same arrays, every result checked against float64 first):
   cupy-plan         GeluFFNBackward(...)(..., out=, stream=)          the CuPy path with a plan
@@ -18,18 +20,12 @@ bench.py --loop measures it). ``layer_impls()`` returns the callables in bench.p
 import argparse
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.3")  # before JAX starts: leave CuPy room
 
-try:
-    import cupyffn
-except ImportError:  # running from a checkout without installing
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    import cupyffn
-from cupyffn import workloads as W  # noqa: E402
+import cupyffn
+from cupyffn import workloads as W
 
 
 def layer_impls(args2d, precision="bf16x3", compile=True):
