@@ -355,6 +355,8 @@ class GeluFFNBackward:
         engine = self._engine
         samples = {}
         with self._lock:  # no ordinary call of this plan interleaves with the serialized ones
+            if self._closed:  # closed by another thread since the call above: its scratch is being freed
+                raise _closed_error()
             for _ in range(int(reps)):
                 if before_each is not None:
                     with s:

@@ -410,3 +410,18 @@ def test_failed_call_during_capture_fills_nothing(gpu_like):
         plan._run_gpu(call, out, FakeStream(9), False)
     assert plan._engine.log == [("set_io",)]  # no NaN fill (it would be captured), no events
     assert not any(numpy.isnan(o).any() for o in out)
+
+
+def test_profile_stages_refuses_a_plan_closed_meanwhile(gpu_like):
+    """Another thread may close the plan between profile_stages' ordinary call and its serialized reps
+    (close() frees the scratch once it has the lock): the reps must then raise, not enqueue."""
+    plan, call, out, _ = gpu_like
+
+    class ClosedAfterTheOrdinaryCall(type(plan)):
+        def __call__(self, *args, **kwargs):
+            self.close()
+
+    plan.__class__ = ClosedAfterTheOrdinaryCall
+    with pytest.raises(RuntimeError, match="this GeluFFNBackward plan was closed"):
+        plan.profile_stages(*call.arrays, out=out, stream=FakeStream(7), reps=1)
+    assert plan._engine.log == [("close",)]  # nothing was enqueued on the closed engine
