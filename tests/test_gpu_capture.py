@@ -80,6 +80,18 @@ def capture(stream, fn):
     return graph
 
 
+def replay_and_check(graph, stream, args, out, precision, seeds, what):
+    """Replay `graph` on `stream` once per seed: new contents in the captured arrays `args`, `out`
+    poisoned first; every replay's results within the contract."""
+    for seed in seeds:
+        ref = refill(args, seed)
+        cupy.cuda.Device().synchronize()
+        poison(out, stream)
+        graph.launch(stream=stream)
+        stream.synchronize()
+        assert_contract(out, ref, precision, f"{what} (inputs of seed {seed})")
+
+
 def pinned_backward_plans():
     return [p for p in _plan_cache._pinned.values() if isinstance(p, cupyffn.GeluFFNBackward)]
 
@@ -95,13 +107,7 @@ def test_cupy_capture_after_warmup_on_another_stream(precision):
     assert_contract(out, W.reference(inputs, xp=cupy), precision, "warm-up")
     graph = capture(cap, lambda: cupyffn.gelu_ffn_backward(*args, precision=precision, out=out, stream=cap))
     assert len(pinned_backward_plans()) == 1
-    for step in range(3):
-        ref = refill(args, seed=10 + step)
-        cupy.cuda.Device().synchronize()
-        poison(out, cap)
-        graph.launch(stream=cap)
-        cap.synchronize()
-        assert_contract(out, ref, precision, f"replay {step}")
+    replay_and_check(graph, cap, args, out, precision, range(10, 13), "replay")
 
 
 def test_cupy_capture_memory_mode_and_accumulate():
@@ -189,13 +195,7 @@ def test_replay_survives_clear_cache_and_churn():
     assert not plan._closed
     assert _backward._plans.acquire(plan._cache_key) is plan  # still the cached plan for its shape
     _backward._plans.release(plan)
-    for step in range(3):
-        ref = refill(args, seed=30 + step)
-        cupy.cuda.Device().synchronize()
-        poison(out, cap)
-        graph.launch(stream=cap)
-        cap.synchronize()
-        assert_contract(out, ref, "bf16x3", f"replay {step} after clear_cache and churn")
+    replay_and_check(graph, cap, args, out, "bf16x3", range(30, 33), "replay after clear_cache and churn")
     del graph
     cupy.cuda.Device().synchronize()
     assert cupyffn.release_captured_plans() == 1
@@ -345,13 +345,7 @@ def test_graph_plan_inside_an_external_capture():
     cupy.cuda.Device().synchronize()
     cap = cupy.cuda.Stream(non_blocking=True)
     graph = capture(cap, lambda: plan(*args, out=out, stream=cap))
-    for step in range(2):
-        ref = refill(args, seed=60 + step)
-        cupy.cuda.Device().synchronize()
-        poison(out, cap)
-        graph.launch(stream=cap)
-        cap.synchronize()
-        assert_contract(out, ref, "bf16x3", f"graph=True plan, external replay {step}")
+    replay_and_check(graph, cap, args, out, "bf16x3", range(60, 62), "graph=True plan, external replay")
     assert len(plan._graphs) == 1  # its own graph, from the eager call
 
 
@@ -365,12 +359,7 @@ def test_user_plan_pinned_by_capture_then_closed():
     graph = capture(cap, lambda: plan(*args, out=out, stream=cap))
     with pytest.raises(RuntimeError, match="captured into a CUDA graph and is pinned"):
         plan.close()
-    ref = refill(args, seed=70)
-    cupy.cuda.Device().synchronize()
-    poison(out, cap)
-    graph.launch(stream=cap)
-    cap.synchronize()
-    assert_contract(out, ref, "bf16", "replay of a user plan")
+    replay_and_check(graph, cap, args, out, "bf16", [70], "replay of a user plan")
     del graph
     assert cupyffn.release_captured_plans() == 1
     plan.close()
