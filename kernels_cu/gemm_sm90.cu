@@ -86,13 +86,23 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned byt
 }
 
 // Returns once the phase of parity `parity` has completed (a fresh barrier counts its phase before
-// phase 0 as completed: waiting for parity 1 returns at once).
-// A wait that never ends (a pipeline bug) traps after ~2^26 polls, seconds at least: a launch error
-// the caller sees instead of a process that hangs.
+// phase 0 as completed: waiting for parity 1 returns at once). Parity alone tells phases apart only
+// if the waiter is at most one phase ahead of the barrier: the schedules below make sure of that.
+// A wait that never ends (a pipeline bug) traps after kHangNs of wall time (the clock is read once
+// per 4096 failed polls): a launch error the caller sees within seconds instead of a process that
+// hangs (a poll count alone gives no time bound: one try_wait may suspend the thread for a while).
+constexpr unsigned long long kHangNs = 2000000000ull;  // 2 s; a legitimate wait lasts one GEMM at most
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+
 __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
   unsigned done, polls = 0;
-  do {
-    if (++polls == (1u << 26)) __trap();
+  unsigned long long since = 0;
+  for (;;) {
     asm volatile(
         "{\n"
         ".reg .pred p;\n"
@@ -102,7 +112,25 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
         : "=r"(done)
         : "r"(bar), "r"(parity)
         : "memory");
-  } while (!done);
+    if (done) return;
+    if ((++polls & 4095u) == 0) {
+      const unsigned long long now = global_ns();
+      if (since == 0) {
+        since = now;
+      } else if (now - since > kHangNs) {
+        __trap();
+      }
+    }
+  }
+}
+
+// Named barriers 1 and 2 (0 is __syncthreads): the ping-pong consumers' turns, see the kernel.
+__device__ __forceinline__ void named_bar_sync(unsigned id, unsigned threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void named_bar_arrive(unsigned id, unsigned threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // ---- TMA ----------------------------------------------------------------------------------------
@@ -354,7 +382,12 @@ __device__ __forceinline__ void store_block(const float (&acc)[BN / 2], const Ge
 // PP = 0 ("cooperative"): both consumers work on one 128 x BN tile, 64 rows each.
 // PP = 1 ("ping-pong", BN = 128 only): each consumer owns whole 128 x 128 tiles, the two taking turns
 // along the CTA's tile sequence; the stages arrive in tile order, so one consumer's epilogue runs
-// while the other one's mainloop keeps the tensor cores busy.
+// while the other one's mainloop keeps the tensor cores busy. The mainloops take turns too: a
+// consumer starts waiting on the stages of its tile only once the other one has passed all the
+// stages of the tile before (named barrier 1 + consumer). Without that, a consumer skipping the
+// other's k_tiles stages would wait on a full barrier up to k_tiles / kStages phases ahead, where
+// the parity wait cannot tell its phase from an earlier one (wrong data, then a deadlock, whenever
+// K > (kStages - 1) * 64 and a CTA has more than one tile).
 template <int OP, int BN, int EPI, int PP>
 __global__ void __launch_bounds__(sm90::kThreads, 1)
     gemm_sm90_kernel(const __grid_constant__ sm90::TmaDesc map_a, const __grid_constant__ sm90::TmaDesc map_b,
@@ -418,6 +451,8 @@ __global__ void __launch_bounds__(sm90::kThreads, 1)
         it += k_tiles;
         continue;
       }
+      // ping-pong: my turn once the other consumer has passed every stage of the tile before this one
+      if (PP && local > 0) named_bar_sync(1 + consumer, 256);
       const int mb = tile % m_tiles, nb = tile / m_tiles;
 #pragma unroll
       for (int h = 0; h < kHalves; ++h) {
@@ -450,6 +485,9 @@ __global__ void __launch_bounds__(sm90::kThreads, 1)
 #pragma unroll
       for (int h = 0; h < kHalves; ++h) fence_regs(acc[h]);
       if ((tid & 31) == 0) mbar_arrive(empty_bar + 8 * previous);
+      // ping-pong: the other consumer's turn, if the CTA has a next tile (then it waits for exactly this
+      // arrival: every bar.arrive is matched by one bar.sync, none is left pending at exit)
+      if (PP && tile + (int)gridDim.x < tiles) named_bar_arrive(1 + (consumer ^ 1), 256);
 #pragma unroll
       for (int h = 0; h < kHalves; ++h) {
         store_block<EPI, BN>(acc[h], args, mb * kBM + 64 * (PP ? h : consumer), nb * BN, tid);
