@@ -4,6 +4,14 @@ Every result is checked against a float64 product of the same 16-bit operands (a
 on the same operands); outputs are NaN-poisoned before the call, and the poisoned margins around
 them (extra columns and rows of the buffer) and NaN padding of the operands' rows must survive:
 that is what the predicated stores and the TMA bounds protect.
+
+Quick subset (marker ``sm90_quick``: 16 representative cases -- odd shapes, K not a multiple of 64,
+more tiles than SMs with ping-pong and K > the pipeline depth, each epilogue and memory mode, both
+operand types, each schedule; < 1 min on an H200 with a cold compile cache):
+
+    PYTHONPATH=. python3 -m pytest -q -m sm90_quick tests/test_gpu_sm90_gemm.py
+
+The whole file (~180 cases): ``PYTHONPATH=. python3 -m pytest -q tests/test_gpu_sm90_gemm.py``.
 """
 
 import math
@@ -98,11 +106,28 @@ SHAPES = [
 
 
 CONFIG_IDS = [f"bn{bn}{'pp' if pp else ''}" for bn, pp in _sm90_gemm.CONFIGS]
+QUICK = pytest.mark.sm90_quick
+
+# The quick subset, by test id. (2048, 2056, 1000) with bn128pp: a CTA has 2-3 tiles and 16 k-steps
+# > 6 stages, the case where the ping-pong consumers must take turns (see gemm_sm90.cu).
+FP32_QUICK = {"130-257-40-fp16-bn256", "129-136-200-bf16-bn128", "1000-1536-6144-fp16-bn256",
+              "1536-4096-192-bf16-bn128pp", "2048-2056-1000-fp16-bn128pp", "2048-2056-1000-bf16-bn256",
+              "2048-2056-1000-fp16-bn128"}
 
 
-@pytest.mark.parametrize("config", _sm90_gemm.CONFIGS, ids=CONFIG_IDS)
-@pytest.mark.parametrize("kind", ["fp16", "bf16"])
-@pytest.mark.parametrize("m,n,k", SHAPES)
+def marked(cases, quick):
+    """pytest.param for each (id, values), marked sm90_quick where the id is in `quick` (all of which must exist)."""
+    cases = list(cases)
+    missing = set(quick) - {case_id for case_id, _ in cases}
+    assert not missing, f"quick-subset ids that match no case: {sorted(missing)}"
+    return [pytest.param(*values, id=case_id, marks=[QUICK] if case_id in quick else []) for case_id, values in cases]
+
+
+FP32_CASES = marked(((f"{m}-{n}-{k}-{kind}-{cid}", (m, n, k, kind, config)) for m, n, k in SHAPES
+                     for kind in ("fp16", "bf16") for config, cid in zip(_sm90_gemm.CONFIGS, CONFIG_IDS)), FP32_QUICK)
+
+
+@pytest.mark.parametrize("m,n,k,kind,config", FP32_CASES)
 def test_gemm_tn_fp32_out(rng, m, n, k, kind, config):
     block_n, pingpong = config
     a, a64 = operand(rng, m, k, kind)
@@ -144,13 +169,18 @@ def activations(rng, m, n):
     return x, t
 
 
-DGELU_SHAPES = [(1, 64, 16), (77, 300, 64), (130, 257, 40), (256, 6144, 1536), (1536, 4096, 192)]
+# (2048, 2056, 1000): several tiles per CTA with more k-steps than stages (the ping-pong turn-taking case)
+DGELU_SHAPES = [(1, 64, 16), (77, 300, 64), (130, 257, 40), (256, 6144, 1536), (1536, 4096, 192), (2048, 2056, 1000)]
+DGELU_QUICK = {"77-300-64-bn128-bf16-1.0-False", "130-257-40-bn128pp-fp16-16.0-True",
+               "256-6144-1536-bn256-fp16-0.125-False", "1536-4096-192-bn256-bf16-1.0-True",
+               "1536-4096-192-bn128pp-fp16-16.0-False", "2048-2056-1000-bn128pp-bf16-1.0-False"}
+DGELU_CASES = marked(((f"{m}-{n}-{k}-{cid}-{fmt}-{alpha}-{memory}", (m, n, k, config, fmt, alpha, memory))
+                      for m, n, k in DGELU_SHAPES for config, cid in zip(_sm90_gemm.CONFIGS, CONFIG_IDS)
+                      for fmt, alpha in (("bf16", 1.0), ("fp16", 2.0 ** 4), ("fp16", 2.0 ** -3))
+                      for memory in (False, True)), DGELU_QUICK)
 
 
-@pytest.mark.parametrize("memory_mode", [False, True])
-@pytest.mark.parametrize("out_format,alpha", [("bf16", 1.0), ("fp16", 2.0 ** 4), ("fp16", 2.0 ** -3)])
-@pytest.mark.parametrize("config", _sm90_gemm.CONFIGS, ids=CONFIG_IDS)
-@pytest.mark.parametrize("m,n,k", DGELU_SHAPES)
+@pytest.mark.parametrize("m,n,k,config,out_format,alpha,memory_mode", DGELU_CASES)
 def test_gemm_tn_dgelu(rng, m, n, k, config, out_format, alpha, memory_mode):
     block_n, pingpong = config
     kind = "bf16" if out_format == "bf16" else "fp16"  # the plans: bf16 operands -> bf16; fp16 -> scaled fp16
@@ -202,6 +232,7 @@ def test_gemm_tn_dgelu(rng, m, n, k, config, out_format, alpha, memory_mode):
     assert abs(float(amax.view(cupy.float32)[0]) - exact_max) <= 1e-4 * exact_max, (amax.view(cupy.float32), exact_max)
 
 
+@QUICK
 def test_dgelu_bf16_truncates_finite_overflow():
     """A finite fp32 result above the largest bf16 is truncated to it, not rounded to infinity (the
     rule of common.cuh's bf16_bits, so grad_linear1 is what the engine's dgelu kernel writes)."""
@@ -312,6 +343,7 @@ def test_gemm_tn_dgelu_rejects_bad_input(case, message):
         _sm90_gemm.gemm_tn_dgelu(a, b, x, t, out, alpha=alpha, amax=amax)
 
 
+@QUICK
 def test_empty_output_is_a_no_op():
     a = cupy.ones((0, 64), cupy.float16)
     b = cupy.ones((64, 64), cupy.float16)
@@ -319,6 +351,7 @@ def test_empty_output_is_a_no_op():
     assert _sm90_gemm.gemm_tn(a, b, out) is out
 
 
+@QUICK
 def test_runs_on_the_given_stream(rng):
     """Launched on a non-default stream, the result is there once that stream synchronizes."""
     m, n, k = 512, 1024, 512
