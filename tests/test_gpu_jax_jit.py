@@ -2,14 +2,12 @@
 
     PYTHONPATH=. python3 -m pytest tests/test_gpu_jax_jit.py
 
-Every result is compared with the float64 NumPy reference of tests/test_jax_adapter.py (relative L2 within the
-precision's contract).
+Every result is compared with the float64 NumPy reference of tests/test_jax_adapter.py, imported from there
+(relative L2 within the precision's contract).
 """
 
-import importlib.util
 import math
 import os
-from pathlib import Path
 
 import numpy
 import pytest
@@ -20,11 +18,13 @@ jnp = pytest.importorskip("jax.numpy")
 
 import cupyffn  # noqa: E402
 import cupyffn.jax as cj  # noqa: E402
+import test_jax_adapter as adapter  # noqa: E402  (tests/ is on sys.path: pytest's rootdir-relative import)
+from test_examples import load as load_example  # noqa: E402
+from test_jax_adapter import reference, rel  # noqa: E402  (reference: checked there by finite differences)
 
 pytestmark = pytest.mark.gpu
 
 LEAD, DIM, HIDDEN = (2, 256), 256, 1024
-C = math.sqrt(2.0 / math.pi)
 
 
 @pytest.fixture(scope="module")
@@ -35,29 +35,8 @@ def gpu():
         pytest.skip(f"JAX has no GPU backend here: {' '.join(str(e).split())[:200]}")
 
 
-def reference(x, w1, w2, r):
-    """float64 (output, grad_x, grad_w1, grad_w2) of loss = sum(output * r)."""
-    x, w1, w2, r = (numpy.asarray(a, dtype=numpy.float64) for a in (x, w1, w2, r))
-    lead = x.shape[:-1]
-    x2, r2 = x.reshape(-1, x.shape[-1]), r.reshape(-1, r.shape[-1])
-    z = x2 @ w1.T
-    t = numpy.tanh(C * (z + 0.044715 * z ** 3))
-    g = 0.5 * z * (1 + t)
-    dz = (r2 @ w2) * (0.5 * (1 + t) + 0.5 * z * (1 - t * t) * C * (1 + 3 * 0.044715 * z * z))
-    return (g @ w2.T).reshape(r.shape), (dz @ w1).reshape(lead + (x.shape[-1],)), dz.T @ x2, r2.T @ g
-
-
 def make(rng, device, lead=LEAD):
-    host = (rng.standard_normal(lead + (DIM,)), rng.uniform(-1, 1, (HIDDEN, DIM)) / math.sqrt(DIM),
-            rng.uniform(-1, 1, (DIM, HIDDEN)) / math.sqrt(HIDDEN), rng.standard_normal(lead + (DIM,)))
-    host = tuple(a.astype(numpy.float32) for a in host)
-    return host, tuple(jax.device_put(a, device) for a in host)
-
-
-def rel(a, ref):
-    a = numpy.asarray(a)
-    assert a.dtype == numpy.float32 and a.shape == ref.shape
-    return float(numpy.linalg.norm(a.astype(numpy.float64) - ref) / numpy.linalg.norm(ref))
+    return adapter.make(rng, device, lead, DIM, HIDDEN)
 
 
 @pytest.mark.parametrize("precision", tuple(cupyffn.PRECISIONS))
@@ -120,11 +99,7 @@ def test_eager_and_vmap_on_the_gpu(rng, gpu):
 
 
 def test_jitted_training_example_learns(gpu):
-    path = Path(__file__).resolve().parent.parent / "examples" / "train_jax.py"
-    spec = importlib.util.spec_from_file_location("cupyffn_example_train_jax", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    losses = example.main(steps=150, device="gpu")
+    losses = load_example("train_jax").main(steps=150, device="gpu")
     assert len(losses) == 150 and all(math.isfinite(v) for v in losses)
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last / first < 0.5, (losses[:10], losses[-10:])

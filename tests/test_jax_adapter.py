@@ -182,18 +182,13 @@ def test_argument_errors(rng, device):
 
 
 def test_jitted_training_example_learns_on_cpu():
-    import importlib.util
-    from pathlib import Path
+    from test_examples import load  # tests/ is on sys.path (pytest's rootdir-relative import)
 
     try:
         jax.devices("cpu")
     except RuntimeError as e:
         pytest.skip(f"JAX has no cpu backend here: {e}")
-    path = Path(__file__).resolve().parent.parent / "examples" / "train_jax.py"
-    spec = importlib.util.spec_from_file_location("cupyffn_example_train_jax", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    losses = example.main(steps=60, device="cpu")
+    losses = load("train_jax").main(steps=60, device="cpu")
     assert len(losses) == 60 and all(math.isfinite(v) for v in losses)
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last / first < 0.5, (losses[:10], losses[-10:])
