@@ -48,9 +48,7 @@ def main(steps=200, device="auto", precision="bf16x3", save="all", optimizer="ad
         lr = DEFAULT_LR[optimizer] or 20.0 / hidden_dim
 
     gen = torch.Generator().manual_seed(seed)  # CPU generator: the same weights and data on every device
-    teacher1 = (2 * torch.rand(hidden_dim, dim, generator=gen) - 1) * (2 / dim ** 0.5)
-    teacher2 = (2 * torch.rand(dim, hidden_dim, generator=gen) - 1) * (2 / hidden_dim ** 0.5)
-    teacher1, teacher2 = teacher1.to(device), teacher2.to(device)
+    teacher = make_teacher(dim, hidden_dim, gen, device)
     torch.manual_seed(seed)  # initialize on the CPU and move: the same starting weights on every device
     model = cupyffn_torch.GeluFFN(dim, hidden_dim, precision=precision, save=save, device="cpu").to(device)
     opt = (torch.optim.Adam(model.parameters(), lr=lr) if optimizer == "adam"
@@ -58,9 +56,24 @@ def main(steps=200, device="auto", precision="bf16x3", save="all", optimizer="ad
 
     if verbose:
         print(f"device={device} {model} batch={batch} optimizer={optimizer} lr={lr:g}")
+    return fit(model, opt, teacher, gen, steps, batch, device, print if verbose else None)
+
+
+def make_teacher(dim, hidden_dim, gen, device):
+    """The teacher's (weight1 [hidden_dim, dim], weight2 [dim, hidden_dim]): uniform, twice nn.Linear's scale,
+    drawn from the CPU generator `gen` (the same on every device), then moved to `device`."""
+    teacher1 = (2 * torch.rand(hidden_dim, dim, generator=gen) - 1) * (2 / dim ** 0.5)
+    teacher2 = (2 * torch.rand(dim, hidden_dim, generator=gen) - 1) * (2 / hidden_dim ** 0.5)
+    return teacher1.to(device), teacher2.to(device)
+
+
+def fit(model, opt, teacher, gen, steps, batch, device, say=None):
+    """`steps` optimizer steps of the regression onto `teacher`, each on a fresh batch x ~ N(0, 1) drawn from
+    `gen`; returns the per-step losses. say(line), if given, reports every steps // 10 steps and the last."""
+    teacher1, teacher2 = teacher
     losses = []
     for step in range(steps):
-        x = torch.randn(batch, dim, generator=gen).to(device)
+        x = torch.randn(batch, teacher1.shape[1], generator=gen).to(device)
         with torch.no_grad():
             target = F.linear(F.gelu(F.linear(x, teacher1), approximate="tanh"), teacher2)
         loss = 0.5 * (model(x) - target).square().sum() / batch
@@ -68,9 +81,15 @@ def main(steps=200, device="auto", precision="bf16x3", save="all", optimizer="ad
         loss.backward()
         opt.step()
         losses.append(loss.item())
-        if verbose and (step % max(1, steps // 10) == 0 or step == steps - 1):
-            print(f"step {step:5d}  loss {losses[-1]:.5f}")
+        if say is not None and (step % max(1, steps // 10) == 0 or step == steps - 1):
+            say(f"step {step:5d}  loss {losses[-1]:.5f}")
     return losses
+
+
+def summary(losses):
+    """The last line both training examples print: mean loss of the first and of the last 10 steps."""
+    head, tail = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    return f"mean loss of the first 10 steps {head:.5f}, of the last 10 steps {tail:.5f} ({tail / head:.3f}x)"
 
 
 def _parse(argv):
@@ -89,5 +108,4 @@ if __name__ == "__main__":
     args = _parse(sys.argv[1:])
     losses = main(steps=args.steps, device=args.device, precision=args.precision, save=args.save,
                   optimizer=args.optimizer, lr=args.lr, seed=args.seed, verbose=True)
-    head, tail = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
-    print(f"mean loss of the first 10 steps {head:.5f}, of the last 10 steps {tail:.5f} ({tail / head:.3f}x)")
+    print(summary(losses))

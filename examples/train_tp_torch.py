@@ -42,8 +42,8 @@ except ImportError:  # running from a checkout without installing: use the packa
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import cupyffn.torch as cupyffn_torch
 import cupyffn
+from train_torch import SIZES, fit, make_teacher, summary  # the task of examples/train_torch.py (beside this file)
 
-SIZES = {"cpu": (32, 128, 256), "cuda": (512, 2048, 1024)}  # dim, hidden_dim, batch (as in train_torch.py)
 BENCH_SHAPES = "4096x4096x16384,8192x4096x16384"  # tokens x dim x hidden_dim
 NAMES = ("output", "grad_hidden_states", "grad_weight1", "grad_weight2")
 
@@ -133,24 +133,11 @@ def train(steps, device, precision, save, overlap, dim, hidden_dim, batch, lr, s
     """The check, then `steps` Adam steps on the sharded layer; returns the per-step losses (the same on every rank)."""
     _, _, model = run_check(dim, hidden_dim, batch, device, precision, save, overlap, seed)
     gen = torch.Generator().manual_seed(seed)  # CPU generator: the same teacher and data on every rank
-    teacher1 = ((2 * torch.rand(hidden_dim, dim, generator=gen) - 1) * (2 / dim ** 0.5)).to(device)
-    teacher2 = ((2 * torch.rand(dim, hidden_dim, generator=gen) - 1) * (2 / hidden_dim ** 0.5)).to(device)
+    teacher = make_teacher(dim, hidden_dim, gen, device)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     if verbose:
         _say(f"device={device.type} {model} batch={batch} lr={lr:g}")
-    losses = []
-    for step in range(steps):
-        x = torch.randn(batch, dim, generator=gen).to(device)
-        with torch.no_grad():
-            target = F.linear(F.gelu(F.linear(x, teacher1), approximate="tanh"), teacher2)
-        loss = 0.5 * (model(x) - target).square().sum() / batch
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        if verbose and (step % max(1, steps // 10) == 0 or step == steps - 1):
-            _say(f"step {step:5d}  loss {losses[-1]:.5f}")
-    return losses
+    return fit(model, opt, teacher, gen, steps, batch, device, _say if verbose else None)
 
 
 # ---------------------------------------------------------------------- benchmark (CUDA)
@@ -268,8 +255,7 @@ def main(argv):
         d, h, t = SIZES[device.type]
         losses = train(args.steps, device, args.precision, args.save, not args.no_overlap, args.dim or d,
                        args.hidden_dim or h, args.batch or t, args.lr, args.seed, verbose=True)
-        head, tail = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
-        _say(f"mean loss of the first 10 steps {head:.5f}, of the last 10 steps {tail:.5f} ({tail / head:.3f}x)")
+        _say(summary(losses))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
