@@ -404,12 +404,9 @@ def example_means(lines):
 
 
 def unsharded_example_means(steps, device):
-    import importlib.util
+    from test_examples import load  # tests/ is on sys.path (pytest's rootdir-relative import)
 
-    spec = importlib.util.spec_from_file_location("cupyffn_example_train_torch", EXAMPLES / "train_torch.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    losses = module.main(steps=steps, device=device)
+    losses = load("train_torch").main(steps=steps, device=device)
     return sum(losses[:10]) / 10, sum(losses[-10:]) / 10
 
 
