@@ -1,17 +1,30 @@
-"""Times the sm_90a GEMM (cupyffn/_sm90_gemm.py) against cuBLAS on the four backward GEMM shapes,
-and GEMM1 with the fused GELU derivative against cuBLAS GEMM1 + a separate pass.
+"""Times the sm_90a GEMM (cupyffn/_sm90_gemm.py) against cuBLAS, most important measurements first,
+within a time budget:
 
-    PYTHONPATH=. python3 tools/sm90_gemm_bench.py        # writes $OUT/sm90_gemm_bench.json (OUT or .)
+    PYTHONPATH=. python3 tools/sm90_gemm_bench.py [--budget-s 80] [--reps 10] [--out PATH]
 
-Shapes (D = 1536, H = 6144, T in 256, 1024, 4096, 8192), C[M, N] = A[M, K] @ B[N, K]^T, both K-major:
+  1. GEMM1 with the fused GELU derivative (fp16 operands, scaled fp16 out, bn256) vs cuBLAS GEMM1
+     alone and cuBLAS GEMM1 + a separate pass, T = 2048, 4096, 8192 (issue 10: fused <= 1.05x cuBLAS
+     GEMM1 alone at T >= 2048);
+  2. the four backward GEMMs (ours bn256, fp32 out) vs cuBLAS gemmEx fp16 -> fp32 at T = 8192, 1024;
+  3. the rest: bn128, memory mode, bf16 (vs cuBLAS bf16 + the engine's dgelu kernel), cupy.matmul,
+     T = 256, 2048, 4096, host cost;
+  4. the ping-pong schedule, last: if its pipeline were wrong, the kernel traps (after 2 s), which
+     ends the CUDA context and so the run; everything before is already measured and saved.
+
+Shapes (D = 1536, H = 6144), C[M, N] = A[M, K] @ B[N, K]^T, both K-major:
   gemm1 grad_gelu    M=T N=H K=D      gemm3 grad_hidden  M=T N=D K=H
   gemm2 grad_weight2 M=D N=H K=T      gemm4 grad_weight1 M=H N=D K=T
-Implementations: ours (block_n 128 / 256, fp16 in, fp32 out); cuBLAS gemmEx fp16 in, fp32 out
-(cupyffn's own binding, as the engine calls it); cupy.matmul on fp16 arrays (fp16 out).
-Protocol: L2 flushed (256 MiB written) before each sample, CUDA events around the call only, median
-of 20 after 3 warm-ups. Each of our results is also checked against cuBLAS's (rel. L2).
+Protocol: fresh random inputs; L2 flushed (256 MiB written) before each sample; CUDA events around
+the call only; median of --reps after --warmup. Each of our results is first checked once against
+cuBLAS on the same operands (rel. L2; output NaN-poisoned before the call) and the check is printed.
+
+One line is printed (flushed) per measurement as it is made, and the JSON (default
+$OUT/sm90_gemm_bench.json, OUT or .) is rewritten after each one; when the budget is spent (checked
+between measurements) the remaining ones are listed as skipped. The tables come last.
 """
 
+import argparse
 import ctypes
 import json
 import os
@@ -22,227 +35,514 @@ import time
 import numpy
 
 D, H = 1536, 6144
-TS = (256, 1024, 4096, 8192)
-REPS = 20
-WARMUP = 3
+GEMMS = ("gemm1", "gemm2", "gemm3", "gemm4")
+FUSED_TS = (2048, 4096, 8192)
+ALPHA = 0.25  # the fp16 epilogue's power-of-two scale
+# rel. L2 of ours vs cuBLAS above which a check is marked BAD: fp32 out (tensor-core accumulation
+# order only), fp16 (a rounding step on a few elements), bf16 (the same, 8 bits)
+TOLERANCE = {"f32": 1e-4, "f16": 2.0 ** -10, "f16_mem": 2.0 ** -10, "bf16": 2.0 ** -8}
 
 
 def config_name(block_n, pingpong):
     return f"bn{block_n}{'pp' if pingpong else ''}"
 
 
-def shapes(t):
-    return {"gemm1": (t, H, D), "gemm2": (D, H, t), "gemm3": (t, D, H), "gemm4": (H, D, t)}
+def shape(gemm, t):
+    """(M, N, K) of a backward GEMM at T tokens."""
+    return {"gemm1": (t, H, D), "gemm2": (D, H, t), "gemm3": (t, D, H), "gemm4": (H, D, t)}[gemm]
 
 
-def main():
-    import cupy
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--budget-s", type=float, default=80.0,
+                   help="wall-clock seconds from the start (compile included) after which no new measurement starts")
+    p.add_argument("--reps", type=int, default=10, help="timed samples per measurement (median)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls before the samples")
+    p.add_argument("--out", default=None, help="JSON path (default: $OUT/sm90_gemm_bench.json, OUT or .)")
+    args = p.parse_args(argv)
+    if not args.budget_s > 0:
+        p.error(f"--budget-s must be > 0, got {args.budget_s}")
+    if args.reps < 1 or args.warmup < 0:
+        p.error(f"--reps must be >= 1 and --warmup >= 0, got {args.reps}, {args.warmup}")
+    if args.out is None:
+        args.out = os.path.join(os.environ.get("OUT", "."), "sm90_gemm_bench.json")
+    return args
 
-    from cupyffn import _cublas, _kernels, _sm90_gemm
 
-    device = cupy.cuda.Device()
-    if not _sm90_gemm.device_supported(device.id):
-        print(f"sm90 GEMM bench: device {device.id} is compute capability {device.compute_capability}, not 9.0; nothing to do")
-        return 2
-    out_dir = os.environ.get("OUT", ".")
-    stream = cupy.cuda.get_current_stream()
-    flush = cupy.empty(256 << 20, dtype=cupy.uint8)
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+class Runner:
+    """Runs (name, fn) items in order while the budget lasts; fn returns a record (dict) or a list of
+    them. Saves the JSON after every item. A failing item is recorded; `fatal(exc)` true stops the run
+    (a dead CUDA context makes every later item fail)."""
 
-    def timed(fn):
+    def __init__(self, budget_s, path, clock=time.perf_counter, start=None, emit=print, fatal=lambda exc: False):
+        self.budget_s, self.path, self.clock, self.emit, self.fatal = budget_s, path, clock, emit, fatal
+        self.start = clock() if start is None else start
+        self.result = dict(budget_s=budget_s, records=[], errors=[], skipped=[], complete=False, stopped=None)
+
+    def elapsed(self):
+        return self.clock() - self.start
+
+    def save(self):
+        self.result["elapsed_s"] = round(self.elapsed(), 3)
+        folder = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(folder, exist_ok=True)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.result, f, indent=1)
+        os.replace(tmp, self.path)  # a reader (or a kill) never sees half a file
+
+    def run(self, items):
+        items = list(items)
+        for i, (name, fn) in enumerate(items):
+            if self.elapsed() >= self.budget_s:
+                self.result["skipped"] = [n for n, _ in items[i:]]
+                self.result["stopped"] = f"budget of {self.budget_s:g} s spent after {self.elapsed():.1f} s"
+                self.emit(f"[{self.elapsed():5.1f}s] budget spent: {len(items) - i} measurements skipped", flush=True)
+                break
+            try:
+                got = fn()
+            except Exception as e:  # record and go on: one run should tell as much as it can
+                text = f"{name}: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+                self.result["errors"].append(text)
+                self.emit(f"[{self.elapsed():5.1f}s] ERROR {text}", flush=True)
+                if self.fatal(e):
+                    self.result["skipped"] = [n for n, _ in items[i + 1:]]
+                    self.result["stopped"] = "the CUDA context is unusable after: " + text
+                    self.emit(f"[{self.elapsed():5.1f}s] stopping: the CUDA context is unusable", flush=True)
+                    self.save()
+                    break
+                self.save()
+                continue
+            for record in got if isinstance(got, list) else [got]:
+                record["name"] = name
+                self.result["records"].append(record)
+                self.emit(f"[{self.elapsed():5.1f}s] {describe(record)}", flush=True)
+            self.save()
+        else:
+            self.result["complete"] = True
+        self.save()
+        return self.result
+
+
+def describe(r):
+    """One line for a record."""
+    what = f"{r['section']:5} {r.get('gemm', 'gemm1'):5} T={r['T']:<5} {r['impl']:<30}"
+    if r["impl"] == "host":
+        return f"{what} " + ", ".join(f"{k} {v:.1f} us" for k, v in r.items() if k.endswith("_us"))
+    text = f"{what} {r['ms']:8.4f} ms {r['tflops']:6.1f} TFLOP/s"
+    if "err" in r:
+        text += f"  check vs cuBLAS: rel L2 {r['err']:.2e} finite={r['finite']} {'ok' if r['ok'] else 'BAD'}"
+    return text
+
+
+class Bench:
+    """The CUDA side: operands and cuBLAS references made on first use and kept, timing, checks."""
+
+    def __init__(self, reps, warmup):
+        import cupy
+
+        from cupyffn import _cublas, _kernels, _sm90_gemm
+
+        self.cupy, self.cublas, self.kernels, self.sm90 = cupy, _cublas, _kernels, _sm90_gemm
+        self.reps, self.warmup = reps, warmup
+        self.device = cupy.cuda.Device()
+        self.stream = cupy.cuda.get_current_stream()
+        self.flush = cupy.empty(256 << 20, dtype=cupy.uint8)
+        self.events = cupy.cuda.Event(), cupy.cuda.Event()
+        self.handle = _cublas.acquire(self.device.id)
+        self.handle.bind(self.stream.ptr)
+        self.one = cupy.ones(1, cupy.float32)
+        self.zero = cupy.zeros(1, cupy.float32)
+        self._gemm = {}
+        self._fused = {}
+        self._pass_f16 = None
+
+    def close(self):
+        self.stream.synchronize()
+        self.cublas.release(self.handle)
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def timed(self, fn):
+        cupy, (start, stop) = self.cupy, self.events
         samples = []
-        for i in range(WARMUP + REPS):
-            flush.fill(i & 0xFF)
-            start.record(stream)
+        for i in range(self.warmup + self.reps):
+            self.flush.fill(i & 0xFF)
+            start.record(self.stream)
             fn()
-            stop.record(stream)
+            stop.record(self.stream)
             stop.synchronize()
             samples.append(cupy.cuda.get_elapsed_time(start, stop))
-        return statistics.median(samples[WARMUP:])
+        return statistics.median(samples[self.warmup:])
 
-    handle = _cublas.acquire(device.id)
-    handle.bind(stream.ptr)
-    one = cupy.ones(1, cupy.float32)
-    zero = cupy.zeros(1, cupy.float32)
-
-    def cublas_tn(a, b, c):
-        """c[M, N] fp32 = a[M, K] @ b[N, K]^T through cublasGemmEx (fp16 or bf16 in, fp32 out)."""
-        m, k = a.shape
-        n = b.shape[0]
-        code = _cublas.R_16F if a.dtype == numpy.float16 else _cublas.R_16BF
-        g = _cublas.Gemm(m, n, k, code, code, _cublas.R_32F, b_trans=True, lda=k, ldb=k, ldc=n, name="bench")
-        g.a.value, g.b.value, g.c.value = a.data.ptr, b.data.ptr, c.data.ptr
-        g.alpha.value, g.beta.value = one.data.ptr, zero.data.ptr
-        return lambda: g(handle)
-
-    def rel_l2(x, ref):
+    def rel_l2(self, x, ref):
+        cupy = self.cupy
         ref = ref.astype(cupy.float64)
         return float(cupy.linalg.norm(x.astype(cupy.float64) - ref) / cupy.linalg.norm(ref))
 
-    records = []
-    errors = []
-    t0 = time.perf_counter()
-    _sm90_gemm._kernel(_sm90_gemm.OP_F16, 256, _sm90_gemm.EPI_F32, False, device.id)
-    compile_s = time.perf_counter() - t0
+    def random16(self, rows, cols):
+        cupy = self.cupy
+        return cupy.random.standard_normal((rows, cols), dtype=cupy.float32).astype(cupy.float16)
 
-    # ---- the four GEMMs --------------------------------------------------------------------------
-    for t in TS:
-        for name, (m, n, k) in shapes(t).items():
-            a = cupy.random.standard_normal((m, k), dtype=cupy.float32).astype(cupy.float16)
-            b = cupy.random.standard_normal((n, k), dtype=cupy.float32).astype(cupy.float16)
-            ref = cupy.empty((m, n), cupy.float32)
-            flops = 2.0 * m * n * k
-            run_cublas = cublas_tn(a, b, ref)
-            ms = timed(run_cublas)
-            records.append(dict(gemm=name, T=t, M=m, N=n, K=k, impl="cublas_f16_f32out", ms=ms, tflops=flops / ms * 1e-9))
-            c16 = cupy.empty((m, n), cupy.float16)
-            ms = timed(lambda: cupy.matmul(a, b.T, out=c16))
-            records.append(dict(gemm=name, T=t, M=m, N=n, K=k, impl="cupy_matmul_f16_f16out", ms=ms, tflops=flops / ms * 1e-9))
-            for bn, pp in _sm90_gemm.CONFIGS:
-                c = cupy.full((m, n), cupy.nan, cupy.float32)
-                try:
-                    ms = timed(lambda: _sm90_gemm.gemm_tn(a, b, c, block_n=bn, pingpong=pp))
-                    err = rel_l2(c, ref)
-                except Exception as e:  # record and go on: one run should tell as much as it can
-                    errors.append(f"{name} T={t} {config_name(bn, pp)}: {type(e).__name__}: {e}")
-                    continue
-                records.append(dict(gemm=name, T=t, M=m, N=n, K=k, impl="sm90_" + config_name(bn, pp), ms=ms,
-                                    tflops=flops / ms * 1e-9, rel_l2_vs_cublas=err))
+    @staticmethod
+    def to_bf16_bits(x16):
+        """bf16 bit patterns of the fp16 values (truncated: any finite values do for timing)."""
+        import cupy
+
+        return (x16.astype(cupy.float32).view(cupy.uint32) >> 16).astype(cupy.uint16)
+
+    def bf16_value(self, bits):
+        cupy = self.cupy
+        return (bits.astype(cupy.uint32) << 16).view(cupy.float32)
+
+    def cublas_tn(self, a, b, c):
+        """c[M, N] fp32 = a[M, K] @ b[N, K]^T through cublasGemmEx (fp16 or bf16 in, fp32 out), as the engine calls it."""
+        m, k = a.shape
+        n = b.shape[0]
+        cb = self.cublas
+        code = cb.R_16F if a.dtype == numpy.float16 else cb.R_16BF
+        g = cb.Gemm(m, n, k, code, code, cb.R_32F, b_trans=True, lda=k, ldb=k, ldc=n, name="bench")
+        g.a.value, g.b.value, g.c.value = a.data.ptr, b.data.ptr, c.data.ptr
+        g.alpha.value, g.beta.value = self.one.data.ptr, self.zero.data.ptr
+        handle = self.handle
+        return lambda: g(handle)
+
+    def check(self, out, ref, fmt, call):
+        """NaN-poison out, call once, compare with ref: dict(err, finite, ok)."""
+        cupy = self.cupy
+        out.fill(0x7FC0 if out.dtype == numpy.uint16 else numpy.nan)
+        call()
+        self.stream.synchronize()
+        got = self.bf16_value(out) if out.dtype == numpy.uint16 else out
+        finite = bool(cupy.isfinite(got).all())
+        ref_v = self.bf16_value(ref) if ref.dtype == numpy.uint16 else ref
+        err = self.rel_l2(got, ref_v)
+        return dict(err=err, finite=finite, ok=bool(finite and err <= TOLERANCE[fmt]))
+
+    # ---- plain GEMMs -----------------------------------------------------------------------------
+    def gemm_state(self, gemm, t):
+        key = (gemm, t)
+        if key not in self._gemm:
+            cupy = self.cupy
+            m, n, k = shape(gemm, t)
+            a, b = self.random16(m, k), self.random16(n, k)
+            ref = cupy.full((m, n), cupy.nan, cupy.float32)
+            run = self.cublas_tn(a, b, ref)
+            run()
+            self.stream.synchronize()
+            self._gemm[key] = dict(a=a, b=b, ref=ref, run_cublas=run, out=cupy.empty((m, n), cupy.float32))
+        return self._gemm[key]
+
+    def record(self, section, gemm, t, impl, ms, **extra):
+        m, n, k = shape(gemm, t)
+        return dict(section=section, gemm=gemm, T=t, M=m, N=n, K=k, impl=impl, ms=ms,
+                    tflops=2.0 * m * n * k / ms * 1e-9, **extra)
+
+    def gemm_cublas(self, gemm, t):
+        s = self.gemm_state(gemm, t)
+        return self.record("gemm", gemm, t, "cublas_f16_f32out", self.timed(s["run_cublas"]))
+
+    def gemm_cupy(self, gemm, t):
+        s = self.gemm_state(gemm, t)
+        c16 = self.cupy.empty(s["ref"].shape, self.cupy.float16)
+        a, b = s["a"], s["b"]
+        return self.record("gemm", gemm, t, "cupy_matmul_f16out",
+                           self.timed(lambda: self.cupy.matmul(a, b.T, out=c16)))
+
+    def gemm_ours(self, gemm, t, block_n, pingpong):
+        s = self.gemm_state(gemm, t)
+        a, b, out = s["a"], s["b"], s["out"]
+        gemm_tn = self.sm90.gemm_tn
+
+        def call():
+            gemm_tn(a, b, out, block_n=block_n, pingpong=pingpong)
+
+        checked = self.check(out, s["ref"], "f32", call)
+        return self.record("gemm", gemm, t, "ours_f32out_" + config_name(block_n, pingpong), self.timed(call),
+                           cfg=config_name(block_n, pingpong), **checked)
+
     # ---- GEMM1 + GELU derivative -----------------------------------------------------------------
-    pass_f16 = cupy.ElementwiseKernel(
-        "float32 g, float32 x, float32 t, float32 alpha", "float16 y",
-        "const float d = 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * 0.7978845608028654f * (1.0f + 0.134145f * x * x);"
-        "y = (float16)(g * d * alpha);", "sm90_bench_dgelu_pass")
-    dgelu_bf16 = _kernels.get_function("dgelu", "dgelu_kernel<1>", device.id)  # the engine's pass, bf16 out
-    fused = []
-    for t in TS:
-        m, n, k = t, H, D
-        a = cupy.random.standard_normal((m, k), dtype=cupy.float32).astype(cupy.float16)
-        b = cupy.random.standard_normal((n, k), dtype=cupy.float32).astype(cupy.float16)
-        a_bf = (a.astype(cupy.float32).view(cupy.uint32) >> 16).astype(cupy.uint16)  # bf16 truncation: any values do
-        b_bf = (b.astype(cupy.float32).view(cupy.uint32) >> 16).astype(cupy.uint16)
-        x = 2 * cupy.random.standard_normal((m, n), dtype=cupy.float32)
-        tt = cupy.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)).astype(cupy.float32)
-        acc = cupy.empty((m, n), cupy.float32)
-        out16 = cupy.empty((m, n), cupy.float16)
-        outbf = cupy.empty((m, n), cupy.uint16)
-        row = dict(T=t, M=m, N=n, K=k)
-        gemm = cublas_tn(a, b, acc)
-        row["cublas_gemm1_ms"] = timed(gemm)
-        alpha = numpy.float32(0.25)
-        row["cublas_plus_cupy_pass_f16_ms"] = timed(lambda: (gemm(), pass_f16(acc, x, tt, alpha, out16)))
-        job = _kernels.DgeluJob(acc.data.ptr, x.data.ptr, tt.data.ptr, outbf.data.ptr, n, n, n, n, 0, m, n,
-                                0, 0, 1, 0, 0, 0, 0)
-        launch = _kernels.KernelLaunch(dgelu_bf16, job, ctypes.c_void_p(0), ctypes.c_void_p(0))
-        items = m * -(-n // (8 * _kernels.BLOCK))  # the engine's grid (GpuEngine, _gpu_engine.py)
-        launch.grid = max(1, min(items, _kernels.sm_count(device.id) * _kernels.blocks_per_sm("dgelu", "dgelu_kernel<1>", device.id) * 2))
-        gemm_bf = cublas_tn(a_bf, b_bf, acc)
-        row["cublas_bf16_gemm1_ms"] = timed(gemm_bf)
-        row["cublas_plus_engine_pass_bf16_ms"] = timed(lambda: (gemm_bf(), launch(stream.ptr)))
-        row["engine_pass_bf16_ms"] = timed(lambda: launch(stream.ptr))
-        ref_bf = outbf.copy()  # cuBLAS (bf16 operands) + the engine's pass: the reference of the fused bf16 result
-        gemm()
-        pass_f16(acc, x, tt, alpha, out16)
-        ref16 = out16.astype(cupy.float32)
-        for bn, pp in _sm90_gemm.CONFIGS:
-            cfg = config_name(bn, pp)
-            try:
-                out16.fill(cupy.nan)
-                row[f"fused_f16_{cfg}_ms"] = timed(
-                    lambda: _sm90_gemm.gemm_tn_dgelu(a, b, x, tt, out16, alpha=0.25, block_n=bn, pingpong=pp))
-                row[f"fused_f16_{cfg}_rel_l2"] = rel_l2(out16.astype(cupy.float32), ref16)
-                outbf.fill(0x7FC0)
-                row[f"fused_bf16_{cfg}_ms"] = timed(
-                    lambda: _sm90_gemm.gemm_tn_dgelu(a_bf, b_bf, x, tt, outbf, block_n=bn, pingpong=pp))
-                row[f"fused_bf16_{cfg}_rel_l2"] = rel_l2((outbf.astype(cupy.uint32) << 16).view(cupy.float32),
-                                                         (ref_bf.astype(cupy.uint32) << 16).view(cupy.float32))
-                row[f"fused_f16_{cfg}_memory_mode_ms"] = timed(
-                    lambda: _sm90_gemm.gemm_tn_dgelu(a, b, x, None, out16, alpha=0.25, block_n=bn, pingpong=pp))
-            except Exception as e:
-                errors.append(f"fused T={t} {cfg}: {type(e).__name__}: {e}")
-        fused.append(row)
-    # ---- host cost --------------------------------------------------------------------------------
-    host = {}
-    a = cupy.ones((4096, 1536), cupy.float16)
-    b = cupy.ones((6144, 1536), cupy.float16)
-    c = cupy.empty((4096, 6144), cupy.float32)
-    t0 = time.perf_counter()
-    for _ in range(100):
-        _sm90_gemm.encode_tensor_map(a.data.ptr, 4096, 1536, 1536 * 2, _sm90_gemm.OP_F16, 128)
-    host["encode_tensor_map_us"] = (time.perf_counter() - t0) / 100 * 1e6
-    _sm90_gemm.gemm_tn(a, b, c)
-    stream.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(100):
-        _sm90_gemm.gemm_tn(a, b, c)
-    host["gemm_tn_call_cached_maps_us"] = (time.perf_counter() - t0) / 100 * 1e6
-    stream.synchronize()
-    _cublas.release(handle)
+    def fused_state(self, t):
+        if t not in self._fused:
+            cupy = self.cupy
+            m, n, k = shape("gemm1", t)
+            a, b = self.random16(m, k), self.random16(n, k)
+            x = 2 * cupy.random.standard_normal((m, n), dtype=cupy.float32)
+            tt = cupy.tanh(numpy.float32(0.7978845608028654) * (x + numpy.float32(0.044715) * x * x * x))
+            acc = cupy.full((m, n), cupy.nan, cupy.float32)
+            run = self.cublas_tn(a, b, acc)
+            run()
+            self.stream.synchronize()
+            # the reference of the fp16 epilogue: cuBLAS's fp32 product * gelu'(x, t) * alpha, rounded to fp16
+            grad = numpy.float32(0.5) * (1 + tt) + numpy.float32(0.5 * 0.7978845608028654) * x * (1 - tt * tt) * (
+                1 + numpy.float32(0.134145) * x * x)
+            ref16 = (acc * grad * numpy.float32(ALPHA)).astype(cupy.float16)
+            self._fused[t] = dict(a=a, b=b, x=x, t=tt, acc=acc, grad=grad, run_cublas=run, ref16=ref16,
+                                  out16=cupy.empty((m, n), cupy.float16))
+        return self._fused[t]
 
-    result = dict(device=cupy.cuda.runtime.getDeviceProperties(device.id)["name"].decode(), cupy=cupy.__version__,
-                  compile_s=compile_s, gemms=records, fused=fused, host=host, errors=errors)
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "sm90_gemm_bench.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    def fused_bf16_state(self, t):
+        s = self.fused_state(t)
+        if "a_bf" not in s:
+            cupy = self.cupy
+            s["a_bf"], s["b_bf"] = self.to_bf16_bits(s["a"]), self.to_bf16_bits(s["b"])
+            acc_bf = cupy.full(s["acc"].shape, cupy.nan, cupy.float32)
+            s["acc_bf"] = acc_bf
+            s["run_cublas_bf"] = self.cublas_tn(s["a_bf"], s["b_bf"], acc_bf)
+            s["run_cublas_bf"]()
+            self.stream.synchronize()
+            # round to nearest even, as common.cuh's bf16_bits (finite values here)
+            u = (acc_bf * s["grad"]).view(cupy.uint32).astype(cupy.uint64)
+            s["ref_bf"] = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(cupy.uint16)
+            s["outbf"] = cupy.empty(s["acc"].shape, cupy.uint16)
+        return s
 
-    print_tables(result, path, _sm90_gemm.CONFIGS)
-    if errors:
-        print("ERRORS:\n  " + "\n  ".join(errors))
+    def fused_cublas(self, t):
+        s = self.fused_state(t)
+        return self.record("fused", "gemm1", t, "cublas_gemm1_f16_f32out", self.timed(s["run_cublas"]))
+
+    def pass_f16(self):
+        if self._pass_f16 is None:
+            self._pass_f16 = self.cupy.ElementwiseKernel(
+                "float32 g, float32 x, float32 t, float32 alpha", "float16 y",
+                "const float d = 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * 0.7978845608028654f * "
+                "(1.0f + 0.134145f * x * x); y = (float16)(g * d * alpha);", "sm90_bench_dgelu_pass")
+        return self._pass_f16
+
+    def fused_cublas_pass(self, t):
+        s = self.fused_state(t)
+        kernel, run, alpha = self.pass_f16(), s["run_cublas"], numpy.float32(ALPHA)
+        acc, x, tt, out16 = s["acc"], s["x"], s["t"], s["out16"]
+        return self.record("fused", "gemm1", t, "cublas+cupy_pass_f16",
+                           self.timed(lambda: (run(), kernel(acc, x, tt, alpha, out16))))
+
+    def engine_pass_bf16(self, t):
+        """cuBLAS bf16 GEMM1 + the engine's dgelu kernel (bf16 out), and that kernel alone."""
+        s = self.fused_bf16_state(t)
+        k, device = self.kernels, self.device.id
+        m, n, _ = shape("gemm1", t)
+        dgelu = k.get_function("dgelu", "dgelu_kernel<1>", device)
+        job = k.DgeluJob()
+        job.grad_gelu, job.x, job.t, job.dst = s["acc_bf"].data.ptr, s["x"].data.ptr, s["t"].data.ptr, s["outbf"].data.ptr
+        job.grad_gelu_ld = job.x_ld = job.t_ld = job.dst_ld = n
+        job.rows, job.cols, job.vec = m, n, 1
+        launch = k.KernelLaunch(dgelu, job, ctypes.c_void_p(0), ctypes.c_void_p(0))
+        items = m * -(-n // (8 * k.BLOCK))  # the engine's grid (GpuEngine, _gpu_engine.py)
+        launch.grid = max(1, min(items, k.sm_count(device) * k.blocks_per_sm("dgelu", "dgelu_kernel<1>", device) * 2))
+        ptr, run = self.stream.ptr, s["run_cublas_bf"]
+        return [self.record("fused", "gemm1", t, "cublas_bf16+engine_pass_bf16", self.timed(lambda: (run(), launch(ptr)))),
+                self.record("fused", "gemm1", t, "engine_pass_bf16_alone", self.timed(lambda: launch(ptr)))]
+
+    def fused_cublas_bf16(self, t):
+        s = self.fused_bf16_state(t)
+        return self.record("fused", "gemm1", t, "cublas_gemm1_bf16_f32out", self.timed(s["run_cublas_bf"]))
+
+    def fused_ours(self, t, fmt, block_n, pingpong):
+        """fmt: f16 (scaled fp16 out), f16_mem (the same, t recomputed), bf16 (bf16 operands and out)."""
+        s = self.fused_bf16_state(t) if fmt == "bf16" else self.fused_state(t)
+        fn = self.sm90.gemm_tn_dgelu
+        if fmt == "bf16":
+            a, b, x, tt, out, ref, kw = s["a_bf"], s["b_bf"], s["x"], s["t"], s["outbf"], s["ref_bf"], {}
+        else:
+            a, b, x, out, ref, kw = s["a"], s["b"], s["x"], s["out16"], s["ref16"], dict(alpha=ALPHA)
+            tt = None if fmt == "f16_mem" else s["t"]
+
+        def call():
+            fn(a, b, x, tt, out, block_n=block_n, pingpong=pingpong, **kw)
+
+        checked = self.check(out, ref, fmt, call)
+        return self.record("fused", "gemm1", t, f"ours_dgelu_{fmt}_" + config_name(block_n, pingpong), self.timed(call),
+                           cfg=config_name(block_n, pingpong), fmt=fmt, **checked)
+
+    # ---- host cost -------------------------------------------------------------------------------
+    def host(self):
+        s = self.gemm_state("gemm1", 4096)
+        a, b, out = s["a"], s["b"], s["out"]
+        g = self.sm90
+        t0 = time.perf_counter()
+        for _ in range(100):
+            g.encode_tensor_map(a.data.ptr, a.shape[0], a.shape[1], a.shape[1] * 2, g.OP_F16, g.BLOCK_M)
+        encode = (time.perf_counter() - t0) / 100 * 1e6
+        g.gemm_tn(a, b, out)
+        self.stream.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(100):
+            g.gemm_tn(a, b, out)
+        call = (time.perf_counter() - t0) / 100 * 1e6
+        self.stream.synchronize()
+        return dict(section="host", T=4096, impl="host", encode_tensor_map_us=encode, gemm_tn_call_cached_maps_us=call)
+
+
+def work_items(bench):
+    """(name, fn) in order of importance (see the module docstring)."""
+    items = []
+
+    def add(name, fn, *args):
+        items.append((name, lambda: fn(*args)))
+
+    coop = ((256, False), (128, False))
+    for t in FUSED_TS:  # 1. the issue-10 target
+        add(f"fused T={t} cublas gemm1", bench.fused_cublas, t)
+        add(f"fused T={t} ours f16 bn256", bench.fused_ours, t, "f16", 256, False)
+        add(f"fused T={t} cublas+pass f16", bench.fused_cublas_pass, t)
+    for t in (8192, 1024):  # 2. the four GEMMs
+        for gemm in GEMMS:
+            add(f"{gemm} T={t} cublas", bench.gemm_cublas, gemm, t)
+            add(f"{gemm} T={t} ours bn256", bench.gemm_ours, gemm, t, 256, False)
+    for t in FUSED_TS:  # 3. the rest
+        add(f"fused T={t} ours f16 bn128", bench.fused_ours, t, "f16", 128, False)
+        add(f"fused T={t} ours f16 memory mode bn256", bench.fused_ours, t, "f16_mem", 256, False)
+        add(f"fused T={t} cublas bf16 gemm1", bench.fused_cublas_bf16, t)
+        add(f"fused T={t} ours bf16 bn256", bench.fused_ours, t, "bf16", 256, False)
+        add(f"fused T={t} cublas bf16 + engine pass", bench.engine_pass_bf16, t)
+    for t in (8192, 1024):
+        for gemm in GEMMS:
+            add(f"{gemm} T={t} ours bn128", bench.gemm_ours, gemm, t, 128, False)
+            add(f"{gemm} T={t} cupy.matmul", bench.gemm_cupy, gemm, t)
+    for t in (256, 2048, 4096):
+        for gemm in GEMMS:
+            add(f"{gemm} T={t} cublas", bench.gemm_cublas, gemm, t)
+            for bn, pp in coop:
+                add(f"{gemm} T={t} ours {config_name(bn, pp)}", bench.gemm_ours, gemm, t, bn, pp)
+    add("host cost", bench.host)
+    for t in FUSED_TS:  # 4. ping-pong, last (a pipeline bug traps and ends the context)
+        add(f"fused T={t} ours f16 bn128pp", bench.fused_ours, t, "f16", 128, True)
+    for t in (8192, 1024):
+        for gemm in GEMMS:
+            add(f"{gemm} T={t} ours bn128pp", bench.gemm_ours, gemm, t, 128, True)
+    return items
+
+
+def context_is_dead(exc):
+    """True when the CUDA context can no longer run anything (after a trap: every call fails)."""
+    try:
+        import cupy
+
+        cupy.cuda.runtime.deviceSynchronize()
+        return False
+    except Exception:
+        return True
+
+
+def main(argv=None):
+    start = time.perf_counter()
+    args = parse_args(argv)
+    import cupy
+
+    from cupyffn import _sm90_gemm
+
+    device = cupy.cuda.Device()
+    if not _sm90_gemm.device_supported(device.id):
+        print(f"sm90 GEMM bench: device {device.id} is compute capability {device.compute_capability}, not 9.0; "
+              "nothing to do")
+        return 2
+    runner = Runner(args.budget_s, args.out, start=start, fatal=context_is_dead)
+    runner.result.update(device=cupy.cuda.runtime.getDeviceProperties(device.id)["name"].decode(),
+                         cupy=cupy.__version__, reps=args.reps, warmup=args.warmup)
+    print(f"sm90 GEMM bench: budget {args.budget_s:g} s, {args.reps} reps (median) after {args.warmup} warm-ups; "
+          f"json: {args.out}", flush=True)
+    t0 = time.perf_counter()
+    try:
+        for op in (_sm90_gemm.OP_F16, _sm90_gemm.OP_BF16):  # one module: every variant in one NVRTC run (or the disk cache)
+            _sm90_gemm._kernel(op, 256, _sm90_gemm.EPI_F32, False, device.id)
+    except Exception as e:
+        runner.result["errors"].append(f"compile: {type(e).__name__}: {e}")
+        runner.save()
+        print(f"compile failed: {type(e).__name__}: {e}", flush=True)
         return 1
-    return 0
+    runner.result["compile_s"] = time.perf_counter() - t0
+    print(f"[{runner.elapsed():5.1f}s] module ready in {runner.result['compile_s']:.1f} s "
+          f"({len(_sm90_gemm.EXPRESSIONS)} kernels, NVRTC or CuPy's disk cache)", flush=True)
+    bench = Bench(args.reps, args.warmup)
+    result = runner.run(work_items(bench))
+    if not context_is_dead(None):
+        bench.close()
+    print_tables(result, args.out)
+    bad = [r["name"] for r in result["records"] if r.get("ok") is False]
+    if bad:
+        print("CHECK FAILED (ours vs cuBLAS): " + "; ".join(bad))
+    if result["errors"]:
+        print("ERRORS:\n  " + "\n  ".join(result["errors"]))
+    return 1 if bad or result["errors"] else 0
 
 
-def print_tables(result, path, configs):
+def print_tables(result, path):
     """The compact tables (stdout, last), from the JSON result alone."""
-    records, fused, host, compile_s = result["gemms"], result["fused"], result["host"], result["compile_s"]
-    cfgs = [config_name(bn, pp) for bn, pp in configs]
-    by = {(r["gemm"], r["T"], r["impl"]): r for r in records}
-    print(f"\nsm90 GEMM bench ({result['device']}; compile {compile_s:.1f} s; json: {path})")
-    print("TFLOP/s (ms) per GEMM: cuBLAS fp16->fp32 (the engine's call), cupy.matmul fp16->fp16, ours fp16->fp32 "
-          "(bn = tile N, pp = ping-pong); ratio = best ours / cuBLAS fp32-out time; err = worst rel L2 of ours vs cuBLAS")
-    impls = ["cublas_f16_f32out", "cupy_matmul_f16_f16out"] + ["sm90_" + c for c in cfgs]
-    heads = ["cuBLAS", "cupy f16out"] + ["ours " + c for c in cfgs]
-    print(f"{'gemm':5} {'T':>5} | " + " | ".join(f"{h:>14}" for h in heads) + " | ratio | err")
-    for t in TS:
-        for name in ("gemm1", "gemm2", "gemm3", "gemm4"):
-            cells, ours = [], []
-            for impl in impls:
-                r = by.get((name, t, impl))
-                cells.append(f"{r['tflops']:4.0f} ({r['ms']:.3f})" if r else "failed")
-                if r and impl.startswith("sm90"):
-                    ours.append(r)
-            base = by.get((name, t, "cublas_f16_f32out"))
-            ratio = f"{min(r['ms'] for r in ours) / base['ms']:5.2f}" if ours and base else "    -"
-            err = f"{max(r['rel_l2_vs_cublas'] for r in ours):.1e}" if ours else "-"
-            print(f"{name:5} {t:5d} | " + " | ".join(f"{c:>14}" for c in cells) + f" | {ratio} | {err}")
-    print("\nGEMM1 + GELU derivative, ms. Separate: cuBLAS GEMM1 (fp32 out) + a CuPy elementwise pass (fp16 out), "
-          "and cuBLAS bf16 GEMM1 + the engine's dgelu kernel (bf16 out). Fused: ours (f16 = scaled fp16 out, bf16 out, "
-          "mem = memory mode, fp16). ratio = best fused fp16 / cuBLAS GEMM1 alone (target <= 1.05 at T >= 2048)")
-    print(f"{'T':>5} | {'cuBLAS':>7} | {'+cupy':>7} | {'bf16 cuBLAS':>11} | {'+engine':>7} | {'fused f16':>16} | "
-          f"{'fused bf16':>16} | {'fused mem':>16} | ratio | worst err f16, bf16")
-    for row in fused:
-        def best(pattern):
-            """(fastest time, its config) over the configs, for keys fused_<pattern with CFG replaced>_ms."""
-            keys = [(f"fused_{pattern.replace('CFG', c)}_ms", c) for c in cfgs]
-            found = [(row[key], c) for key, c in keys if key in row]
-            return min(found) if found else None
+    recs = result["records"]
+    print(f"\n== sm90 GEMM bench ({result.get('device', '?')}; compile {result.get('compile_s', float('nan')):.1f} s; "
+          f"{len(recs)} measurements in {result.get('elapsed_s', 0):.1f} s; "
+          f"{'complete' if result['complete'] else 'INCOMPLETE: ' + str(result['stopped'])}; json: {path})")
+    if result["skipped"]:
+        print(f"skipped ({len(result['skipped'])}): " + ", ".join(result["skipped"][:6])
+              + (" ..." if len(result["skipped"]) > 6 else ""))
 
-        def cell(b):
-            return f"{b[0]:.3f} {b[1]:>8}" if b else "-"
+    fused = {(r["T"], r["impl"]): r for r in recs if r["section"] == "fused"}
+    if fused:
+        print("GEMM1 + GELU derivative, ms. ratio = best fused fp16 / cuBLAS GEMM1 alone (target <= 1.05 at T >= 2048); "
+              "err = worst rel L2 vs cuBLAS + pass")
+        print(f"{'T':>5} | {'cuBLAS':>7} | {'+pass':>7} | {'fused f16':>15} | {'ratio':>5} | {'f16 mem':>15} | "
+              f"{'cuBLAS bf16':>11} | {'+engine':>7} | {'fused bf16':>15} | err f16, bf16")
+        for t in sorted({t for t, _ in fused}):
+            def ms(impl):
+                r = fused.get((t, impl))
+                return f"{r['ms']:.3f}" if r else "-"
 
-        f16, bf16, mem = best("f16_CFG"), best("bf16_CFG"), best("f16_CFG_memory_mode")
-        sep = [f"{row[k]:.3f}" if k in row else "-" for k in ("cublas_gemm1_ms", "cublas_plus_cupy_pass_f16_ms",
-                                                              "cublas_bf16_gemm1_ms", "cublas_plus_engine_pass_bf16_ms")]
-        ratio = f"{f16[0] / row['cublas_gemm1_ms']:5.2f}" if f16 else "    -"
-        errs = []
-        for f in ("f16", "bf16"):
-            e = [row[f"fused_{f}_{c}_rel_l2"] for c in cfgs if f"fused_{f}_{c}_rel_l2" in row]
-            errs.append(f"{max(e):.1e}" if e else "-")
-        print(f"{row['T']:5d} | {sep[0]:>7} | {sep[1]:>7} | {sep[2]:>11} | {sep[3]:>7} | {cell(f16):>16} | "
-              f"{cell(bf16):>16} | {cell(mem):>16} | {ratio} | {', '.join(errs)}")
-    print(f"\nhost: encode_tensor_map {host['encode_tensor_map_us']:.1f} us, gemm_tn call (maps cached) "
-          f"{host['gemm_tn_call_cached_maps_us']:.1f} us")
+            def best(fmt):
+                rs = [r for (tt, _), r in fused.items() if tt == t and r.get("fmt") == fmt]
+                return min(rs, key=lambda r: r["ms"]) if rs else None
+
+            def cell(r):
+                return f"{r['ms']:.3f} {r['cfg']:>7}" if r else "-"
+
+            def worst(fmt):
+                e = [r["err"] for (tt, _), r in fused.items() if tt == t and r.get("fmt") == fmt]
+                bad = any(not r["ok"] for (tt, _), r in fused.items() if tt == t and r.get("fmt") == fmt)
+                return (f"{max(e):.1e}" + (" BAD" if bad else "")) if e else "-"
+
+            f16, base = best("f16"), fused.get((t, "cublas_gemm1_f16_f32out"))
+            ratio = f"{f16['ms'] / base['ms']:5.2f}" if f16 and base else "    -"
+            print(f"{t:5d} | {ms('cublas_gemm1_f16_f32out'):>7} | {ms('cublas+cupy_pass_f16'):>7} | {cell(f16):>15} | "
+                  f"{ratio} | {cell(best('f16_mem')):>15} | {ms('cublas_gemm1_bf16_f32out'):>11} | "
+                  f"{ms('cublas_bf16+engine_pass_bf16'):>7} | {cell(best('bf16')):>15} | {worst('f16')}, {worst('bf16')}")
+
+    gemm = [r for r in recs if r["section"] == "gemm"]
+    if gemm:
+        print("GEMMs fp16 in, TFLOP/s (ms). ratio = best ours time / cuBLAS time (< 1: ours faster); "
+              "err = worst rel L2 of ours vs cuBLAS")
+        print(f"{'gemm':5} {'T':>5} | {'cuBLAS f32out':>16} | {'best ours f32out':>24} | ratio | {'err':>7} | "
+              f"{'cupy f16out':>16}")
+        for t in sorted({r["T"] for r in gemm}, reverse=True):
+            for g in GEMMS:
+                rs = [r for r in gemm if r["T"] == t and r["gemm"] == g]
+                if not rs:
+                    continue
+                by = {r["impl"]: r for r in rs}
+                ours = [r for r in rs if r["impl"].startswith("ours")]
+                best = min(ours, key=lambda r: r["ms"]) if ours else None
+                base, cp = by.get("cublas_f16_f32out"), by.get("cupy_matmul_f16out")
+
+                def cell(r, cfg=False):
+                    return f"{r['tflops']:4.0f} ({r['ms']:.3f})" + (f" {r['cfg']:>7}" if cfg else "") if r else "-"
+
+                ratio = f"{best['ms'] / base['ms']:5.2f}" if best and base else "    -"
+                err = "-"
+                if ours:
+                    err = f"{max(r['err'] for r in ours):.1e}" + (" BAD" if any(not r["ok"] for r in ours) else "")
+                print(f"{g:5} {t:5d} | {cell(base):>16} | {cell(best, True):>24} | {ratio} | {err:>7} | {cell(cp):>16}")
+    pp = [r for r in recs if r.get("cfg", "").endswith("pp")]
+    if pp:
+        print("ping-pong bn128pp, ms (ratio to the same measurement's bn256 where there is one):")
+        for i in range(0, len(pp), 4):
+            cells = []
+            for r in pp[i:i + 4]:
+                twin = next((q for q in recs if q.get("cfg") == "bn256" and q["T"] == r["T"] and q["gemm"] == r["gemm"]
+                             and q.get("fmt") == r.get("fmt")), None)
+                cells.append(f"{r['gemm']} {r.get('fmt', 'f32')} T={r['T']} {r['ms']:.3f}"
+                             + (f" ({r['ms'] / twin['ms']:.2f})" if twin else "") + ("" if r["ok"] else " BAD"))
+            print("  " + "; ".join(cells))
+    for r in recs:
+        if r["section"] == "host":
+            print(f"host: encode_tensor_map {r['encode_tensor_map_us']:.1f} us, gemm_tn call (maps cached) "
+                  f"{r['gemm_tn_call_cached_maps_us']:.1f} us")
 
 
 if __name__ == "__main__":
