@@ -15,7 +15,7 @@ out, linear1_out and tanh_inner row-contiguous with even row strides and 16-byte
 overlapping no input. M, N and K need not be multiples of the tile: the TMA unit zero-fills what lies
 outside A and B, and the epilogue stores only in-bounds elements.
 
-The module is compiled by NVRTC through :class:`cupy.RawModule` with ``-arch=sm_90a`` (wgmma and
+Each kernel variant is compiled on first use (its own :class:`cupy.RawModule`, NVRTC) with ``-arch=sm_90a`` (wgmma and
 setmaxnreg exist only there; CuPy appends its own ``-arch=sm_90``, and NVRTC then still compiles for
 sm_90a: a plain sm_90 pass would reject wgmma, so a successful build is an sm_90a one). The TMA
 descriptors (CUtensorMap, 128 opaque bytes) are encoded by ``cuTensorMapEncodeTiled`` from
@@ -51,7 +51,7 @@ EPI_DGELU_F16 = 2
 CONFIGS = ((128, False), (256, False), (128, True))
 
 EXPRESSIONS = tuple(f"gemm_sm90_kernel<{op}, {bn}, {epi}, {int(pp)}>" for op in (OP_F16, OP_BF16) for bn, pp in CONFIGS
-                    for epi in (EPI_F32, EPI_DGELU_BF16, EPI_DGELU_F16))
+                    for epi in (EPI_F32, EPI_DGELU_BF16, EPI_DGELU_F16))  # every variant; each compiled on first use
 
 
 def stages_for(block_n):
@@ -108,15 +108,24 @@ def device_supported(device_id):
     return cupy.cuda.Device(device_id).compute_capability == "90"
 
 
+def expression(op, block_n, epi, pingpong):
+    """The name expression of one kernel variant (one of EXPRESSIONS)."""
+    return f"gemm_sm90_kernel<{op}, {block_n}, {epi}, {int(pingpong)}>"
+
+
 @functools.lru_cache(maxsize=None)
-def _module(device_id):
+def _module(name, device_id):
+    """One RawModule per variant, compiled on first use: NVRTC takes ~0.3-3 s per variant (~20 s for
+    all 18 at once), and a caller needs a few; CuPy's disk cache keeps each one for the next process."""
     import cupy
 
     if not device_supported(device_id):
         cc = cupy.cuda.Device(device_id).compute_capability
         raise RuntimeError(f"the sm_90a GEMM needs a compute capability 9.0 GPU; device {device_id} has {cc}")
+    if name not in EXPRESSIONS:
+        raise ValueError(f"unknown sm90 GEMM variant {name!r}; one of {EXPRESSIONS}")
     with cupy.cuda.Device(device_id):
-        module = cupy.RawModule(code=module_source(), options=NVRTC_OPTIONS, name_expressions=EXPRESSIONS)
+        module = cupy.RawModule(code=module_source(), options=NVRTC_OPTIONS, name_expressions=(name,))
         module.compile()
     return module
 
@@ -126,9 +135,10 @@ def _kernel(op, block_n, epi, pingpong, device_id):
     import cupy
     from cupy_backends.cuda.api import driver
 
-    module = _module(device_id)
+    name = expression(op, block_n, epi, pingpong)
+    module = _module(name, device_id)
     with cupy.cuda.Device(device_id):
-        kernel = module.get_function(f"gemm_sm90_kernel<{op}, {block_n}, {epi}, {int(pingpong)}>")
+        kernel = module.get_function(name)
         # above 48 KiB of dynamic shared memory needs the opt-in, on the very function we launch
         driver.funcSetAttribute(kernel.kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                 smem_bytes(block_n))
