@@ -11,6 +11,12 @@ operand types, each schedule; < 1 min on an H200 with a cold compile cache):
 
     PYTHONPATH=. python3 -m pytest -q -m sm90_quick tests/test_gpu_sm90_gemm.py
 
+or in two processes, ping-pong last, so that a pipeline trap there (which ends the CUDA context and
+fails every later test of its process) cannot hide the other verdicts:
+
+    PYTHONPATH=. python3 -m pytest -v --tb=line -m sm90_quick -k "not pp" tests/test_gpu_sm90_gemm.py
+    PYTHONPATH=. python3 -m pytest -v --tb=line -m sm90_quick -k pp tests/test_gpu_sm90_gemm.py
+
 The whole file (~180 cases): ``PYTHONPATH=. python3 -m pytest -q tests/test_gpu_sm90_gemm.py``.
 """
 

@@ -268,15 +268,16 @@ class Bench:
             m, n, k = shape("gemm1", t)
             a, b = self.random16(m, k), self.random16(n, k)
             x = 2 * cupy.random.standard_normal((m, n), dtype=cupy.float32)
-            tt = cupy.tanh(numpy.float32(0.7978845608028654) * (x + numpy.float32(0.044715) * x * x * x))
+            # cupy arrays first, Python floats (weak scalars): every step stays float32
+            tt = cupy.tanh((x + x * x * x * 0.044715) * 0.7978845608028654)
             acc = cupy.full((m, n), cupy.nan, cupy.float32)
             run = self.cublas_tn(a, b, acc)
             run()
             self.stream.synchronize()
             # the reference of the fp16 epilogue: cuBLAS's fp32 product * gelu'(x, t) * alpha, rounded to fp16
-            grad = numpy.float32(0.5) * (1 + tt) + numpy.float32(0.5 * 0.7978845608028654) * x * (1 - tt * tt) * (
-                1 + numpy.float32(0.134145) * x * x)
-            ref16 = (acc * grad * numpy.float32(ALPHA)).astype(cupy.float16)
+            grad = (tt + 1) * 0.5 + x * (1 - tt * tt) * (x * x * 0.134145 + 1) * (0.5 * 0.7978845608028654)
+            ref16 = (acc * grad * ALPHA).astype(cupy.float16)
+            assert grad.dtype == cupy.float32 and ref16.dtype == cupy.float16
             self._fused[t] = dict(a=a, b=b, x=x, t=tt, acc=acc, grad=grad, run_cublas=run, ref16=ref16,
                                   out16=cupy.empty((m, n), cupy.float16))
         return self._fused[t]
