@@ -546,7 +546,8 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
         are untouched.
     stream : cupy.cuda.Stream, optional
         Stream to work on (default: CuPy's current stream). Results are ready on it when the call
-        returns; the host is never synchronized. The stream may be capturing a CUDA graph once a call
+        returns; the host is never synchronized, except when a call of a new shape evicts a cached plan
+        (closing it waits for that plan's last call). The stream may be capturing a CUDA graph once a call
         of this shape and precision has run outside the capture (README, "Plan lifetime").
     accumulate : bool
         Add into ``out`` grad_weight1 / grad_weight2 instead of overwriting them (grad_hidden_states

@@ -15,7 +15,8 @@ contract (``cupyffn.PRECISIONS[precision].contract``, relative L2 error per outp
 
 GPU: XLA calls cupyffn while it runs the compiled program, with XLA's own device buffers (outputs
 allocated by XLA, written in place) and XLA's stream: the work is enqueued on that stream, in order with
-the rest of the program, and the host is never synchronized. CPU: the same callbacks run cupyffn's NumPy
+the rest of the program, and the host is never synchronized (except when a new shape evicts one of the
+cached plans: see ``gelu_ffn_backward``'s `stream`). CPU: the same callbacks run cupyffn's NumPy
 backend on XLA's host buffers (zero-copy).
 
 Memory (GPU): cupyffn's scratch buffers and cuBLAS workspaces come from CuPy's memory pool, beside XLA's.
