@@ -19,6 +19,12 @@ allocated by torch (``torch.empty``, inside the op) and handed to cupyffn as ``o
 it comes from the graph's memory pool. Capture needs the call's plan built first: run the step once
 (the usual warm-up iterations) before capturing.
 
+Eager fast path: outside tracing (``torch.compiler.is_compiling()`` False, no torch dispatch mode such
+as FakeTensorMode, no functorch transform, plain tensors) the layer runs the same implementation through a
+plain ``torch.autograd.Function`` instead of the operators, skipping the custom-op dispatcher's Python
+layers (host time per call; ``_eager`` says why that check is sufficient). ``entry_counts`` counts the calls
+of each route. ``gelu_ffn_backward`` is that eager backward as a function (no autograd).
+
 Autocast: under ``torch.autocast`` (CUDA or CPU) the forward casts its floating-point inputs to float32
 (``torch.library.register_autocast``) and computes in float32: the output is always float32, whatever
 the autocast dtype; gradients come back in the inputs' dtypes (autograd casts them). Outside autocast
@@ -60,7 +66,7 @@ from ._forward import gelu_ffn_forward as _gelu_ffn_forward
 from ._precision import DEFAULT as _DEFAULT_PRECISION
 from ._precision import lookup as _lookup_precision
 
-__all__ = ["GeluFFN", "GeluFFNFunction", "gelu_ffn"]
+__all__ = ["GeluFFN", "GeluFFNFunction", "gelu_ffn", "gelu_ffn_backward"]
 
 SAVE_MODES = ("all", "linear1_out")
 
@@ -68,20 +74,17 @@ SAVE_MODES = ("all", "linear1_out")
 # torch's current raw stream without building a torch.cuda.Stream object per call (the call inductor's
 # generated code makes); the public spelling where this torch lacks it
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_F32 = torch.float32
+_cupy = None  # the cupy module, imported on the first CUDA call
 
 
-def _cupy_stream(device):
-    """torch's current stream on `device` as a CuPy stream that does not own it (call with `device` current)."""
+def _cupy_stream(index):
+    """torch's current stream on device `index` as a CuPy stream that does not own it (call with it current)."""
     if _raw_stream is not None:
-        ptr = int(_raw_stream(device.index))
+        ptr = int(_raw_stream(index))
     else:  # pragma: no cover
-        ptr = int(torch.cuda.current_stream(device).cuda_stream)
-    return _views.external_stream(ptr, device.index)
-
-
-def _cuda_view(tensor):
-    """A CuPy ndarray over a float32 CUDA tensor's memory: no DLPack import, owns nothing (cupyffn._views)."""
-    return _views.float32_view(tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.device.index)
+        ptr = int(torch.cuda.current_stream(index).cuda_stream)
+    return _views.external_stream(ptr, index)
 
 
 def _readable(tensor):
@@ -91,6 +94,8 @@ def _readable(tensor):
     one row stride (C-contiguous tensors, slices of rows or columns of one); anything else (a transpose,
     an expanded gradient) is copied with ``.contiguous()``.
     """
+    if tensor.is_contiguous():  # the common case, decided in C++
+        return tensor
     if tensor.dim() == 0 or tensor.numel() == 0:
         return tensor
     strides = tuple(4 * s for s in tensor.stride())
@@ -104,7 +109,7 @@ def _check_tensors(named):
     for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__module__}.{type(t).__name__}")
-        if t.dtype != torch.float32:
+        if t.dtype != _F32:
             raise TypeError(f"{name} must be float32 (cupyffn computes in float32; under torch.autocast the inputs "
                             f"are cast to float32 for you); got {t.dtype}")
     device = named[0][1].device
@@ -120,22 +125,26 @@ def _check_tensors(named):
 class _Call:
     """How a call reaches cupyffn on `device`: the arrays to pass and the stream (None on the CPU)."""
 
-    __slots__ = ("device", "cuda", "stream", "_switch")
+    __slots__ = ("device", "cuda", "index", "stream", "_switch")
 
     def __init__(self, device):
         self.device = device
         self.cuda = device.type == "cuda"
+        self.index = device.index
 
     def __enter__(self):
+        global _cupy
         self._switch = None
         self.stream = None
         if self.cuda:
-            import cupy
+            if _cupy is None:
+                import cupy
 
-            if cupy.cuda.runtime.getDevice() != self.device.index:
-                self._switch = cupy.cuda.Device(self.device.index)
+                _cupy = cupy
+            if _cupy.cuda.runtime.getDevice() != self.index:
+                self._switch = _cupy.cuda.Device(self.index)
                 self._switch.__enter__()
-            self.stream = _cupy_stream(self.device)
+            self.stream = _cupy_stream(self.index)
         return self
 
     def __exit__(self, *exc):
@@ -144,15 +153,16 @@ class _Call:
         return False
 
     def arg(self, tensor):
-        """What cupyffn gets for `tensor`: a CuPy view on CUDA, a NumPy view on the CPU."""
+        """What cupyffn gets for `tensor`: a CuPy view on CUDA (no DLPack import, owns nothing: cupyffn._views),
+        a NumPy view on the CPU."""
         if tensor is None:
             return None
         if self.cuda:
-            return _cuda_view(tensor)
+            return _views.float32_view(tensor.data_ptr(), tensor.shape, tensor.stride(), self.index)
         return tensor.detach().numpy()
 
     def empty(self, shape):
-        return torch.empty(shape, dtype=torch.float32, device=self.device)
+        return torch.empty(shape, dtype=_F32, device=self.device)
 
 
 def _check_save(save):
@@ -161,25 +171,77 @@ def _check_save(save):
     return save
 
 
-# ---------------------------------------------------------------------- the operators
+# ---------------------------------------------------------------------- the implementation
+# One implementation of each pass; two entry points call it: the custom operators (what torch.compile,
+# export and fake tensors see) and, in plain eager mode, the autograd.Function _EagerGeluFFN (no dispatcher).
 _NOTHING = (0,)  # shape of the placeholder a not-needed gradient is returned as (ops cannot return None)
 
 
-@torch.library.custom_op("cupyffn::forward", mutates_args=())
-def _forward_op(hidden_states: torch.Tensor, weight1: torch.Tensor, weight2: torch.Tensor, precision: str,
-                save: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(output, linear1_out, tanh_inner, gelu_out); `save` only matters to the autograd formula."""
+def _forward_impl(hidden_states, weight1, weight2, precision):
+    """(output, linear1_out, tanh_inner, gelu_out), all allocated by torch and written by cupyffn (out=)."""
     device = _check_tensors((("hidden_states", hidden_states), ("weight1", weight1), ("weight2", weight2)))
-    x, w1, w2 = (_readable(t) for t in (hidden_states, weight1, weight2))
+    x, w1, w2 = _readable(hidden_states), _readable(weight1), _readable(weight2)
     lead = tuple(x.shape[:-1]) if x.dim() else ()
     hidden = w1.shape[0] if w1.dim() == 2 else 0
     with _Call(device) as call:
         outs = None
         if x.dim() >= 1 and w1.dim() == 2:  # else cupyffn raises the shape error
             outs = (call.empty(lead + (x.shape[-1],)),) + tuple(call.empty(lead + (hidden,)) for _ in range(3))
-        _gelu_ffn_forward(call.arg(x), call.arg(w1), call.arg(w2), precision=precision,
-                          out=None if outs is None else [call.arg(o) for o in outs], stream=call.stream)
+        arg = call.arg
+        _gelu_ffn_forward(arg(x), arg(w1), arg(w2), precision=precision,
+                          out=None if outs is None else [arg(o) for o in outs], stream=call.stream)
     return outs
+
+
+def _backward_impl(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out, precision,
+                   need_grad_hidden, need_weight_grads):
+    """(grad_hidden_states, grad_weight1, grad_weight2); one not needed is None."""
+    # the saved inputs are the caller's tensors, as the forward got them: the same layouts are copied again
+    dy, x, w1, w2 = _readable(grad_output), _readable(hidden_states), _readable(weight1), _readable(weight2)
+    with _Call(x.device) as call:
+        empty, arg = call.empty, call.arg
+        gx = empty(x.shape) if need_grad_hidden else None
+        gw1 = empty(w1.shape) if need_weight_grads else None
+        gw2 = empty(w2.shape) if need_weight_grads else None
+        _gelu_ffn_backward(arg(dy), arg(x), arg(w1), arg(w2), arg(linear1_out), arg(tanh_inner), arg(gelu_out),
+                           precision=precision, out=[arg(gx), arg(gw1), arg(gw2)], stream=call.stream,
+                           need_grad_hidden=need_grad_hidden, need_weight_grads=need_weight_grads)
+    return gx, gw1, gw2
+
+
+def _save(ctx, inputs, output):
+    """What the backward keeps (both entry points)."""
+    x, w1, w2, precision, save = inputs
+    _, z, t, g = output
+    ctx.precision = precision
+    if save == "all":
+        ctx.save_for_backward(x, w1, w2, z, t, g)
+    else:  # memory mode: tanh_inner and gelu_out are recomputed from z inside the backward's kernels
+        ctx.save_for_backward(x, w1, w2, z)
+
+
+def _gradients(ctx, grad_output, backward):
+    """Gradients of (hidden_states, weight1, weight2, precision, save) by `backward` (the backward operator or
+    _backward_impl: both return placeholders or None for what is not needed, dropped here)."""
+    need_x, need_w1, need_w2 = ctx.needs_input_grad[:3]
+    need_weights = need_w1 or need_w2
+    if not (need_x or need_weights):
+        return None, None, None, None, None
+    saved = ctx.saved_tensors
+    x, w1, w2, z = saved[:4]
+    t, g = saved[4:] if len(saved) == 6 else (None, None)
+    if grad_output.dtype != _F32:  # a hook changed it; the math is float32 anyway
+        grad_output = grad_output.float()
+    grad_x, grad_w1, grad_w2 = backward(grad_output, x, w1, w2, z, t, g, ctx.precision, need_x, need_weights)
+    return (grad_x if need_x else None, grad_w1 if need_w1 else None, grad_w2 if need_w2 else None, None, None)
+
+
+# ---------------------------------------------------------------------- the operators
+@torch.library.custom_op("cupyffn::forward", mutates_args=())
+def _forward_op(hidden_states: torch.Tensor, weight1: torch.Tensor, weight2: torch.Tensor, precision: str,
+                save: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(output, linear1_out, tanh_inner, gelu_out); `save` only matters to the autograd formula."""
+    return _forward_impl(hidden_states, weight1, weight2, precision)
 
 
 @_forward_op.register_fake
@@ -191,8 +253,8 @@ def _forward_fake(hidden_states, weight1, weight2, precision, save):
                          f"{tuple(hidden_states.shape)} and {tuple(weight1.shape)}")
     lead = tuple(hidden_states.shape[:-1])
     hidden = weight1.shape[0]
-    return (hidden_states.new_empty(tuple(hidden_states.shape), dtype=torch.float32),) + tuple(
-        hidden_states.new_empty(lead + (hidden,), dtype=torch.float32) for _ in range(3))
+    return (hidden_states.new_empty(tuple(hidden_states.shape), dtype=_F32),) + tuple(
+        hidden_states.new_empty(lead + (hidden,), dtype=_F32) for _ in range(3))
 
 
 @torch.library.custom_op("cupyffn::backward", mutates_args=())
@@ -201,58 +263,91 @@ def _backward_op(grad_output: torch.Tensor, hidden_states: torch.Tensor, weight1
                  gelu_out: Optional[torch.Tensor], precision: str, need_grad_hidden: bool,
                  need_weight_grads: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_hidden_states, grad_weight1, grad_weight2); one not needed is an empty [0] tensor."""
-    # the saved inputs are the caller's tensors, as the forward got them: the same layouts are copied again
-    dy, x, weight1, weight2 = (_readable(t) for t in (grad_output, hidden_states, weight1, weight2))
-    with _Call(x.device) as call:
-        out = (call.empty(x.shape) if need_grad_hidden else None,
-               call.empty(weight1.shape) if need_weight_grads else None,
-               call.empty(weight2.shape) if need_weight_grads else None)
-        _gelu_ffn_backward(call.arg(dy), call.arg(x), call.arg(weight1), call.arg(weight2), call.arg(linear1_out),
-                           call.arg(tanh_inner), call.arg(gelu_out), precision=precision,
-                           out=[call.arg(o) for o in out], stream=call.stream, need_grad_hidden=need_grad_hidden,
-                           need_weight_grads=need_weight_grads)
-    return tuple(o if o is not None else call.empty(_NOTHING) for o in out)
+    out = _backward_impl(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out, precision,
+                         need_grad_hidden, need_weight_grads)
+    return tuple(o if o is not None else torch.empty(_NOTHING, dtype=_F32, device=hidden_states.device)
+                 for o in out)
 
 
 @_backward_op.register_fake
 def _backward_fake(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out, precision,
                    need_grad_hidden, need_weight_grads):
     def empty(shape, needed):
-        return hidden_states.new_empty(tuple(shape) if needed else _NOTHING, dtype=torch.float32)
+        return hidden_states.new_empty(tuple(shape) if needed else _NOTHING, dtype=_F32)
 
     return (empty(hidden_states.shape, need_grad_hidden), empty(weight1.shape, need_weight_grads),
             empty(weight2.shape, need_weight_grads))
 
 
-def _setup_context(ctx, inputs, output):
-    x, w1, w2, precision, save = inputs
-    _, z, t, g = output
-    ctx.precision = precision
-    if save == "all":
-        ctx.save_for_backward(x, w1, w2, z, t, g)
-    else:  # memory mode: tanh_inner and gelu_out are recomputed from z inside the backward's kernels
-        ctx.save_for_backward(x, w1, w2, z)
-
-
 def _autograd_backward(ctx, grad_output, *unused_grads):
-    """Gradients of (hidden_states, weight1, weight2); the other forward results are internal (not returned)."""
-    need_x, need_w1, need_w2 = ctx.needs_input_grad[:3]
-    need_weights = need_w1 or need_w2
-    if not (need_x or need_weights):
-        return None, None, None, None, None
-    saved = ctx.saved_tensors
-    x, w1, w2, z = saved[:4]
-    t, g = saved[4:] if len(saved) == 6 else (None, None)
-    if grad_output.dtype != torch.float32:  # a hook changed it; the math is float32 anyway
-        grad_output = grad_output.float()
-    grad_x, grad_w1, grad_w2 = _backward_op(grad_output, x, w1, w2, z, t, g, ctx.precision, need_x, need_weights)
-    return (grad_x if need_x else None, grad_w1 if need_w1 else None, grad_w2 if need_w2 else None, None, None)
+    """The forward operator's autograd formula; the other forward results are internal (no gradient)."""
+    return _gradients(ctx, grad_output, _backward_op)
 
 
-_forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+_forward_op.register_autograd(_autograd_backward, setup_context=_save)
 for _device_type in ("cuda", "cpu"):
-    torch.library.register_autocast("cupyffn::forward", _device_type, torch.float32)
+    torch.library.register_autocast("cupyffn::forward", _device_type, _F32)
 del _device_type
+
+
+# ---------------------------------------------------------------------- the eager entry point
+class _EagerGeluFFN(torch.autograd.Function):
+    """The layer in plain eager mode: the same _forward_impl / _backward_impl as the operators, without the
+    custom-op dispatcher (autograd_impl, redispatch, the dynamo-disable wrapper, the backend lookup) whose
+    Python layers cost more host time per call than the body."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, weight1, weight2, precision, save):
+        output = _forward_impl(hidden_states, weight1, weight2, precision)
+        _save(ctx, (hidden_states, weight1, weight2, precision, save), output)
+        return output[0]  # linear1_out, tanh_inner, gelu_out: saved (or freed in memory mode), not outputs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # no double backward (as the operator: no formula for it)
+    def backward(ctx, grad_output):
+        return _gradients(ctx, grad_output, _backward_impl)
+
+
+# The eager Function runs only when nothing is tracing or intercepting torch calls; otherwise the operators.
+# torch.compile and torch.export (strict) trace through dynamo, where torch.compiler.is_compiling() is True
+# (documented: "traced as part of torch.compile() or torch.export()"); inductor and AOT autograd then see the
+# operators dynamo recorded, never this Python. Non-strict export, make_fx, opcheck and FakeTensorMode run
+# under a torch dispatch mode (or hand us FakeTensor / FunctionalTensor subclasses); torch.func transforms
+# wrap tensors in functorch layers: each case is checked below and takes the operators, which are right in
+# every mode (the Function is only a faster route to the same implementation).
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+#: How many layer calls took each entry point (tests read it; one integer add per call).
+entry_counts = {"eager": 0, "operator": 0}
+
+
+def _eager(x, weight1, weight2):
+    if (torch.compiler.is_compiling() or _dispatch_modes is None or _functorch_active is None
+            or type(x) not in _PLAIN or type(weight1) not in _PLAIN or type(weight2) not in _PLAIN):
+        return False
+    return not _dispatch_modes() and not _functorch_active()
+
+
+def _autocast_float32(t, device_type):
+    """torch.library.register_autocast's cast for one input: floating, on the autocast device, not float64."""
+    if (isinstance(t, torch.Tensor) and t.dtype != _F32 and t.is_floating_point() and t.dtype != torch.float64
+            and t.device.type == device_type):
+        return t.to(_F32)
+    return t
+
+
+def _layer(x, weight1, weight2, precision, save):
+    """The differentiable block through the eager Function or the operators (see _eager); checked arguments."""
+    if _eager(x, weight1, weight2):
+        entry_counts["eager"] += 1
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):  # as the operator's autocast rule: compute in float32
+            x, weight1, weight2 = (_autocast_float32(t, device_type) for t in (x, weight1, weight2))
+        return _EagerGeluFFN.apply(x, weight1, weight2, precision, save)
+    if not torch.compiler.is_compiling():  # a counter update in a traced graph would be a side effect
+        entry_counts["operator"] += 1
+    return torch.ops.cupyffn.forward(x, weight1, weight2, precision, save)[0]
 
 
 # ---------------------------------------------------------------------- public API
@@ -260,8 +355,7 @@ class GeluFFNFunction:
     """``output = gelu_tanh(hidden_states @ weight1.T) @ weight2.T`` with cupyffn's forward and backward.
 
     ``GeluFFNFunction.apply(hidden_states, weight1, weight2, precision, save)`` (kept for code written
-    against the earlier ``torch.autograd.Function``; it is ``gelu_ffn``, the operators with their
-    autograd formula):
+    against the earlier ``torch.autograd.Function``; it is ``gelu_ffn``):
 
     * hidden_states ``[..., D]``, weight1 ``[H, D]``, weight2 ``[D, H]``: float32, one CPU or CUDA device.
       A tensor whose layout cupyffn cannot read (last dimension not unit-stride, or leading dimensions
@@ -290,7 +384,21 @@ def gelu_ffn(x, weight1, weight2, precision=_DEFAULT_PRECISION, save="all"):
     CPU or CUDA device (any floating dtype under ``torch.autocast``: cast to float32). Returns a ``[..., D]``
     float32 tensor. Traceable by ``torch.compile`` (``fullgraph=True``) and capturable in CUDA graphs.
     """
-    return torch.ops.cupyffn.forward(x, weight1, weight2, _lookup_precision(precision).name, _check_save(save))[0]
+    return _layer(x, weight1, weight2, _lookup_precision(precision).name, _check_save(save))
+
+
+def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner=None, gelu_out=None,
+                      precision=_DEFAULT_PRECISION, need_grad_hidden=True, need_weight_grads=True):
+    """The layer's backward as eager autograd runs it, without autograd: (grad_hidden_states, grad_weight1,
+    grad_weight2), None for what is not needed; new float32 tensors from torch, on torch's current stream.
+
+    The tensors are float32 on one CPU or CUDA device; linear1_out, tanh_inner, gelu_out as
+    ``cupyffn.gelu_ffn_backward`` takes them (None for tanh_inner and gelu_out: memory mode). Not traceable
+    by torch.compile (``torch.ops.cupyffn.backward`` is the traceable operator, with placeholders in place
+    of None).
+    """
+    return _backward_impl(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out,
+                          _lookup_precision(precision).name, need_grad_hidden, need_weight_grads)
 
 
 class GeluFFN(torch.nn.Module):
@@ -327,7 +435,7 @@ class GeluFFN(torch.nn.Module):
         torch.nn.init.kaiming_uniform_(self.weight2, a=math.sqrt(5))
 
     def forward(self, x):
-        return torch.ops.cupyffn.forward(x, self.weight1, self.weight2, self.precision, self.save)[0]
+        return _layer(x, self.weight1, self.weight2, self.precision, self.save)
 
     def extra_repr(self):
         return f"dim={self.dim}, hidden_dim={self.hidden_dim}, precision={self.precision!r}, save={self.save!r}"
