@@ -366,3 +366,110 @@ def test_gelu_ffn_function_keeps_its_name(rng):
     a = ct.GeluFFNFunction.apply(x, w1, w2, "ieee", "linear1_out")
     assert torch.equal(a, ct.gelu_ffn(x, w1, w2, "ieee", "linear1_out"))
     assert torch.equal(a, torch.ops.cupyffn.forward(x, w1, w2, "ieee", "linear1_out")[0])
+
+
+# ---------------------------------------------------------------------- the eager fast path and the operators
+def op_layer(x, w1, w2, precision="bf16x3", save="all"):
+    """The layer through the custom operators (what torch.compile sees), eager."""
+    return torch.ops.cupyffn.forward(x, w1, w2, precision, save)[0]
+
+
+def test_eager_mode_takes_the_function_and_compile_the_operators(rng):
+    torch._dynamo.reset()
+    dim, hidden = 32, 64
+    ffn = ct.GeluFFN(dim, hidden, precision="ieee")
+    x = make(rng, "cpu", lead=(8,), dim=dim, hidden=hidden)[0].requires_grad_()
+    before = dict(ct.entry_counts)
+    y = ffn(x)
+    assert y.grad_fn.name() == "_EagerGeluFFNBackward"  # autograd's node for the eager Function
+    y.sum().backward()
+    assert ct.entry_counts == {"eager": before["eager"] + 1, "operator": before["operator"]}
+
+    targets = []
+
+    def recording_backend(gm, example_inputs):
+        targets.extend(node.target for node in gm.graph.nodes)
+        return gm.forward
+
+    compiled = torch.compile(ffn, fullgraph=True, backend=recording_backend)
+    x2 = x.detach().clone().requires_grad_()
+    y2 = compiled(x2)
+    y2.sum().backward()
+    # dynamo recorded the operator (as its packet or overload), not the Function
+    assert {torch.ops.cupyffn.forward, torch.ops.cupyffn.forward.default} & set(targets)
+    assert ct.entry_counts["eager"] == before["eager"] + 1  # the compiled call did not run the eager path
+    assert torch.equal(y2, y) and torch.equal(x2.grad, x.grad)
+
+
+def test_fake_tensors_take_the_operators(rng):
+    """Under FakeTensorMode (as export / make_fx trace) the eager Function would read a fake tensor's memory."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    before = ct.entry_counts["operator"]
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(make(rng, "cpu", lead=(4, 8), dim=32, hidden=64)[0])
+        w1, w2 = torch.empty(64, 32), torch.empty(32, 64)
+        y = ct.gelu_ffn(x, w1, w2)
+    assert y.shape == (4, 8, 32) and y.dtype == torch.float32
+    assert ct.entry_counts["operator"] == before + 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("save", ("all", "linear1_out"))
+@pytest.mark.parametrize("precision", PRECISION_NAMES)
+def test_eager_function_and_operators_give_identical_results(rng, device, precision, save):
+    """One implementation behind both entry points: bitwise the same output and gradients."""
+    x, w1, w2, r = make(rng, device)
+    before = dict(ct.entry_counts)
+    eager = run(lambda a, b, c: ct.gelu_ffn(a, b, c, precision, save), x, w1, w2, r)
+    ops = run(lambda a, b, c: op_layer(a, b, c, precision, save), x, w1, w2, r)
+    assert ct.entry_counts["eager"] == before["eager"] + 1
+    for a, b, name in zip(eager, ops, NAMES):
+        assert torch.equal(a, b), name
+    assert_within(eager, reference(x, w1, w2, r), cupyffn.PRECISIONS[precision].contract)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gelu_ffn_backward_is_the_operator_without_placeholders(rng, device):
+    x, w1, w2, r = make(rng, device)
+    y, z, t, g = torch.ops.cupyffn.forward(x, w1, w2, "bf16x3", "all")
+    for need_x, need_w in ((True, True), (True, False), (False, True)):
+        fast = ct.gelu_ffn_backward(r, x, w1, w2, z, t, g, "bf16x3", need_x, need_w)
+        op = torch.ops.cupyffn.backward(r, x, w1, w2, z, t, g, "bf16x3", need_x, need_w)
+        for a, b, needed in zip(fast, op, (need_x, need_w, need_w)):
+            if needed:
+                assert torch.equal(a, b)
+            else:
+                assert a is None and b.shape == (0,)
+    refs = reference(x, w1, w2, r)
+    grads = ct.gelu_ffn_backward(r, x, w1, w2, z, None, None)  # memory mode
+    assert_within((y,) + grads, refs, cupyffn.PRECISIONS["bf16x3"].contract)
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
+def test_eager_autocast_casts_to_float32(rng, dtype):
+    """CPU autocast on the eager path: the float32 call's results exactly (inputs cast to float32 first)."""
+    x, w1, w2, r = make(rng, "cpu", lead=(32,), dim=64, hidden=256)
+    x_low = x.to(dtype)
+    before = ct.entry_counts["eager"]
+    xa, w1a, w2a = x_low.clone().requires_grad_(), w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=dtype):
+        y = ct.gelu_ffn(xa, w1a, w2a, "ieee")
+    assert ct.entry_counts["eager"] == before + 1
+    assert y.dtype == torch.float32
+    (y * r).sum().backward()
+    want = run(lambda a, b, c: ct.gelu_ffn(a, b, c, "ieee"), x_low.float(), w1, w2, r)
+    assert torch.equal(y.detach(), want[0])
+    assert torch.equal(w1a.grad, want[2]) and torch.equal(w2a.grad, want[3])
+    assert xa.grad.dtype == dtype and torch.equal(xa.grad, want[1].to(dtype))  # autograd casts grad_x back
+    assert_within(want, reference(x_low.float(), w1, w2, r), cupyffn.PRECISIONS["ieee"].contract)
+    with torch.autocast("cpu", dtype=dtype), pytest.raises(TypeError, match="hidden_states must be float32"):
+        ct.gelu_ffn(x.double(), w1, w2)  # float64 is not cast by autocast (as the operator's rule)
+
+
+def test_eager_double_backward_raises(rng):
+    x, w1, w2, r = make(rng, "cpu", lead=(8,), dim=32, hidden=64)
+    x.requires_grad_()
+    (gx,) = torch.autograd.grad(ct.gelu_ffn(x, w1, w2).square().sum(), x, create_graph=True)  # dy needs grad
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        gx.sum().backward()
