@@ -6,15 +6,26 @@
     PYTHONPATH=. python3 -m benchmarks.layers --tokens 256 --calls 300
 
 Rows (all "bf16x3", the same arrays, every result checked against float64 first):
-  cupy-plan         GeluFFNBackward(...)(..., out=, stream=)          the CuPy path with a plan
-  cupy-functional   gelu_ffn_backward(..., out=, stream=)              the CuPy path, cached plan
-  torch-op          torch.ops.cupyffn.backward(...)                    through the torch layer, eager
-  torch-op-compiled torch.compile(fullgraph=True) of the same call     inductor around the opaque op
-  jax-jit           jax.jit of cupyffn.jax's backward (buffer callback) dispatch only (XLA runs it async)
+  cupy-plan                  GeluFFNBackward(...)(..., out=, stream=)   the CuPy path with a plan
+  cupy-functional-out        gelu_ffn_backward(..., out=, stream=)      the CuPy path, cached plan
+  cupyffn-bf16x3-functional  gelu_ffn_backward(..., stream=)            the same, outputs from CuPy's pool:
+                                                                        issue 12's baseline (as bench.py --loop)
+  cupyffn-torch-op           torch.ops.cupyffn.backward(...)            the torch operator, eager
+  cupyffn-torch-layer        cupyffn.torch.gelu_ffn_backward(...)       what the eager layer's backward runs
+                                                                        (its autograd.Function), no dispatcher
+  cupyffn-torch-op-compiled  torch.compile(fullgraph=True) of the op    inductor around the opaque op
+  cupyffn-torch-autograd     torch.autograd.grad over a kept graph      (standalone only) the eager layer with
+                                                                        torch's autograd engine around it
+  jax-jit                    jax.jit of cupyffn.jax's backward          dispatch only (XLA runs it async)
 
-Host time: median over --calls of the time to issue one call with the launch queue drained first (as
-bench.py --loop measures it). ``layer_impls()`` returns the callables in bench.py --loop's form
-(name -> (run, plan)) for the torch rows; ``jax_impl()`` the JAX one with its own synchronization.
+Host time: median over --calls of the time to issue one call with the launch queue drained first, in two
+loop styles: "dropped" (each result freed before the next call, as bench.py --loop runs them) and "kept"
+(the previous result alive during the call, ``r = run()``). For each style also cupyffn's full validations
+per call (``_validate.prepare`` calls) and the distinct grad_hidden_states addresses over 20 calls: if torch's
+caching allocator alternates two output sets in the kept style, the validated-call fast path (one remembered
+signature per plan, ``GeluFFNBackward._last``) misses every call, which these columns show.
+``layer_impls()`` returns the callables in bench.py --loop's form (name -> (run, plan))
+for the torch rows; ``jax_impl()`` the JAX one with its own synchronization.
 """
 
 import argparse
@@ -37,11 +48,13 @@ def layer_impls(args2d, precision="bf16x3", compile=True):
 
     targs = [torch.from_dlpack(a) for a in args2d]
     op = torch.ops.cupyffn.backward
+    layer_backward = cupyffn.torch.gelu_ffn_backward
 
     def eager():
         return op(*targs, precision, True, True)
 
-    impls = {"cupyffn-torch-op": (eager, None)}
+    impls = {"cupyffn-torch-op": (eager, None),
+             "cupyffn-torch-layer": (lambda: layer_backward(*targs, precision), None)}
     if compile:
         if precision not in _compiled:  # one compilation for every shape (dynamic), as bench.py's torch rows
             _compiled[precision] = torch.compile(lambda *a: op(*a, precision, True, True), fullgraph=True,
@@ -69,11 +82,15 @@ def jax_impl(args2d, precision="bf16x3"):
     return (lambda: backward(*jargs)), jax.block_until_ready
 
 
-def _host_us(run, sync, calls):
+def _host_us(run, sync, calls, keep=False):
+    """Median host us to issue one call; `keep`: the previous result stays alive during the call."""
     for _ in range(5):
         sync(run())
     issue = []
+    r = None
     for _ in range(calls):
+        if not keep:
+            r = None
         a = time.perf_counter()
         r = run()
         issue.append(time.perf_counter() - a)
@@ -81,9 +98,35 @@ def _host_us(run, sync, calls):
     return statistics.median(issue) * 1e6
 
 
+def _addresses(run, calls, keep):
+    """(prepare() calls per call, distinct addresses of the first result) over `calls` calls."""
+    from cupyffn import _validate
+
+    original, count, seen = _validate.prepare, [0], set()
+
+    def counting(*a, **k):
+        count[0] += 1
+        return original(*a, **k)
+
+    r = run()
+    _validate.prepare = counting
+    try:
+        for _ in range(calls):
+            if not keep:
+                r = None
+            r = run()
+            g = r[0]
+            seen.add(g.data_ptr() if hasattr(g, "data_ptr") else g.data.ptr)
+    finally:
+        _validate.prepare = original
+    return count[0] / calls, len(seen)
+
+
 def main(tokens=2048, dim=1536, hidden_dim=6144, calls=200, jax_too=True):
     import cupy
     import torch
+
+    import cupyffn.torch as ct
 
     inputs = W.make_inputs((tokens,), dim, hidden_dim, xp=cupy, seed=1)
     args2d = [inputs[n] for n in W.INPUT_NAMES]
@@ -95,29 +138,55 @@ def main(tokens=2048, dim=1536, hidden_dim=6144, calls=200, jax_too=True):
     out = tuple(cupy.empty(s, dtype=cupy.float32) for s in shapes)
     plan = cupyffn.GeluFFNBackward(tokens, dim, hidden_dim, precision="bf16x3")
     rows = {"cupy-plan": (lambda: plan(*args2d, out=out, stream=stream), None),
-            "cupy-functional": (lambda: cupyffn.gelu_ffn_backward(*args2d, out=out, stream=stream), None)}
+            "cupy-functional-out": (lambda: cupyffn.gelu_ffn_backward(*args2d, out=out, stream=stream), None),
+            "cupyffn-bf16x3-functional": (lambda: cupyffn.gelu_ffn_backward(*args2d, stream=stream), None)}
     rows.update(layer_impls(args2d))
     results = {}
+    sync = lambda r: stream.synchronize()  # noqa: E731
     with torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)):
+        # the eager layer through autograd: its forward on this stream, so autograd's backward runs here too
+        x, w1, w2 = (torch.from_dlpack(a).detach().requires_grad_() for a in args2d[1:4])
+        y = ct.gelu_ffn(x, w1, w2, "bf16x3")
+        assert y.grad_fn.name() == "_EagerGeluFFNBackward", y.grad_fn.name()
+        dy = torch.from_dlpack(args2d[0])
+        rows["cupyffn-torch-autograd"] = (
+            lambda: torch.autograd.grad(y, (x, w1, w2), dy, retain_graph=True), None)
+        stream.synchronize()
+        # its backward reads the forward's own linear1_out / tanh_inner / gelu_out: the reference from those
+        saved = dict(zip(W.INPUT_NAMES[1:], (cupy.from_dlpack(t.detach()) for t in y.grad_fn.saved_tensors)))
+        refs = {"cupyffn-torch-autograd": W.reference(dict(saved, grad_output=args2d[0]), xp=cupy)}
         for name, (run, _) in rows.items():
+            for g in out:  # NaN-poisoned: a row that writes nothing fails the check
+                g.fill(float("nan"))
             grads = run()
             stream.synchronize()
-            for g, r, label in zip(grads, ref64, W.OUTPUT_NAMES):
+            for g, r, label in zip(grads, refs.get(name, ref64), W.OUTPUT_NAMES):
                 g = g if isinstance(g, cupy.ndarray) else cupy.from_dlpack(g)
                 err = W.relative_l2(g, r, xp=cupy)
                 assert err <= contract, f"{name} {label}: {err}"
-            results[name] = _host_us(run, lambda r: stream.synchronize(), calls)
+            del grads, g
+            res = results[name] = {"dropped": _host_us(run, sync, calls), "kept": _host_us(run, sync, calls, True)}
+            res["prepare_dropped"], res["addresses_dropped"] = _addresses(run, 20, False)
+            res["prepare_kept"], res["addresses_kept"] = _addresses(run, 20, True)
+            stream.synchronize()
     if jax_too:
         run, sync = jax_impl(args2d)
         grads = sync(run())
         for g, r, label in zip(grads, ref64, W.OUTPUT_NAMES):
             err = W.relative_l2(cupy.asarray(g.__array__()), r, xp=cupy)
             assert err <= contract, f"jax-jit {label}: {err}"
-        results["jax-jit"] = _host_us(run, sync, calls)
-    base = results["cupy-plan"]
-    print(f"T={tokens} D={dim} H={hidden_dim}: host us per call (median of {calls}), ratio to cupy-plan")
-    for name, us in results.items():
-        print(f"{name:28s} {us:9.1f}  {us / base:5.2f}x")
+        results["jax-jit"] = {"dropped": _host_us(run, sync, calls), "kept": _host_us(run, sync, calls, True)}
+    base = results["cupyffn-bf16x3-functional"]["dropped"]
+    print(f"T={tokens} D={dim} H={hidden_dim}: host us per call (median of {calls}), ratio to "
+          f"cupyffn-bf16x3-functional (dropped); prepare() per call and distinct grad_hidden addresses over 20 calls")
+    print(f"{'':28s} {'dropped':>9s} {'ratio':>6s} {'kept':>9s} {'ratio':>6s}   prep/addr dropped  prep/addr kept")
+    for name, res in results.items():
+        extra = ""
+        if "prepare_kept" in res:
+            extra = (f"   {res['prepare_dropped']:4.2f} / {res['addresses_dropped']:<2d}        "
+                     f"{res['prepare_kept']:4.2f} / {res['addresses_kept']:<2d}")
+        print(f"{name:28s} {res['dropped']:9.1f} {res['dropped'] / base:5.2f}x {res['kept']:9.1f} "
+              f"{res['kept'] / base:5.2f}x{extra}")
     return results
 
 
