@@ -240,10 +240,12 @@ class GpuForward:
             if _plan_cache.is_pinned(self):
                 raise _plan_cache.pinned_error("forward engine")
             self.closed = True
-        runtime.eventSynchronize(self._ev_done.ptr)
-        _cublas.release(self._handle)
-        self._handle = None
-        self._scratch = None
+        try:
+            runtime.eventSynchronize(self._ev_done.ptr)
+        finally:  # as the backward engine: the handle goes back to the pool even if the wait fails
+            _cublas.release(self._handle)
+            self._handle = None
+            self._scratch = None
 
 
 _engines = PlanCache(4)

@@ -99,6 +99,9 @@ class GpuEngine:
         self._handles = []
         with cupy.cuda.Device(device_id):
             self._alloc_stream_ptr = cupy.cuda.get_current_stream().ptr
+            if _plan_cache.is_capturing(self._alloc_stream_ptr):  # the zero fills below would join that capture
+                raise RuntimeError("cupyffn cannot build a backward plan while CuPy's current stream is being captured "
+                                   "into a CUDA graph: build it (or make one call) before the capture begins")
             self._layout()
             self._allocate()
             self._side = cupy.cuda.Stream(non_blocking=True)

@@ -288,6 +288,34 @@ def test_capture_without_a_plan_raises_and_the_stream_stays_usable():
     assert_contract(out, W.reference(inputs, xp=cupy), "bf16x3", "eager after the failed capture")
 
 
+def test_plan_built_while_the_current_stream_captures_raises():
+    """A plan's build enqueues zero fills on CuPy's current stream: while that stream captures, the
+    build is refused (it would land in the caller's graph), even when the call names another stream."""
+    args, inputs = make(9, 96, 64, 256)  # a shape no plan exists for
+    out = nan_outputs(args)
+    cap, other = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.Device().synchronize()
+
+    def build_inside():
+        with cap:
+            cupyffn.GeluFFNBackward(96, 64, 256)
+
+    with pytest.raises(RuntimeError, match="cannot build a backward plan while CuPy's current stream is being captured"):
+        capture(cap, build_inside)
+
+    def call_inside():
+        with cap:
+            cupyffn.gelu_ffn_backward(*args, out=out, stream=other)
+
+    with pytest.raises(RuntimeError, match="cannot build a backward plan while CuPy's current stream is being captured"):
+        capture(cap, call_inside)
+    assert not cap.is_capturing()
+    assert bool(cupy.isnan(out[0]).all()), "the refused call wrote into out="
+    cupyffn.gelu_ffn_backward(*args, out=out, stream=other)  # outside the capture it builds and runs
+    other.synchronize()
+    assert_contract(out, W.reference(inputs, xp=cupy), "bf16x3", "after the refused builds")
+
+
 def test_capture_without_out_raises():
     args, _ = make(8)
     cupyffn.gelu_ffn_backward(*args)  # a warm plan, outputs allocated
