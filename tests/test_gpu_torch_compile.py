@@ -1,5 +1,6 @@
-"""cupyffn.torch on CUDA inside torch's machinery: torch.compile(fullgraph=True), torch.cuda.graph capture,
-torch.compile(mode="reduce-overhead"), bf16 autocast, and the raw-pointer view fast path.
+"""cupyffn.torch on CUDA inside torch's machinery: torch.compile(fullgraph=True), torch.cuda.graph capture
+(of the eager layer), torch.compile(mode="reduce-overhead"), bf16 autocast, the eager Function against the
+operators (bitwise), and the raw-pointer view fast path.
 
 Every result is compared with torch autograd of the plain block in float64 (relative L2 within the precision's
 contract); outputs that a graph replay must rewrite are NaN-poisoned first. One compiled module is reused so
@@ -96,9 +97,13 @@ def test_cuda_graph_capture_of_forward_and_backward_replays_new_values(rng, ffn)
     ffn.zero_grad(set_to_none=True)
     static_x.grad = None
     graph = torch.cuda.CUDAGraph()
+    before = dict(ct.entry_counts)
     with torch.cuda.graph(graph):
         static_y = ffn(static_x)
         (static_y * static_r).sum().backward()
+    # the eager layer was captured (its autograd.Function, not the operators)
+    assert ct.entry_counts == {"eager": before["eager"] + 1, "operator": before["operator"]}
+    assert static_y.grad_fn.name() == "_EagerGeluFFNBackward"
     grads = (static_x.grad, ffn.weight1.grad, ffn.weight2.grad)
     for _ in range(3):
         x, r = tensors(rng)
@@ -113,6 +118,23 @@ def test_cuda_graph_capture_of_forward_and_backward_replays_new_values(rng, ffn)
         assert_close((static_y,) + grads, reference(x, ffn.weight1, ffn.weight2, r))
     del graph
     cupyffn.release_captured_plans()
+
+
+@pytest.mark.parametrize("precision", tuple(cupyffn.PRECISIONS))
+def test_eager_function_and_operators_agree_bitwise(rng, precision):
+    """The eager Function and the operators run one implementation: the same bits on CUDA too."""
+    torch.manual_seed(11)
+    ffn = ct.GeluFFN(DIM, HIDDEN, precision=precision, device="cuda")
+    x, r = tensors(rng, (256,))
+    before = dict(ct.entry_counts)
+    step(ffn, ffn, x, r)  # the same values first: tf32's scale state then starts alike for both below
+    ops = step(lambda a: torch.ops.cupyffn.forward(a, ffn.weight1, ffn.weight2, precision, "all")[0], ffn, x, r)
+    eager = step(ffn, ffn, x, r)
+    torch.cuda.synchronize()
+    assert ct.entry_counts == {"eager": before["eager"] + 2, "operator": before["operator"]}
+    for a, b in zip(eager, ops):
+        assert torch.equal(a, b)
+    assert_close(eager, reference(x, ffn.weight1, ffn.weight2, r), cupyffn.PRECISIONS[precision].contract)
 
 
 def test_reduce_overhead_mode(rng):
@@ -149,7 +171,8 @@ def test_autocast_bf16_input_gives_float32_output_and_correct_grads(rng, ffn):
 
 
 def test_repeated_tensors_take_the_view_cache_and_fast_path(rng, ffn, monkeypatch):
-    """Steady state with the same tensors: cached CuPy views, no new validation; results still right."""
+    """Steady state with the same tensors (a training loop that drops each step's results before the next):
+    the eager path, cached CuPy views, no new validation; results still right."""
     from cupyffn import _validate
 
     x, r = tensors(rng)
@@ -162,10 +185,12 @@ def test_repeated_tensors_take_the_view_cache_and_fast_path(rng, ffn, monkeypatc
         with torch.no_grad():
             x.copy_(value)
         y = ffn(x)
+        y_kinds.add(y.grad_fn.name())
         (y * r).sum().backward()
         torch.cuda.synchronize()
         assert_close((y, x.grad, ffn.weight1.grad, ffn.weight2.grad), reference(x, ffn.weight1, ffn.weight2, r))
 
+    y_kinds = set()
     for value in values[:2]:  # warm: plans, views, signatures, and the caching allocator's reuse pattern
         one_step(value)
     prepared = []
@@ -177,6 +202,7 @@ def test_repeated_tensors_take_the_view_cache_and_fast_path(rng, ffn, monkeypatc
     key = (x.data_ptr(), tuple(x.shape), x.stride(), 0)
     assert key in views_before and _views._views[key] is views_before[key]
     assert prepared == []  # the backward's validated-call fast path served both calls
+    assert y_kinds == {"_EagerGeluFFNBackward"}
 
 
 def test_reused_address_with_other_shape_or_values(rng):
