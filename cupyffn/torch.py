@@ -164,6 +164,10 @@ class _Call:
     def empty(self, shape):
         return torch.empty(shape, dtype=_F32, device=self.device)
 
+    def like(self, tensor):
+        """A new C-contiguous tensor of `tensor`'s shape and dtype (float32 here); cheaper than empty()."""
+        return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
 
 def _check_save(save):
     if save not in SAVE_MODES:
@@ -199,10 +203,10 @@ def _backward_impl(grad_output, hidden_states, weight1, weight2, linear1_out, ta
     # the saved inputs are the caller's tensors, as the forward got them: the same layouts are copied again
     dy, x, w1, w2 = _readable(grad_output), _readable(hidden_states), _readable(weight1), _readable(weight2)
     with _Call(x.device) as call:
-        empty, arg = call.empty, call.arg
-        gx = empty(x.shape) if need_grad_hidden else None
-        gw1 = empty(w1.shape) if need_weight_grads else None
-        gw2 = empty(w2.shape) if need_weight_grads else None
+        like, arg = call.like, call.arg
+        gx = like(x) if need_grad_hidden else None
+        gw1 = like(w1) if need_weight_grads else None
+        gw2 = like(w2) if need_weight_grads else None
         _gelu_ffn_backward(arg(dy), arg(x), arg(w1), arg(w2), arg(linear1_out), arg(tanh_inner), arg(gelu_out),
                            precision=precision, out=[arg(gx), arg(gw1), arg(gw2)], stream=call.stream,
                            need_grad_hidden=need_grad_hidden, need_weight_grads=need_weight_grads)

@@ -474,3 +474,13 @@ def test_eager_double_backward_raises(rng):
     (gx,) = torch.autograd.grad(ct.gelu_ffn(x, w1, w2).square().sum(), x, create_graph=True)  # dy needs grad
     with pytest.raises(RuntimeError, match="once_differentiable"):
         gx.sum().backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_allocated_result_is_written(rng, device, monkeypatch):
+    """Every tensor the layer allocates for cupyffn to write starts NaN: an unwritten one fails the check."""
+    monkeypatch.setattr(ct._Call, "empty", lambda call, shape: torch.full(shape, float("nan"), device=call.device))
+    monkeypatch.setattr(ct._Call, "like", lambda call, t: torch.full_like(t, float("nan")))
+    x, w1, w2, r = make(rng, device)
+    results = run(lambda a, b, c: ct.gelu_ffn(a, b, c, "bf16x3"), x, w1, w2, r)
+    assert_within(results, reference(x, w1, w2, r), cupyffn.PRECISIONS["bf16x3"].contract)
