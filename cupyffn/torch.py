@@ -39,7 +39,9 @@ Host fast path: a CUDA tensor reaches cupyffn as a CuPy view built from its poin
 (no DLPack import; the stream handshake DLPack would do is empty since cupyffn works on the stream
 torch is using), cached by (pointer, shape, strides, device) as ``cupyffn._views`` explains (why a
 freed and reused address is safe). Repeated tensors (a training loop under torch's caching
-allocator) then take cupyffn's validated-call fast path.
+allocator) then take cupyffn's validated-call fast path, as far as a plan sees the same arrays as in
+its previous call (one remembered signature per plan: several layers of one shape, or results kept
+alive across calls so that the allocator alternates output addresses, validate in full each call).
 
 Tensor parallelism: autograd hands grad_input to the previous layer only when this op's backward
 returns (after both weight-gradient GEMMs), so the torch layer cannot start an all-reduce of
