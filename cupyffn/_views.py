@@ -16,12 +16,17 @@ _MAX = 256
 
 
 def float32_view(ptr, shape, strides, device_id):
-    """A float32 ``cupy.ndarray`` at device address `ptr`; `strides` in elements; owns nothing (see above)."""
+    """A float32 ``cupy.ndarray`` at device address `ptr`; `strides` in elements; owns nothing (see above).
+
+    `shape` and `strides`: tuples, or tuple subclasses that hash and compare as tuples (``torch.Size``).
+    """
     key = (ptr, shape, strides, device_id)
     view = _views.get(key)
     if view is not None:
         return view
     import cupy
+
+    shape, strides = tuple(shape), tuple(strides)
 
     if any(n == 0 for n in shape):
         with cupy.cuda.Device(device_id):  # no memory to point at; nothing is read or written
