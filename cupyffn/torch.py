@@ -80,12 +80,13 @@ _F32 = torch.float32
 _cupy = None  # the cupy module, imported on the first CUDA call
 
 
-def _cupy_stream(index):
-    """torch's current stream on device `index` as a CuPy stream that does not own it (call with it current)."""
+def _cupy_stream(device):
+    """torch's current stream on `device` as a CuPy stream that does not own it (call with `device` current)."""
+    index = device.index
     if _raw_stream is not None:
         ptr = int(_raw_stream(index))
     else:  # pragma: no cover
-        ptr = int(torch.cuda.current_stream(index).cuda_stream)
+        ptr = int(torch.cuda.current_stream(device).cuda_stream)
     return _views.external_stream(ptr, index)
 
 
@@ -146,7 +147,7 @@ class _Call:
             if _cupy.cuda.runtime.getDevice() != self.index:
                 self._switch = _cupy.cuda.Device(self.index)
                 self._switch.__enter__()
-            self.stream = _cupy_stream(self.index)
+            self.stream = _cupy_stream(self.device)
         return self
 
     def __exit__(self, *exc):
