@@ -22,8 +22,8 @@ Host time: median over --calls of the time to issue one call with the launch que
 loop styles: "dropped" (each result freed before the next call, as bench.py --loop runs them) and "kept"
 (the previous result alive during the call, ``r = run()``). For each style also cupyffn's full validations
 per call (``_validate.prepare`` calls) and the distinct grad_hidden_states addresses over 20 calls: if torch's
-caching allocator alternates two output sets in the kept style, the validated-call fast path (one remembered
-signature per plan, ``GeluFFNBackward._last``) misses every call, which these columns show.
+caching allocator alternates two output sets in the kept style, the validated-call fast path must remember
+both (it keeps up to 8 signatures per plan, ``GeluFFNBackward._validated``), which these columns show.
 ``layer_impls()`` returns the callables in bench.py --loop's form (name -> (run, plan))
 for the torch rows; ``jax_impl()`` the JAX one with its own synchronization.
 """

@@ -95,7 +95,9 @@ class GeluFFNBackward:
         self._engine = None
         self._graphs = collections.OrderedDict()
         self._owned_out = None
-        self._last = None  # (signature, validated call) of the last call (see _validate.signature)
+        # signature -> validated call of recent calls (see _validate.signature): several, so that layers of one
+        # shape sharing this plan, or outputs alternating between two allocations, skip validation too
+        self._validated = {}
         self._io = None  # pointers the engine's launches were last set to
         self._closed = False
         self._capture_stream = None
@@ -139,25 +141,35 @@ class GeluFFNBackward:
             raise _closed_error()
         ready = _ready_event_ptr(grad_hidden_ready, self)
         if call is None:
-            last = self._last  # (signature, validated call); one read, so threads see a consistent pair
-            if sig is not None and last is not None and last[0] == sig:
+            known = self._validated.get(sig) if sig is not None else None
+            if known is not None:
                 if stream is not None and not hasattr(stream, "ptr"):
                     raise TypeError(f"stream must be a cupy.cuda.Stream (or ExternalStream) or None; "
                                     f"got {type(stream).__name__}")
-                call = _validate.reuse(last[1], args, out)
+                call = _validate.reuse(known, args, out)
             else:
                 call = _validate.prepare(args, out, stream, self.need_grad_hidden, self.need_weight_grads, accumulate)
                 self._check_call(call)
-                if sig is not None:
-                    self._last = (sig, call._replace(arrays=None, out_arrays=None))
-        elif sig is not None:
-            self._last = (sig, call._replace(arrays=None, out_arrays=None))
+                self._remember(sig, call)
+        else:
+            self._remember(sig, call)
         if check_activations:
             if self._engine is not None and _plan_cache.is_capturing(_stream_ptr(stream, self.device)):
                 raise ValueError("check_activations=True synchronizes with the stream, which CUDA stream capture "
                                  "does not allow: check once before capturing")
             _checks.check(call, stream)
         return self._execute(call, out, stream, accumulate, ready)
+
+    _VALIDATED_MAX = 8
+
+    def _remember(self, sig, call):
+        """Keep `call`'s validation for calls with signature `sig` (None: not a CuPy-array call)."""
+        if sig is None:
+            return
+        validated = self._validated
+        if len(validated) >= self._VALIDATED_MAX:  # start over: a new dict, so readers never see one mid-change
+            validated = self._validated = {}
+        validated[sig] = call._replace(arrays=None, out_arrays=None)
 
     def _check_call(self, call):
         expected = (self.tokens, self.dim, self.hidden_dim)

@@ -339,3 +339,26 @@ def test_nonfinite_inputs_propagate_like_fp32(precision):
         want = ~cupy.isfinite(r)
         assert bool(want.any()), label
         assert bool((got == want).all()), f"{precision} {label}: non-finite pattern differs from the fp32 reference"
+
+
+def test_alternating_arrays_skip_validation(monkeypatch):
+    """Two layers of one shape share a plan (or outputs alternate between two allocations): once each
+    signature has been validated, neither call validates again, and both stay correct."""
+    from cupyffn import _validate
+
+    sets = [make((96,), 64, 256, seed=s) for s in (41, 42)]
+    outs = [poisoned(args) for args, _ in sets]
+    plan = cupyffn.GeluFFNBackward(96, 64, 256)
+    for (args, _), out in zip(sets, outs):
+        plan(*args, out=out)
+    calls = []
+    real = _validate.prepare
+    monkeypatch.setattr(_validate, "prepare", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for _ in range(3):
+        for (args, inputs), out in zip(sets, outs):
+            for o in out:
+                o.fill(numpy.nan)
+            plan(*args, out=out)
+            assert_contract(out, W.reference(inputs, xp=cupy), "bf16x3", "alternating arrays")
+    assert calls == [], f"{len(calls)} full validations for arrays validated before"
+    plan.close()
