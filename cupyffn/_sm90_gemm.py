@@ -252,7 +252,7 @@ def _check_matrix(x, name, shape, dtype=None, row_multiple=2):
     if dtype is not None and x.dtype != dtype:
         raise ValueError(f"{name} must be {dtype}, got {x.dtype}")
     item = x.dtype.itemsize
-    if x.shape[1] > 1 and x.strides[1] != item:
+    if x.size and x.shape[1] > 1 and x.strides[1] != item:  # CuPy gives empty arrays zero strides
         raise ValueError(f"{name} must be contiguous along its last dimension (stride {item} bytes), "
                          f"got strides {x.strides}")
     if x.data.ptr % 16:
