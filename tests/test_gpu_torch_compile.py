@@ -18,6 +18,7 @@ F = torch.nn.functional
 import cupyffn  # noqa: E402
 import cupyffn.torch as ct  # noqa: E402
 from cupyffn import _views  # noqa: E402
+from test_torch_adapter import reference  # noqa: E402  (float64 autograd of the plain block; tests/ is on sys.path)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.cuda is not available")]
 
@@ -30,14 +31,6 @@ def tensors(rng, lead=LEAD):
     x = torch.from_numpy(rng.standard_normal(lead + (DIM,)).astype(numpy.float32)).cuda()
     r = torch.from_numpy(rng.standard_normal(lead + (DIM,)).astype(numpy.float32)).cuda()
     return x, r
-
-
-def reference(x, w1, w2, r):
-    """float64 (output, grad_x, grad_w1, grad_w2) of loss = sum(output * r)."""
-    x64, w1_64, w2_64 = (t.detach().double().requires_grad_() for t in (x, w1, w2))
-    y = F.linear(F.gelu(F.linear(x64, w1_64), approximate="tanh"), w2_64)
-    (y * r.double()).sum().backward()
-    return y.detach(), x64.grad, w1_64.grad, w2_64.grad
 
 
 def rel(a, ref):
