@@ -47,7 +47,12 @@ def kernel_dir():
 @functools.lru_cache(maxsize=None)
 def module_source(name):
     """Full CUDA C text of module `name` with common.cuh pasted in."""
-    filename, _ = MODULES[name]
+    return source_with_common(MODULES[name][0])
+
+
+def source_with_common(filename):
+    """kernels_cu/`filename` with common.cuh pasted in place of its #include (so CuPy's disk cache, which
+    hashes the source text, sees an edited header)."""
     folder = kernel_dir()
     common = (folder / "common.cuh").read_text().replace("#pragma once\n", "")
     text = (folder / filename).read_text()

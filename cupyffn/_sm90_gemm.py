@@ -91,14 +91,8 @@ class GemmArgs(ctypes.Structure):
 
 @functools.lru_cache(maxsize=None)
 def module_source():
-    """gemm_sm90.cu with common.cuh pasted in (as _kernels.module_source does, for the same reason)."""
-    folder = _kernels.kernel_dir()
-    common = (folder / "common.cuh").read_text().replace("#pragma once\n", "")
-    text = (folder / SOURCE).read_text()
-    include = '#include "common.cuh"'
-    if include not in text:
-        raise RuntimeError(f"{SOURCE} must include common.cuh")
-    return text.replace(include, common, 1)
+    """gemm_sm90.cu with common.cuh pasted in (_kernels.source_with_common)."""
+    return _kernels.source_with_common(SOURCE)
 
 
 def device_supported(device_id):
