@@ -104,7 +104,8 @@ class GpuForward:
 
         self.T, self.D, self.H = tokens, dim, hidden_dim
         self.precision = precision
-        self.planes = precision.planes
+        self.form = precision.forward  # the recipe's form of both forward GEMMs
+        self.planes = self.form.planes
         self.device_id = device_id
         p = self.planes
         self.ops = {}
@@ -141,12 +142,12 @@ class GpuForward:
         return self._base + self.ops[name].offset
 
     def _convert_launch(self, names, grid, rescue, alpha_mask):
-        kernel = _kernels.get_function("convert", f"convert_kernel<{self.precision.fmt}>", self.device_id)
+        kernel = _kernels.get_function("convert", f"convert_kernel<{self.form.fmt}>", self.device_id)
         targets = [(self.ops[n], self._addr(n), _PATTERN[n], _SLOT[n]) for n in names]
         return convert_launch(kernel, targets, grid, rescue, 0, alpha_mask, self._state_ptr, self._consts_ptr)
 
     def _build(self):
-        dev, prec, p = self.device_id, self.precision, self.planes
+        dev, prec, p = self.device_id, self.form, self.planes
         f16 = prec.fmt == P.FMT_F16S
         sms = _kernels.sm_count(dev)
         self._convert = self._rescue = self._g_rescue = None
