@@ -24,6 +24,7 @@ GEMM_DEFAULT = -1
 R_32F = 0
 R_16F = 2
 R_16BF = 14
+R_8F_E4M3 = 28  # OCP E4M3 "fn" (cuBLASLt only: cublasGemmEx takes no fp8)
 
 #: Workspace per handle: the size the cuBLAS docs recommend for Hopper.
 WORKSPACE_BYTES = 32 << 20
@@ -54,14 +55,14 @@ _lib = None
 _lib_lock = threading.Lock()
 
 
-def _loaded_cublas_path():
-    """Path of the libcublas that this process already has mapped (the one CuPy linked), or None."""
+def _loaded_cublas_path(prefix="libcublas.so"):
+    """Path of the libcublas (or, by `prefix`, e.g. libcublasLt) this process already has mapped (the one CuPy linked), or None."""
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 path = line.rsplit(None, 1)[-1] if line.count("/") else ""
                 name = path.rsplit("/", 1)[-1]
-                if name.startswith("libcublas.so"):
+                if name.startswith(prefix):
                     return path
     except OSError:
         pass
@@ -119,6 +120,18 @@ class Handle:
         check(lib.cublasSetPointerMode_v2(self.ptr, POINTER_MODE_DEVICE), "cublasSetPointerMode")
         check(lib.cublasSetMathMode(self.ptr, DEFAULT_MATH), "cublasSetMathMode")
         self.stream_ptr = None
+        self._lt = None
+
+    @property
+    def lt(self):
+        """This handle's cuBLASLt handle (an int), created on first use. Like the cuBLAS handle it lives as long
+        as the pooled Handle, i.e. for the process: it is shared by every plan that takes this Handle, and a
+        destroy at interpreter exit could run after the CUDA context is gone."""
+        if self._lt is None:
+            from . import _cublaslt
+
+            self._lt = _cublaslt.create_handle(self.device_id)
+        return self._lt
 
     def bind(self, stream_ptr):
         """Route this handle's work to `stream_ptr`. cublasSetStream resets the workspace, so set it again."""
