@@ -297,7 +297,8 @@ class LtMatmul:
             destroyed = lib.cublasLtMatmulPreferenceDestroy(pref)
         check(destroyed, f"cublasLtMatmulPreferenceDestroy ({what})")
         status_name = _cublas._STATUS_NAMES.get(status, "unknown status")
-        if status == 15 or (status == 0 and (count.value < 1 or result.state != 0)):  # 15: NOT_SUPPORTED
+        # NOT_SUPPORTED (15): no algorithm; INVALID_VALUE (7): cuBLASLt's answer to a type combination it lacks
+        if status in (7, 15) or (status == 0 and (count.value < 1 or result.state != 0)):
             raise LtUnsupported(f"cuBLASLt has no algorithm for {what} (cublasLtMatmulAlgoGetHeuristic: "
                                 f"{status_name} ({status}), {count.value} result(s), result state {result.state})")
         check(status, f"cublasLtMatmulAlgoGetHeuristic ({what})")

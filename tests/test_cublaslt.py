@@ -67,7 +67,8 @@ def test_enum_values_match_the_header(headers):
         "CUBLAS_COMPUTE_32F": _cublaslt.COMPUTE_32F,
         "CUBLAS_OP_N": _cublas.OP_N,
         "CUBLAS_OP_T": _cublas.OP_T,
-        "CUBLAS_STATUS_NOT_SUPPORTED": 15,  # the heuristic's "no algorithm" status, tested by value in _heuristic
+        "CUBLAS_STATUS_NOT_SUPPORTED": 15,  # the heuristic statuses _heuristic reads as "unsupported"
+        "CUBLAS_STATUS_INVALID_VALUE": 7,
         "CUDA_R_32F": F32,
         "CUDA_R_16F": F16,
         "CUDA_R_16BF": BF16,
