@@ -143,7 +143,7 @@ def test_unknown_precision(inp, precision):
 
 
 def test_plan_unknown_precision():
-    with pytest.raises(ValueError, match=r"^precision must be one of 'bf16x3', 'ieee', 'tf32', 'bf16'; got 'tf16'$"):
+    with pytest.raises(ValueError, match=r"^precision must be one of 'bf16x3', 'fp16\+fp8', 'ieee', 'tf32', 'bf16'; got 'tf16'$"):
         cupyffn.GeluFFNBackward(T, D, H, precision="tf16", device="cpu")
 
 
