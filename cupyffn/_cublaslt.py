@@ -216,6 +216,8 @@ class LtMatmul:
     operands. With beta = 0, C is not read. Raises LtUnsupported when cuBLASLt cannot run the GEMM.
     """
 
+    supports = staticmethod(supports)  # LtMatmul.supports(m, n, k, a_type, ...) -> (ok, reason), as the module's
+
     def __init__(self, m, n, k, a_type, b_type, c_type, a_trans=False, b_trans=False, lda=None, ldb=None,
                  ldc=None, name="gemm", a_scale=None, b_scale=None, device_id=0):
         self._args = None

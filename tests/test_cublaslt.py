@@ -164,6 +164,8 @@ def test_layouts_compute_the_row_major_product(rng, a_trans, b_trans):
 
 def test_supports_fp8_constraints():
     assert _cublaslt.supports(48, 80, 96, E4M3, E4M3, F32, b_trans=True) == (True, "")
+    assert _cublaslt.LtMatmul.supports(40, 80, 96, E4M3, E4M3, F32, False, True, 96, 96, 80) == \
+        _cublaslt.supports(40, 80, 96, E4M3, E4M3, F32, False, True, 96, 96, 80)
     ok, reason = _cublaslt.supports(40, 80, 96, E4M3, E4M3, F32, b_trans=True)
     assert not ok and "multiples of 16" in reason and "M=40" in reason and "N=" not in reason
     ok, reason = _cublaslt.supports(48, 80, 96, E4M3, E4M3, F32, b_trans=True, lda=104)
