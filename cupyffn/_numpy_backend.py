@@ -78,7 +78,7 @@ def e4m3_round(x):
 
 
 def f16e4m3_split(x, e):
-    """The f16+e4m3 form's encoding of the fp32 array x at slot exponent e (brief f16e4m3.md):
+    """The f16+e4m3 form's encoding of the fp32 array x at scale exponent e (kernels_cu/split_e4m3.cu's):
     (hi, H8, L8) as float32 arrays with s = x 2^e, hi = fp16(s), lo = s - hi (exact),
     H8 = e4m3(s 2^-7), L8 = e4m3(lo 2^4); where s or hi is not finite, hi carries it and H8 = L8 = 0."""
     x = numpy.asarray(x, dtype=numpy.float32)
@@ -100,9 +100,10 @@ def pair_matmul(a, b, ea=None, eb=None):
     ea = f16_exponent(a) if ea is None else ea
     eb = f16_exponent(b) if eb is None else eb
     (ah, ah8, al8), (bh, bh8, bl8) = f16e4m3_split(a, ea), f16e4m3_split(b, eb)
-    cross = al8 @ bh8 + ah8 @ bl8  # the GPU's one e4m3 GEMM with K doubled: [L8_a | H8_a] @ [H8_b ; L8_b]
-    c = ah @ bh + numpy.float32(_precision.E4M3_PAIR_SCALE) * cross
-    return numpy.ldexp(c, -(ea + eb)).astype(numpy.float32)
+    with numpy.errstate(all="ignore"):  # Inf/NaN in hi propagate as in fp32
+        cross = al8 @ bh8 + ah8 @ bl8  # the GPU's one e4m3 GEMM with K doubled: [L8_a | H8_a] @ [H8_b ; L8_b]
+        c = ah @ bh + numpy.float32(_precision.E4M3_PAIR_SCALE) * cross
+        return numpy.ldexp(c, -(ea + eb)).astype(numpy.float32)
 
 
 def _operands(x, form):
