@@ -343,3 +343,16 @@ def test_backward_with_the_pair_propagates_non_finite_like_fp32(rng, case):
         assert numpy.array_equal(~numpy.isfinite(o.reshape(r.shape)), want), out
         masks.append(want)
     assert any(m.any() for m in masks) and any((~m).any() for m in masks)  # not trivial
+
+
+def test_forward_runs_the_recipes_forward_form(rng):
+    """fp16+fp8's forward is bf16x3 (its recipe's forward form): the same bits as the bf16x3 plan's."""
+    assert P.PRECISIONS["fp16+fp8"].forward.name == "bf16x3"
+    inp = W.make_inputs((48,), 64, 128, xp=numpy, seed=int(rng.integers(2 ** 31)))
+    x, w1, w2 = inp["hidden_states"], inp["weight1"], inp["weight2"]
+    got = cupyffn.gelu_ffn_forward(x, w1, w2, precision="fp16+fp8")
+    want = cupyffn.gelu_ffn_forward(x, w1, w2, precision="bf16x3")
+    ieee = cupyffn.gelu_ffn_forward(x, w1, w2, precision="ieee")
+    for g, w, i, name in zip(got, want, ieee, cupyffn.FFNForward._fields):
+        numpy.testing.assert_array_equal(g, w, err_msg=name)
+    assert not numpy.array_equal(got.output, ieee.output)
