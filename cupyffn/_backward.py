@@ -52,7 +52,7 @@ class GeluFFNBackward:
     ----------
     tokens, dim, hidden_dim : int
         T (rows of the activations, the product of their leading dimensions), D and H.
-    precision : {"bf16x3", "ieee", "tf32", "bf16"}
+    precision : {"bf16x3", "fp16+fp8", "ieee", "tf32", "bf16"}
         Operand treatment of the four GEMMs (see ``cupyffn.PRECISIONS``).
     device : None, int, cupy.cuda.Device or "cpu"
         GPU to build on (None: the current one), or "cpu" for NumPy arrays.
@@ -118,6 +118,17 @@ class GeluFFNBackward:
     def workspace_bytes(self):
         """cuBLAS workspace bytes of the handles this plan uses."""
         return self._engine.workspace_bytes if self._engine else 0
+
+    @property
+    def gemm_forms(self):
+        """{gemm: form name} that this plan runs for gemm1..gemm4 (cupyffn/_precision.py): the precision's
+        table at this token count, with bf16x3 wherever the fp16+fp8 pair's constraints failed. GEMMs the
+        plan skips (need_grad_hidden / need_weight_grads False) are left out."""
+        if self._engine is not None:
+            return dict(self._engine.gemm_forms)
+        forms = _precision.effective_forms(self.precision, self.tokens, self.dim, self.hidden_dim)
+        skip = (() if self.need_grad_hidden else ("gemm3",)) + (() if self.need_weight_grads else ("gemm2", "gemm4"))
+        return {g: f.name for g, f in forms.items() if g not in skip}
 
     def __repr__(self):
         return (f"GeluFFNBackward(tokens={self.tokens}, dim={self.dim}, hidden_dim={self.hidden_dim}, "
@@ -546,7 +557,7 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
         and ``0.5 * z * (1 + t)``. ``tanh_inner`` is used as given, not recomputed. Memory mode: pass
         None for tanh_inner and/or gelu_out and they are recomputed from linear1_out inside the
         kernels (same results within the precision's contract).
-    precision : {"bf16x3", "ieee", "tf32", "bf16"}
+    precision : {"bf16x3", "fp16+fp8", "ieee", "tf32", "bf16"}
         GEMM operand treatment; accuracy contracts in ``cupyffn.PRECISIONS``. Default "bf16x3".
     out : sequence of 3 arrays, optional
         Where to write (grad_hidden_states, grad_weight1, grad_weight2): float32, C-contiguous, the

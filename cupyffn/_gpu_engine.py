@@ -21,7 +21,7 @@ which is dead by then. At that size each GEMM fills the GPU, so nothing is lost 
 
 import ctypes
 
-from . import _cublas, _kernels, _plan_cache
+from . import _cublas, _gemm, _kernels, _plan_cache
 from . import _precision as P
 
 _ALIGN = 256
@@ -63,6 +63,11 @@ def convert_launch(kernel, targets, total_blocks, rescue, counter, alpha_mask, s
     return launch
 
 
+def _pad16(k):
+    """K rounded up to a multiple of 16 (the e4m3 pairs' halves; cuBLASLt FP8 wants K and ld multiples of 16)."""
+    return (k + 15) // 16 * 16
+
+
 def _vec_ok(ptr, ld, cols, itemsize=4):
     """The 8-wide path needs every row to start 16-byte aligned and to hold whole groups of 8."""
     return cols % 8 == 0 and ptr % 16 == 0 and (ld * itemsize) % 16 == 0
@@ -102,6 +107,8 @@ class GpuEngine:
             if _plan_cache.is_capturing(self._alloc_stream_ptr):  # the zero fills below would join that capture
                 raise RuntimeError("cupyffn cannot build a backward plan while CuPy's current stream is being captured "
                                    "into a CUDA graph: build it (or make one call) before the capture begins")
+            self._allocate_state()
+            self._choose_forms()
             self._layout()
             self._allocate()
             self._side = cupy.cuda.Stream(non_blocking=True)
@@ -126,6 +133,50 @@ class GpuEngine:
             self._last_stream_ptr = self._alloc_stream_ptr
 
     # ------------------------------------------------------------------ layout and memory
+    def _choose_forms(self):
+        """The form of each GEMM this plan runs: the recipe's table at T, bf16x3 where the pair does not fit
+        (_precision.pair_fits) or cuBLASLt offers no algorithm for its e4m3 GEMM (built here, once)."""
+        present = ["gemm1"] + (["gemm2", "gemm4"] if self.need_weight_grads else []) + \
+            (["gemm3"] if self.need_grad_hidden else [])
+        forms = P.effective_forms(self.precision, self.T, self.D, self.H)
+        self.forms = {g: forms[g] for g in sorted(present)}
+        self._fp8 = {}
+        self.form_notes = {}  # gemm -> why it fell back to bf16x3
+        if self.precision.fmt != P.FMT_F16E4M3 or self.T == 0:
+            return
+        for g, form in self.forms.items():
+            if form.name != "f16+e4m3":
+                continue
+            try:
+                self._fp8[g], _ = _gemm.build(self._fp8_desc(g), self.device_id, backends=(_gemm.CUBLASLT,))
+            except _gemm.Unsupported as e:
+                self.forms[g] = P.FORMS["bf16x3"]
+                self.form_notes[g] = str(e)
+
+    @property
+    def gemm_forms(self):
+        """{gemm: form name} this plan runs."""
+        return {g: f.name for g, f in self.forms.items()}
+
+    # gemm -> (M, N, K) in terms of T, D, H; its A and B operands with the orientation of their e4m3
+    # pair ("n": K is the operand's column dimension, "t": its row dimension; /work docs: f16e4m3 layout)
+    _SHAPE = {"gemm1": "THD", "gemm2": "DHT", "gemm3": "TDH", "gemm4": "HDT"}
+    _E4M3_USES = {"gemm1": (("grad_output", "n"), ("weight2", "t")),
+                  "gemm2": (("grad_output", "t"), ("gelu_out", "t")),
+                  "gemm3": (("grad_linear1", "n"), ("weight1", "t")),
+                  "gemm4": (("grad_linear1", "t"), ("hidden_states", "t"))}
+
+    def _mnk(self, g):
+        size = {"T": self.T, "D": self.D, "H": self.H}
+        return tuple(size[c] for c in self._SHAPE[g])
+
+    def _fp8_desc(self, g):
+        m, n, k = self._mnk(g)
+        kp = _pad16(k)
+        return _gemm.GemmDesc(f"{g} e4m3 cross terms", m, n, 2 * kp, _cublas.R_8F_E4M3, _cublas.R_8F_E4M3,
+                              b_trans=True, lda=2 * kp, ldb=2 * kp, ldc=n,
+                              a_scale=self._consts.data.ptr + 4 * 6)
+
     def _layout(self):
         T, D, H = self.T, self.D, self.H
         prec = self.precision
@@ -133,6 +184,8 @@ class GpuEngine:
         wg, gh = self.need_weight_grads, self.need_grad_hidden
         self.gg_bytes = 4 * T * H
         ops = {}
+        if prec.fmt == P.FMT_F16E4M3:
+            return self._layout_f16e4m3()
         if prec.planes:
             p = prec.planes
             ops["grad_output"] = _Operand("grad_output", T, D, True, p)
@@ -167,18 +220,84 @@ class GpuEngine:
         self.cvt_b = present(("gelu_out",) if self.lean else ("gelu_out", "hidden_states", "weight1"))
         self.cvt_late = late if self.lean else []
 
+    _ROWS_COLS = {"grad_output": "TD", "weight2": "DH", "gelu_out": "TH", "hidden_states": "TD", "weight1": "HD",
+                  "grad_linear1": "TH"}
+    _ACTIVATIONS = ("grad_output", "gelu_out", "hidden_states", "grad_linear1")
+
+    def _layout_f16e4m3(self):
+        """fp16+fp8: each operand in the encodings its GEMMs' forms read (ops[name] = fp16, ops[name + ".x3"]
+        = bf16x3 planes, ops[name + ".e4n" / ".e4t"] = e4m3 pairs, natural / transposed), all in one scratch
+        after grad_gelu. The e4m3 padding columns must be zero: _allocate zero-fills the scratch once."""
+        size = {"T": self.T, "D": self.D, "H": self.H}
+        need = {}
+        for g, form in self.forms.items():
+            (a, a_or), (b, b_or) = self._E4M3_USES[g]
+            for name, orient, order in ((a, a_or, 0), (b, b_or, 1)):
+                enc = need.setdefault(name, {})
+                if form.name == "bf16x3":
+                    enc["x3"] = None
+                else:
+                    enc["f16"] = None
+                    enc["e4" + orient] = order
+        ops = {}
+        self.e4m3_order = {}
+        for name in ("grad_output", "weight2", "gelu_out", "hidden_states", "weight1", "grad_linear1"):
+            if name not in need:
+                continue
+            rows, cols = (size[c] for c in self._ROWS_COLS[name])
+            inter = name in self._ACTIVATIONS
+            enc = need[name]
+            if "f16" in enc:
+                ops[name] = _Operand(name, rows, cols, inter, 1)
+            if "x3" in enc:
+                ops[name + ".x3"] = _Operand(name, rows, cols, inter, 3)
+            for orient in ("n", "t"):
+                if "e4" + orient in enc:
+                    op = _Operand(name, rows, cols, False, 1)
+                    k = cols if orient == "n" else rows
+                    op.kpad = _pad16(k)
+                    op.dst_ld = 2 * op.kpad
+                    op.nbytes = (rows if orient == "n" else cols) * op.dst_ld
+                    ops[f"{name}.e4{orient}"] = op
+                    self.e4m3_order[f"{name}.e4{orient}"] = enc["e4" + orient]
+        self.ops = ops
+        self.lean = False
+        offset = _align(self.gg_bytes)
+        for op in ops.values():
+            op.offset = offset
+            offset += _align(op.nbytes)
+        self.scratch_bytes = offset
+        present = [n for n in ("grad_output", "weight2", "gelu_out", "hidden_states", "weight1") if n in need]
+        self.cvt_a = [n for n in present if n in ("grad_output", "weight2")]
+        self.cvt_b = [n for n in present if n not in ("grad_output", "weight2")]
+        self.cvt_late = []
+        self.split_needs = need
+
     @property
     def workspace_bytes(self):
         """cuBLAS workspaces of this engine's handles (they stay with the handle pool)."""
         return _cublas.WORKSPACE_BYTES * (2 if self.need_weight_grads else 1)
+
+    def _allocate_state(self):
+        """fp16 scale state and the constants: consts[0] = 0, [1] = 1, [2 + g] = alpha of GEMM g,
+        [6] = the e4m3 pair's A scale (kernels_cu/common.cuh)."""
+        import cupy
+
+        try:
+            self._state = cupy.zeros(4 * _kernels.STATE_SLOTS, dtype=cupy.int32)
+            self._consts = cupy.asarray([0, 1, 1, 1, 1, 1, P.E4M3_PAIR_SCALE, 0], dtype=cupy.float32)
+        except cupy.cuda.memory.OutOfMemoryError as e:
+            raise MemoryError(f"cupyffn could not allocate its 160-byte scale state: {e}") from None
 
     def _allocate(self):
         import cupy
 
         try:
             self._scratch = cupy.cuda.alloc(max(self.scratch_bytes, _ALIGN))
-            self._state = cupy.zeros(4 * _kernels.STATE_SLOTS, dtype=cupy.int32)
-            self._consts = cupy.asarray([0, 1, 1, 1, 1, 1, 0, 0], dtype=cupy.float32)
+            if self.precision.fmt == P.FMT_F16E4M3:  # the e4m3 pairs' K padding must read as zeros
+                from cupy_backends.cuda.api import runtime
+
+                runtime.memsetAsync(self._scratch.ptr, 0, max(self.scratch_bytes, _ALIGN), self._alloc_stream_ptr)
         except cupy.cuda.memory.OutOfMemoryError as e:
             raise MemoryError(
                 f"cupyffn needs {self.scratch_bytes} bytes ({self.scratch_bytes / 2**20:.1f} MiB) of device scratch "
@@ -190,7 +309,73 @@ class GpuEngine:
         return self._base + self.ops[name].offset
 
     # ------------------------------------------------------------------ kernels and GEMMs
+    def _split_spec(self, name):
+        """The split_e4m3 job of operand `name`: every encoding the layout gave it (_layout_f16e4m3)."""
+        rows, cols = self.ops_shape(name)
+        spec = _kernels.SplitSpec(rows, cols, P.SLOT[name])
+        if name in self.ops:
+            spec.f16 = (self._addr(name), self.ops[name].dst_ld)
+        if name + ".x3" in self.ops:
+            op = self.ops[name + ".x3"]
+            spec.x3 = (self._addr(name + ".x3"), op.dst_ld, op.part_stride, P.PATTERN[name])
+        for orient in ("n", "t"):
+            key = f"{name}.e4{orient}"
+            if key in self.ops:
+                op = self.ops[key]
+                setattr(spec, "e4" + orient, (self._addr(key), op.dst_ld, op.kpad, self.e4m3_order[key]))
+        return spec
+
+    def ops_shape(self, name):
+        size = {"T": self.T, "D": self.D, "H": self.H}
+        return tuple(size[c] for c in self._ROWS_COLS[name])
+
+    def _build_split_launches(self):
+        """fp16+fp8: convert A / convert B / dgelu as split_e4m3 launches, each a gathering pass and a rescue
+        pass (the fp16 scales, as for tf32)."""
+        dev = self.device_id
+        sms = _kernels.sm_count(dev)
+        vp = ctypes.c_void_p
+        self._state_ptr = vp(self._state.data.ptr)
+        self._consts_ptr = vp(self._consts.data.ptr)
+        self._convert = {}
+        for stage, names, alpha_mask, counter in (("convert A", self.cvt_a, 0b0001, 0),
+                                                  ("convert B", self.cvt_b, 0b0010, 1)):
+            if not names:
+                continue
+            expr = "split_e4m3_kernel<0>"
+            kernel = _kernels.get_function("split_e4m3", expr, dev)
+            full = sms * _kernels.blocks_per_sm("split_e4m3", expr, dev) * 2
+            specs = [self._split_spec(n) for n in names]
+            first = _kernels.split_launch(kernel, specs, full, 0, counter, 0, self._state_ptr, self._consts_ptr)
+            rescue = _kernels.split_launch(kernel, specs, max(len(specs), 2 * sms), 1, counter, alpha_mask,
+                                           self._state_ptr, self._consts_ptr)
+            self._convert[stage] = (names, first, rescue)
+        expr = "split_e4m3_kernel<1>"
+        kernel = _kernels.get_function("split_e4m3", expr, dev)
+        full = sms * _kernels.blocks_per_sm("split_e4m3", expr, dev) * 2
+        spec = [self._split_spec("grad_linear1")]
+        self._dgelu = _kernels.split_launch(kernel, spec, full, 0, 2, 0, self._state_ptr, self._consts_ptr)
+        self._dgelu_rescue = _kernels.split_launch(kernel, spec, 2 * sms, 1, 2, 0b1100, self._state_ptr,
+                                                   self._consts_ptr)
+
+    def _set_io_split(self, l1, t, g, src):
+        """fp16+fp8: this call's sources of the split_e4m3 jobs."""
+        for names, *launches in self._convert.values():
+            for launch in launches:
+                for k, name in enumerate(names):
+                    job = launch.args[0].job[k]
+                    if name == "gelu_out" and g is None:  # memory mode: gelu_out from linear1_out
+                        _kernels.split_set_sources(job, (l1.ptr, l1.ld), None if t is None else (t.ptr, t.ld), kind=1)
+                    else:
+                        m = src[name]
+                        _kernels.split_set_sources(job, (m.ptr, m.ld), kind=0)
+        for launch in (self._dgelu, self._dgelu_rescue):
+            _kernels.split_set_sources(launch.args[0].job[0], (self._base, self.H), (l1.ptr, l1.ld),
+                                       None if t is None else (t.ptr, t.ld))
+
     def _build_launches(self):
+        if self.precision.fmt == P.FMT_F16E4M3:
+            return self._build_split_launches()
         dev = self.device_id
         prec = self.precision
         f16 = prec.fmt == P.FMT_F16S
@@ -268,46 +453,72 @@ class GpuEngine:
         launch.grid = grid
         return launch
 
-    def _build_gemms(self):
-        T, D, H = self.T, self.D, self.H
-        p = self.planes
-        f32 = _cublas.R_32F
-        dtype = {P.FMT_F32: f32, P.FMT_BF16: _cublas.R_16BF, P.FMT_BF16X3: _cublas.R_16BF,
-                 P.FMT_F16S: _cublas.R_16F}[self.precision.fmt]
-        G = _cublas.Gemm
-        kp = max(p, 1)
-        # grad_gelu[T,H] = grad_output[T, p*D] @ weight2 planes [p*D, H]
-        self.gemm1 = G(T, H, kp * D, dtype, dtype, f32, ldc=H, name="grad_gelu = grad_output @ weight2")
-        self.gemm2 = self.gemm4 = self.gemm3 = None
-        if self.need_weight_grads:
-            # grad_weight2[D,H] = grad_output^T @ gelu_out, K = p*T: row 3t+j of the [T, 3D] planes is plane j of token t
-            self.gemm2 = G(D, H, kp * T, dtype, dtype, f32, a_trans=True, name="grad_weight2 = grad_output^T @ gelu_out")
-            self.gemm4 = G(H, D, kp * T, dtype, dtype, f32, a_trans=True,
-                           name="grad_weight1 = grad_linear1^T @ hidden_states")
-        if self.need_grad_hidden:
-            self.gemm3 = G(T, D, kp * H, dtype, dtype, f32, name="grad_hidden = grad_linear1 @ weight1")
+    def _gemm16(self, g, planes, dtype):
+        """The 16-bit (or fp32) GEMM `g` over operands with `planes` planes stacked along K (engine layouts)."""
+        m, n, k = self._mnk(g)
+        kp = max(planes, 1)
+        trans = g in ("gemm2", "gemm4")  # the weight gradients read their A operand (T rows) transposed
+        names = {"gemm1": "grad_gelu = grad_output @ weight2", "gemm2": "grad_weight2 = grad_output^T @ gelu_out",
+                 "gemm3": "grad_hidden = grad_linear1 @ weight1", "gemm4": "grad_weight1 = grad_linear1^T @ hidden_states"}
+        desc = _gemm.GemmDesc(names[g], m, n, kp * k, dtype, dtype, a_trans=trans, ldc=n)
+        plan, _ = _gemm.build(desc, self.device_id, backends=(_gemm.CUBLAS,))
+        return plan
+
+    def _build_gemms_f16e4m3(self):
+        """fp16+fp8: per GEMM its form's product(s) (PairGemm: e4m3 cross terms, then fp16 hi*hi with beta 1;
+        or the bf16x3 K-tripled GEMM, alpha 1: bf16 planes carry no scale)."""
         consts = self._consts.data.ptr
-        for g, alpha_index in ((self.gemm1, 2), (self.gemm2, 3), (self.gemm3, 4), (self.gemm4, 5)):
-            if g is not None:
-                g.alpha.value = consts + 4 * alpha_index
-                g.beta.value = consts
+        self.gemm1 = self.gemm2 = self.gemm3 = self.gemm4 = None
+        for index, g in enumerate(("gemm1", "gemm2", "gemm3", "gemm4")):
+            if g not in self.forms:
+                continue
+            (a, a_or), (b, b_or) = self._E4M3_USES[g]
+            if self.forms[g].name == "bf16x3":
+                plan = self._gemm16(g, 3, _cublas.R_16BF)
+                plan.alpha.value, plan.beta.value = consts + 4, consts
+                self._point(plan, g, a + ".x3", b + ".x3", 3)
+            else:
+                f16 = self._gemm16(g, 1, _cublas.R_16F)
+                f16.alpha.value = consts + 4 * (2 + index)
+                self._point(f16, g, a, b, 1)
+                fp8 = self._fp8[g]
+                fp8.alpha.value, fp8.beta.value = consts + 4 * (2 + index), consts
+                fp8.a.value = self._addr(f"{a}.e4{a_or}")
+                fp8.b.value = self._addr(f"{b}.e4{b_or}")
+                plan = _gemm.PairGemm(fp8, f16, consts + 4, f16.name)
+            setattr(self, g, plan)
+        _gemm.set_output(self.gemm1, self._base)
+
+    def _point(self, plan, g, a, b, planes):
+        """Operand pointers and leading dimensions of a 16-bit GEMM over the scratch operands a, b."""
+        oa, ob = self.ops[a], self.ops[b]
+        plan.a.value, plan.b.value = self._addr(a), self._addr(b)
+        if g in ("gemm2", "gemm4"):  # A is [T, planes * cols] read as [planes * T, cols] transposed
+            plan.lda.value = oa.cols
+        else:  # grad_output / grad_linear1 [T, planes * cols]
+            plan.lda.value = planes * oa.cols
+        plan.ldb.value = ob.cols
+
+    def _build_gemms(self):
+        if self.precision.fmt == P.FMT_F16E4M3:
+            return self._build_gemms_f16e4m3()
+        p = self.planes
+        dtype = {P.FMT_F32: _cublas.R_32F, P.FMT_BF16: _cublas.R_16BF, P.FMT_BF16X3: _cublas.R_16BF,
+                 P.FMT_F16S: _cublas.R_16F}[self.precision.fmt]
+        consts = self._consts.data.ptr
+        self.gemm1 = self.gemm2 = self.gemm3 = self.gemm4 = None
+        for index, g in enumerate(("gemm1", "gemm2", "gemm3", "gemm4")):
+            if g not in self.forms:
+                continue
+            plan = self._gemm16(g, p, dtype)
+            plan.alpha.value, plan.beta.value = consts + 4 * (2 + index), consts
+            (a, _), (b, _) = self._E4M3_USES[g]
+            if p:
+                self._point(plan, g, a, b, p)
+            elif g in ("gemm3", "gemm4"):  # ieee reads grad_linear1 in place (the other pointers: set_io)
+                plan.a.value, plan.lda.value = self._base, self.H
+            setattr(self, g, plan)
         self.gemm1.c.value = self._base
-        if p:
-            self.gemm1.a.value, self.gemm1.lda.value = self._addr("grad_output"), p * D
-            self.gemm1.b.value, self.gemm1.ldb.value = self._addr("weight2"), H
-            if self.gemm2 is not None:
-                self.gemm2.a.value, self.gemm2.lda.value = self._addr("grad_output"), D
-                self.gemm2.b.value, self.gemm2.ldb.value = self._addr("gelu_out"), H
-                self.gemm4.a.value, self.gemm4.lda.value = self._addr("grad_linear1"), H
-                self.gemm4.b.value, self.gemm4.ldb.value = self._addr("hidden_states"), D
-            if self.gemm3 is not None:
-                self.gemm3.a.value, self.gemm3.lda.value = self._addr("grad_linear1"), p * H
-                self.gemm3.b.value, self.gemm3.ldb.value = self._addr("weight1"), D
-        else:  # ieee reads the inputs themselves (pointers set per call) and grad_linear1 in place
-            if self.gemm2 is not None:
-                self.gemm4.a.value, self.gemm4.lda.value = self._base, H
-            if self.gemm3 is not None:
-                self.gemm3.a.value, self.gemm3.lda.value = self._base, H
 
     # ------------------------------------------------------------------ per call
     def set_io(self, inputs, outputs, accumulate):
@@ -315,6 +526,9 @@ class GpuEngine:
         dy, x, w1, w2, l1, t, g = inputs
         src = {"grad_output": dy, "hidden_states": x, "weight1": w1, "weight2": w2, "gelu_out": g}
         self._recompute_g = g is None and self.need_weight_grads  # memory mode: gelu_out from linear1_out
+        if self.precision.fmt == P.FMT_F16E4M3:
+            self._set_io_split(l1, t, g, src)
+            return self._set_outputs(outputs, accumulate)
         if self._recompute_g and not self.planes:
             self._ensure_ieee_gelu()
         stages = list(self._convert.values())
@@ -360,13 +574,17 @@ class GpuEngine:
                 self.gemm4.b.value, self.gemm4.ldb.value = x.ptr, x.ld
             if self.gemm3 is not None:
                 self.gemm3.b.value, self.gemm3.ldb.value = w1.ptr, w1.ld
+        self._set_outputs(outputs, accumulate)
+
+    def _set_outputs(self, outputs, accumulate):
         grad_hidden, grad_w1, grad_w2 = outputs
         beta = self._consts.data.ptr + (4 if accumulate else 0)
         if self.gemm3 is not None:
-            self.gemm3.c.value = grad_hidden
+            _gemm.set_output(self.gemm3, grad_hidden)
         if self.gemm2 is not None:
-            self.gemm2.c.value, self.gemm2.beta.value = grad_w2, beta
-            self.gemm4.c.value, self.gemm4.beta.value = grad_w1, beta
+            _gemm.set_output(self.gemm2, grad_w2)
+            _gemm.set_output(self.gemm4, grad_w1)
+            self.gemm2.beta.value = self.gemm4.beta.value = beta
 
     def _convert_stage(self, stage, stream_ptr, mark):
         if stage in self._convert:
@@ -405,7 +623,7 @@ class GpuEngine:
         try:
             self._convert_stage("convert A", S, mark)
             record(self._ev_a, S)
-            if self.precision.fmt == P.FMT_F16S and self.cvt_b:
+            if self.precision.fmt in (P.FMT_F16S, P.FMT_F16E4M3) and self.cvt_b:
                 wait(S2, self._ev_a)  # convert B's rescue writes alpha2, which needs grad_output's scale
             self._convert_stage("convert B", S2, mark)
             if self._recompute_g and self._ieee_gelu is not None:
@@ -482,9 +700,13 @@ class GpuEngine:
     def stage_bytes(self):
         """Bytes each memory-bound stage moves (for GB/s in the benchmark)."""
         out = {}
+
+        def written(name):  # every encoding of operand `name` (fp16+fp8: several buffers)
+            return sum(op.nbytes for key, op in self.ops.items() if key.split(".")[0] == name)
+
         for stage, (names, _, _) in self._convert.items():
-            out[stage] = sum(self.ops[n].rows * self.ops[n].cols * 4 + self.ops[n].nbytes for n in names)
-        write = self.ops["grad_linear1"].nbytes if self.planes else 4 * self.T * self.H
+            out[stage] = sum(4 * self.ops_shape(n)[0] * self.ops_shape(n)[1] + written(n) for n in names)
+        write = written("grad_linear1") if self.planes else 4 * self.T * self.H
         out["dgelu"] = 12 * self.T * self.H + write
         return out
 

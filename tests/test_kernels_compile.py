@@ -291,10 +291,18 @@ def test_shared_constants_match():
 
 
 def test_every_precision_has_its_kernels():
-    """The engine launches dgelu_kernel<fmt> for every plan and convert_kernel<fmt> for the plans
-    that convert operands (planes > 0): those instantiations must be compiled."""
+    """The engine launches dgelu_kernel<fmt> for every uniform plan and convert_kernel<fmt> for the plans
+    that convert operands (planes > 0), and split_e4m3_kernel<0/1> for fp16+fp8 (FMT_F16E4M3): those
+    instantiations must be compiled; the forward's form needs its convert and gelu_forward kernels."""
     expressions = {e for _, exprs in _kernels.MODULES.values() for e in exprs}
     for p in _precision.PRECISIONS.values():
+        f = p.forward
+        assert f"gelu_forward_kernel<{f.fmt}>" in expressions, p.name
+        if f.planes:
+            assert f"convert_kernel<{f.fmt}>" in expressions, p.name
+        if p.fmt == _precision.FMT_F16E4M3:
+            assert {"split_e4m3_kernel<0>", "split_e4m3_kernel<1>"} <= expressions, p.name
+            continue
         assert f"dgelu_kernel<{p.fmt}>" in expressions, p.name
         if p.planes:
             assert f"convert_kernel<{p.fmt}>" in expressions, p.name
