@@ -1,0 +1,108 @@
+"""GPU: the fp16+fp8 plan (fp16 hi*hi + one e4m3 GEMM for the cross terms, or bf16x3, per GEMM).
+
+The shapes are chosen so that the recipe's table puts the e4m3 pair on each of the four GEMMs in
+some case (cupyffn/_precision.py FORM_TABLE), and the plan must report it ran them (a cuBLASLt
+refusal would silently fall back to bf16x3: the expected forms catch that). The accuracy test is
+relative to the tf32 plan on the same inputs: the pair's correction must remove most of fp16's
+error (a missing, doubled or mis-scaled correction leaves tf32-sized or larger errors).
+"""
+
+import numpy
+import pytest
+
+import cupyffn
+from cupyffn import _precision
+from cupyffn import workloads as W
+
+pytestmark = pytest.mark.gpu
+cupy = pytest.importorskip("cupy")
+
+PLAN = "fp16+fp8"
+CONTRACT = cupyffn.PRECISIONS[PLAN].contract
+
+
+def make(tokens, dim, hidden, seed):
+    inputs = W.make_inputs((tokens,), dim, hidden, xp=cupy, seed=seed)
+    return [inputs[n] for n in W.INPUT_NAMES], inputs
+
+
+def poisoned(args):
+    return tuple(cupy.full(a.shape, numpy.nan, dtype=cupy.float32) for a in args[1:4])
+
+
+def errors(grads, ref64):
+    return [W.relative_l2(g, r, xp=cupy) for g, r in zip(grads, ref64)]
+
+
+CASES = [  # (T, D, H): which GEMMs the table gives the pair
+    (256, 1536, 6144),   # gemm1
+    (1024, 64, 256),     # gemm1, gemm3
+    (2048, 64, 256),     # gemm2, gemm3, gemm4
+    (4096, 1536, 6144),  # gemm2, gemm3, gemm4 at an official size
+]
+
+
+@pytest.mark.parametrize("tokens,dim,hidden", CASES)
+def test_forms_ran_and_accuracy_beats_fp16_alone(tokens, dim, hidden):
+    args, inputs = make(tokens, dim, hidden, seed=tokens + dim)
+    ref64 = W.reference(inputs, xp=cupy)
+    plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=PLAN)
+    expected = {g: f.name for g, f in _precision.effective_forms(plan.precision, tokens, dim, hidden).items()}
+    assert "f16+e4m3" in expected.values(), expected  # the case exercises the pair
+    notes = getattr(plan._engine, "form_notes", {})
+    assert plan.gemm_forms == expected, f"ran {plan.gemm_forms}, table says {expected}; fallbacks: {notes}"
+    grads = plan(*args, out=poisoned(args))
+    tf32 = cupyffn.gelu_ffn_backward(*args, precision="tf32", out=poisoned(args))
+    e_pair, e_tf32 = errors(grads, ref64), errors(tf32, ref64)
+    for label, g, e, e16 in zip(W.OUTPUT_NAMES, grads, e_pair, e_tf32):
+        assert bool(cupy.isfinite(g).all()), label
+        assert e <= CONTRACT, f"T={tokens} {label}: rel L2 {e:.3g} > {CONTRACT}"
+        assert e <= e16 / 8, f"T={tokens} {label}: rel L2 {e:.3g} vs fp16 alone {e16:.3g}: the correction is not working"
+    if dim == W.DIM:  # an official shape: the benchmark's own check as well
+        ref32 = W.reference(inputs, xp=cupy, dtype=numpy.float32)
+        for label, g, r32, r64 in zip(W.OUTPUT_NAMES, grads, ref32, ref64):
+            verdict = W.check(g, r32, r64, xp=cupy, tokens=tokens)
+            assert verdict.passed, (label, verdict)
+
+
+def test_memory_mode_and_accumulate_with_the_pair():
+    tokens, dim, hidden = 2048, 64, 256
+    args, inputs = make(tokens, dim, hidden, seed=11)
+    ref64 = W.reference(inputs, xp=cupy)
+    memory = cupyffn.gelu_ffn_backward(*args[:5], None, None, precision=PLAN, out=poisoned(args))
+    for label, e in zip(W.OUTPUT_NAMES, errors(memory, ref64)):
+        assert e <= CONTRACT, f"memory mode {label}: {e:.3g}"
+    rng = numpy.random.default_rng(5)
+    start_w1 = cupy.asarray(rng.standard_normal(args[2].shape, dtype=numpy.float32))
+    start_w2 = cupy.asarray(rng.standard_normal(args[3].shape, dtype=numpy.float32))
+    out = (cupy.full(args[1].shape, numpy.nan, dtype=cupy.float32), start_w1.copy(), start_w2.copy())
+    grads = cupyffn.gelu_ffn_backward(*args, precision=PLAN, out=out, accumulate=True)
+    for got, start, ref, label in ((grads[1], start_w1, ref64[1], "grad_weight1"),
+                                   (grads[2], start_w2, ref64[2], "grad_weight2")):
+        e = W.relative_l2(got - start, ref, xp=cupy)
+        assert e <= 2 * CONTRACT, f"accumulate {label}: {e:.3g}"
+
+
+def test_fallback_where_the_e4m3_gemm_does_not_fit():
+    # M = T of GEMM1 and GEMM3 is not a multiple of 16: those run bf16x3, the results stay in contract
+    tokens, dim, hidden = 1032, 64, 256
+    plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=PLAN)
+    assert plan.gemm_forms["gemm1"] == "bf16x3" and plan.gemm_forms["gemm3"] == "bf16x3", plan.gemm_forms
+    args, inputs = make(tokens, dim, hidden, seed=3)
+    grads = plan(*args, out=poisoned(args))
+    for label, e in zip(W.OUTPUT_NAMES, errors(grads, W.reference(inputs, xp=cupy))):
+        assert e <= CONTRACT, f"{label}: {e:.3g}"
+
+
+def test_scale_state_follows_a_change_of_magnitude():
+    # the fp16 exponents are decided on the device; a 2^20 jump of one input must be rescued, not overflow
+    tokens, dim, hidden = 2048, 64, 256
+    args, inputs = make(tokens, dim, hidden, seed=21)
+    plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=PLAN)
+    plan(*args, out=poisoned(args))
+    scaled = dict(inputs)
+    scaled["grad_output"] = inputs["grad_output"] * numpy.float32(2.0 ** 20)
+    args2 = [scaled[n] for n in W.INPUT_NAMES]
+    grads = plan(*args2, out=poisoned(args2))
+    for label, e in zip(W.OUTPUT_NAMES, errors(grads, W.reference(scaled, xp=cupy))):
+        assert e <= CONTRACT, f"after a 2^20 jump, {label}: {e:.3g}"
