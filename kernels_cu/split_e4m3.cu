@@ -16,11 +16,12 @@
 // (nullptr: recomputed), as convert.cu's kind 1. KIND 1 (dgelu): X = grad_gelu * gelu'(z, t) of
 // grad_gelu = src, z = src2, t = src3 (nullptr: recomputed), as dgelu.cu.
 //
-// Work: 64 x 64 tiles, grid-stride over the job's tiles (job k owns blocks [block_begin,
-// block_begin + block_count), as in convert.cu). Thread t holds a 4 x 4 block of the tile (rows
-// 4 rg.., cols 4 cg..): a warp reads 4 rows x 128 contiguous bytes per 16-byte load. Natural outputs
-// go straight from registers; the transposed pair goes through shared memory (double-buffered: one
-// barrier per tile), laid out so that both its 4-byte writes and its 16-byte reads are free of bank
+// Work: steps of 64 columns x NB 64-row sub-tiles (NB = 2 for KIND 0, 1 for KIND 1), grid-stride over
+// the job's steps (job k owns blocks [block_begin, block_begin + block_count), as in convert.cu). In each
+// sub-tile thread t holds a 4 x 4 block (rows 4 rg.., cols 4 cg..): a warp reads 4 rows x 128
+// contiguous bytes per 16-byte load, and all loads of a step are issued before any value is used.
+// Natural outputs go straight from registers; the transposed pair goes through shared memory
+// (double-buffered: one barrier per step), laid out so that both its 4-byte writes and its 16-byte reads are free of bank
 // conflicts, and leaves as 16-byte row segments (64 bytes per output row per tile and warp).
 //
 // Scales as convert.cu: the gathering pass (rescue == 0) converts with 2^state[slot], folds max |x|
