@@ -231,6 +231,12 @@ class LtMatmul:
         ok, reason = supports(m, n, k, a_type, b_type, c_type, a_trans, b_trans, lda, ldb, ldc)
         if not ok:
             raise LtUnsupported(f"cuBLASLt cannot run {self.description}: {reason}")
+        for label, ptr in (("a_scale", a_scale), ("b_scale", b_scale)):
+            # Measured on the H200 (cuBLAS 13.1): a scale pointer off a 16-byte boundary builds, and the heuristic
+            # offers an algorithm, but every cublasLtMatmul then fails with NOT_SUPPORTED.
+            if ptr is not None and ptr % 16:
+                raise ValueError(f"{label} must be a 16-byte-aligned device pointer (cuBLASLt refuses others at run "
+                                 f"time); got {ptr:#x} for {self.description}")
         vp = ctypes.c_void_p
         self.a, self.b, self.c = vp(), vp(), vp()
         self.alpha, self.beta = vp(), vp()

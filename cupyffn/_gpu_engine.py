@@ -175,7 +175,7 @@ class GpuEngine:
         kp = _pad16(k)
         return _gemm.GemmDesc(f"{g} e4m3 cross terms", m, n, 2 * kp, _cublas.R_8F_E4M3, _cublas.R_8F_E4M3,
                               b_trans=True, lda=2 * kp, ldb=2 * kp, ldc=n,
-                              a_scale=self._consts.data.ptr + 4 * 6)
+                              a_scale=self._consts.data.ptr + 4 * 8)
 
     def _layout(self):
         T, D, H = self.T, self.D, self.H
@@ -280,12 +280,13 @@ class GpuEngine:
 
     def _allocate_state(self):
         """fp16 scale state and the constants: consts[0] = 0, [1] = 1, [2 + g] = alpha of GEMM g,
-        [6] = the e4m3 pair's A scale (kernels_cu/common.cuh)."""
+        [8] = the e4m3 pair's A scale (kernels_cu/common.cuh lists [0..5])."""
         import cupy
 
         try:
             self._state = cupy.zeros(4 * _kernels.STATE_SLOTS, dtype=cupy.int32)
-            self._consts = cupy.asarray([0, 1, 1, 1, 1, 1, P.E4M3_PAIR_SCALE, 0], dtype=cupy.float32)
+            # [8]: on a 16-byte boundary, where cuBLASLt wants a scale pointer (see _cublaslt.LtMatmul)
+            self._consts = cupy.asarray([0, 1, 1, 1, 1, 1, 0, 0, P.E4M3_PAIR_SCALE, 0, 0, 0], dtype=cupy.float32)
         except cupy.cuda.memory.OutOfMemoryError as e:
             raise MemoryError(f"cupyffn could not allocate its 160-byte scale state: {e}") from None
 

@@ -72,7 +72,7 @@ GEMMS = {
 }
 
 #: e4m3 correction scale: the pair forms 2^-3 (lo*hi' + hi*lo') (f16e4m3_split), so its GEMM's
-#: A scale is 2^3. Kept on the device (consts[6], kernels_cu/common.cuh) for cuBLASLt's A_SCALE_POINTER.
+#: A scale is 2^3. Kept on the device (the engine's consts[8]) for cuBLASLt's A_SCALE_POINTER.
 E4M3_PAIR_SCALE = 8.0
 
 

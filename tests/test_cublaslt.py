@@ -210,3 +210,10 @@ def test_describe_names_shape_types_and_storage():
                     "C fp32 [M,N] ldc=1536")
     text = _cublaslt.describe(64, 96, 80, BF16, F16, F32, a_trans=True, lda=72)
     assert "A bf16 stored [K,M] lda=72" in text and "B fp16 stored [K,N] ldb=96" in text
+
+
+def test_a_misaligned_scale_pointer_is_refused_before_any_call():
+    # measured on the H200: cuBLASLt builds such a GEMM and then fails every call with NOT_SUPPORTED
+    with pytest.raises(ValueError, match="a_scale must be a 16-byte-aligned"):
+        _cublaslt.LtMatmul(64, 64, 64, _cublas.R_8F_E4M3, _cublas.R_8F_E4M3, _cublas.R_32F, b_trans=True,
+                           a_scale=0x10008)

@@ -126,7 +126,9 @@ def test_e4m3_exact_plumbing(bound, rng, m, n, k, lda, ldb, ldc, ints, beta_valu
 @pytest.mark.parametrize("m,n,k", [(48, 80, 96), (272, 1536, 512), (256, 512, 3072)])
 @pytest.mark.parametrize("beta_value", [0.0, 1.0])
 def test_e4m3_random_accuracy(bound, rng, m, n, k, beta_value):
-    """Random e4m3 values: exact products, so the error is the fp32 accumulation's (FAST_ACCUM off)."""
+    """Random e4m3 values: exact products, so the error is the accumulation's. Measured on the H200 with
+    FAST_ACCUM off: rel. L2 7.6e-5 at K=96, i.e. Hopper's fp8 MMA accumulates with ~14 significant bits, not
+    fp32's 24 (the fp16+fp8 plan puts only its 2^-11-sized cross terms through it: ~2^-25 of the result)."""
     handle, stream = bound
     with stream:
         a_raw, a64 = rounded(rng, (m, k), "e4m3")
@@ -141,7 +143,7 @@ def test_e4m3_random_accuracy(bound, rng, m, n, k, beta_value):
     ref = alpha * 8.0 * product + (c0.astype(numpy.float64) if beta_value else 0.0)
     err = rel_l2(got, ref)
     assert numpy.isfinite(got).all()
-    assert err <= 1e-5, (f"rel. L2 {err:.3g} vs float64 at K={k}: the fp8 accumulation is coarser than fp32", g.description)
+    assert err <= 3e-4, (f"rel. L2 {err:.3g} vs float64 at K={k}: coarser than Hopper's fp8 accumulation", g.description)
     g.close()
 
 

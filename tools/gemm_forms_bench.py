@@ -177,8 +177,9 @@ class Bench:
         self.flush_bytes = 2 * int(props["l2CacheSize"])
         with self.stream:
             self.flush_buf = cupy.empty(self.flush_bytes, dtype=cupy.uint8)
-            self.consts = cupy.asarray([0.0, 1.0, A_SCALE], dtype=cupy.float32)  # beta 0, alpha = beta 1, a_scale
-        self.zero, self.one, self.scale8 = (self.consts.data.ptr + 4 * i for i in range(3))
+            # beta 0, alpha = beta 1, then a_scale on a 16-byte boundary (cuBLASLt needs it there)
+            self.consts = cupy.asarray([0.0, 1.0, 0.0, 0.0, A_SCALE], dtype=cupy.float32)
+        self.zero, self.one, self.scale8 = (self.consts.data.ptr + 4 * i for i in (0, 1, 4))
         self.rng = cupy.random.RandomState(1234)
 
     def info(self):
