@@ -142,16 +142,23 @@ class GpuEngine:
         self.forms = {g: forms[g] for g in sorted(present)}
         self._fp8 = {}
         self.form_notes = {}  # gemm -> why it fell back to bf16x3
-        if self.precision.fmt != P.FMT_F16E4M3 or self.T == 0:
-            return
-        for g, form in self.forms.items():
-            if form.name != "f16+e4m3":
-                continue
-            try:
-                self._fp8[g], _ = _gemm.build(self._fp8_desc(g), self.device_id, backends=(_gemm.CUBLASLT,))
-            except _gemm.Unsupported as e:
-                self.forms[g] = P.FORMS["bf16x3"]
-                self.form_notes[g] = str(e)
+        if self.precision.fmt == P.FMT_F16E4M3 and self.T > 0:
+            for g, form in self.forms.items():
+                if form.name != "f16+e4m3":
+                    continue
+                try:
+                    self._fp8[g], _ = _gemm.build(self._fp8_desc(g), self.device_id, backends=(_gemm.CUBLASLT,))
+                except _gemm.Unsupported as e:
+                    self.forms[g] = P.FORMS["bf16x3"]
+                    self.form_notes[g] = str(e)
+        # The operand format this plan converts to: the recipe's, except that a fp16+fp8 plan whose GEMMs all
+        # run bf16x3 is the bf16x3 plan (its kernels and its lean layout).
+        names = {f.name for f in self.forms.values()}
+        uniform = P.FORMS[names.pop()] if len(names) == 1 else None
+        if self.precision.fmt == P.FMT_F16E4M3 and uniform is not None and uniform.name == "bf16x3":
+            self.fmt, self.planes = uniform.fmt, uniform.planes
+        else:
+            self.fmt, self.planes = self.precision.fmt, self.precision.planes
 
     @property
     def gemm_forms(self):
@@ -179,15 +186,13 @@ class GpuEngine:
 
     def _layout(self):
         T, D, H = self.T, self.D, self.H
-        prec = self.precision
-        self.planes = prec.planes
         wg, gh = self.need_weight_grads, self.need_grad_hidden
         self.gg_bytes = 4 * T * H
         ops = {}
-        if prec.fmt == P.FMT_F16E4M3:
+        if self.fmt == P.FMT_F16E4M3:
             return self._layout_f16e4m3()
-        if prec.planes:
-            p = prec.planes
+        if self.planes:
+            p = self.planes
             ops["grad_output"] = _Operand("grad_output", T, D, True, p)
             ops["weight2"] = _Operand("weight2", D, H, False, p)
             if wg:
@@ -198,7 +203,7 @@ class GpuEngine:
             ops["grad_linear1"] = _Operand("grad_linear1", T, H, True, p)
         self.ops = ops
         late = [n for n in ("weight1", "hidden_states") if n in ops]
-        self.lean = (prec.fmt == P.FMT_BF16X3 and wg
+        self.lean = (self.fmt == P.FMT_BF16X3 and wg
                      and self.gg_bytes >= sum(_align(ops[n].nbytes) for n in late))
         offset = _align(self.gg_bytes)  # grad_gelu first, at offset 0
         for name, op in ops.items():
@@ -295,7 +300,7 @@ class GpuEngine:
 
         try:
             self._scratch = cupy.cuda.alloc(max(self.scratch_bytes, _ALIGN))
-            if self.precision.fmt == P.FMT_F16E4M3:  # the e4m3 pairs' K padding must read as zeros
+            if self.fmt == P.FMT_F16E4M3:  # the e4m3 pairs' K padding must read as zeros
                 from cupy_backends.cuda.api import runtime
 
                 runtime.memsetAsync(self._scratch.ptr, 0, max(self.scratch_bytes, _ALIGN), self._alloc_stream_ptr)
@@ -375,11 +380,11 @@ class GpuEngine:
                                        None if t is None else (t.ptr, t.ld))
 
     def _build_launches(self):
-        if self.precision.fmt == P.FMT_F16E4M3:
+        if self.fmt == P.FMT_F16E4M3:
             return self._build_split_launches()
         dev = self.device_id
-        prec = self.precision
-        f16 = prec.fmt == P.FMT_F16S
+        fmt = self.fmt
+        f16 = fmt == P.FMT_F16S
         vp = ctypes.c_void_p
         self._state_ptr = vp(self._state.data.ptr)
         self._consts_ptr = vp(self._consts.data.ptr)
@@ -391,7 +396,7 @@ class GpuEngine:
         for stage, (names, alpha_mask, counter) in stages.items():
             if not names:
                 continue
-            expr = f"convert_kernel<{prec.fmt}>"
+            expr = f"convert_kernel<{fmt}>"
             kernel = _kernels.get_function("convert", expr, dev)
             full = sms * _kernels.blocks_per_sm("convert", expr, dev) * 2
             first = self._convert_launch(kernel, names, full, rescue=0, counter=counter, alpha_mask=0)
@@ -401,7 +406,7 @@ class GpuEngine:
                                               alpha_mask=alpha_mask)
             self._convert[stage] = (names, first, rescue)
 
-        expr = f"dgelu_kernel<{prec.fmt}>"
+        expr = f"dgelu_kernel<{fmt}>"
         kernel = _kernels.get_function("dgelu", expr, dev)
         grid = max(1, min(_items(self.T, self.H), sms * _kernels.blocks_per_sm("dgelu", expr, dev) * 2))
         self._dgelu = self._dgelu_launch(kernel, grid, rescue=0)
@@ -501,11 +506,11 @@ class GpuEngine:
         plan.ldb.value = ob.cols
 
     def _build_gemms(self):
-        if self.precision.fmt == P.FMT_F16E4M3:
+        if self.fmt == P.FMT_F16E4M3:
             return self._build_gemms_f16e4m3()
         p = self.planes
         dtype = {P.FMT_F32: _cublas.R_32F, P.FMT_BF16: _cublas.R_16BF, P.FMT_BF16X3: _cublas.R_16BF,
-                 P.FMT_F16S: _cublas.R_16F}[self.precision.fmt]
+                 P.FMT_F16S: _cublas.R_16F}[self.fmt]
         consts = self._consts.data.ptr
         self.gemm1 = self.gemm2 = self.gemm3 = self.gemm4 = None
         for index, g in enumerate(("gemm1", "gemm2", "gemm3", "gemm4")):
@@ -527,7 +532,7 @@ class GpuEngine:
         dy, x, w1, w2, l1, t, g = inputs
         src = {"grad_output": dy, "hidden_states": x, "weight1": w1, "weight2": w2, "gelu_out": g}
         self._recompute_g = g is None and self.need_weight_grads  # memory mode: gelu_out from linear1_out
-        if self.precision.fmt == P.FMT_F16E4M3:
+        if self.fmt == P.FMT_F16E4M3:
             self._set_io_split(l1, t, g, src)
             return self._set_outputs(outputs, accumulate)
         if self._recompute_g and not self.planes:
@@ -624,7 +629,7 @@ class GpuEngine:
         try:
             self._convert_stage("convert A", S, mark)
             record(self._ev_a, S)
-            if self.precision.fmt in (P.FMT_F16S, P.FMT_F16E4M3) and self.cvt_b:
+            if self.fmt in (P.FMT_F16S, P.FMT_F16E4M3) and self.cvt_b:
                 wait(S2, self._ev_a)  # convert B's rescue writes alpha2, which needs grad_output's scale
             self._convert_stage("convert B", S2, mark)
             if self._recompute_g and self._ieee_gelu is not None:

@@ -34,11 +34,11 @@ def errors(grads, ref64):
     return [W.relative_l2(g, r, xp=cupy) for g, r in zip(grads, ref64)]
 
 
-CASES = [  # (T, D, H): which GEMMs the table gives the pair
-    (256, 1536, 6144),   # gemm1
-    (1024, 64, 256),     # gemm1, gemm3
-    (2048, 64, 256),     # gemm2, gemm3, gemm4
-    (4096, 1536, 6144),  # gemm2, gemm3, gemm4 at an official size
+CASES = [  # (T, D, H): the table gives the pair to gemm2-4 from T = 2048 on
+    (2048, 64, 256),
+    (2048, 1536, 6144),  # official sizes
+    (4096, 1536, 6144),
+    (2056, 64, 256),     # M = T not a multiple of 16: gemm3 falls back to bf16x3, gemm2/gemm4 keep the pair
 ]
 
 
@@ -83,11 +83,24 @@ def test_memory_mode_and_accumulate_with_the_pair():
         assert e <= 2 * CONTRACT, f"accumulate {label}: {e:.3g}"
 
 
+def test_below_the_pair_threshold_the_plan_is_bf16x3():
+    # every GEMM bf16x3 (T < 2048): the engine runs the bf16x3 plan's kernels, so the results are its bits
+    tokens, dim, hidden = 1024, 64, 256
+    args, _ = make(tokens, dim, hidden, seed=9)
+    plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=PLAN)
+    assert set(plan.gemm_forms.values()) == {"bf16x3"}, plan.gemm_forms
+    got = plan(*args, out=poisoned(args))
+    want = cupyffn.gelu_ffn_backward(*args, precision="bf16x3", out=poisoned(args))
+    for label, g, w in zip(W.OUTPUT_NAMES, got, want):
+        assert bool((g == w).all()), label
+
+
 def test_fallback_where_the_e4m3_gemm_does_not_fit():
     # M = T of GEMM1 and GEMM3 is not a multiple of 16: those run bf16x3, the results stay in contract
-    tokens, dim, hidden = 1032, 64, 256
+    tokens, dim, hidden = 2056, 64, 256
     plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=PLAN)
     assert plan.gemm_forms["gemm1"] == "bf16x3" and plan.gemm_forms["gemm3"] == "bf16x3", plan.gemm_forms
+    assert plan.gemm_forms["gemm2"] == "f16+e4m3", plan.gemm_forms
     args, inputs = make(tokens, dim, hidden, seed=3)
     grads = plan(*args, out=poisoned(args))
     for label, e in zip(W.OUTPUT_NAMES, errors(grads, W.reference(inputs, xp=cupy))):
