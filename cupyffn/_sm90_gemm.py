@@ -3,7 +3,8 @@
 Standalone for now (issue 10, first step): not used by the engine yet. What it computes:
 
 * :func:`gemm_tn` -- ``out[M, N] (fp32) = a[M, K] @ b[N, K]^T``;
-* :func:`gemm_tn_dgelu` -- GEMM1 with the GELU derivative in its epilogue:
+* :func:`gemm_tn_dgelu` -- GEMM1 with the GELU derivative in its epilogue (x and t staged through
+  shared memory by cp.async during the mainloop, or, ``epilogue="direct"``, loaded in the epilogue):
   ``out = acc * gelu'(linear1_out, tanh_inner)`` rounded to bf16 (``out.dtype == uint16``, bf16
   bit patterns) or to fp16 after scaling by a power of two ``alpha`` (``out.dtype == float16``);
   ``tanh_inner=None`` recomputes t from linear1_out (memory mode).
@@ -49,9 +50,23 @@ EPI_DGELU_F16 = 2
 
 #: (block_n, pingpong) schedules: cooperative 128x128 and 128x256 tiles, ping-pong 128x128 (see gemm_sm90.cu).
 CONFIGS = ((128, False), (256, False), (128, True))
+#: How a dgelu epilogue reads linear1_out and tanh_inner (gemm_sm90.cu, template parameter XS):
+#: "staged" (cp.async into shared memory, requested during the mainloop) or "direct" (global loads in
+#: the epilogue, the first version; kept to compare and as a fallback).
+EPILOGUES = ("staged", "direct")
 
-EXPRESSIONS = tuple(f"gemm_sm90_kernel<{op}, {bn}, {epi}, {int(pp)}>" for op in (OP_F16, OP_BF16) for bn, pp in CONFIGS
-                    for epi in (EPI_F32, EPI_DGELU_BF16, EPI_DGELU_F16))  # every variant; each compiled on first use
+
+def _variants():
+    for op in (OP_F16, OP_BF16):
+        for bn, pp in CONFIGS:
+            yield op, bn, EPI_F32, pp, False
+            for epi in (EPI_DGELU_BF16, EPI_DGELU_F16):
+                for staged in (False, True):
+                    yield op, bn, epi, pp, staged
+
+
+EXPRESSIONS = tuple(f"gemm_sm90_kernel<{op}, {bn}, {epi}, {int(pp)}, {int(xs)}>"
+                    for op, bn, epi, pp, xs in _variants())  # every variant; each compiled on first use
 
 
 def stages_for(block_n):
@@ -63,6 +78,32 @@ def smem_bytes(block_n):
     """Dynamic shared memory of one CTA (smem_bytes_for in gemm_sm90.cu)."""
     s = stages_for(block_n)
     return s * (BLOCK_M + block_n) * BLOCK_K * 2 + 1024 + 2 * 8 * s
+
+
+#: Bytes of one x/t slot of the staged epilogue (kXtSlotBytes in gemm_sm90.cu): x and t of a 64 x 8 group.
+XT_SLOT_BYTES = 2 * 2 * 128 * 8
+
+
+def xs_stages_for(block_n):
+    """Pipeline stages with the staged epilogue (xs_stages_for): one less, to make room for the slots."""
+    return stages_for(block_n) - 1
+
+
+def xt_slots_for(block_n):
+    """x/t slots per consumer of the staged epilogue (xt_slots_for): what is left of 224 KiB, halved."""
+    return (224 * 1024 - xs_stages_for(block_n) * (BLOCK_M + block_n) * BLOCK_K * 2) // (2 * XT_SLOT_BYTES)
+
+
+def xs_smem_bytes(block_n):
+    """Dynamic shared memory of one CTA with the staged epilogue (xs_smem_bytes_for in gemm_sm90.cu)."""
+    s = xs_stages_for(block_n)
+    return s * (BLOCK_M + block_n) * BLOCK_K * 2 + 2 * xt_slots_for(block_n) * XT_SLOT_BYTES + 1024 + 2 * 8 * s
+
+
+def launch_smem_bytes(block_n, staged):
+    """Dynamic shared memory a launch of that variant needs (the kernel traps if given less; the same
+    for both schedules)."""
+    return xs_smem_bytes(block_n) if staged else smem_bytes(block_n)
 
 
 class TmaDesc(ctypes.Structure):
@@ -102,15 +143,15 @@ def device_supported(device_id):
     return cupy.cuda.Device(device_id).compute_capability == "90"
 
 
-def expression(op, block_n, epi, pingpong):
+def expression(op, block_n, epi, pingpong, staged=False):
     """The name expression of one kernel variant (one of EXPRESSIONS)."""
-    return f"gemm_sm90_kernel<{op}, {block_n}, {epi}, {int(pingpong)}>"
+    return f"gemm_sm90_kernel<{op}, {block_n}, {epi}, {int(pingpong)}, {int(staged)}>"
 
 
 @functools.lru_cache(maxsize=None)
 def _module(name, device_id):
-    """One RawModule per variant, compiled on first use: NVRTC takes ~0.3-3 s per variant (~20 s for
-    all 18 at once), and a caller needs a few; CuPy's disk cache keeps each one for the next process."""
+    """One RawModule per variant, compiled on first use: NVRTC takes ~0.3-3 s per variant (~30 s for
+    all 30 at once), and a caller needs a few; CuPy's disk cache keeps each one for the next process."""
     import cupy
 
     if not device_supported(device_id):
@@ -125,17 +166,17 @@ def _module(name, device_id):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(op, block_n, epi, pingpong, device_id):
+def _kernel(op, block_n, epi, pingpong, device_id, staged=False):
     import cupy
     from cupy_backends.cuda.api import driver
 
-    name = expression(op, block_n, epi, pingpong)
+    name = expression(op, block_n, epi, pingpong, staged)
     module = _module(name, device_id)
     with cupy.cuda.Device(device_id):
         kernel = module.get_function(name)
         # above 48 KiB of dynamic shared memory needs the opt-in, on the very function we launch
         driver.funcSetAttribute(kernel.kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                smem_bytes(block_n))
+                                launch_smem_bytes(block_n, staged))
     return kernel
 
 
@@ -323,13 +364,13 @@ def _check_size(m, n, k):
 
 
 # ---- launch -------------------------------------------------------------------------------------
-def _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream):
+def _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream, staged=False):
     import cupy
     from cupy_backends.cuda.api import driver
 
     m, n = args.m, args.n
     device = cupy.cuda.Device().id
-    kernel = _kernel(op, block_n, epi, bool(pingpong), device)
+    kernel = _kernel(op, block_n, epi, bool(pingpong), device, bool(staged))
     map_a = _maps.get(a.data.ptr, m, args.k, lda * 2, op, BLOCK_M)
     map_b = _maps.get(b.data.ptr, n, args.k, ldb * 2, op, block_n)
     tiles = -(-m // BLOCK_M) * -(-n // block_n)
@@ -337,7 +378,8 @@ def _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream):
     argv = (ctypes.c_void_p * 3)(ctypes.addressof(map_a.desc), ctypes.addressof(map_b.desc), ctypes.addressof(args))
     stream_ptr = (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
     # The driver copies the parameters at launch: map_a/map_b/args may be reused as soon as this returns.
-    driver.launchKernel(kernel.kernel.ptr, grid, 1, 1, THREADS, 1, 1, smem_bytes(block_n), stream_ptr,
+    driver.launchKernel(kernel.kernel.ptr, grid, 1, 1, THREADS, 1, 1, launch_smem_bytes(block_n, staged),
+                        stream_ptr,
                         ctypes.addressof(argv), 0)
 
 
@@ -362,17 +404,21 @@ def gemm_tn(a, b, out, *, block_n=256, pingpong=False, stream=None):
 
 
 def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, block_n=256, pingpong=False,
-                  stream=None):
+                  epilogue="staged", stream=None):
     """GEMM1 with the GELU derivative fused: g = (a @ b^T) * gelu'(linear1_out, tanh_inner) in fp32,
     stored as bf16 bits (out uint16) or as fp16(alpha * g) (out float16); returns out.
 
     linear1_out, tanh_inner: float32 [M, N]; tanh_inner None recomputes it (memory mode). alpha:
     a power of two (exact scaling), only with a float16 out. amax: None, or a 1-element uint32 CuPy
     array that the kernel raises to the bits of max |g| over the finite g (before alpha) with atomicMax;
-    the caller initializes it (0, or a running maximum's bits)."""
+    the caller initializes it (0, or a running maximum's bits). epilogue: how x and t reach the
+    epilogue, one of EPILOGUES ("staged": cp.async into shared memory during the mainloop; "direct":
+    global loads in the epilogue); both give bitwise the same out and amax."""
     import numpy
 
     _check_config(block_n, pingpong)
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
     op, m, n, k, lda, ldb = _check_operands(a, b)
     ldx = _check_matrix(linear1_out, "linear1_out", (m, n), numpy.float32)
     ldt = _check_matrix(tanh_inner, "tanh_inner", (m, n), numpy.float32) if tanh_inner is not None else 0
@@ -400,9 +446,12 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, b
     _check_size(m, n, k)
     _check_no_overlap(out, ldc, (("a", a, lda), ("b", b, ldb), ("linear1_out", linear1_out, ldx),
                                  ("tanh_inner", tanh_inner, ldt)))
+    for name, ld in (("out", ldc), ("linear1_out", ldx), ("tanh_inner", ldt)):
+        if ld >= 2 ** 31:  # the epilogue forms row offsets as 32 x 32-bit products
+            raise ValueError(f"{name} must have a row stride below 2^31 elements, got {ld}")
     if m == 0 or n == 0:
         return out
     args = GemmArgs(out.data.ptr, linear1_out.data.ptr, tanh_inner.data.ptr if tanh_inner is not None else None,
                     ldc, ldx, ldt, m, n, k, alpha, amax.data.ptr if amax is not None else None)
-    _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream)
+    _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream, staged=epilogue == "staged")
     return out

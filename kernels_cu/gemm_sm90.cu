@@ -27,6 +27,17 @@
 //   kEpiDgeluF16    C = fp16(alpha * acc * gelu'(x, t)), alpha a power of two chosen by the caller
 //   Both dgelu epilogues can also fold max |g| (finite g, before alpha) into a device word (GemmArgs::amax).
 //
+// How a dgelu epilogue gets x and t (template parameter XS):
+//   XS = 0 ("direct") loads them from global memory in the epilogue, 8 bytes per thread and fragment:
+//          few bytes in flight per SM, so the epilogue runs at a fraction of HBM bandwidth.
+//   XS = 1 ("staged") copies them with cp.async into a per-consumer ring of shared-memory slots, one
+//          slot per 8-column group of the consumer's block: the first kXtSlots groups are requested
+//          when the tile starts (they land during its mainloop), each later one as soon as the epilogue
+//          frees a slot, so kXtSlots groups (16-48 KiB per SM) are always in flight. Every thread copies
+//          exactly the elements of its own accumulator fragment, so it waits only for its own copies
+//          (cp.async.wait_group): no barrier, no cross-thread hand-off, nothing that can deadlock. It
+//          costs one pipeline stage (stages_for - 1) to make room for the slots.
+//
 // Constraints (checked by cupyffn/_sm90_gemm.py): K >= 1; lda, ldb multiples of 8 elements and A, B
 // 16-byte aligned (TMA); ldc, ldx, ldt even (pairs of columns are stored/loaded together) and C, x, t
 // 16-byte aligned. Compile for sm_90a (wgmma, setmaxnreg): cupyffn/_sm90_gemm.py does.
@@ -299,6 +310,22 @@ __host__ __device__ constexpr int stages_for(int bn) { return (192 * 1024) / ((k
 // 2 * stages mbarriers (8 bytes each). cupyffn/_sm90_gemm.py computes the same number.
 __host__ __device__ constexpr int smem_bytes_for(int bn) { return stages_for(bn) * (kBM + bn) * kBK * 2 + 1024 + 2 * 8 * stages_for(bn); }
 
+// The staged dgelu epilogue (XS = 1): one stage less, and per consumer a ring of x/t slots of 4 KiB
+// (one 64-row x 8-column group: x and t, 2 rows x 128 threads x 8 bytes each). Stages and slots share
+// 224 KiB; cupyffn/_sm90_gemm.py computes the same numbers. bn256: 3 stages + 2 x 10 slots;
+// bn128 (either schedule): 5 stages + 2 x 8 slots.
+constexpr int kXtSlotBytes = 2 * 2 * 128 * 8;
+__host__ __device__ constexpr int xs_stages_for(int bn) { return stages_for(bn) - 1; }
+__host__ __device__ constexpr int xt_slots_for(int bn) {
+  return (224 * 1024 - xs_stages_for(bn) * (kBM + bn) * kBK * 2) / (2 * kXtSlotBytes);
+}
+__host__ __device__ constexpr int xs_smem_bytes_for(int bn) {
+  return xs_stages_for(bn) * (kBM + bn) * kBK * 2 + 2 * xt_slots_for(bn) * kXtSlotBytes + 1024 + 2 * 8 * xs_stages_for(bn);
+}
+static_assert(xs_smem_bytes_for(256) <= 232448 && xs_smem_bytes_for(128) <= 232448,
+              "227 KiB of dynamic shared memory per CTA at most");
+static_assert(xt_slots_for(256) == 10 && xt_slots_for(128) == 8, "slots");
+
 // Stores a consumer's 64 x BN block of the tile whose top-left output element is (row0, col0).
 // wgmma's accumulator layout: thread `lane` of warp w holds, for each 8-column group j, columns
 // 8j + 2(lane % 4) + {0, 1} of rows 16w + lane / 4 (d[4j], d[4j+1]) and 16w + lane / 4 + 8 (d[4j+2], d[4j+3]).
@@ -377,6 +404,161 @@ __device__ __forceinline__ void store_block(const float (&acc)[BN / 2], const Ge
   }
 }
 
+// ---- staged x/t epilogue (XS = 1) ---------------------------------------------------------------
+// x and t are read once: evict them from L2 first, so that they do not push out the A and B tiles the
+// other CTAs are still reading. (volatile: made again at each use, one instruction, so that the 64-bit
+// policy does not hold two registers through the epilogue: the ping-pong variants have none to spare)
+__device__ __forceinline__ unsigned long long evict_first_policy() {
+  unsigned long long policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
+// 8-byte asynchronous copy global -> shared; bytes < 8 (4 or 0) reads only that many and zero-fills the
+// rest, so a partial pair or an out-of-bounds row reads nothing past the matrix.
+__device__ __forceinline__ void cp_async_8(unsigned dst, const float* src, unsigned bytes, unsigned long long policy) {
+  asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 8, %2, %3;\n" ::"r"(dst), "l"(src), "r"(bytes),
+               "l"(policy)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Waits until at most N of this thread's committed cp.async groups are still running.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+__device__ __forceinline__ float2 ld_shared_f2(unsigned addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+
+// The staged epilogue walks a consumer's block in "groups": one 64-row half h and one 8-column group j,
+// g = h * (BN / 8) + j. A slot holds the group's x and t for every thread: its two rows (hh) of the
+// pair of columns it owns, at [tensor][hh][tid] (consecutive threads read consecutive 8 bytes: no bank
+// conflicts).
+__device__ __forceinline__ unsigned xt_offset(int tensor, int hh, int tid) {
+  return (unsigned)(((tensor * 2 + hh) * 128 + tid) * 8);
+}
+
+// Requests into `slot` x and t of the rows r0 + 16 warp + lane / 4 + {0, 8} and the columns col, col + 1
+// (this thread's elements of one group); the caller commits the cp.async group.
+__device__ __forceinline__ void stage_xt(unsigned slot, const GemmArgs& args, int r0, int col, int tid) {
+  const int warp = tid >> 5, lane = tid & 31;
+  const unsigned col_bytes = col + 1 < args.n ? 8u : (col < args.n ? 4u : 0u);
+  const unsigned long long policy = evict_first_policy();
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int r = r0 + 16 * warp + (lane >> 2) + 8 * hh;
+    const unsigned bytes = r < args.m ? col_bytes : 0u;
+    // nothing is read when bytes == 0; the address stays inside the matrix anyway
+    // (32 x 32 -> 64-bit products: the launcher keeps row strides below 2^31; fewer registers than 64 x 64)
+    const int rr = bytes ? r : 0;
+    const int cc = bytes ? col : 0;
+    cp_async_8(slot + xt_offset(0, hh, tid), args.x + ((long long)rr * (int)args.ldx + cc), bytes, policy);
+    if (args.t != nullptr) {
+      cp_async_8(slot + xt_offset(1, hh, tid), args.t + ((long long)rr * (int)args.ldt + cc), bytes, policy);
+    }
+  }
+}
+
+// The first SLOTS groups of a block (rows from row0, columns from col0), requested before its mainloop,
+// one cp.async group each.
+template <int BN, int SLOTS>
+__device__ __forceinline__ void stage_xt_prologue(unsigned slots, const GemmArgs& args, int row0, int col0, int tid) {
+#pragma unroll 1
+  for (int g = 0; g < SLOTS; ++g) {
+    stage_xt(slots + g * kXtSlotBytes, args, row0 + 64 * (g / (BN / 8)), col0 + 8 * (g % (BN / 8)) + 2 * (tid & 3), tid);
+    cp_async_commit();
+  }
+}
+
+// One 64-row half H (groups H * BN / 8 ...) of store_block_staged, folding into amax. (Register pressure
+// of the ping-pong variants, 128 accumulators at a cap of 168, decided the shape of this code: one call
+// per half, alpha read once, the prologue loop not unrolled; other shapes spilled 4-48 bytes.)
+template <int EPI, int BN, int HALVES, int SLOTS, int H>
+__device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], const GemmArgs& args, int row0, int col0,
+                                                  int tid, unsigned slots, float& amax) {
+  constexpr int kGroups = HALVES * (BN / 8);
+  static_assert(EPI != kEpiF32 && SLOTS >= 1 && SLOTS <= kGroups, "staged: dgelu epilogues, 1..groups slots");
+  const int warp = tid >> 5, lane = tid & 31;
+  const bool has_t = args.t != nullptr;
+  const float alpha = args.alpha;
+  constexpr int h = H;
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    const int g = H * (BN / 8) + j;
+    cp_async_wait<SLOTS - 1>();  // group g (the oldest of the SLOTS in flight) has landed
+    const unsigned slot = slots + (g % SLOTS) * kXtSlotBytes;
+    const int col = col0 + 8 * j + 2 * (lane & 3);
+    const bool pair = col + 1 < args.n;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = row0 + 64 * h + 16 * warp + (lane >> 2) + 8 * hh;
+      const float2 xv = ld_shared_f2(slot + xt_offset(0, hh, tid));
+      float t0, t1;
+      if (has_t) {
+        const float2 tv = ld_shared_f2(slot + xt_offset(1, hh, tid));
+        t0 = tv.x;
+        t1 = tv.y;
+      } else {
+        t0 = cupyffn::tanh_inner_of(xv.x);
+        t1 = cupyffn::tanh_inner_of(xv.y);
+      }
+      const float v0 = acc[4 * j + 2 * hh] * cupyffn::gelu_grad(xv.x, t0);
+      const float v1 = acc[4 * j + 2 * hh + 1] * cupyffn::gelu_grad(xv.y, t1);
+      if (r < args.m && col < args.n) {
+        amax = cupyffn::finite_absmax(amax, v0);
+        if (pair) amax = cupyffn::finite_absmax(amax, v1);
+        unsigned short c0, c1;
+        if constexpr (EPI == kEpiDgeluBf16) {
+          c0 = cupyffn::bf16_bits(v0);  // the same rounding as the engine's dgelu kernel
+          c1 = cupyffn::bf16_bits(v1);
+        } else {
+          c0 = cupyffn::f16_bits(v0 * alpha);
+          c1 = cupyffn::f16_bits(v1 * alpha);
+        }
+        unsigned short* p = static_cast<unsigned short*>(args.c) + ((long long)r * (int)args.ldc + col);
+        if (pair) {
+          *reinterpret_cast<unsigned*>(p) = cupyffn::pack2(c0, c1);
+        } else {
+          p[0] = c0;
+        }
+      }
+    }
+    // Refill the slot just read with group g + SLOTS. Its only reader is this thread, and its loads of it
+    // were issued above, before the copy (in order, and a copy writes shared memory only once its global
+    // read has returned). An empty group keeps the count for the wait.
+    if (g + SLOTS < kGroups) {
+      const int gn = g + SLOTS;
+      stage_xt(slot, args, row0 + 64 * (gn / (BN / 8)), col0 + 8 * (gn % (BN / 8)) + 2 * (lane & 3), tid);
+    }
+    cp_async_commit();
+  }
+}
+
+// The dgelu epilogue of a consumer's HALVES x 64 x BN block (rows from row0) with x and t from its ring
+// of SLOTS slots; stage_xt_prologue of the same block must have been called (SLOTS groups pending).
+// Same arithmetic, rounding and amax as store_block.
+template <int EPI, int BN, int HALVES, int SLOTS>
+__device__ __forceinline__ void store_block_staged(const float (&acc)[HALVES][BN / 2], const GemmArgs& args, int row0,
+                                                   int col0, int tid, unsigned slots) {
+  float amax = 0.0f;
+  store_half_staged<EPI, BN, HALVES, SLOTS, 0>(acc[0], args, row0, col0, tid, slots, amax);
+  if constexpr (HALVES == 2) store_half_staged<EPI, BN, HALVES, SLOTS, 1>(acc[1], args, row0, col0, tid, slots, amax);
+  if (args.amax != nullptr) {  // uniform: every thread of the warpgroup gets here
+    for (int offset = 16; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    if ((tid & 31) == 0 && amax > 0.0f) atomicMax(args.amax, __float_as_uint(amax));
+  }
+}
+
+__device__ __forceinline__ unsigned dynamic_smem_size() {
+  unsigned bytes;
+  asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(bytes));
+  return bytes;
+}
+
 }  // namespace sm90
 
 // PP = 0 ("cooperative"): both consumers work on one 128 x BN tile, 64 rows each.
@@ -388,21 +570,27 @@ __device__ __forceinline__ void store_block(const float (&acc)[BN / 2], const Ge
 // other's k_tiles stages would wait on a full barrier up to k_tiles / kStages phases ahead, where
 // the parity wait cannot tell its phase from an earlier one (wrong data, then a deadlock, whenever
 // K > (kStages - 1) * 64 and a CTA has more than one tile).
-template <int OP, int BN, int EPI, int PP>
+//
+// XS = 1: the staged dgelu epilogue (see the top of the file); XS = 0: x and t straight from global memory.
+template <int OP, int BN, int EPI, int PP, int XS>
 __global__ void __launch_bounds__(sm90::kThreads, 1)
     gemm_sm90_kernel(const __grid_constant__ sm90::TmaDesc map_a, const __grid_constant__ sm90::TmaDesc map_b,
                      const __grid_constant__ sm90::GemmArgs args) {
   using namespace sm90;
   static_assert(PP == 0 || BN == 128, "ping-pong keeps a whole 128 x BN tile per warpgroup: BN = 128 only");
-  constexpr int kStages = stages_for(BN);
+  static_assert(XS == 0 || EPI != kEpiF32, "the staged epilogue is a dgelu epilogue");
+  constexpr int kStages = XS ? xs_stages_for(BN) : stages_for(BN);
   constexpr int kHalves = PP ? 2 : 1;  // 64-row halves of a tile that one consumer computes
+  constexpr int kXtSlots = XS ? xt_slots_for(BN) : 0;  // per consumer
+  constexpr unsigned kSmemBytes = XS ? xs_smem_bytes_for(BN) : smem_bytes_for(BN);
   constexpr unsigned kABytes = kBM * kBK * 2;
   constexpr unsigned kBBytes = BN * kBK * 2;
   extern __shared__ unsigned char smem_raw[];
   const unsigned raw = smem_addr(smem_raw);
   const unsigned a_smem = (raw + 1023u) & ~1023u;  // 128-byte swizzle atoms sit on 1024-byte boundaries
   const unsigned b_smem = a_smem + kStages * kABytes;
-  const unsigned full_bar = b_smem + kStages * kBBytes;  // stage s: full_bar + 8 s; empty: empty_bar + 8 s
+  const unsigned xt_smem = b_smem + kStages * kBBytes;  // consumer c's slots: xt_smem + c * kXtSlots * slot bytes
+  const unsigned full_bar = xt_smem + 2 * kXtSlots * kXtSlotBytes;  // stage s: full_bar + 8 s; empty: empty_bar + 8 s
   const unsigned empty_bar = full_bar + 8 * kStages;
 
   const int m_tiles = (args.m + kBM - 1) / kBM;
@@ -412,6 +600,8 @@ __global__ void __launch_bounds__(sm90::kThreads, 1)
   const int wg = threadIdx.x >> 7;
 
   if (threadIdx.x == 0) {
+    // a launch with less shared memory than this variant's layout would write past it: fail loudly
+    if (dynamic_smem_size() < kSmemBytes) __trap();
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full_bar + 8 * s, 1);   // the producer's arrive_expect_tx (+ the TMA bytes)
       mbar_init(empty_bar + 8 * s, 4 * (2 / kHalves));  // one arrival per warp of the stage's consumers
@@ -451,9 +641,15 @@ __global__ void __launch_bounds__(sm90::kThreads, 1)
         it += k_tiles;
         continue;
       }
+      const int mb = tile % m_tiles, nb = tile / m_tiles;
+      const int row0 = mb * kBM + 64 * (PP ? 0 : consumer);  // this consumer's block of the tile
+      // staged: x and t of the first kXtSlots groups are on their way while the mainloop runs (the ring
+      // is free: this thread's previous epilogue has read all of it)
+      if constexpr (XS) {
+        stage_xt_prologue<BN, kXtSlots>(xt_smem + consumer * kXtSlots * kXtSlotBytes, args, row0, nb * BN, tid);
+      }
       // ping-pong: my turn once the other consumer has passed every stage of the tile before this one
       if (PP && local > 0) named_bar_sync(1 + consumer, 256);
-      const int mb = tile % m_tiles, nb = tile / m_tiles;
 #pragma unroll
       for (int h = 0; h < kHalves; ++h) {
 #pragma unroll
@@ -488,9 +684,12 @@ __global__ void __launch_bounds__(sm90::kThreads, 1)
       // ping-pong: the other consumer's turn, if the CTA has a next tile (then it waits for exactly this
       // arrival: every bar.arrive is matched by one bar.sync, none is left pending at exit)
       if (PP && tile + (int)gridDim.x < tiles) named_bar_arrive(1 + (consumer ^ 1), 256);
+      if constexpr (XS) {
+        const unsigned xt_slots = xt_smem + consumer * kXtSlots * kXtSlotBytes;
+        store_block_staged<EPI, BN, kHalves, kXtSlots>(acc, args, row0, nb * BN, tid, xt_slots);
+      } else {
 #pragma unroll
-      for (int h = 0; h < kHalves; ++h) {
-        store_block<EPI, BN>(acc[h], args, mb * kBM + 64 * (PP ? h : consumer), nb * BN, tid);
+        for (int h = 0; h < kHalves; ++h) store_block<EPI, BN>(acc[h], args, row0 + 64 * h, nb * BN, tid);
       }
     }
   }

@@ -5,9 +5,10 @@ on the same operands); outputs are NaN-poisoned before the call, and the poisone
 them (extra columns and rows of the buffer) and NaN padding of the operands' rows must survive:
 that is what the predicated stores and the TMA bounds protect.
 
-Quick subset (marker ``sm90_quick``: 16 representative cases -- odd shapes, K not a multiple of 64,
+Quick subset (marker ``sm90_quick``: ~25 representative cases -- odd shapes, K not a multiple of 64,
 more tiles than SMs with ping-pong and K > the pipeline depth, each epilogue and memory mode, both
-operand types, each schedule; < 1 min on an H200 with a cold compile cache):
+operand types, each schedule, the staged and the direct dgelu epilogue (and the two bitwise equal);
+~1 min on an H200 with a cold compile cache):
 
     PYTHONPATH=. python3 -m pytest -q -m sm90_quick tests/test_gpu_sm90_gemm.py
 
@@ -17,7 +18,9 @@ fails every later test of its process) cannot hide the other verdicts:
     PYTHONPATH=. python3 -m pytest -v --tb=line -m sm90_quick -k "not pp" tests/test_gpu_sm90_gemm.py
     PYTHONPATH=. python3 -m pytest -v --tb=line -m sm90_quick -k pp tests/test_gpu_sm90_gemm.py
 
-The whole file (~180 cases): ``PYTHONPATH=. python3 -m pytest -q tests/test_gpu_sm90_gemm.py``.
+The whole file (~300 cases, 30 kernel variants to compile: a few minutes):
+``PYTHONPATH=. python3 -m pytest -q tests/test_gpu_sm90_gemm.py`` (or, the same,
+``-m "sm90_quick or not sm90_quick"``).
 """
 
 import math
@@ -177,17 +180,20 @@ def activations(rng, m, n):
 
 # (2048, 2056, 1000): several tiles per CTA with more k-steps than stages (the ping-pong turn-taking case)
 DGELU_SHAPES = [(1, 64, 16), (77, 300, 64), (130, 257, 40), (256, 6144, 1536), (1536, 4096, 192), (2048, 2056, 1000)]
-DGELU_QUICK = {"77-300-64-bn128-bf16-1.0-False", "130-257-40-bn128pp-fp16-16.0-True",
-               "256-6144-1536-bn256-fp16-0.125-False", "1536-4096-192-bn256-bf16-1.0-True",
-               "1536-4096-192-bn128pp-fp16-16.0-False", "2048-2056-1000-bn128pp-bf16-1.0-False"}
-DGELU_CASES = marked(((f"{m}-{n}-{k}-{cid}-{fmt}-{alpha}-{memory}", (m, n, k, config, fmt, alpha, memory))
+# Both epilogues (staged: x and t through shared memory by cp.async; direct: global loads) on every case.
+DGELU_QUICK = {"77-300-64-bn128-bf16-1.0-False-staged", "130-257-40-bn128pp-fp16-16.0-True-staged",
+               "256-6144-1536-bn256-fp16-0.125-False-staged", "1536-4096-192-bn256-bf16-1.0-True-staged",
+               "1536-4096-192-bn128pp-fp16-16.0-False-staged", "2048-2056-1000-bn128pp-bf16-1.0-False-staged",
+               "2048-2056-1000-bn256-fp16-16.0-False-staged", "1-64-16-bn128-fp16-0.125-True-staged",
+               "130-257-40-bn256-bf16-1.0-False-direct", "2048-2056-1000-bn128pp-fp16-16.0-True-direct"}
+DGELU_CASES = marked(((f"{m}-{n}-{k}-{cid}-{fmt}-{alpha}-{memory}-{epi}", (m, n, k, config, fmt, alpha, memory, epi))
                       for m, n, k in DGELU_SHAPES for config, cid in zip(_sm90_gemm.CONFIGS, CONFIG_IDS)
                       for fmt, alpha in (("bf16", 1.0), ("fp16", 2.0 ** 4), ("fp16", 2.0 ** -3))
-                      for memory in (False, True)), DGELU_QUICK)
+                      for memory in (False, True) for epi in _sm90_gemm.EPILOGUES), DGELU_QUICK)
 
 
-@pytest.mark.parametrize("m,n,k,config,out_format,alpha,memory_mode", DGELU_CASES)
-def test_gemm_tn_dgelu(rng, m, n, k, config, out_format, alpha, memory_mode):
+@pytest.mark.parametrize("m,n,k,config,out_format,alpha,memory_mode,epilogue", DGELU_CASES)
+def test_gemm_tn_dgelu(rng, m, n, k, config, out_format, alpha, memory_mode, epilogue):
     block_n, pingpong = config
     kind = "bf16" if out_format == "bf16" else "fp16"  # the plans: bf16 operands -> bf16; fp16 -> scaled fp16
     a, a64 = operand(rng, m, k, kind)
@@ -200,7 +206,7 @@ def test_gemm_tn_dgelu(rng, m, n, k, config, out_format, alpha, memory_mode):
         out, buf = padded(m, n, numpy.float16, 2, numpy.nan, extra_rows=2, extra_cols=3)
     amax = cupy.zeros(1, cupy.uint32)
     _sm90_gemm.gemm_tn_dgelu(a, b, x, None if memory_mode else t, out, alpha=alpha, amax=amax, block_n=block_n,
-                             pingpong=pingpong)
+                             pingpong=pingpong, epilogue=epilogue)
     cupy.cuda.get_current_stream().synchronize()
     x64, t64 = x.astype(cupy.float64), t.astype(cupy.float64)
     if memory_mode:
@@ -236,6 +242,55 @@ def test_gemm_tn_dgelu(rng, m, n, k, config, out_format, alpha, memory_mode):
     # max |g| before rounding and scaling, from the fp32 values: within accumulation error of the exact one
     exact_max = float(cupy.abs(ref).max())
     assert abs(float(amax.view(cupy.float32)[0]) - exact_max) <= 1e-4 * exact_max, (amax.view(cupy.float32), exact_max)
+
+
+# (4100, 3000, 256) bn128pp: 32 x 24 tiles on 132 CTAs, 5-6 tiles per CTA, so each consumer's slot ring
+# is refilled across 3 tiles; N = 3000 ends inside an 8-column group; strides of 3004 / 3002 / 3006.
+EQUAL_CASES = [pytest.param(4100, 3000, 256, config, fmt, memory, id=f"{cid}-{fmt}-{memory}",
+                            marks=[QUICK] if (cid, memory) in (("bn128pp", False), ("bn256", True)) else [])
+               for config, cid in zip(_sm90_gemm.CONFIGS, CONFIG_IDS) for fmt in ("bf16", "fp16")
+               for memory in (False, True)]
+
+
+@pytest.mark.parametrize("m,n,k,config,out_format,memory_mode", EQUAL_CASES)
+def test_dgelu_epilogues_agree_bitwise(rng, m, n, k, config, out_format, memory_mode):
+    """The staged and the direct epilogue do the same fp32 arithmetic on the same accumulators (the
+    mainloop is the same code): out and amax must be bit-identical, and every stored element must be
+    the float64 reference up to one rounding."""
+    block_n, pingpong = config
+    kind = "bf16" if out_format == "bf16" else "fp16"
+    a, a64 = operand(rng, m, k, kind)
+    b, b64 = operand(rng, n, k, kind)
+    x, t = activations(rng, m, n)
+    alpha = 1.0 if out_format == "bf16" else 2.0 ** -2
+    results = {}
+    for epilogue in _sm90_gemm.EPILOGUES:
+        if out_format == "bf16":
+            out, buf = padded(m, n, numpy.uint16, 2, 0x7FC0, extra_rows=1, extra_cols=6)
+        else:
+            out, buf = padded(m, n, numpy.float16, 2, numpy.nan, extra_rows=1, extra_cols=6)
+        amax = cupy.zeros(1, cupy.uint32)
+        _sm90_gemm.gemm_tn_dgelu(a, b, x, None if memory_mode else t, out, alpha=alpha, amax=amax, block_n=block_n,
+                                 pingpong=pingpong, epilogue=epilogue)
+        cupy.cuda.get_current_stream().synchronize()
+        results[epilogue] = (out.view(cupy.uint16).copy(), buf.view(cupy.uint16).copy(), int(amax[0]))
+    staged, direct = results["staged"], results["direct"]
+    differ = int((staged[0] != direct[0]).sum())
+    assert differ == 0, f"{differ} of {m * n} elements differ between the staged and the direct epilogue"
+    assert (staged[1] == direct[1]).all(), "the margins differ (a store outside [M, N])"
+    assert staged[2] == direct[2], (staged[2], direct[2])
+    x64, t64 = x.astype(cupy.float64), t.astype(cupy.float64)
+    if memory_mode:
+        t64 = cupy.tanh(SQRT_2_OVER_PI * (x64 + 0.044715 * x64 ** 3))
+    ref = (a64 @ b64.T) * gelu_grad64(x64, t64)
+    codes = staged[0]
+    if out_format == "bf16":
+        got, unit = bf16_value(codes).astype(cupy.float64), 2.0 ** -8
+    else:
+        got, unit = codes.view(cupy.float16).astype(cupy.float64) / alpha, 2.0 ** -10
+    scale = float(cupy.sqrt(cupy.mean(ref * ref)))
+    worst = float((cupy.abs(got - ref) / (unit * cupy.abs(ref) + 1e-3 * scale)).max())
+    assert worst <= 1.0, worst
 
 
 @QUICK
@@ -322,6 +377,7 @@ def test_gemm_tn_rejects_bad_input(case, message):
     ("tdtype", "tanh_inner"),
     ("overlap_x", "overlap"),
     ("amax_dtype", "amax"),
+    ("epilogue", "epilogue"),
 ])
 def test_gemm_tn_dgelu_rejects_bad_input(case, message):
     a, b = _ok_operands()
@@ -346,7 +402,8 @@ def test_gemm_tn_dgelu_rejects_bad_input(case, message):
     elif case == "overlap_x":
         out = x.view(cupy.float16)[:, :64]
     with pytest.raises(ValueError, match=message):
-        _sm90_gemm.gemm_tn_dgelu(a, b, x, t, out, alpha=alpha, amax=amax)
+        _sm90_gemm.gemm_tn_dgelu(a, b, x, t, out, alpha=alpha, amax=amax,
+                                 epilogue="tma" if case == "epilogue" else "staged")
 
 
 @QUICK

@@ -358,6 +358,10 @@ class CompiledSm90:
                          for bn in g.BLOCK_NS)
         checks += (f"static_assert(sm90::kThreads == {g.THREADS} && sm90::kBM == {g.BLOCK_M} && sm90::kBK == {g.BLOCK_K}, "
                    f"\"tile\");\n")
+        checks += "".join(f"static_assert(sm90::xs_stages_for({bn}) == {g.xs_stages_for(bn)} && sm90::xt_slots_for({bn}) == "
+                          f"{g.xt_slots_for(bn)} && sm90::xs_smem_bytes_for({bn}) == {g.xs_smem_bytes(bn)}, \"staged\");\n"
+                          for bn in g.BLOCK_NS)
+        checks += f"static_assert(sm90::kXtSlotBytes == {g.XT_SLOT_BYTES}, \"slot\");\n"
         self.source = g.module_source() + "\n" + checks
         prog = nvrtc.createProgram(self.source, g.SOURCE, (), ())
         try:
