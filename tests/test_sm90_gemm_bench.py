@@ -28,7 +28,7 @@ class FakeClock:
 def test_arguments(bench, monkeypatch, tmp_path):
     monkeypatch.setenv("OUT", str(tmp_path))
     args = bench.parse_args([])
-    assert (args.budget_s, args.reps, args.warmup) == (80.0, 10, 2)
+    assert (args.budget_s, args.reps, args.warmup) == (55.0, 10, 2)
     assert args.out == str(tmp_path / "sm90_gemm_bench.json")
     args = bench.parse_args(["--budget-s", "12.5", "--reps", "3", "--warmup", "0", "--out", "x.json"])
     assert (args.budget_s, args.reps, args.warmup, args.out) == (12.5, 3, 0, "x.json")
@@ -95,7 +95,9 @@ def test_all_items_run_when_the_budget_lasts(bench, tmp_path):
 
 
 def test_work_items_order(bench):
-    """Importance order: the fused T >= 2048 checks first, then the four GEMMs at 8192 and 1024, ping-pong last."""
+    """Importance order: the fused T >= 2048 checks first (every schedule of the staged epilogue, the
+    direct one beside it, cuBLAS and cuBLAS + the engine's pass; cooperative before ping-pong), then the
+    four GEMMs at 8192 and 1024, the plain ping-pong GEMMs last."""
     class Recorder:
         def __getattr__(self, name):
             return lambda *args: (name, args)
@@ -103,19 +105,31 @@ def test_work_items_order(bench):
     items = bench.work_items(Recorder())
     names = [n for n, _ in items]
     assert len(names) == len(set(names))
-    assert names[:3] == ["fused T=2048 cublas gemm1", "fused T=2048 ours f16 bn256", "fused T=2048 cublas+pass f16"]
-    assert names[9:11] == ["gemm1 T=8192 cublas", "gemm1 T=8192 ours bn256"]
-    first_pp = min(i for i, n in enumerate(names) if "pp" in n)
-    assert all("pp" in n for n in names[first_pp:])
-    assert items[1][1]() == ("fused_ours", (2048, "f16", 256, False))
+    assert names[:5] == ["fused T=2048 cublas gemm1", "fused T=2048 ours f16 staged bn256",
+                         "fused T=2048 cublas+engine pass f16", "fused T=2048 ours f16 staged bn128",
+                         "fused T=2048 ours f16 direct bn256"]
+    assert items[1][1]() == ("fused_ours", (2048, "f16", 256, False, "staged"))
+    section1 = names[:19]
+    for t in bench.FUSED_TS:
+        for what in ("cublas gemm1", "cublas+engine pass f16", "ours f16 staged bn256", "ours f16 staged bn128",
+                     "ours f16 staged bn128pp", "ours f16 direct bn256"):
+            assert f"fused T={t} {what}" in section1
+    first_fused_pp = min(i for i, n in enumerate(names) if "pp" in n)
+    assert all(not n.startswith("fused") or "pp" in n for n in names[first_fused_pp:19])  # pp after cooperative
+    assert names[19:21] == ["gemm1 T=8192 cublas", "gemm1 T=8192 ours bn256"]
+    plain = [i for i, n in enumerate(names) if not n.startswith("fused") and "pp" in n]
+    assert plain and all("pp" in n for n in names[plain[0]:])
 
 
 def test_tables_from_records(bench, capsys):
     recs = [dict(section="fused", gemm="gemm1", T=2048, impl="cublas_gemm1_f16_f32out", ms=0.2, tflops=1.0),
-            dict(section="fused", gemm="gemm1", T=2048, impl="ours_dgelu_f16_bn256", ms=0.21, tflops=1.0, cfg="bn256",
-                 fmt="f16", err=1e-4, finite=True, ok=True),
-            dict(section="fused", gemm="gemm1", T=2048, impl="ours_dgelu_f16_bn128pp", ms=0.19, tflops=1.0,
-                 cfg="bn128pp", fmt="f16", err=2e-4, finite=True, ok=True),
+            dict(section="fused", gemm="gemm1", T=2048, impl="cublas_f16+engine_pass", ms=0.3, tflops=1.0),
+            dict(section="fused", gemm="gemm1", T=2048, impl="ours_dgelu_f16_staged_bn256", ms=0.21, tflops=1.0,
+                 cfg="bn256", fmt="f16", epi="staged", err=1e-4, finite=True, ok=True),
+            dict(section="fused", gemm="gemm1", T=2048, impl="ours_dgelu_f16_staged_bn128pp", ms=0.19, tflops=1.0,
+                 cfg="bn128pp", fmt="f16", epi="staged", err=2e-4, finite=True, ok=True),
+            dict(section="fused", gemm="gemm1", T=2048, impl="ours_dgelu_f16_direct_bn256", ms=0.6, tflops=1.0,
+                 cfg="bn256", fmt="f16", epi="direct", err=2e-4, finite=True, ok=True),
             record(8192, "cublas_f16_f32out", 0.25),
             record(8192, "ours_f32out_bn256", 0.30, cfg="bn256", err=3e-6, finite=True, ok=True),
             record(8192, "ours_f32out_bn128", 0.35, cfg="bn128", err=1.0, finite=False, ok=False),
@@ -129,5 +143,8 @@ def test_tables_from_records(bench, capsys):
     assert " 0.95 " in fused_row  # best fused (0.19, ping-pong) / cuBLAS 0.2
     gemm_row = next(line for line in out.splitlines() if line.startswith("gemm1  8192"))
     assert " 1.20 " in gemm_row and "BAD" in gemm_row  # 0.30 / 0.25; the bn128 check failed
-    assert "(0.90)" in out  # ping-pong 0.19 vs its bn256 twin 0.21
+    assert "(0.90)" in out  # ping-pong 0.19 vs its bn256 twin 0.21 (the staged one, not the direct 0.6)
+    schedule_row = [line for line in out.splitlines() if line.startswith(" 2048 |")][1]
+    assert "0.190 (0.95x)" in schedule_row and "0.600 (3.00x)" in schedule_row and "0.300 (1.50x)" in schedule_row
+    assert "MET (0.95x, staged bn128pp)" in schedule_row
     assert "encode_tensor_map 5.0 us" in out
