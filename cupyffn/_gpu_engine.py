@@ -348,17 +348,13 @@ class GpuEngine:
                                                   ("convert B", self.cvt_b, 0b0010, 1)):
             if not names:
                 continue
-            expr = "split_e4m3_kernel<0>"
-            kernel = _kernels.get_function("split_e4m3", expr, dev)
-            full = sms * _kernels.blocks_per_sm("split_e4m3", expr, dev) * 2
+            kernel, full = _kernels.split_kernel(0, dev)  # the variant of _kernels.SPLIT_VARIANT
             specs = [self._split_spec(n) for n in names]
             first = _kernels.split_launch(kernel, specs, full, 0, counter, 0, self._state_ptr, self._consts_ptr)
             rescue = _kernels.split_launch(kernel, specs, max(len(specs), 2 * sms), 1, counter, alpha_mask,
                                            self._state_ptr, self._consts_ptr)
             self._convert[stage] = (names, first, rescue)
-        expr = "split_e4m3_kernel<1>"
-        kernel = _kernels.get_function("split_e4m3", expr, dev)
-        full = sms * _kernels.blocks_per_sm("split_e4m3", expr, dev) * 2
+        kernel, full = _kernels.split_kernel(1, dev)
         spec = [self._split_spec("grad_linear1")]
         self._dgelu = _kernels.split_launch(kernel, spec, full, 0, 2, 0, self._state_ptr, self._consts_ptr)
         self._dgelu_rescue = _kernels.split_launch(kernel, spec, 2 * sms, 1, 2, 0b1100, self._state_ptr,

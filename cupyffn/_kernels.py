@@ -15,13 +15,36 @@ from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
 
+#: split_e4m3.cu's scheduling variants per KIND (struct split::Variant; instantiation
+#: split_e4m3_kernel<10 * variant + KIND>). Every variant writes the same bytes (tools/split_bench.py checks it).
+SPLIT_VARIANTS = {
+    0: {0: "first kernel: 2 sub-tiles per step, 2 blocks/SM, loads then stores",
+        1: "pipelined: next step's loads before this step's stores, 1 sub-tile per step, 3 blocks/SM",
+        2: "pipelined, 2 sub-tiles per step, 2 blocks/SM"},
+    1: {0: "first kernel: 1 sub-tile per step, 2 blocks/SM, loads then stores",
+        1: "pipelined, 1 sub-tile per step, 2 blocks/SM"},
+}
+#: The split_e4m3 kernel the engine runs, per KIND (0: convert A / B, 1: dgelu): (variant, waves), waves =
+#: gathering-pass grid in units of resident blocks (split_kernel). Set from tools/split_bench.py's GPU numbers.
+SPLIT_VARIANT = {0: (0, 2), 1: (0, 2)}
+
+
+def split_expression(kind, variant):
+    """Name expression of split_e4m3.cu's instantiation for `kind` (0 or 1) and `variant` (SPLIT_VARIANTS)."""
+    if kind not in SPLIT_VARIANTS or variant not in SPLIT_VARIANTS[kind]:
+        raise ValueError(f"split_e4m3 has no variant {variant!r} for KIND {kind!r}; variants: "
+                         f"{ {k: sorted(v) for k, v in SPLIT_VARIANTS.items()} }")
+    return f"split_e4m3_kernel<{10 * variant + kind}>"
+
+
 #: module name -> (file in kernels_cu/, kernel names to instantiate)
 MODULES = {
     "convert": ("convert.cu", ("convert_kernel<0>", "convert_kernel<1>", "convert_kernel<2>", "convert_kernel<3>")),
     "dgelu": ("dgelu.cu", ("dgelu_kernel<0>", "dgelu_kernel<1>", "dgelu_kernel<2>", "dgelu_kernel<3>")),
     "gelu_forward": ("gelu_forward.cu", ("gelu_forward_kernel<0>", "gelu_forward_kernel<1>",
                                          "gelu_forward_kernel<2>", "gelu_forward_kernel<3>")),
-    "split_e4m3": ("split_e4m3.cu", ("split_e4m3_kernel<0>", "split_e4m3_kernel<1>")),
+    # every variant of SPLIT_VARIANTS (below), so that one GPU run can time them side by side
+    "split_e4m3": ("split_e4m3.cu", tuple(split_expression(kind, v) for kind in (0, 1) for v in SPLIT_VARIANTS[kind])),
 }
 
 #: Options we pass; CuPy adds -arch, -ftz=true, its include paths and (unless given) --std=c++17.
@@ -206,7 +229,7 @@ class KernelLaunch:
 # ---------------------------------------------------------------------------------------------
 #: Maximum number of matrices one split_e4m3 launch handles (kSplitMaxJobs in split_e4m3.cu).
 SPLIT_MAX_JOBS = 5
-#: Tile edge of split_e4m3_kernel (a block step covers 64 columns and 128 (KIND 0) or 64 (KIND 1) rows).
+#: Tile edge of split_e4m3_kernel (a block step covers 64 columns and 64 or 128 rows, per variant).
 SPLIT_TILE = 64
 
 
@@ -314,6 +337,19 @@ class SplitSpec:
             if not dst or dst % 16 or ld % 16 or kpad % 16 or kpad < k or ld < 2 * kpad or order not in (0, 1):
                 bad(f"{field} must be (dst, ld, kpad, order) with dst, ld and kpad multiples of 16, "
                     f"kpad >= {k} (its K), ld >= 2 * kpad and order 0 or 1; got {spec}")
+
+
+def split_kernel(kind, device_id, variant=None, waves=None):
+    """(RawKernel, gathering-pass grid) of split_e4m3 KIND `kind` on `device_id`: SPLIT_VARIANT's variant
+    and waves unless given; the grid is waves * SMs * resident blocks per SM (split_launch shares it out)."""
+    default_variant, default_waves = SPLIT_VARIANT[kind]
+    variant = default_variant if variant is None else variant
+    waves = default_waves if waves is None else waves
+    if not isinstance(waves, int) or waves < 1:
+        raise ValueError(f"waves must be an int >= 1, got {waves!r}")
+    expr = split_expression(kind, variant)
+    kernel = get_function("split_e4m3", expr, device_id)
+    return kernel, waves * sm_count(device_id) * blocks_per_sm("split_e4m3", expr, device_id)
 
 
 def split_launch(kernel, jobs, total_blocks, rescue, counter, alpha_mask, state_ptr, consts_ptr):

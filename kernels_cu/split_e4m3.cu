@@ -16,13 +16,18 @@
 // (nullptr: recomputed), as convert.cu's kind 1. KIND 1 (dgelu): X = grad_gelu * gelu'(z, t) of
 // grad_gelu = src, z = src2, t = src3 (nullptr: recomputed), as dgelu.cu.
 //
-// Work: steps of 64 columns x NB 64-row sub-tiles (NB = 2 for KIND 0, 1 for KIND 1), grid-stride over
+// Work: steps of 64 columns x NB 64-row sub-tiles (NB per variant, below), grid-stride over
 // the job's steps (job k owns blocks [block_begin, block_begin + block_count), as in convert.cu). In each
 // sub-tile thread t holds a 4 x 4 block (rows 4 rg.., cols 4 cg..): a warp reads 4 rows x 128
 // contiguous bytes per 16-byte load, and all loads of a step are issued before any value is used.
 // Natural outputs go straight from registers; the transposed pair goes through shared memory
 // (double-buffered: one barrier per step), laid out so that both its 4-byte writes and its 16-byte reads are free of bank
 // conflicts, and leaves as 16-byte row segments (64 bytes per output row per tile and warp).
+//
+// Instantiation split_e4m3_kernel<ID>: KIND = ID % 10, variant = ID / 10 (split::Variant; all variants
+// write the same bytes, they differ only in scheduling): NB sub-tiles per step, MINB resident blocks
+// for ptxas (__launch_bounds__), PIPE 1 = software-pipelined: the next step's loads are issued right
+// after this step's values are formed, so they are in flight during its encoding, stores and barrier.
 //
 // Scales as convert.cu: the gathering pass (rescue == 0) converts with 2^state[slot], folds max |x|
 // into state[kSlots + slot] and lets its last block decide; the rescue pass (rescue == 1, a small
@@ -123,48 +128,70 @@ __device__ __forceinline__ void load_block(const float* p, long long ld, long lo
   }
 }
 
-// The matrix values of this thread's rows (see the file comment for the kinds).
+// The raw source values of this thread's rows (see the file comment for the kinds): a = src, b = src2
+// (KIND 0: only for job kind 1 with tanh_inner given), t = src3 (KIND 1, when given).
+template <int R>
+struct Sources {
+  float a[R][4], b[R][4], t[R][4];
+};
+
 template <int KIND, int R>
-__device__ __forceinline__ void values(const SplitJob& job, long long r, int c, float (&x)[R][4]) {
+__device__ __forceinline__ void load_sources(const SplitJob& job, long long r, int c, Sources<R>& s) {
   const long long rows = job.rows;
   const int cols = job.cols;
-  float a[R][4], b[R][4];
-  load_block<R>(job.src, job.src_ld, r, c, rows, cols, job.vec, a);
+  load_block<R>(job.src, job.src_ld, r, c, rows, cols, job.vec, s.a);
+  if constexpr (KIND == 0) {
+    if (job.kind == 1 && job.src2 != nullptr) load_block<R>(job.src2, job.src2_ld, r, c, rows, cols, job.vec, s.b);
+  } else {
+    load_block<R>(job.src2, job.src2_ld, r, c, rows, cols, job.vec, s.b);
+    if (job.src3 != nullptr) load_block<R>(job.src3, job.src3_ld, r, c, rows, cols, job.vec, s.t);
+  }
+}
+
+// The matrix values from the raw sources (the same expressions in every variant: the same bits).
+template <int KIND, int R>
+__device__ __forceinline__ void combine(const SplitJob& job, const Sources<R>& s, float (&x)[R][4]) {
   if constexpr (KIND == 0) {
     if (job.kind == 1) {
+      float b[R][4];
       if (job.src2 != nullptr) {
-        load_block<R>(job.src2, job.src2_ld, r, c, rows, cols, job.vec, b);
+#pragma unroll
+        for (int j = 0; j < R; ++j)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) b[j][i] = s.b[j][i];
       } else {
 #pragma unroll
         for (int j = 0; j < R; ++j)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) b[j][i] = cupyffn::tanh_inner_of(a[j][i]);
+          for (int i = 0; i < 4; ++i) b[j][i] = cupyffn::tanh_inner_of(s.a[j][i]);
       }
 #pragma unroll
       for (int j = 0; j < R; ++j)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) x[j][i] = 0.5f * a[j][i] * (1.0f + b[j][i]);  // as convert.cu's gelu_out_of
+        for (int i = 0; i < 4; ++i) x[j][i] = 0.5f * s.a[j][i] * (1.0f + b[j][i]);  // as convert.cu's gelu_out_of
     } else {
 #pragma unroll
       for (int j = 0; j < R; ++j)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) x[j][i] = a[j][i];
+        for (int i = 0; i < 4; ++i) x[j][i] = s.a[j][i];
     }
   } else {
     float t[R][4];
-    load_block<R>(job.src2, job.src2_ld, r, c, rows, cols, job.vec, b);
     if (job.src3 != nullptr) {
-      load_block<R>(job.src3, job.src3_ld, r, c, rows, cols, job.vec, t);
+#pragma unroll
+      for (int j = 0; j < R; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) t[j][i] = s.t[j][i];
     } else {
 #pragma unroll
       for (int j = 0; j < R; ++j)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) t[j][i] = cupyffn::tanh_inner_of(b[j][i]);
+        for (int i = 0; i < 4; ++i) t[j][i] = cupyffn::tanh_inner_of(s.b[j][i]);
     }
 #pragma unroll
     for (int j = 0; j < R; ++j)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) x[j][i] = a[j][i] * cupyffn::gelu_grad(b[j][i], t[j][i]);  // as dgelu.cu
+      for (int i = 0; i < 4; ++i) x[j][i] = s.a[j][i] * cupyffn::gelu_grad(s.b[j][i], t[j][i]);  // as dgelu.cu
   }
 }
 
@@ -190,16 +217,33 @@ __device__ __forceinline__ void store4b(unsigned char* p, unsigned int w, int n)
   }
 }
 
+// Scheduling of instantiation ID (mirrored by cupyffn/_kernels.py SPLIT_VARIANTS). Loads in flight per
+// thread: 64 bytes per source and sub-tile; per SM that times 256 * MINB threads.
+template <int ID>
+struct Variant;
+// 0: the first kernel. KIND 0 two sub-tiles (one source: 128 bytes per thread), KIND 1 one (three
+// sources: 192 bytes), 2 blocks per SM; loads, then encode and stores, then the next loads.
+template <> struct Variant<0> { static constexpr int NB = 2, MINB = 2, PIPE = 0; };
+template <> struct Variant<1> { static constexpr int NB = 1, MINB = 2, PIPE = 0; };
+// 1: pipelined, one sub-tile per step; KIND 0 at 3 blocks per SM (80 registers), KIND 1 at 2 (its three
+// sources in flight beside the step's values need more than 80).
+template <> struct Variant<10> { static constexpr int NB = 1, MINB = 3, PIPE = 1; };
+template <> struct Variant<11> { static constexpr int NB = 1, MINB = 2, PIPE = 1; };
+// 2: KIND 0 only: pipelined, two sub-tiles per step at 2 blocks per SM.
+template <> struct Variant<20> { static constexpr int NB = 2, MINB = 2, PIPE = 1; };
+// (Spilled, so left out: one sub-tile per step at 3 or 4 blocks per SM without pipelining, at 4 with it
+// (64 registers), and KIND 1 pipelined at 3.)
+
 }  // namespace split
 
-// KIND 0 takes two 64-row sub-tiles per step (one source: 128 bytes of loads in flight per thread),
-// KIND 1 one (three sources: 192 bytes). 2 blocks per SM leave ptxas room for all of them at once.
-template <int KIND>
-__global__ void __launch_bounds__(256, 2) split_e4m3_kernel(const __grid_constant__ SplitJobs jobs, int* state,
-                                                         float* consts) {
+template <int ID>
+__global__ void __launch_bounds__(256, split::Variant<ID>::MINB) split_e4m3_kernel(const __grid_constant__ SplitJobs jobs,
+                                                                                 int* state, float* consts) {
   using namespace split;
-  constexpr int NB = KIND == 0 ? 2 : 1;  // 64-row sub-tiles per step
-  constexpr int R = 4 * NB;              // rows per thread
+  constexpr int KIND = ID % 10;
+  constexpr int NB = Variant<ID>::NB;      // 64-row sub-tiles per step
+  constexpr bool PIPE = Variant<ID>::PIPE != 0;
+  constexpr int R = 4 * NB;                // rows per thread
   int k = 0;
   while (k + 1 < jobs.count && (int)blockIdx.x >= jobs.job[k + 1].block_begin) ++k;
   const SplitJob& job = jobs.job[k];
@@ -224,17 +268,38 @@ __global__ void __launch_bounds__(256, 2) split_e4m3_kernel(const __grid_constan
   const int n_hoff = job.e4n_order ? 0 : job.e4n_kpad;
   const int t_off = job.e4t_order ? job.e4t_kpad : 0;
   const int t_hoff = job.e4t_order ? 0 : job.e4t_kpad;
+  // Top-left element of step `tile`'s tile (rows past the end for tile >= tiles: nothing loaded there).
+  auto origin = [&](long long tile, long long& r0, int& c0) {
+    const long long tr = tile / tiles_c;
+    r0 = tr * (NB * kTile);
+    c0 = (int)(tile - tr * tiles_c) * kTile;
+  };
   float amax = 0.0f;
   int buf = 0;
-  for (long long tile = (int)blockIdx.x - job.block_begin; tile < tiles; tile += job.block_count) {
-    const long long tr = tile / tiles_c;
-    const long long r0 = tr * (NB * kTile);
-    const int c0 = (int)(tile - tr * tiles_c) * kTile;
+  Sources<R> src;
+  long long tile = (int)blockIdx.x - job.block_begin;
+  if constexpr (PIPE) {
+    long long r0;
+    int c0;
+    origin(tile, r0, c0);
+    load_sources<KIND, R>(job, r0 + 4 * rg, c0 + 4 * cg, src);
+  }
+  for (; tile < tiles; tile += job.block_count) {
+    long long r0;
+    int c0;
+    origin(tile, r0, c0);
     const long long r = r0 + 4 * rg;
     const int c = c0 + 4 * cg;
 
+    if constexpr (!PIPE) load_sources<KIND, R>(job, r, c, src);
     float x[R][4];
-    values<KIND, R>(job, r, c, x);
+    combine<KIND, R>(job, src, x);
+    if constexpr (PIPE) {  // the next step's loads, in flight while this step encodes and stores
+      long long rn;
+      int cn;
+      origin(tile + job.block_count, rn, cn);
+      load_sources<KIND, R>(job, rn + 4 * rg, cn + 4 * cg, src);
+    }
 
     // Row by row: encode, write the natural outputs straight from registers, keep the e4m3 words.
     unsigned int l8[R], h8[R];  // per row j: the codes of columns c .. c + 3, low byte first
