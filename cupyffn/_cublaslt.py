@@ -186,9 +186,10 @@ def describe(m, n, k, a_type, b_type, c_type, a_trans=False, b_trans=False, lda=
 
 
 def supports(m, n, k, a_type, b_type, c_type, a_trans=False, b_trans=False, lda=None, ldb=None, ldc=None):
-    """(ok, reason): whether the GEMM meets cuBLASLt's documented constraints (for fp8: both operands fp8,
-    "TN" = A stored [M,K] K-contiguous and B stored [N,K], M, N, K and every leading dimension a multiple of
-    16). ok can still be followed by LtUnsupported from the heuristic. Invalid arguments raise ValueError."""
+    """(ok, reason): whether the GEMM meets cuBLASLt's fp8 constraints (both operands fp8, "TN" = A stored
+    [M,K] K-contiguous and B stored [N,K], N, K and every leading dimension a multiple of 16). Measured on the
+    H200 (cuBLAS 13.1): M = 40, 3142, 4904 run exactly; N = 3142 gets no algorithm from the heuristic.
+    ok can still be followed by LtUnsupported from the heuristic. Invalid arguments raise ValueError."""
     lda, ldb, ldc = _leading_dims(m, n, k, a_type, b_type, c_type, a_trans, b_trans, lda, ldb, ldc)
     if a_type not in _FP8 and b_type not in _FP8:
         return True, ""
@@ -198,10 +199,9 @@ def supports(m, n, k, a_type, b_type, c_type, a_trans=False, b_trans=False, lda=
     if a_trans or not b_trans:
         problems.append("fp8 needs A stored [M,K] (a_trans=False) and B stored [N,K] (b_trans=True), K contiguous "
                         f"in both (cuBLAS 'TN'), got a_trans={a_trans}, b_trans={b_trans}")
-    bad = [f"{arg}={v}" for arg, v in (("M", m), ("N", n), ("K", k), ("lda", lda), ("ldb", ldb), ("ldc", ldc))
-           if v % 16]
+    bad = [f"{arg}={v}" for arg, v in (("N", n), ("K", k), ("lda", lda), ("ldb", ldb), ("ldc", ldc)) if v % 16]
     if bad:
-        problems.append("fp8 needs M, N, K and the leading dimensions to be multiples of 16, got " + ", ".join(bad))
+        problems.append("fp8 needs N, K and the leading dimensions to be multiples of 16, got " + ", ".join(bad))
     return not problems, "; ".join(problems)
 
 

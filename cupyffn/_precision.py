@@ -194,12 +194,13 @@ _GEMM_MN = {"gemm1": ("T", "H"), "gemm2": ("D", "H"), "gemm3": ("T", "D"), "gemm
 
 
 def pair_fits(gemm, tokens, dim, hidden):
-    """Whether the f16+e4m3 form's e4m3 GEMM meets cuBLASLt's FP8 constraints at this shape: M and N
-    multiples of 16 (K is padded to a multiple of 16 by the conversion's layout, so it always fits).
+    """Whether the f16+e4m3 form's e4m3 GEMM meets cuBLASLt's FP8 constraints at this shape: N (and so ldc)
+    a multiple of 16 (measured on the H200: any M runs; K is padded to a multiple of 16 by the conversion's
+    layout, so it always fits). N is H for GEMM1/GEMM2 and D for GEMM3/GEMM4: T never matters.
     Where it does not, the plan runs bf16x3 for that GEMM (the GPU engine may also fall back when
     cuBLASLt's heuristic offers no algorithm; GeluFFNBackward.gemm_forms reports what ran)."""
     size = {"T": tokens, "D": dim, "H": hidden}
-    return all(size[d] % 16 == 0 for d in _GEMM_MN[gemm])
+    return size[_GEMM_MN[gemm][1]] % 16 == 0
 
 
 def effective_forms(precision, tokens, dim, hidden):

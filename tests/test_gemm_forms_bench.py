@@ -78,7 +78,7 @@ def test_layouts_are_the_engines(bench):
                 assert (b_rows, b_cols) == ((lay["n"], lay["k"]) if lay["b_trans"] else (lay["k"], lay["n"]))
 
 
-def test_which_e4m3_gemms_cublaslt_refuses(bench):
+def test_cublaslt_refuses_no_e4m3_gemm_of_the_workloads(bench):
     pytest.importorskip("cupy")
     from cupyffn import _cublas, _cublaslt
 
@@ -92,9 +92,7 @@ def test_which_e4m3_gemms_cublaslt_refuses(bench):
                                              lay["b_trans"], lay["lda"], lay["ldb"], lay["ldc"])
                 if not ok:
                     refused[(t, gemm, fmt)] = why
-    assert sorted(refused) == [(3142, "gemm1", "e4m3"), (3142, "gemm3", "e4m3"), (4904, "gemm1", "e4m3"),
-                               (4904, "gemm3", "e4m3")]
-    assert all(why.endswith(f"got M={t}") for (t, _, _), why in refused.items())
+    assert refused == {}  # N and K are D or H (multiples of 16) and K is padded; any M runs (measured)
 
 
 def test_summary(bench):

@@ -16,7 +16,7 @@ Shapes (D = 1536, H = 6144; row-major C[M,N] = op(A) @ op(B); p = planes: 3 for 
   gemm3 grad_hidden  M=T N=D K=H   A [T, pH]             B [pH, D]
   gemm4 grad_weight1 M=H N=D K=T   A [pT, H] transposed  B [pT, D]
   e4m3: A [M, K'], B [N, K'] (b_trans), lda = ldb = K', ldc = N.
-A form cuBLASLt refuses (e4m3 needs M, N multiples of 16: not gemm1/gemm3 at T = 3142 or 4904) is recorded
+A form cuBLASLt refuses (e4m3 needs N, K and the leading dimensions multiples of 16) is recorded
 with the reason, and the pair with it.
 
 Protocol: operands random (never zero: normal values, e4m3 codes of magnitude 2^-3..2^4 with random signs),
