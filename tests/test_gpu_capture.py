@@ -456,3 +456,17 @@ def test_fixed_shape_stays_correct_while_another_thread_churns():
         t.join()
     assert not errors, errors
     assert checked[0] >= 20
+
+
+def test_cupy_capture_of_the_fp16fp8_pair():
+    """fp16+fp8 where it runs the e4m3 pair (cuBLASLt) on GEMM2-4: capture after a warm-up, replays with new
+    inputs (the fp16 scales re-decided on the device in every replay), accumulate into weight gradients."""
+    args, inputs = make(3, tokens=2048, dim=64, hidden=256)
+    out = nan_outputs(args)
+    cap = cupy.cuda.Stream(non_blocking=True)
+    plan = cupyffn.GeluFFNBackward(2048, 64, 256, precision="fp16+fp8")
+    assert plan.gemm_forms["gemm2"] == "f16+e4m3", plan.gemm_forms
+    cupyffn.gelu_ffn_backward(*args, precision="fp16+fp8", out=out)  # warm-up, legacy stream
+    cupy.cuda.Device().synchronize()
+    graph = capture(cap, lambda: cupyffn.gelu_ffn_backward(*args, precision="fp16+fp8", out=out, stream=cap))
+    replay_and_check(graph, cap, args, out, "fp16+fp8", range(30, 33), "fp16+fp8 replay")
