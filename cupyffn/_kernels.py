@@ -20,7 +20,8 @@ _HERE = Path(__file__).resolve().parent
 SPLIT_VARIANTS = {
     0: {0: "first kernel: 2 sub-tiles per step, 2 blocks/SM, loads then stores",
         1: "pipelined: next step's loads before this step's stores, 1 sub-tile per step, 3 blocks/SM",
-        2: "pipelined, 2 sub-tiles per step, 2 blocks/SM"},
+        2: "pipelined, 2 sub-tiles per step, 2 blocks/SM",
+        3: "pipelined, 1 sub-tile per step, 2 blocks/SM"},
     1: {0: "first kernel: 1 sub-tile per step, 2 blocks/SM, loads then stores",
         1: "pipelined, 1 sub-tile per step, 2 blocks/SM"},
 }

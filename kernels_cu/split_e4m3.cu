@@ -231,6 +231,9 @@ template <> struct Variant<10> { static constexpr int NB = 1, MINB = 3, PIPE = 1
 template <> struct Variant<11> { static constexpr int NB = 1, MINB = 2, PIPE = 1; };
 // 2: KIND 0 only: pipelined, two sub-tiles per step at 2 blocks per SM.
 template <> struct Variant<20> { static constexpr int NB = 2, MINB = 2, PIPE = 1; };
+// 3: KIND 0 only: pipelined, one sub-tile per step at 2 blocks per SM (variant 1's pipelining at variant
+// 0's occupancy: tells pipelining and resident blocks apart).
+template <> struct Variant<30> { static constexpr int NB = 1, MINB = 2, PIPE = 1; };
 // (Spilled, so left out: one sub-tile per step at 3 or 4 blocks per SM without pipelining, at 4 with it
 // (64 registers), and KIND 1 pipelined at 3.)
 

@@ -287,7 +287,7 @@ class Bench:
                         diff = b.ravel() != want[f].ravel()
                         n = int(diff.sum())
                         if n and mismatch is None:
-                            i = int(cupy.argmax(diff))
+                            i = int(cupy.flatnonzero(diff)[0])
                             mismatch = (f"{name}.{f}: {n} bytes differ, first at byte {i}: "
                                         f"{int(b.ravel()[i]):#x} vs {int(want[f].ravel()[i]):#x}")
                 if mismatch is None and not bool((state == ref_state).all()):
