@@ -2,7 +2,7 @@
 
     import cupyffn
     g = cupyffn.gelu_ffn_backward(grad_output, hidden_states, weight1, weight2,
-                                  linear1_out, tanh_inner, gelu_out, precision="bf16x3")
+                                  linear1_out, tanh_inner, gelu_out, precision="fp16+fp8")
     g.grad_hidden_states, g.grad_weight1, g.grad_weight2
 
 See README.md for the formulas, the precision contracts and measured speed.

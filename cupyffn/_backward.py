@@ -558,7 +558,7 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
         None for tanh_inner and/or gelu_out and they are recomputed from linear1_out inside the
         kernels (same results within the precision's contract).
     precision : {"bf16x3", "fp16+fp8", "ieee", "tf32", "bf16"}
-        GEMM operand treatment; accuracy contracts in ``cupyffn.PRECISIONS``. Default "bf16x3".
+        GEMM operand treatment; accuracy contracts in ``cupyffn.PRECISIONS``. Default "fp16+fp8".
     out : sequence of 3 arrays, optional
         Where to write (grad_hidden_states, grad_weight1, grad_weight2): float32, C-contiguous, the
         shapes of hidden_states, weight1 and weight2, not overlapping any input or each other. An entry

@@ -198,7 +198,7 @@ def gelu_ffn(x, weight1, weight2, precision=_DEFAULT_PRECISION):
     """``gelu_tanh(x @ weight1.T) @ weight2.T`` (no biases), differentiable with ``jax.grad`` (custom VJP).
 
     x ``[..., D]``, weight1 ``[H, D]``, weight2 ``[D, H]``: float32 ``jax.Array``s on one CPU or CUDA device
-    (or traced values of those). precision: ``"bf16x3"`` (default), ``"ieee"``, ``"tf32"`` or ``"bf16"``
+    (or traced values of those). precision: ``"fp16+fp8"`` (default), ``"bf16x3"``, ``"ieee"``, ``"tf32"`` or ``"bf16"``
     (``cupyffn.PRECISIONS``). Returns ``[..., D]`` float32. Works eagerly and under ``jax.jit``.
     """
     precision = _lookup_precision(precision).name

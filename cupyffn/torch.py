@@ -1,7 +1,7 @@
 """PyTorch layer: ``y = gelu_tanh(x @ weight1.T) @ weight2.T`` (no biases) with cupyffn's forward and backward.
 
     from cupyffn.torch import GeluFFN
-    ffn = GeluFFN(dim=512, hidden_dim=2048, device="cuda")       # precision="bf16x3", save="all"
+    ffn = GeluFFN(dim=512, hidden_dim=2048, device="cuda")       # precision="fp16+fp8", save="all"
     y = ffn(x)                                                     # x: float32 [..., 512]
     y.sum().backward()                                             # ffn.weight1.grad, ffn.weight2.grad, x.grad
 
@@ -368,7 +368,7 @@ class GeluFFNFunction:
       A tensor whose layout cupyffn cannot read (last dimension not unit-stride, or leading dimensions
       that do not flatten to one row stride, e.g. ``weight.t()``) is copied with ``.contiguous()``;
       every other tensor is passed as it is (zero-copy).
-    * precision: ``"bf16x3"`` (default), ``"ieee"``, ``"tf32"`` or ``"bf16"`` (``cupyffn.PRECISIONS``).
+    * precision: ``"fp16+fp8"`` (default), ``"bf16x3"``, ``"ieee"``, ``"tf32"`` or ``"bf16"`` (``cupyffn.PRECISIONS``).
     * save: what is kept for the backward. ``"all"``: hidden_states, the weights, linear1_out
       (``z = x @ weight1.T``), tanh_inner and gelu_out (3 x [..., H] floats). ``"linear1_out"``
       (memory mode): hidden_states, the weights and z only; the backward recomputes tanh_inner and

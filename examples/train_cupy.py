@@ -42,7 +42,7 @@ def linear_init(rng, out_features, in_features, xp, scale=1.0):
     return xp.asarray(rng.uniform(-bound, bound, (out_features, in_features)).astype(numpy.float32))
 
 
-def main(steps=200, device="auto", precision="bf16x3", dim=None, hidden_dim=None, batch=None, lr=None, seed=0,
+def main(steps=200, device="auto", precision="fp16+fp8", dim=None, hidden_dim=None, batch=None, lr=None, seed=0,
          verbose=False):
     """Train for `steps` SGD steps; returns the list of losses (floats), one per step.
 

@@ -50,7 +50,7 @@ def _device(kind):
     return jax.devices(kind)[0]
 
 
-def main(steps=200, device="auto", precision="bf16x3", dim=None, hidden_dim=None, batch=None, lr=None, seed=0,
+def main(steps=200, device="auto", precision="fp16+fp8", dim=None, hidden_dim=None, batch=None, lr=None, seed=0,
          verbose=False):
     """Train for `steps` SGD steps; returns the list of losses (floats), one per step.
 
@@ -103,7 +103,7 @@ def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto")
-    p.add_argument("--precision", choices=("bf16x3", "ieee", "tf32", "bf16"), default="bf16x3")
+    p.add_argument("--precision", choices=("fp16+fp8", "bf16x3", "ieee", "tf32", "bf16"), default="fp16+fp8")
     p.add_argument("--dim", type=int)
     p.add_argument("--hidden-dim", type=int)
     p.add_argument("--batch", type=int)

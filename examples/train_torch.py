@@ -29,7 +29,7 @@ SIZES = {"cpu": (32, 128, 256), "cuda": (512, 2048, 1024)}  # dim, hidden_dim, b
 DEFAULT_LR = {"adam": 3e-3, "sgd": None}  # SGD: 20 / hidden_dim
 
 
-def main(steps=200, device="auto", precision="bf16x3", save="all", optimizer="adam", dim=None, hidden_dim=None,
+def main(steps=200, device="auto", precision="fp16+fp8", save="all", optimizer="adam", dim=None, hidden_dim=None,
          batch=None, lr=None, seed=0, verbose=False):
     """Train for `steps` optimizer steps; returns the list of losses (floats), one per step.
 
@@ -96,7 +96,7 @@ def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    p.add_argument("--precision", choices=("bf16x3", "ieee", "tf32", "bf16"), default="bf16x3")
+    p.add_argument("--precision", choices=("fp16+fp8", "bf16x3", "ieee", "tf32", "bf16"), default="fp16+fp8")
     p.add_argument("--save", choices=("all", "linear1_out"), default="all")
     p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     p.add_argument("--lr", type=float, default=None)

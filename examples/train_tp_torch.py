@@ -227,7 +227,7 @@ def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu", action="store_true", help="CPU tensors and the gloo backend")
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--precision", choices=tuple(cupyffn.PRECISIONS), default="bf16x3")
+    p.add_argument("--precision", choices=tuple(cupyffn.PRECISIONS), default=cupyffn.DEFAULT_PRECISION)
     p.add_argument("--save", choices=("all", "linear1_out"), default="all")
     p.add_argument("--no-overlap", action="store_true", help="all-reduce grad_hidden_states after the whole backward")
     p.add_argument("--dim", type=int)

@@ -81,7 +81,7 @@ def test_cupy_example_runs_as_a_script():
                           cwd=EXAMPLES, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
-    assert lines[0].startswith("device=cpu dim=32 hidden_dim=128 batch=256 precision=bf16x3")
+    assert lines[0].startswith("device=cpu dim=32 hidden_dim=128 batch=256 precision=fp16+fp8")
     last = lines[-1].split()
     assert last[:7] == ["mean", "loss", "of", "the", "first", "10", "steps"]
     assert float(last[-2]) < float(last[7].rstrip(","))  # last-10 mean below first-10 mean

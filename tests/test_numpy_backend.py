@@ -141,11 +141,11 @@ def test_precisions_are_ordered_by_accuracy(rng):
     assert err["ieee"] < err["bf16x3"] < err["tf32"] < err["bf16"], err
 
 
-def test_default_precision_is_bf16x3(rng):
-    assert cupyffn.DEFAULT_PRECISION == "bf16x3"
+def test_default_precision_is_fp16fp8(rng):
+    assert cupyffn.DEFAULT_PRECISION == "fp16+fp8"
     inp = make(rng, (20,))
     default = run(inp)
-    explicit = run(inp, precision="bf16x3")
+    explicit = run(inp, precision="fp16+fp8")
     for a, b in zip(default, explicit):
         numpy.testing.assert_array_equal(a, b)
     ieee = run(inp, precision="ieee")

@@ -415,7 +415,7 @@ def unsharded_example_means(steps, device):
 
 def test_example_trains_like_the_unsharded_layer_under_torchrun_on_cpu():
     lines = torchrun(2, "--cpu", "--steps", "60")
-    assert lines[0].startswith("check (256x32x128, bf16x3, world size 2): ") and lines[0].endswith(": ok"), lines[0]
+    assert lines[0].startswith(f"check (256x32x128, {cupyffn.DEFAULT_PRECISION}, world size 2): ") and lines[0].endswith(": ok"), lines[0]
     head, tail = example_means(lines)
     assert tail / head < 0.25, lines[-1]
     # examples/train_torch.py trains the same unsharded GeluFFN (same seed, teacher, data and optimizer)
@@ -501,7 +501,7 @@ def test_nccl_group_of_one_takes_the_overlap_path(rng, tmp_path, monkeypatch):
 
 
 def check_example_on_cuda(lines, world):
-    assert lines[0].startswith(f"check (1024x512x2048, bf16x3, world size {world}): ") and lines[0].endswith(": ok")
+    assert lines[0].startswith(f"check (1024x512x2048, {cupyffn.DEFAULT_PRECISION}, world size {world}): ") and lines[0].endswith(": ok")
     head, tail = example_means(lines)
     assert tail / head < 0.1, lines[-1]
     # the unsharded layer on one GPU, same run; Adam over 150 steps may carry rounding differences further
