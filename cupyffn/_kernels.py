@@ -21,9 +21,11 @@ SPLIT_VARIANTS = {
     0: {0: "first kernel: 2 sub-tiles per step, 2 blocks/SM, loads then stores",
         1: "pipelined: next step's loads before this step's stores, 1 sub-tile per step, 3 blocks/SM",
         2: "pipelined, 2 sub-tiles per step, 2 blocks/SM",
-        3: "pipelined, 1 sub-tile per step, 2 blocks/SM"},
+        3: "pipelined, 1 sub-tile per step, 2 blocks/SM",
+        4: "variant 3 + 16-byte f16 stores (lane pairs trade rows)"},
     1: {0: "first kernel: 1 sub-tile per step, 2 blocks/SM, loads then stores",
-        1: "pipelined, 1 sub-tile per step, 2 blocks/SM"},
+        1: "pipelined, 1 sub-tile per step, 2 blocks/SM",
+        4: "variant 1 + 16-byte f16 stores (lane pairs trade rows)"},
 }
 #: The split_e4m3 kernel the engine runs, per KIND (0: convert A / B, 1: dgelu): (variant, waves), waves =
 #: gathering-pass grid in units of resident blocks (split_kernel). Set from tools/split_bench.py's GPU numbers.

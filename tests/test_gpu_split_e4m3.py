@@ -347,6 +347,28 @@ def test_shapes_all_encodings(rng, rows, cols, kind):
     o.check(x, e, f"KIND {kind}")
 
 
+@pytest.mark.parametrize("rows,cols", [(37, 53), (65, 129), (130, 200), (256, 1536)])
+@pytest.mark.parametrize("kind", [0, 1])
+def test_fp16_rows_16_byte_aligned(rng, rows, cols, kind):
+    """fp16 rows starting 16-byte aligned (row stride a multiple of 8): where variant 4 writes 8 codes per
+    lane (lane pairs trade rows), including the last columns of rows whose length is not a multiple of 8."""
+    ld = -(-cols // 8) * 8 + 8
+    if kind == 0:
+        x = randn(rng, rows, cols, 1.7)
+        sources = [(cupy.asarray(x),)]
+    else:
+        d = [cupy.asarray(a) for a in (randn(rng, rows, cols, 0.4), randn(rng, rows, cols, 1.3))]
+        d.append(cupy.tanh(d[1]))
+        x = ref_matrix("ref_grad_linear1", *d)
+        sources = [tuple(d)]
+    e = fitting_exponent(x)
+    state, consts = new_state({5: e})
+    o = Outputs(rows, cols, 5, ("f16", "x3", "e4n", "e4t"), f16_pad=ld - cols)
+    assert o.spec.f16[1] % 8 == 0 and o.spec.f16[0] % 16 == 0
+    launch(kind, [o], sources, state, consts, counter=2)
+    o.check(x, e, f"KIND {kind} fp16 rows 16-byte aligned")
+
+
 @pytest.mark.parametrize("rows,cols,ld,offset,vec", [(130, 68, 71, 0, 0), (130, 68, 68, 1, 0), (65, 200, 202, 0, 0),
                                                      (33, 20, 24, 2, 0), (50, 64, 68, 4, 1)])
 def test_strided_sources(rng, rows, cols, ld, offset, vec):
