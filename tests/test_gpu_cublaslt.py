@@ -206,9 +206,13 @@ def test_e4m3_then_fp16_gemm_accumulate_on_one_handle(bound, rng):
         fp8(handle)
         fp16(handle)
         got = c.get()
-    ref = 2.0 ** -9 * 8.0 * (a8 @ b8.T) + 2.0 ** -3 * (a16 @ b16)
+    part8 = 2.0 ** -9 * 8.0 * (a8 @ b8.T)
+    ref = part8 + 2.0 ** -3 * (a16 @ b16)
     err = rel_l2(got, ref)
-    assert err <= 1e-5, err
+    # Hopper's fp8 accumulation (3e-4 bound, test_e4m3_random_accuracy) on the fp8 part, fp32's on the rest; a
+    # missing or doubled part would be off by the part's whole size (here comparable to the fp16 part's)
+    tolerance = 3e-4 * float(numpy.linalg.norm(part8) / numpy.linalg.norm(ref)) + 1e-5
+    assert err <= tolerance, (err, tolerance)
     fp8.close()
 
 
