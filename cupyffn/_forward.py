@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy
 
-from . import _arrays, _cublas, _kernels, _numpy_backend, _plan_cache, _precision
+from . import _arrays, _cublas, _gemm, _kernels, _numpy_backend, _plan_cache, _precision
 from . import _precision as P
 from ._gpu_engine import _align, _items, _Operand, _vec_ok, convert_launch
 from ._plan_cache import PlanCache
@@ -169,11 +169,13 @@ class GpuForward:
         dtype = {P.FMT_F32: _cublas.R_32F, P.FMT_BF16: _cublas.R_16BF, P.FMT_BF16X3: _cublas.R_16BF,
                  P.FMT_F16S: _cublas.R_16F}[prec.fmt]
         kp = max(p, 1)
-        G = _cublas.Gemm
-        self.gemm_z = G(self.T, self.H, kp * self.D, dtype, dtype, _cublas.R_32F, b_trans=True,
-                        name="linear1_out = hidden_states @ weight1^T")
-        self.gemm_y = G(self.T, self.D, kp * self.H, dtype, dtype, _cublas.R_32F, b_trans=True,
-                        name="output = gelu_out @ weight2^T")
+
+        def gemm(m, n, k, name):  # described once, built by the cuBLAS backend (cupyffn/_gemm.py)
+            desc = _gemm.GemmDesc(name, m, n, k, dtype, dtype, b_trans=True)
+            return _gemm.build(desc, self.device_id, backends=(_gemm.CUBLAS,))[0]
+
+        self.gemm_z = gemm(self.T, self.H, kp * self.D, "linear1_out = hidden_states @ weight1^T")
+        self.gemm_y = gemm(self.T, self.D, kp * self.H, "output = gelu_out @ weight2^T")
         consts = self._consts.data.ptr
         self.gemm_z.alpha.value, self.gemm_z.beta.value = consts + 4 * 2, consts
         self.gemm_y.alpha.value, self.gemm_y.beta.value = consts + 4 * 4, consts

@@ -286,9 +286,9 @@ def test_allocation_failure_is_memory_error_and_leaves_out_untouched(monkeypatch
         assert bool((o == 3.0).all())
 
 
-def _scaled_inputs(scales, seed):
+def _scaled_inputs(scales, seed, tokens=256):
     """Consistent inputs (forward recomputed) with grad_output, hidden_states, weight1, weight2 scaled."""
-    inputs = W.make_inputs((256,), 128, 512, xp=cupy, seed=seed)
+    inputs = W.make_inputs((tokens,), 128, 512, xp=cupy, seed=seed)
     s_dy, s_x, s_w1, s_w2 = scales
     dy = (inputs["grad_output"].astype(cupy.float64) * s_dy).astype(cupy.float32)
     x = (inputs["hidden_states"].astype(cupy.float64) * s_x).astype(cupy.float32)

@@ -119,3 +119,19 @@ def test_scale_state_follows_a_change_of_magnitude():
     grads = plan(*args2, out=poisoned(args2))
     for label, e in zip(W.OUTPUT_NAMES, errors(grads, W.reference(scaled, xp=cupy))):
         assert e <= CONTRACT, f"after a 2^20 jump, {label}: {e:.3g}"
+
+
+@pytest.mark.parametrize("which", range(4), ids=("grad_output", "hidden_states", "weight1", "weight2"))
+@pytest.mark.parametrize("scale", [1e-6, 1e12])
+def test_one_input_scaled_with_the_pair(which, scale):
+    # T = 2048: GEMM2-4 run the pair; each of the four inputs scaled alone (the forward recomputed)
+    from test_gpu_api import _scaled_inputs  # tests/ is on sys.path
+
+    scales = [1, 1, 1, 1]
+    scales[which] = scale
+    args, inputs = _scaled_inputs(tuple(scales), seed=70 + which, tokens=2048)
+    plan = cupyffn.GeluFFNBackward(2048, 128, 512, precision=PLAN)
+    assert plan.gemm_forms["gemm3"] == "f16+e4m3", plan.gemm_forms
+    grads = plan(*args, out=poisoned(args))
+    for label, e in zip(W.OUTPUT_NAMES, errors(grads, W.reference(inputs, xp=cupy))):
+        assert e <= CONTRACT, f"{label} with input {which} x {scale:g}: {e:.3g}"
