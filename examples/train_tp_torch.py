@@ -251,11 +251,14 @@ def main(argv):
         if args.bench:
             shapes = [tuple(int(v) for v in s.split("x")) for s in args.bench_shapes.split(",")]
             bench(args.bench, shapes, device, args.precision, args.save, args.seed, args.warmup, args.iters)
-            return
-        d, h, t = SIZES[device.type]
-        losses = train(args.steps, device, args.precision, args.save, not args.no_overlap, args.dim or d,
-                       args.hidden_dim or h, args.batch or t, args.lr, args.seed, verbose=True)
-        _say(summary(losses))
+        else:
+            d, h, t = SIZES[device.type]
+            losses = train(args.steps, device, args.precision, args.save, not args.no_overlap, args.dim or d,
+                           args.hidden_dim or h, args.batch or t, args.lr, args.seed, verbose=True)
+            _say(summary(losses))
+        # Every rank past its last collective before any tears the group down: a rank that destroys it while
+        # its peer's gloo thread still talks to it made that peer abort at exit (seen once in CI, on CPU).
+        dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
