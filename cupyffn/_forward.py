@@ -147,17 +147,17 @@ class GpuForward:
         return convert_launch(kernel, targets, grid, rescue, 0, alpha_mask, self._state_ptr, self._consts_ptr)
 
     def _build(self):
-        dev, prec, p = self.device_id, self.form, self.planes
-        f16 = prec.fmt == P.FMT_F16S
+        dev, form, p = self.device_id, self.form, self.planes
+        f16 = form.fmt == P.FMT_F16S
         sms = _kernels.sm_count(dev)
         self._convert = self._rescue = self._g_rescue = None
         if p:
-            full = sms * _kernels.blocks_per_sm("convert", f"convert_kernel<{prec.fmt}>", dev) * 2
+            full = sms * _kernels.blocks_per_sm("convert", f"convert_kernel<{form.fmt}>", dev) * 2
             self._convert = self._convert_launch(["hidden_states", "weight1", "weight2"], full, 0, 0)
             if f16:
                 self._rescue = self._convert_launch(["hidden_states", "weight1", "weight2"], 2 * sms, 1, 0b0001)
                 self._g_rescue = self._convert_launch(["gelu_out"], 2 * sms, 1, 0b0100)
-        expr = f"gelu_forward_kernel<{prec.fmt}>"
+        expr = f"gelu_forward_kernel<{form.fmt}>"
         job = _kernels.GeluForwardJob()
         job.rows, job.cols = self.T, self.H
         job.slot, job.counter, job.pattern = _SLOT["gelu_out"], 2, _PATTERN["gelu_out"]
@@ -166,8 +166,7 @@ class GpuForward:
             job.dst, job.dst_ld, job.part_stride = self._addr("gelu_out"), op.dst_ld, op.part_stride
         self._gelu = _kernels.KernelLaunch(_kernels.get_function("gelu_forward", expr, dev), job, self._state_ptr)
         self._gelu.grid = max(1, min(_items(self.T, self.H), sms * _kernels.blocks_per_sm("gelu_forward", expr, dev) * 2))
-        dtype = {P.FMT_F32: _cublas.R_32F, P.FMT_BF16: _cublas.R_16BF, P.FMT_BF16X3: _cublas.R_16BF,
-                 P.FMT_F16S: _cublas.R_16F}[prec.fmt]
+        dtype = _gemm.OPERAND_TYPE[form.fmt]
         kp = max(p, 1)
 
         def gemm(m, n, k, name):  # described once, built by the cuBLAS backend (cupyffn/_gemm.py)

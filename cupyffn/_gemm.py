@@ -20,6 +20,7 @@ f16+e4m3 form's two products into one output.
 from dataclasses import dataclass
 
 from . import _cublas
+from . import _precision as P
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,15 @@ class GemmDesc:
     ldc: int = None
     a_scale: int = None  # device pointer to one float, fixed for the plan's life
     epilogue: str = "none"
+
+
+class Unsupported(ValueError):
+    """No backend builds this GEMM; the message lists each backend's reason."""
+
+
+#: cudaDataType of the operands each conversion format writes (cupyffn/_precision.py FMT_*) for cublasGemmEx.
+OPERAND_TYPE = {P.FMT_F32: _cublas.R_32F, P.FMT_BF16: _cublas.R_16BF, P.FMT_BF16X3: _cublas.R_16BF,
+                P.FMT_F16S: _cublas.R_16F}
 
 
 class _CublasBackend:
@@ -72,9 +82,12 @@ class _CublasLtBackend:
     def build(self, desc, device_id):
         from . import _cublaslt
 
-        return _cublaslt.LtMatmul(desc.m, desc.n, desc.k, desc.a_type, desc.b_type, desc.c_type,
-                                  a_trans=desc.a_trans, b_trans=desc.b_trans, lda=desc.lda, ldb=desc.ldb,
-                                  ldc=desc.ldc, name=desc.name, a_scale=desc.a_scale, device_id=device_id)
+        try:
+            return _cublaslt.LtMatmul(desc.m, desc.n, desc.k, desc.a_type, desc.b_type, desc.c_type,
+                                      a_trans=desc.a_trans, b_trans=desc.b_trans, lda=desc.lda, ldb=desc.ldb,
+                                      ldc=desc.ldc, name=desc.name, a_scale=desc.a_scale, device_id=device_id)
+        except _cublaslt.LtUnsupported as e:  # no algorithm from the heuristic: a refusal, not a bug
+            raise Unsupported(str(e)) from e
 
 
 CUBLAS = _CublasBackend()
@@ -82,19 +95,16 @@ CUBLASLT = _CublasLtBackend()
 BACKENDS = (CUBLAS, CUBLASLT)
 
 
-class Unsupported(ValueError):
-    """No backend builds this GEMM; the message lists each backend's reason."""
-
-
 def build(desc, device_id, backends=BACKENDS):
-    """(plan, backend name) from the first backend that supports `desc` and builds it."""
+    """(plan, backend name) from the first backend that supports `desc` and builds it. A backend refuses by
+    `supports()` or, at build, by raising Unsupported (cuBLASLt's heuristic); other errors propagate."""
     reasons = []
     for backend in backends:
         ok, why = backend.supports(desc)
         if ok:
             try:
                 return backend.build(desc, device_id), backend.name
-            except ValueError as e:  # e.g. cuBLASLt's heuristic offered no algorithm
+            except Unsupported as e:
                 why = str(e)
         reasons.append(f"{backend.name}: {why}")
     raise Unsupported(f"no GEMM backend for {desc.name} (M={desc.m} N={desc.n} K={desc.k}): " + "; ".join(reasons))
@@ -102,7 +112,7 @@ def build(desc, device_id, backends=BACKENDS):
 
 class PairGemm:
     """The f16+e4m3 form: the e4m3 GEMM (cross terms) writes C with the caller's beta, then the fp16
-    GEMM adds hi*hi' onto it with beta = 1. `c` and `beta` are set like a single GEMM's."""
+    GEMM adds hi*hi' onto it with beta = 1. Its output is set by set_output, its beta like a single GEMM's."""
 
     def __init__(self, fp8, f16, one_ptr, name):
         self.fp8, self.f16 = fp8, f16

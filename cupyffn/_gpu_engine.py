@@ -20,6 +20,7 @@ which is dead by then. At that size each GEMM fills the GPU, so nothing is lost 
 """
 
 import ctypes
+import math
 
 from . import _cublas, _gemm, _kernels, _plan_cache
 from . import _precision as P
@@ -165,17 +166,18 @@ class GpuEngine:
         """{gemm: form name} this plan runs."""
         return {g: f.name for g, f in self.forms.items()}
 
-    # gemm -> (M, N, K) in terms of T, D, H; its A and B operands with the orientation of their e4m3
-    # pair ("n": K is the operand's column dimension, "t": its row dimension; /work docs: f16e4m3 layout)
-    _SHAPE = {"gemm1": "THD", "gemm2": "DHT", "gemm3": "TDH", "gemm4": "HDT"}
+    # gemm -> its A and B operands with the orientation of their e4m3 pair ("n": K is the operand's column
+    # dimension, "t": its row dimension; the layout is in kernels_cu/split_e4m3.cu's header)
     _E4M3_USES = {"gemm1": (("grad_output", "n"), ("weight2", "t")),
                   "gemm2": (("grad_output", "t"), ("gelu_out", "t")),
                   "gemm3": (("grad_linear1", "n"), ("weight1", "t")),
                   "gemm4": (("grad_linear1", "t"), ("hidden_states", "t"))}
 
+    def _dims(self, letters):
+        return P.dims(letters, self.T, self.D, self.H)
+
     def _mnk(self, g):
-        size = {"T": self.T, "D": self.D, "H": self.H}
-        return tuple(size[c] for c in self._SHAPE[g])
+        return self._dims(P.GEMM_MNK[g])
 
     def _fp8_desc(self, g):
         m, n, k = self._mnk(g)
@@ -233,7 +235,6 @@ class GpuEngine:
         """fp16+fp8: each operand in the encodings its GEMMs' forms read (ops[name] = fp16, ops[name + ".x3"]
         = bf16x3 planes, ops[name + ".e4n" / ".e4t"] = e4m3 pairs, natural / transposed), all in one scratch
         after grad_gelu. The e4m3 padding columns must be zero: _allocate zero-fills the scratch once."""
-        size = {"T": self.T, "D": self.D, "H": self.H}
         need = {}
         for g, form in self.forms.items():
             (a, a_or), (b, b_or) = self._E4M3_USES[g]
@@ -249,7 +250,7 @@ class GpuEngine:
         for name in ("grad_output", "weight2", "gelu_out", "hidden_states", "weight1", "grad_linear1"):
             if name not in need:
                 continue
-            rows, cols = (size[c] for c in self._ROWS_COLS[name])
+            rows, cols = self._dims(self._ROWS_COLS[name])
             inter = name in self._ACTIVATIONS
             enc = need[name]
             if "f16" in enc:
@@ -276,7 +277,6 @@ class GpuEngine:
         self.cvt_a = [n for n in present if n in ("grad_output", "weight2")]
         self.cvt_b = [n for n in present if n not in ("grad_output", "weight2")]
         self.cvt_late = []
-        self.split_needs = need
 
     @property
     def workspace_bytes(self):
@@ -317,7 +317,7 @@ class GpuEngine:
     # ------------------------------------------------------------------ kernels and GEMMs
     def _split_spec(self, name):
         """The split_e4m3 job of operand `name`: every encoding the layout gave it (_layout_f16e4m3)."""
-        rows, cols = self.ops_shape(name)
+        rows, cols = self._dims(self._ROWS_COLS[name])
         spec = _kernels.SplitSpec(rows, cols, P.SLOT[name])
         if name in self.ops:
             spec.f16 = (self._addr(name), self.ops[name].dst_ld)
@@ -330,10 +330,6 @@ class GpuEngine:
                 op = self.ops[key]
                 setattr(spec, "e4" + orient, (self._addr(key), op.dst_ld, op.kpad, self.e4m3_order[key]))
         return spec
-
-    def ops_shape(self, name):
-        size = {"T": self.T, "D": self.D, "H": self.H}
-        return tuple(size[c] for c in self._ROWS_COLS[name])
 
     def _build_split_launches(self):
         """fp16+fp8: convert A / convert B / dgelu as split_e4m3 launches, each a gathering pass and a rescue
@@ -466,31 +462,6 @@ class GpuEngine:
         plan, _ = _gemm.build(desc, self.device_id, backends=(_gemm.CUBLAS,))
         return plan
 
-    def _build_gemms_f16e4m3(self):
-        """fp16+fp8: per GEMM its form's product(s) (PairGemm: e4m3 cross terms, then fp16 hi*hi with beta 1;
-        or the bf16x3 K-tripled GEMM, alpha 1: bf16 planes carry no scale)."""
-        consts = self._consts.data.ptr
-        self.gemm1 = self.gemm2 = self.gemm3 = self.gemm4 = None
-        for index, g in enumerate(("gemm1", "gemm2", "gemm3", "gemm4")):
-            if g not in self.forms:
-                continue
-            (a, a_or), (b, b_or) = self._E4M3_USES[g]
-            if self.forms[g].name == "bf16x3":
-                plan = self._gemm16(g, 3, _cublas.R_16BF)
-                plan.alpha.value, plan.beta.value = consts + 4, consts
-                self._point(plan, g, a + ".x3", b + ".x3", 3)
-            else:
-                f16 = self._gemm16(g, 1, _cublas.R_16F)
-                f16.alpha.value = consts + 4 * (2 + index)
-                self._point(f16, g, a, b, 1)
-                fp8 = self._fp8[g]
-                fp8.alpha.value, fp8.beta.value = consts + 4 * (2 + index), consts
-                fp8.a.value = self._addr(f"{a}.e4{a_or}")
-                fp8.b.value = self._addr(f"{b}.e4{b_or}")
-                plan = _gemm.PairGemm(fp8, f16, consts + 4, f16.name)
-            setattr(self, g, plan)
-        _gemm.set_output(self.gemm1, self._base)
-
     def _point(self, plan, g, a, b, planes):
         """Operand pointers and leading dimensions of a 16-bit GEMM over the scratch operands a, b."""
         oa, ob = self.ops[a], self.ops[b]
@@ -502,25 +473,37 @@ class GpuEngine:
         plan.ldb.value = ob.cols
 
     def _build_gemms(self):
-        if self.fmt == P.FMT_F16E4M3:
-            return self._build_gemms_f16e4m3()
-        p = self.planes
-        dtype = {P.FMT_F32: _cublas.R_32F, P.FMT_BF16: _cublas.R_16BF, P.FMT_BF16X3: _cublas.R_16BF,
-                 P.FMT_F16S: _cublas.R_16F}[self.fmt]
+        """Each GEMM in its form: PairGemm for f16+e4m3 (the e4m3 cross terms, then fp16 hi*hi with beta 1),
+        else one cublasGemmEx over the operands' planes stacked along K (fp32 as given for ieee)."""
         consts = self._consts.data.ptr
+        split = self.fmt == P.FMT_F16E4M3  # operands in several encodings: ops[name + ".x3"] are the bf16 planes
         self.gemm1 = self.gemm2 = self.gemm3 = self.gemm4 = None
         for index, g in enumerate(("gemm1", "gemm2", "gemm3", "gemm4")):
             if g not in self.forms:
                 continue
-            plan = self._gemm16(g, p, dtype)
-            plan.alpha.value, plan.beta.value = consts + 4 * (2 + index), consts
-            (a, _), (b, _) = self._E4M3_USES[g]
-            if p:
-                self._point(plan, g, a, b, p)
-            elif g in ("gemm3", "gemm4"):  # ieee reads grad_linear1 in place (the other pointers: set_io)
-                plan.a.value, plan.lda.value = self._base, self.H
+            form = self.forms[g]
+            alpha = consts + 4 * (2 + index)
+            (a, a_or), (b, b_or) = self._E4M3_USES[g]
+            if form.name == "f16+e4m3":
+                f16 = self._gemm16(g, 1, _cublas.R_16F)
+                f16.alpha.value = alpha
+                self._point(f16, g, a, b, 1)
+                fp8 = self._fp8[g]
+                fp8.alpha.value, fp8.beta.value = alpha, consts
+                fp8.a.value, fp8.b.value = self._addr(f"{a}.e4{a_or}"), self._addr(f"{b}.e4{b_or}")
+                plan = _gemm.PairGemm(fp8, f16, consts + 4, f16.name)
+            else:
+                plan = self._gemm16(g, form.planes, _gemm.OPERAND_TYPE[form.fmt])
+                # beside fp16+fp8's scaled encodings the bf16 planes carry no scale: alpha 1, not GEMM g's
+                plan.alpha.value, plan.beta.value = (consts + 4 if split else alpha), consts
+                if split:
+                    a, b = a + ".x3", b + ".x3"
+                if form.planes:
+                    self._point(plan, g, a, b, form.planes)
+                elif g in ("gemm3", "gemm4"):  # ieee reads grad_linear1 in place (the other pointers: set_io)
+                    plan.a.value, plan.lda.value = self._base, self.H
             setattr(self, g, plan)
-        self.gemm1.c.value = self._base
+        _gemm.set_output(self.gemm1, self._base)
 
     # ------------------------------------------------------------------ per call
     def set_io(self, inputs, outputs, accumulate):
@@ -707,7 +690,7 @@ class GpuEngine:
             return sum(op.nbytes for key, op in self.ops.items() if key.split(".")[0] == name)
 
         for stage, (names, _, _) in self._convert.items():
-            out[stage] = sum(4 * self.ops_shape(n)[0] * self.ops_shape(n)[1] + written(n) for n in names)
+            out[stage] = sum(4 * math.prod(self._dims(self._ROWS_COLS[n])) + written(n) for n in names)
         write = written("grad_linear1") if self.planes else 4 * self.T * self.H
         out["dgelu"] = 12 * self.T * self.H + write
         return out

@@ -191,8 +191,14 @@ def lookup(precision):
         raise ValueError(f"precision must be one of {valid}; got {precision!r}") from None
 
 
-#: (M, N) of each backward GEMM's output in terms of (tokens, dim, hidden).
-_GEMM_MN = {"gemm1": ("T", "H"), "gemm2": ("D", "H"), "gemm3": ("T", "D"), "gemm4": ("H", "D")}
+#: (M, N, K) of each backward GEMM (GEMMS) as letters of T (tokens), D (dim), H (hidden).
+GEMM_MNK = {"gemm1": "THD", "gemm2": "DHT", "gemm3": "TDH", "gemm4": "HDT"}
+
+
+def dims(letters, tokens, dim, hidden):
+    """The sizes named by `letters` (e.g. GEMM_MNK[g], or "TH"): T = tokens, D = dim, H = hidden."""
+    size = {"T": tokens, "D": dim, "H": hidden}
+    return tuple(size[c] for c in letters)
 
 
 def pair_fits(gemm, tokens, dim, hidden):
@@ -201,8 +207,8 @@ def pair_fits(gemm, tokens, dim, hidden):
     layout, so it always fits). N is H for GEMM1/GEMM2 and D for GEMM3/GEMM4: T never matters.
     Where it does not, the plan runs bf16x3 for that GEMM (the GPU engine may also fall back when
     cuBLASLt's heuristic offers no algorithm; GeluFFNBackward.gemm_forms reports what ran)."""
-    size = {"T": tokens, "D": dim, "H": hidden}
-    return size[_GEMM_MN[gemm][1]] % 16 == 0
+    _, n, _ = dims(GEMM_MNK[gemm], tokens, dim, hidden)
+    return n % 16 == 0
 
 
 def effective_forms(precision, tokens, dim, hidden):
