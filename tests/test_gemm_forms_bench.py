@@ -1,30 +1,15 @@
 """tools/gemm_forms_bench.py without a GPU: arguments, the shape and layout table, which e4m3 GEMMs cuBLASLt
 refuses, the summary and the printed table."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-PATH = Path(__file__).resolve().parent.parent / "tools" / "gemm_forms_bench.py"
+from tool_loader import load_tool  # tests/ is on sys.path
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("gemm_forms_bench", PATH)
-    module = importlib.util.module_from_spec(spec)
-    saved = sys.modules.get("cupy", "absent")
-    sys.modules["cupy"] = None  # importing cupy now raises: the module must not need it at import
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        if saved == "absent":
-            del sys.modules["cupy"]
-        else:
-            sys.modules["cupy"] = saved
-    return module
+    return load_tool("gemm_forms_bench")
 
 
 def test_help_and_arguments(bench, monkeypatch, tmp_path, capsys):

@@ -1,20 +1,14 @@
 """tools/sm90_gemm_bench.py without a GPU: arguments, the budget, the incremental JSON, the tables."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-PATH = Path(__file__).resolve().parent.parent / "tools" / "sm90_gemm_bench.py"
+from tool_loader import load_tool  # tests/ is on sys.path
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("sm90_gemm_bench", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # must not need cupy at import
-    return module
+    return load_tool("sm90_gemm_bench")
 
 
 class FakeClock:

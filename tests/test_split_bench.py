@@ -1,28 +1,13 @@
 """tools/split_bench.py without a GPU: arguments, candidates, bytes, the recommendation and the lines."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
-
-PATH = Path(__file__).resolve().parent.parent / "tools" / "split_bench.py"
+from tool_loader import load_tool  # tests/ is on sys.path
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("split_bench", PATH)
-    module = importlib.util.module_from_spec(spec)
-    saved = sys.modules.get("cupy", "absent")
-    sys.modules["cupy"] = None  # importing cupy now raises: the module must not need it at import
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        if saved == "absent":
-            del sys.modules["cupy"]
-        else:
-            sys.modules["cupy"] = saved
-    return module
+    return load_tool("split_bench")
 
 
 def test_help_and_arguments(bench, monkeypatch, tmp_path, capsys):

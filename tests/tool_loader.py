@@ -1,0 +1,24 @@
+"""A script of tools/ loaded as a module for a CPU test, with cupy made unimportable while it loads: a tool
+must not need cupy (or a GPU) at import, only when it runs."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
+
+
+def load_tool(name):
+    """tools/`name`.py as a module (its top level run with `import cupy` raising ImportError)."""
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    saved = sys.modules.get("cupy", "absent")
+    sys.modules["cupy"] = None  # importing cupy now raises
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if saved == "absent":
+            del sys.modules["cupy"]
+        else:
+            sys.modules["cupy"] = saved
+    return module
