@@ -125,6 +125,9 @@ class GpuEngine:
                 self._sidecar = _cublas.acquire(device_id)
                 self._handles.append(self._sidecar)
                 self._sidecar.bind(self._side.ptr)
+            if self._fp8:  # the e4m3 GEMMs' cuBLASLt handles now, not inside a call a caller may be capturing
+                for handle in self._handles:
+                    handle.lt
             if tokens > 0:
                 self._build_launches()
                 self._build_gemms()
