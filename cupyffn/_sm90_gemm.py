@@ -4,7 +4,8 @@ Standalone for now (issue 10, first step): not used by the engine yet. What it c
 
 * :func:`gemm_tn` -- ``out[M, N] (fp32) = a[M, K] @ b[N, K]^T``;
 * :func:`gemm_tn_dgelu` -- GEMM1 with the GELU derivative in its epilogue (x and t staged through
-  shared memory by cp.async during the mainloop, or, ``epilogue="direct"``, loaded in the epilogue):
+  shared memory by cp.async during the mainloop where their rows start on 16-byte boundaries, else, or
+  with ``epilogue="direct"``, loaded in the epilogue):
   ``out = acc * gelu'(linear1_out, tanh_inner)`` rounded to bf16 (``out.dtype == uint16``, bf16
   bit patterns) or to fp16 after scaling by a power of two ``alpha`` (``out.dtype == float16``);
   ``tanh_inner=None`` recomputes t from linear1_out (memory mode).
@@ -34,8 +35,27 @@ from cupyffn import _kernels
 
 #: Source file in kernels_cu/ (compiled for sm_90a only; not one of _kernels.MODULES, which build for any GPU).
 SOURCE = "gemm_sm90.cu"
-#: NVRTC options; CuPy adds its include paths and its own -arch (see the module docstring).
-NVRTC_OPTIONS = ("-arch=sm_90a", "--std=c++17")
+#: The staged epilogue's shape (CUPYFFN_XT_COLS, CUPYFFN_XS_STAGE_DROP in gemm_sm90.cu): columns of an x/t
+#: group, and the pipeline stages given up for the slots. Chosen by measurement (docs/perf-notes.md);
+#: tools/sm90_gemm_bench.py can try others through set_staging() before anything is compiled.
+XT_COLS = 32
+XS_STAGE_DROP = 1
+
+
+def nvrtc_options():
+    """NVRTC options; CuPy adds its include paths and its own -arch (see the module docstring)."""
+    return ("-arch=sm_90a", "--std=c++17", f"-DCUPYFFN_XT_COLS={XT_COLS}", f"-DCUPYFFN_XS_STAGE_DROP={XS_STAGE_DROP}")
+
+
+def set_staging(xt_cols, stage_drop):
+    """Measurement hook: compile the staged epilogue with groups of `xt_cols` columns (8, 16, 32) and
+    `stage_drop` stages given up (1 or 2). Only before the first kernel of this process is compiled."""
+    global XT_COLS, XS_STAGE_DROP
+    if _module.cache_info().currsize:
+        raise RuntimeError("set_staging must come before the first sm90 kernel is compiled in this process")
+    if xt_cols not in (8, 16, 32) or stage_drop not in (1, 2):
+        raise ValueError(f"xt_cols must be 8, 16 or 32 and stage_drop 1 or 2, got {xt_cols}, {stage_drop}")
+    XT_COLS, XS_STAGE_DROP = xt_cols, stage_drop
 
 # Must match gemm_sm90.cu.
 THREADS = 384
@@ -80,24 +100,26 @@ def smem_bytes(block_n):
     return s * (BLOCK_M + block_n) * BLOCK_K * 2 + 1024 + 2 * 8 * s
 
 
-#: Bytes of one x/t slot of the staged epilogue (kXtSlotBytes in gemm_sm90.cu): x and t of a 64 x 8 group.
-XT_SLOT_BYTES = 2 * 2 * 128 * 8
+def xt_slot_bytes():
+    """Bytes of one x/t slot of the staged epilogue (kXtSlotBytes in gemm_sm90.cu): x and t of a
+    64 x XT_COLS group (4 warps x 16 rows)."""
+    return 2 * 64 * XT_COLS * 4
 
 
 def xs_stages_for(block_n):
-    """Pipeline stages with the staged epilogue (xs_stages_for): one less, to make room for the slots."""
-    return stages_for(block_n) - 1
+    """Pipeline stages with the staged epilogue (xs_stages_for): XS_STAGE_DROP fewer, to make room for the slots."""
+    return stages_for(block_n) - XS_STAGE_DROP
 
 
 def xt_slots_for(block_n):
     """x/t slots per consumer of the staged epilogue (xt_slots_for): what is left of 224 KiB, halved."""
-    return (224 * 1024 - xs_stages_for(block_n) * (BLOCK_M + block_n) * BLOCK_K * 2) // (2 * XT_SLOT_BYTES)
+    return (224 * 1024 - xs_stages_for(block_n) * (BLOCK_M + block_n) * BLOCK_K * 2) // (2 * xt_slot_bytes())
 
 
 def xs_smem_bytes(block_n):
     """Dynamic shared memory of one CTA with the staged epilogue (xs_smem_bytes_for in gemm_sm90.cu)."""
     s = xs_stages_for(block_n)
-    return s * (BLOCK_M + block_n) * BLOCK_K * 2 + 2 * xt_slots_for(block_n) * XT_SLOT_BYTES + 1024 + 2 * 8 * s
+    return s * (BLOCK_M + block_n) * BLOCK_K * 2 + 2 * xt_slots_for(block_n) * xt_slot_bytes() + 1024 + 2 * 8 * s
 
 
 def launch_smem_bytes(block_n, staged):
@@ -160,7 +182,7 @@ def _module(name, device_id):
     if name not in EXPRESSIONS:
         raise ValueError(f"unknown sm90 GEMM variant {name!r}; one of {EXPRESSIONS}")
     with cupy.cuda.Device(device_id):
-        module = cupy.RawModule(code=module_source(), options=NVRTC_OPTIONS, name_expressions=(name,))
+        module = cupy.RawModule(code=module_source(), options=nvrtc_options(), name_expressions=(name,))
         module.compile()
     return module
 
@@ -404,7 +426,7 @@ def gemm_tn(a, b, out, *, block_n=256, pingpong=False, stream=None):
 
 
 def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, block_n=256, pingpong=False,
-                  epilogue="staged", stream=None):
+                  epilogue=None, stream=None):
     """GEMM1 with the GELU derivative fused: g = (a @ b^T) * gelu'(linear1_out, tanh_inner) in fp32,
     stored as bf16 bits (out uint16) or as fp16(alpha * g) (out float16); returns out.
 
@@ -412,13 +434,15 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, b
     a power of two (exact scaling), only with a float16 out. amax: None, or a 1-element uint32 CuPy
     array that the kernel raises to the bits of max |g| over the finite g (before alpha) with atomicMax;
     the caller initializes it (0, or a running maximum's bits). epilogue: how x and t reach the
-    epilogue, one of EPILOGUES ("staged": cp.async into shared memory during the mainloop; "direct":
-    global loads in the epilogue); both give bitwise the same out and amax."""
+    epilogue, one of EPILOGUES ("staged": cp.async into shared memory during the mainloop, which needs
+    every row of linear1_out and tanh_inner on a 16-byte boundary (row strides multiples of 4);
+    "direct": global loads in the epilogue), or None: staged where the rows allow it, else direct.
+    Both give bitwise the same out and amax."""
     import numpy
 
     _check_config(block_n, pingpong)
-    if epilogue not in EPILOGUES:
-        raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+    if epilogue is not None and epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue must be None or one of {EPILOGUES}, got {epilogue!r}")
     op, m, n, k, lda, ldb = _check_operands(a, b)
     ldx = _check_matrix(linear1_out, "linear1_out", (m, n), numpy.float32)
     ldt = _check_matrix(tanh_inner, "tanh_inner", (m, n), numpy.float32) if tanh_inner is not None else 0
@@ -451,6 +475,15 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, b
             raise ValueError(f"{name} must have a row stride below 2^31 elements, got {ld}")
     if m == 0 or n == 0:
         return out
+    # the staged epilogue copies 16-byte chunks of rows (the data pointers are 16-byte aligned, checked above)
+    rows_16b = [(name, ld) for name, x, ld in (("linear1_out", linear1_out, ldx), ("tanh_inner", tanh_inner, ldt))
+                if x is not None and x.shape[0] > 1 and ld % 4]
+    if epilogue is None:
+        epilogue = "direct" if rows_16b else "staged"
+    elif epilogue == "staged" and rows_16b:
+        name, ld = rows_16b[0]
+        raise ValueError(f"epilogue='staged' needs {name} rows on 16-byte boundaries (a row stride that is a "
+                         f"multiple of 4 elements), got {ld}; epilogue=None falls back to 'direct'")
     args = GemmArgs(out.data.ptr, linear1_out.data.ptr, tanh_inner.data.ptr if tanh_inner is not None else None,
                     ldc, ldx, ldt, m, n, k, alpha, amax.data.ptr if amax is not None else None)
     _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream, staged=epilogue == "staged")

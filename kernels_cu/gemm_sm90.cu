@@ -31,16 +31,18 @@
 //   XS = 0 ("direct") loads them from global memory in the epilogue, 8 bytes per thread and fragment:
 //          few bytes in flight per SM, so the epilogue runs at a fraction of HBM bandwidth.
 //   XS = 1 ("staged") copies them with cp.async into a per-consumer ring of shared-memory slots, one
-//          slot per 8-column group of the consumer's block: the first kXtSlots groups are requested
-//          when the tile starts (they land during its mainloop), each later one as soon as the epilogue
-//          frees a slot, so kXtSlots groups (16-48 KiB per SM) are always in flight. Every thread copies
-//          exactly the elements of its own accumulator fragment, so it waits only for its own copies
-//          (cp.async.wait_group): no barrier, no cross-thread hand-off, nothing that can deadlock. It
-//          costs one pipeline stage (stages_for - 1) to make room for the slots.
+//          slot per "group" (64 rows x kXtCols columns of the consumer's block, x and t): the first
+//          kXtSlots groups are requested when the tile starts (they land during its mainloop), each
+//          later one as soon as the epilogue frees a slot. Each warp copies the 16 rows of its own
+//          accumulator fragment as whole row segments (64-128 contiguous bytes per row, where the
+//          fragment layout gives 32: DRAM and L2 serve whole sectors, not scattered halves of lines),
+//          and only that warp reads them back (swizzled: no bank conflicts), so a warp waits for its
+//          own copies (cp.async.wait_group + __syncwarp): no block barrier, no cross-warp hand-off,
+//          nothing that can deadlock. It costs CUPYFFN_XS_STAGE_DROP pipeline stages to make room.
 //
 // Constraints (checked by cupyffn/_sm90_gemm.py): K >= 1; lda, ldb multiples of 8 elements and A, B
 // 16-byte aligned (TMA); ldc, ldx, ldt even (pairs of columns are stored/loaded together) and C, x, t
-// 16-byte aligned. Compile for sm_90a (wgmma, setmaxnreg): cupyffn/_sm90_gemm.py does.
+// 16-byte aligned; the staged epilogue also needs ldx, ldt multiples of 4 (16-byte row starts). Compile for sm_90a (wgmma, setmaxnreg): cupyffn/_sm90_gemm.py does.
 
 #include "common.cuh"
 
@@ -254,12 +256,22 @@ __host__ __device__ constexpr int stages_for(int bn) { return (192 * 1024) / ((k
 // 2 * stages mbarriers (8 bytes each). cupyffn/_sm90_gemm.py computes the same number.
 __host__ __device__ constexpr int smem_bytes_for(int bn) { return stages_for(bn) * (kBM + bn) * kBK * 2 + 1024 + 2 * 8 * stages_for(bn); }
 
-// The staged dgelu epilogue (XS = 1): one stage less, and per consumer a ring of x/t slots of 4 KiB
-// (one 64-row x 8-column group: x and t, 2 rows x 128 threads x 8 bytes each). Stages and slots share
-// 224 KiB; cupyffn/_sm90_gemm.py computes the same numbers. bn256: 3 stages + 2 x 10 slots;
-// bn128 (either schedule): 5 stages + 2 x 8 slots.
-constexpr int kXtSlotBytes = 2 * 2 * 128 * 8;
-__host__ __device__ constexpr int xs_stages_for(int bn) { return stages_for(bn) - 1; }
+// The staged dgelu epilogue (XS = 1): CUPYFFN_XS_STAGE_DROP pipeline stages fewer, and per consumer a
+// ring of x/t slots. A slot holds one "group": a 64-row x kXtCols-column block of x and of t, each of the
+// consumer's four warps owning the 16 rows of its accumulator fragment (a warp slot, kWarpSlotBytes).
+// Stages and slots share 224 KiB; cupyffn/_sm90_gemm.py passes both macros and computes the same numbers.
+#ifndef CUPYFFN_XT_COLS
+#define CUPYFFN_XT_COLS 32
+#endif
+#ifndef CUPYFFN_XS_STAGE_DROP
+#define CUPYFFN_XS_STAGE_DROP 1
+#endif
+constexpr int kXtCols = CUPYFFN_XT_COLS;          // columns of a group: whole 16-byte chunks of fp32
+constexpr int kXtChunks = kXtCols / 4;            // 16-byte chunks per row of a warp slot
+constexpr int kWarpSlotBytes = 2 * 16 * kXtCols * 4;  // x and t, 16 rows each
+constexpr int kXtSlotBytes = 4 * kWarpSlotBytes;
+static_assert(kXtCols == 8 || kXtCols == 16 || kXtCols == 32, "a group is 8, 16 or 32 columns (2-8 chunks per row)");
+__host__ __device__ constexpr int xs_stages_for(int bn) { return stages_for(bn) - CUPYFFN_XS_STAGE_DROP; }
 __host__ __device__ constexpr int xt_slots_for(int bn) {
   return (224 * 1024 - xs_stages_for(bn) * (kBM + bn) * kBK * 2) / (2 * kXtSlotBytes);
 }
@@ -268,7 +280,8 @@ __host__ __device__ constexpr int xs_smem_bytes_for(int bn) {
 }
 static_assert(xs_smem_bytes_for(256) <= 232448 && xs_smem_bytes_for(128) <= 232448,
               "227 KiB of dynamic shared memory per CTA at most");
-static_assert(xt_slots_for(256) == 10 && xt_slots_for(128) == 8, "slots");
+static_assert(xs_stages_for(256) >= 2 && xs_stages_for(128) >= 2 && xt_slots_for(256) >= 1 && xt_slots_for(128) >= 1,
+              "at least two stages and one slot");
 
 // Stores a consumer's 64 x BN block of the tile whose top-left output element is (row0, col0).
 // wgmma's accumulator layout: thread `lane` of warp w holds, for each 8-column group j, columns
@@ -358,10 +371,12 @@ __device__ __forceinline__ unsigned long long evict_first_policy() {
   return policy;
 }
 
-// 8-byte asynchronous copy global -> shared; bytes < 8 (4 or 0) reads only that many and zero-fills the
-// rest, so a partial pair or an out-of-bounds row reads nothing past the matrix.
-__device__ __forceinline__ void cp_async_8(unsigned dst, const float* src, unsigned bytes, unsigned long long policy) {
-  asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 8, %2, %3;\n" ::"r"(dst), "l"(src), "r"(bytes),
+// 16-byte asynchronous copy global -> shared, bypassing L1; bytes < 16 (down to 0) reads only that many
+// and zero-fills the rest, so a partial chunk or an out-of-bounds row reads nothing past the matrix.
+// (An 8-byte fallback for rows off 16-byte boundaries cost the ping-pong variants 28 bytes of spills:
+// the launcher takes the direct epilogue for those instead.)
+__device__ __forceinline__ void cp_async_16(unsigned dst, const float* src, unsigned bytes, unsigned long long policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src), "r"(bytes),
                "l"(policy)
                : "memory");
 }
@@ -378,33 +393,49 @@ __device__ __forceinline__ float2 ld_shared_f2(unsigned addr) {
   return v;
 }
 
-// The staged epilogue walks a consumer's block in "groups": one 64-row half h and one 8-column group j,
-// g = h * (BN / 8) + j. A slot holds the group's x and t for every thread: its two rows (hh) of the
-// pair of columns it owns, at [tensor][hh][tid] (consecutive threads read consecutive 8 bytes: no bank
-// conflicts).
-__device__ __forceinline__ unsigned xt_offset(int tensor, int hh, int tid) {
-  return (unsigned)(((tensor * 2 + hh) * 128 + tid) * 8);
+// A warp slot: for x, then t, 16 rows of kXtCols floats (kXtChunks 16-byte chunks per row). The warp copies
+// whole rows (a row's chunks are consecutive lanes: 64-128 contiguous bytes per row and request, where the
+// accumulator layout would give 32), then each lane reads its fragment's pairs. Chunk c of row r sits at
+// position c ^ swz(r): the 8 rows x 2 chunks one fragment read touches then fall on distinct 16-byte bank
+// groups (2 wavefronts for 256 bytes, the minimum), and a copy's 32 chunks on distinct ones per 8.
+__device__ __forceinline__ unsigned xt_offset(int tensor, int r, int chunk) {
+  const int swz = (r * kXtChunks / 8) % kXtChunks;
+  return (unsigned)(tensor * (16 * kXtCols * 4) + r * (kXtCols * 4) + ((chunk ^ swz) * 16));
 }
 
-// Requests into `slot` x and t of the rows r0 + 16 warp + lane / 4 + {0, 8} and the columns col, col + 1
-// (this thread's elements of one group); the caller commits the cp.async group.
-__device__ __forceinline__ void stage_xt(unsigned slot, const GemmArgs& args, int r0, int col, int tid) {
+// Requests into `slot` (the consumer's slot: its 4 warp slots) x and t of the warp's 16 rows from row_base +
+// 16 warp and the columns col_base ... + kXtCols; the caller commits the cp.async group. Every row of x and
+// t starts on a 16-byte boundary (the launcher checks).
+__device__ __forceinline__ void stage_xt(unsigned slot, const GemmArgs& args, int row_base, int col_base, int tid) {
   const int warp = tid >> 5, lane = tid & 31;
-  const unsigned col_bytes = col + 1 < args.n ? 8u : (col < args.n ? 4u : 0u);
+  const unsigned base = slot + warp * kWarpSlotBytes;
   const unsigned long long policy = evict_first_policy();
 #pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int r = r0 + 16 * warp + (lane >> 2) + 8 * hh;
-    const unsigned bytes = r < args.m ? col_bytes : 0u;
+  for (int i = 0; i < kXtChunks / 2; ++i) {  // 16 rows x kXtChunks chunks = 32 lanes x kXtChunks / 2
+    const int q = lane + 32 * i;
+    const int rr = q / kXtChunks, chunk = q % kXtChunks;
+    const int r = row_base + 16 * warp + rr, col = col_base + 4 * chunk;
+    const int left = args.n - col;  // columns of the chunk inside the matrix (may be <= 0)
+    const unsigned bytes = r < args.m && left > 0 ? (left >= 4 ? 16u : 4u * left) : 0u;
     // nothing is read when bytes == 0; the address stays inside the matrix anyway
-    // (32 x 32 -> 64-bit products: the launcher keeps row strides below 2^31; fewer registers than 64 x 64)
-    const int rr = bytes ? r : 0;
-    const int cc = bytes ? col : 0;
-    cp_async_8(slot + xt_offset(0, hh, tid), args.x + ((long long)rr * (int)args.ldx + cc), bytes, policy);
-    if (args.t != nullptr) {
-      cp_async_8(slot + xt_offset(1, hh, tid), args.t + ((long long)rr * (int)args.ldt + cc), bytes, policy);
+    // (32 x 32 -> 64-bit products: the launcher keeps row strides below 2^31)
+    const int r_ok = bytes ? r : 0, c_ok = bytes ? col : 0;
+#pragma unroll
+    for (int tensor = 0; tensor < 2; ++tensor) {
+      const float* src = tensor ? args.t : args.x;
+      if (src == nullptr) continue;  // memory mode: no t
+      src += (long long)r_ok * (int)(tensor ? args.ldt : args.ldx) + c_ok;
+      const unsigned dst = base + xt_offset(tensor, rr, chunk);
+      cp_async_16(dst, src, bytes, policy);
     }
   }
+}
+
+// Group g of a consumer's block (HALVES x 64 rows x BN columns): half g / (BN / kXtCols), columns
+// kXtCols * (g % (BN / kXtCols)).
+template <int BN>
+__device__ __forceinline__ void stage_group(unsigned slot, const GemmArgs& args, int row0, int col0, int g, int tid) {
+  stage_xt(slot, args, row0 + 64 * (g / (BN / kXtCols)), col0 + kXtCols * (g % (BN / kXtCols)), tid);
 }
 
 // The first SLOTS groups of a block (rows from row0, columns from col0), requested before its mainloop,
@@ -413,71 +444,76 @@ template <int BN, int SLOTS>
 __device__ __forceinline__ void stage_xt_prologue(unsigned slots, const GemmArgs& args, int row0, int col0, int tid) {
 #pragma unroll 1
   for (int g = 0; g < SLOTS; ++g) {
-    stage_xt(slots + g * kXtSlotBytes, args, row0 + 64 * (g / (BN / 8)), col0 + 8 * (g % (BN / 8)) + 2 * (tid & 3), tid);
+    stage_group<BN>(slots + g * kXtSlotBytes, args, row0, col0, g, tid);
     cp_async_commit();
   }
 }
 
-// One 64-row half H (groups H * BN / 8 ...) of store_block_staged, folding into amax. (Register pressure
-// of the ping-pong variants, 128 accumulators at a cap of 168, decided the shape of this code: one call
-// per half, alpha read once, the prologue loop not unrolled; other shapes spilled 4-48 bytes.)
+// One 64-row half H (groups H * BN / kXtCols ...) of store_block_staged, folding into amax. (Register
+// pressure of the ping-pong variants, 128 accumulators at a cap of 168, decided the shape of this code:
+// one call per half, alpha read once, the prologue loop not unrolled.)
 template <int EPI, int BN, int HALVES, int SLOTS, int H>
 __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], const GemmArgs& args, int row0, int col0,
                                                   int tid, unsigned slots, float& amax) {
-  constexpr int kGroups = HALVES * (BN / 8);
+  constexpr int kGroupsPerHalf = BN / kXtCols;
+  constexpr int kGroups = HALVES * kGroupsPerHalf;
   static_assert(EPI != kEpiF32 && SLOTS >= 1 && SLOTS <= kGroups, "staged: dgelu epilogues, 1..groups slots");
   const int warp = tid >> 5, lane = tid & 31;
   const bool has_t = args.t != nullptr;
   const float alpha = args.alpha;
-  constexpr int h = H;
 #pragma unroll
-  for (int j = 0; j < BN / 8; ++j) {
-    const int g = H * (BN / 8) + j;
-    cp_async_wait<SLOTS - 1>();  // group g (the oldest of the SLOTS in flight) has landed
-    const unsigned slot = slots + (g % SLOTS) * kXtSlotBytes;
-    const int col = col0 + 8 * j + 2 * (lane & 3);
-    const bool pair = col + 1 < args.n;
+  for (int jg = 0; jg < kGroupsPerHalf; ++jg) {
+    const int g = H * kGroupsPerHalf + jg;
+    cp_async_wait<SLOTS - 1>();  // this lane's copies of group g (the oldest of the SLOTS in flight) landed
+    __syncwarp();                // ... and every other lane's of this warp slot
+    const unsigned slot = slots + (g % SLOTS) * kXtSlotBytes + warp * kWarpSlotBytes;
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = row0 + 64 * h + 16 * warp + (lane >> 2) + 8 * hh;
-      const float2 xv = ld_shared_f2(slot + xt_offset(0, hh, tid));
-      float t0, t1;
-      if (has_t) {
-        const float2 tv = ld_shared_f2(slot + xt_offset(1, hh, tid));
-        t0 = tv.x;
-        t1 = tv.y;
-      } else {
-        t0 = cupyffn::tanh_inner_of(xv.x);
-        t1 = cupyffn::tanh_inner_of(xv.y);
-      }
-      const float v0 = acc[4 * j + 2 * hh] * cupyffn::gelu_grad(xv.x, t0);
-      const float v1 = acc[4 * j + 2 * hh + 1] * cupyffn::gelu_grad(xv.y, t1);
-      if (r < args.m && col < args.n) {
-        amax = cupyffn::finite_absmax(amax, v0);
-        if (pair) amax = cupyffn::finite_absmax(amax, v1);
-        unsigned short c0, c1;
-        if constexpr (EPI == kEpiDgeluBf16) {
-          c0 = cupyffn::bf16_bits(v0);  // the same rounding as the engine's dgelu kernel
-          c1 = cupyffn::bf16_bits(v1);
+    for (int jj = 0; jj < kXtCols / 8; ++jj) {
+      const int j = jg * (kXtCols / 8) + jj;  // the accumulator's 8-column group
+      const int chunk = 2 * jj + ((lane & 3) >> 1);
+      const int col = col0 + 8 * j + 2 * (lane & 3);
+      const bool pair = col + 1 < args.n;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int rr = (lane >> 2) + 8 * hh;
+        const int r = row0 + 64 * H + 16 * warp + rr;
+        const unsigned within = (lane & 1) * 8;
+        const float2 xv = ld_shared_f2(slot + xt_offset(0, rr, chunk) + within);
+        float t0, t1;
+        if (has_t) {
+          const float2 tv = ld_shared_f2(slot + xt_offset(1, rr, chunk) + within);
+          t0 = tv.x;
+          t1 = tv.y;
         } else {
-          c0 = cupyffn::f16_bits(v0 * alpha);
-          c1 = cupyffn::f16_bits(v1 * alpha);
+          t0 = cupyffn::tanh_inner_of(xv.x);
+          t1 = cupyffn::tanh_inner_of(xv.y);
         }
-        unsigned short* p = static_cast<unsigned short*>(args.c) + ((long long)r * (int)args.ldc + col);
-        if (pair) {
-          *reinterpret_cast<unsigned*>(p) = cupyffn::pack2(c0, c1);
-        } else {
-          p[0] = c0;
+        const float v0 = acc[4 * j + 2 * hh] * cupyffn::gelu_grad(xv.x, t0);
+        const float v1 = acc[4 * j + 2 * hh + 1] * cupyffn::gelu_grad(xv.y, t1);
+        if (r < args.m && col < args.n) {
+          amax = cupyffn::finite_absmax(amax, v0);
+          if (pair) amax = cupyffn::finite_absmax(amax, v1);
+          unsigned short c0, c1;
+          if constexpr (EPI == kEpiDgeluBf16) {
+            c0 = cupyffn::bf16_bits(v0);  // the same rounding as the engine's dgelu kernel
+            c1 = cupyffn::bf16_bits(v1);
+          } else {
+            c0 = cupyffn::f16_bits(v0 * alpha);
+            c1 = cupyffn::f16_bits(v1 * alpha);
+          }
+          unsigned short* p = static_cast<unsigned short*>(args.c) + ((long long)r * (int)args.ldc + col);
+          if (pair) {
+            *reinterpret_cast<unsigned*>(p) = cupyffn::pack2(c0, c1);
+          } else {
+            p[0] = c0;
+          }
         }
       }
     }
-    // Refill the slot just read with group g + SLOTS. Its only reader is this thread, and its loads of it
-    // were issued above, before the copy (in order, and a copy writes shared memory only once its global
-    // read has returned). An empty group keeps the count for the wait.
-    if (g + SLOTS < kGroups) {
-      const int gn = g + SLOTS;
-      stage_xt(slot, args, row0 + 64 * (gn / (BN / 8)), col0 + 8 * (gn % (BN / 8)) + 2 * (lane & 3), tid);
-    }
+    // Refill the slot just read with group g + SLOTS, once every lane of the warp has read it (the loads
+    // above were issued before the barrier; a copy lands only after it). An empty group keeps the count.
+    __syncwarp();
+    if (g + SLOTS < kGroups) stage_group<BN>(slots + (g % SLOTS) * kXtSlotBytes, args, row0, col0, g + SLOTS, tid);
     cp_async_commit();
   }
 }

@@ -167,21 +167,22 @@ def gelu_grad64(x, t):
     return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * SQRT_2_OVER_PI * (1 + 0.134145 * x * x)
 
 
-def activations(rng, m, n):
-    """linear1_out (fp32, a padded view) and tanh_inner as a forward pass stores it (fp32)."""
+def activations(rng, m, n, ld_multiple=4):
+    """linear1_out (fp32, a padded view) and tanh_inner as a forward pass stores it (fp32); row strides
+    multiples of ld_multiple (4: the staged epilogue's 16-byte rows; 2: the least any epilogue takes)."""
     x32 = (2 * rng.standard_normal((m, n))).astype(numpy.float32)
     t32 = numpy.tanh(numpy.float32(SQRT_2_OVER_PI) * (x32 + numpy.float32(0.044715) * x32 * x32 * x32))
-    x, _ = padded(m, n, numpy.float32, 2, numpy.nan, extra_cols=3)
-    t, _ = padded(m, n, numpy.float32, 2, numpy.nan, extra_cols=1)
+    x, _ = padded(m, n, numpy.float32, ld_multiple, numpy.nan, extra_cols=3)
+    t, _ = padded(m, n, numpy.float32, ld_multiple, numpy.nan, extra_cols=1)
     x[...] = cupy.asarray(x32)
     t[...] = cupy.asarray(t32)
     return x, t
 
 
 # (2048, 2056, 1000): several tiles per CTA with more k-steps than stages (the ping-pong turn-taking case)
-DGELU_SHAPES = [(1, 64, 16), (77, 300, 64), (130, 257, 40), (256, 6144, 1536), (1536, 4096, 192), (2048, 2056, 1000)]
+DGELU_SHAPES = [(1, 64, 16), (77, 302, 64), (130, 257, 40), (256, 6144, 1536), (1536, 4096, 192), (2048, 2056, 1000)]
 # Both epilogues (staged: x and t through shared memory by cp.async; direct: global loads) on every case.
-DGELU_QUICK = {"77-300-64-bn128-bf16-1.0-False-staged", "130-257-40-bn128pp-fp16-16.0-True-staged",
+DGELU_QUICK = {"77-302-64-bn128-bf16-1.0-False-staged", "130-257-40-bn128pp-fp16-16.0-True-staged",
                "256-6144-1536-bn256-fp16-0.125-False-staged", "1536-4096-192-bn256-bf16-1.0-True-staged",
                "1536-4096-192-bn128pp-fp16-16.0-False-staged", "2048-2056-1000-bn128pp-bf16-1.0-False-staged",
                "2048-2056-1000-bn256-fp16-16.0-False-staged", "1-64-16-bn128-fp16-0.125-True-staged",
@@ -245,7 +246,7 @@ def test_gemm_tn_dgelu(rng, m, n, k, config, out_format, alpha, memory_mode, epi
 
 
 # (4100, 3000, 256) bn128pp: 32 x 24 tiles on 132 CTAs, 5-6 tiles per CTA, so each consumer's slot ring
-# is refilled across 3 tiles; N = 3000 ends inside an 8-column group; strides of 3004 / 3002 / 3006.
+# is refilled across 3 tiles; N = 3000 ends inside a 16-column group; strides of 3004 / 3004 / 3006.
 EQUAL_CASES = [pytest.param(4100, 3000, 256, config, fmt, memory, id=f"{cid}-{fmt}-{memory}",
                             marks=[QUICK] if (cid, memory) in (("bn128pp", False), ("bn256", True)) else [])
                for config, cid in zip(_sm90_gemm.CONFIGS, CONFIG_IDS) for fmt in ("bf16", "fp16")
@@ -291,6 +292,31 @@ def test_dgelu_epilogues_agree_bitwise(rng, m, n, k, config, out_format, memory_
     scale = float(cupy.sqrt(cupy.mean(ref * ref)))
     worst = float((cupy.abs(got - ref) / (unit * cupy.abs(ref) + 1e-3 * scale)).max())
     assert worst <= 1.0, worst
+
+
+@QUICK
+@pytest.mark.parametrize("memory_mode", [False, True])
+def test_dgelu_rows_off_16_bytes_take_the_direct_epilogue(rng, memory_mode):
+    """Rows of linear1_out / tanh_inner that do not start on 16-byte boundaries (row strides of 2 mod 4):
+    epilogue=None runs the direct epilogue (bitwise its result), an explicit "staged" is refused."""
+    m, n, k = 200, 258, 96
+    a, _ = operand(rng, m, k, "fp16")
+    b, _ = operand(rng, n, k, "fp16")
+    x, t = activations(rng, m, n, ld_multiple=2)
+    assert x.strides[0] // 4 % 4 == 2, x.strides  # linear1_out's rows off 16-byte boundaries (t's are on them)
+    t_arg = None if memory_mode else t
+    outs = {}
+    for epilogue in (None, "direct"):
+        out = cupy.full((m, n), cupy.nan, cupy.float16)
+        amax = cupy.zeros(1, cupy.uint32)
+        _sm90_gemm.gemm_tn_dgelu(a, b, x, t_arg, out, alpha=0.5, amax=amax, block_n=128, pingpong=True,
+                                 epilogue=epilogue)
+        cupy.cuda.get_current_stream().synchronize()
+        assert bool(cupy.isfinite(out).all())
+        outs[epilogue] = (out.view(cupy.uint16), int(amax[0]))
+    assert bool((outs[None][0] == outs["direct"][0]).all()) and outs[None][1] == outs["direct"][1]
+    with pytest.raises(ValueError, match="16-byte boundaries"):
+        _sm90_gemm.gemm_tn_dgelu(a, b, x, t_arg, cupy.empty((m, n), cupy.float16), epilogue="staged")
 
 
 @QUICK

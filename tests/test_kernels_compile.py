@@ -361,7 +361,7 @@ class CompiledSm90:
         checks += "".join(f"static_assert(sm90::xs_stages_for({bn}) == {g.xs_stages_for(bn)} && sm90::xt_slots_for({bn}) == "
                           f"{g.xt_slots_for(bn)} && sm90::xs_smem_bytes_for({bn}) == {g.xs_smem_bytes(bn)}, \"staged\");\n"
                           for bn in g.BLOCK_NS)
-        checks += f"static_assert(sm90::kXtSlotBytes == {g.XT_SLOT_BYTES}, \"slot\");\n"
+        checks += f"static_assert(sm90::kXtSlotBytes == {g.xt_slot_bytes()}, \"slot\");\n"
         self.source = g.module_source() + "\n" + checks
         prog = nvrtc.createProgram(self.source, g.SOURCE, (), ())
         try:
@@ -369,7 +369,7 @@ class CompiledSm90:
                 nvrtc.addNameExpression(prog, e)
             self.error = None
             try:
-                nvrtc.compileProgram(prog, ["-ftz=true", "-Xptxas=-v", "-I" + cuda_include_dir()] + list(g.NVRTC_OPTIONS))
+                nvrtc.compileProgram(prog, ["-ftz=true", "-Xptxas=-v", "-I" + cuda_include_dir()] + list(g.nvrtc_options()))
             except Exception as e:
                 self.error = e
             self.log = nvrtc.getProgramLog(prog)
@@ -415,7 +415,7 @@ def test_sm90_gemm_ptx_uses_the_hopper_paths(sm90_gemm):
     for needle in ("wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16", "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
                    "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes",
                    "setmaxnreg.inc.sync.aligned.u32 232", "setmaxnreg.dec.sync.aligned.u32 40", "mbarrier.try_wait.parity",
-                   "cp.async.ca.shared.global.L2::cache_hint", "cp.async.wait_group"):  # the staged dgelu epilogue
+                   "cp.async.cg.shared.global.L2::cache_hint", "cp.async.wait_group"):  # the staged dgelu epilogue
         assert needle in c.ptx, needle
     assert ".local" not in c.ptx  # no local-memory arrays (the accumulators stay in registers)
 

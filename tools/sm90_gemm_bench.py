@@ -63,6 +63,10 @@ def parse_args(argv):
     p.add_argument("--reps", type=int, default=10, help="timed samples per measurement (median)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls before the samples")
     p.add_argument("--out", default=None, help="JSON path (default: $OUT/sm90_gemm_bench.json, OUT or .)")
+    p.add_argument("--staging", default=None, metavar="COLS,DROP",
+                   help="the staged epilogue's x/t group width and stages given up (_sm90_gemm.set_staging); "
+                        "default: the library's")
+    p.add_argument("--only", default=None, metavar="TEXT", help="only the measurements whose name contains TEXT")
     args = p.parse_args(argv)
     if not args.budget_s > 0:
         p.error(f"--budget-s must be > 0, got {args.budget_s}")
@@ -70,6 +74,12 @@ def parse_args(argv):
         p.error(f"--reps must be >= 1 and --warmup >= 0, got {args.reps}, {args.warmup}")
     if args.out is None:
         args.out = os.path.join(os.environ.get("OUT", "."), "sm90_gemm_bench.json")
+    if args.staging is not None:
+        try:
+            args.staging = tuple(int(v) for v in args.staging.split(","))
+            assert len(args.staging) == 2
+        except (ValueError, AssertionError):
+            p.error(f"--staging must be COLS,DROP (two integers), got {args.staging!r}")
     return args
 
 
@@ -452,6 +462,8 @@ def main(argv=None):
 
     from cupyffn import _sm90_gemm
 
+    if args.staging is not None:
+        _sm90_gemm.set_staging(*args.staging)
     device = cupy.cuda.Device()
     if not _sm90_gemm.device_supported(device.id):
         print(f"sm90 GEMM bench: device {device.id} is compute capability {device.compute_capability}, not 9.0; "
@@ -459,7 +471,10 @@ def main(argv=None):
         return 2
     runner = Runner(args.budget_s, args.out, start=start, fatal=context_is_dead)
     runner.result.update(device=cupy.cuda.runtime.getDeviceProperties(device.id)["name"].decode(),
-                         cupy=cupy.__version__, reps=args.reps, warmup=args.warmup)
+                         cupy=cupy.__version__, reps=args.reps, warmup=args.warmup,
+                         staging=dict(xt_cols=_sm90_gemm.XT_COLS, stage_drop=_sm90_gemm.XS_STAGE_DROP,
+                                      slots={bn: _sm90_gemm.xt_slots_for(bn) for bn in _sm90_gemm.BLOCK_NS},
+                                      stages={bn: _sm90_gemm.xs_stages_for(bn) for bn in _sm90_gemm.BLOCK_NS}))
     print(f"sm90 GEMM bench: budget {args.budget_s:g} s, {args.reps} reps (median) after {args.warmup} warm-ups; "
           f"json: {args.out}", flush=True)
     t0 = time.perf_counter()
@@ -476,7 +491,8 @@ def main(argv=None):
     print(f"[{runner.elapsed():5.1f}s] fp16 bn256 kernels (staged dgelu-f16 and f32 epilogues) ready in "
           f"{runner.result['compile_s']:.1f} s (NVRTC or CuPy's disk cache)", flush=True)
     bench = Bench(args.reps, args.warmup)
-    result = runner.run(work_items(bench))
+    items = [item for item in work_items(bench) if args.only is None or args.only in item[0]]
+    result = runner.run(items)
     if not context_is_dead(None):
         bench.close()
     print_tables(result, args.out)
