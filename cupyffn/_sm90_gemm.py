@@ -2,7 +2,8 @@
 
 Standalone for now (issue 10, first step): not used by the engine yet. What it computes:
 
-* :func:`gemm_tn` -- ``out[M, N] (fp32) = a[M, K] @ b[N, K]^T``;
+* :func:`gemm_tn` -- ``out[M, N] (fp32) = a[M, K] @ b[N, K]^T``, or ``a @ b`` of a b[K, N] (N contiguous, a
+  weight as stored) with ``b_layout="kn"``;
 * :func:`gemm_tn_dgelu` -- GEMM1 with the GELU derivative in its epilogue (x and t staged through
   shared memory by cp.async during the mainloop where their rows start on 16-byte boundaries, else, or
   with ``epilogue="direct"``, loaded in the epilogue):
@@ -11,8 +12,8 @@ Standalone for now (issue 10, first step): not used by the engine yet. What it c
   ``tanh_inner=None`` recomputes t from linear1_out (memory mode).
 
 Operands ``a`` and ``b`` are 16-bit: ``float16`` arrays, or bf16 bit patterns in ``uint16`` arrays
-(CuPy has no bfloat16 dtype). Constraints (checked, ValueError otherwise): K >= 1; a and b K-contiguous
-with row strides a multiple of 8 elements (16 bytes, for the TMA unit) and 16-byte-aligned data;
+(CuPy has no bfloat16 dtype). Constraints (checked, ValueError otherwise): K >= 1; a and b contiguous
+along their last dimension (a: K; b: K for "nk", N for "kn") with row strides a multiple of 8 elements (16 bytes, for the TMA unit) and 16-byte-aligned data;
 out, linear1_out and tanh_inner row-contiguous with even row strides and 16-byte-aligned data; out
 overlapping no input. M, N and K need not be multiples of the tile: the TMA unit zero-fills what lies
 outside A and B, and the epilogue stores only in-bounds elements.
@@ -76,17 +77,23 @@ CONFIGS = ((128, False), (256, False), (128, True))
 EPILOGUES = ("staged", "direct")
 
 
+#: How b is laid out: "nk" ([N, K], K contiguous: both operands K-major) or "kn" ([K, N], N contiguous:
+#: a weight as stored, read MN-major by wgmma; template parameter BT in gemm_sm90.cu).
+B_LAYOUTS = ("nk", "kn")
+
+
 def _variants():
-    for op in (OP_F16, OP_BF16):
-        for bn, pp in CONFIGS:
-            yield op, bn, EPI_F32, pp, False
-            for epi in (EPI_DGELU_BF16, EPI_DGELU_F16):
-                for staged in (False, True):
-                    yield op, bn, epi, pp, staged
+    for bt in (0, 1):
+        for op in (OP_F16, OP_BF16):
+            for bn, pp in CONFIGS:
+                yield op, bn, EPI_F32, pp, False, bt
+                for epi in (EPI_DGELU_BF16, EPI_DGELU_F16):
+                    for staged in (False, True):
+                        yield op, bn, epi, pp, staged, bt
 
 
-EXPRESSIONS = tuple(f"gemm_sm90_kernel<{op}, {bn}, {epi}, {int(pp)}, {int(xs)}>"
-                    for op, bn, epi, pp, xs in _variants())  # every variant; each compiled on first use
+EXPRESSIONS = tuple(f"gemm_sm90_kernel<{op}, {bn}, {epi}, {int(pp)}, {int(xs)}, {bt}>"
+                    for op, bn, epi, pp, xs, bt in _variants())  # every variant; each compiled on first use
 
 
 def stages_for(block_n):
@@ -165,9 +172,9 @@ def device_supported(device_id):
     return cupy.cuda.Device(device_id).compute_capability == "90"
 
 
-def expression(op, block_n, epi, pingpong, staged=False):
+def expression(op, block_n, epi, pingpong, staged=False, b_layout="nk"):
     """The name expression of one kernel variant (one of EXPRESSIONS)."""
-    return f"gemm_sm90_kernel<{op}, {block_n}, {epi}, {int(pingpong)}, {int(staged)}>"
+    return f"gemm_sm90_kernel<{op}, {block_n}, {epi}, {int(pingpong)}, {int(staged)}, {B_LAYOUTS.index(b_layout)}>"
 
 
 @functools.lru_cache(maxsize=None)
@@ -188,11 +195,11 @@ def _module(name, device_id):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(op, block_n, epi, pingpong, device_id, staged=False):
+def _kernel(op, block_n, epi, pingpong, device_id, staged=False, b_layout="nk"):
     import cupy
     from cupy_backends.cuda.api import driver
 
-    name = expression(op, block_n, epi, pingpong, staged)
+    name = expression(op, block_n, epi, pingpong, staged, b_layout)
     module = _module(name, device_id)
     with cupy.cuda.Device(device_id):
         kernel = module.get_function(name)
@@ -353,23 +360,26 @@ def _check_device(arrays):
     return device
 
 
-def _check_operands(a, b):
-    """(operand code, M, N, K, lda, ldb) of a [M, K] and b [N, K]."""
+def _check_operands(a, b, b_layout):
+    """(operand code, M, N, K, lda, ldb) of a [M, K] and b ([N, K] for b_layout "nk", [K, N] for "kn")."""
     import cupy
 
+    if b_layout not in B_LAYOUTS:
+        raise ValueError(f"b_layout must be one of {B_LAYOUTS}, got {b_layout!r}")
+    b_shape = "[N, K]" if b_layout == "nk" else "[K, N]"
     for name, x in (("a", a), ("b", b)):
         if not isinstance(x, cupy.ndarray) or x.ndim != 2:
-            raise ValueError(f"{name} must be a 2-D cupy.ndarray (a [M, K], b [N, K]), got "
+            raise ValueError(f"{name} must be a 2-D cupy.ndarray (a [M, K], b {b_shape}), got "
                              f"{getattr(x, 'shape', type(x).__name__)}")
     op = _operand_code(a.dtype, "a")
     if b.dtype != a.dtype:
         raise ValueError(f"b must have the dtype of a ({a.dtype}), got {b.dtype}")
     m, k = a.shape
-    n = b.shape[0]
-    if b.shape[1] != k:
-        raise ValueError(f"b must be [N, K] with K = a.shape[1] = {k}, got shape {b.shape}")
+    n = b.shape[0] if b_layout == "nk" else b.shape[1]
+    if (b.shape[1] if b_layout == "nk" else b.shape[0]) != k:
+        raise ValueError(f"b must be {b_shape} with K = a.shape[1] = {k} (b_layout={b_layout!r}), got shape {b.shape}")
     lda = _check_matrix(a, "a", (m, k), row_multiple=8)
-    ldb = _check_matrix(b, "b", (n, k), row_multiple=8)
+    ldb = _check_matrix(b, "b", (n, k) if b_layout == "nk" else (k, n), row_multiple=8)
     return op, m, n, k, lda, ldb
 
 
@@ -386,15 +396,18 @@ def _check_size(m, n, k):
 
 
 # ---- launch -------------------------------------------------------------------------------------
-def _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream, staged=False):
+def _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream, staged=False, b_layout="nk"):
     import cupy
     from cupy_backends.cuda.api import driver
 
     m, n = args.m, args.n
     device = cupy.cuda.Device().id
-    kernel = _kernel(op, block_n, epi, bool(pingpong), device, bool(staged))
+    kernel = _kernel(op, block_n, epi, bool(pingpong), device, bool(staged), b_layout)
     map_a = _maps.get(a.data.ptr, m, args.k, lda * 2, op, BLOCK_M)
-    map_b = _maps.get(b.data.ptr, n, args.k, ldb * 2, op, block_n)
+    if b_layout == "nk":  # box: block_n rows of 64 K-elements
+        map_b = _maps.get(b.data.ptr, n, args.k, ldb * 2, op, block_n)
+    else:  # [K, N]: boxes of 64 K-rows x 64 N-elements, block_n / 64 per stage
+        map_b = _maps.get(b.data.ptr, args.k, n, ldb * 2, op, 64)
     tiles = -(-m // BLOCK_M) * -(-n // block_n)
     grid = min(tiles, _kernels.sm_count(device))
     argv = (ctypes.c_void_p * 3)(ctypes.addressof(map_a.desc), ctypes.addressof(map_b.desc), ctypes.addressof(args))
@@ -405,15 +418,16 @@ def _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream, staged=Fal
                         ctypes.addressof(argv), 0)
 
 
-def gemm_tn(a, b, out, *, block_n=256, pingpong=False, stream=None):
-    """out[M, N] (float32) = a[M, K] @ b[N, K]^T on the sm_90a kernel; returns out.
+def gemm_tn(a, b, out, *, block_n=256, pingpong=False, b_layout="nk", stream=None):
+    """out[M, N] (float32) = a[M, K] @ b[N, K]^T (b_layout "nk") or a[M, K] @ b[K, N] ("kn") on the
+    sm_90a kernel; returns out.
 
     a, b: float16, or uint16 holding bf16 bit patterns (both the same). (block_n, pingpong): the
     schedule, one of CONFIGS. stream: a cupy Stream (default: the current one)."""
     import numpy
 
     _check_config(block_n, pingpong)
-    op, m, n, k, lda, ldb = _check_operands(a, b)
+    op, m, n, k, lda, ldb = _check_operands(a, b, b_layout)
     ldc = _check_matrix(out, "out", (m, n), numpy.float32)
     _check_device((("a", a), ("b", b), ("out", out)))
     _check_size(m, n, k)
@@ -421,12 +435,12 @@ def gemm_tn(a, b, out, *, block_n=256, pingpong=False, stream=None):
     if m == 0 or n == 0:
         return out
     args = GemmArgs(out.data.ptr, None, None, ldc, 0, 0, m, n, k, 1.0, None)
-    _launch(op, block_n, pingpong, EPI_F32, a, lda, b, ldb, args, stream)
+    _launch(op, block_n, pingpong, EPI_F32, a, lda, b, ldb, args, stream, b_layout=b_layout)
     return out
 
 
 def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, block_n=256, pingpong=False,
-                  epilogue=None, stream=None):
+                  epilogue=None, b_layout="nk", stream=None):
     """GEMM1 with the GELU derivative fused: g = (a @ b^T) * gelu'(linear1_out, tanh_inner) in fp32,
     stored as bf16 bits (out uint16) or as fp16(alpha * g) (out float16); returns out.
 
@@ -443,7 +457,7 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, b
     _check_config(block_n, pingpong)
     if epilogue is not None and epilogue not in EPILOGUES:
         raise ValueError(f"epilogue must be None or one of {EPILOGUES}, got {epilogue!r}")
-    op, m, n, k, lda, ldb = _check_operands(a, b)
+    op, m, n, k, lda, ldb = _check_operands(a, b, b_layout)
     ldx = _check_matrix(linear1_out, "linear1_out", (m, n), numpy.float32)
     ldt = _check_matrix(tanh_inner, "tanh_inner", (m, n), numpy.float32) if tanh_inner is not None else 0
     out_dtype = getattr(out, "dtype", None)
@@ -486,5 +500,5 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, b
                          f"multiple of 4 elements), got {ld}; epilogue=None falls back to 'direct'")
     args = GemmArgs(out.data.ptr, linear1_out.data.ptr, tanh_inner.data.ptr if tanh_inner is not None else None,
                     ldc, ldx, ldt, m, n, k, alpha, amax.data.ptr if amax is not None else None)
-    _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream, staged=epilogue == "staged")
+    _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream, staged=epilogue == "staged", b_layout=b_layout)
     return out

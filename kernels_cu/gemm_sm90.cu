@@ -1,8 +1,10 @@
 // Hopper (sm_90a) GEMM: C[M,N] = A[M,K] @ B[N,K]^T with 16-bit operands (fp16 or bf16), fp32
 // accumulation in registers, and an epilogue chosen at compile time.
 //
-//   A: [M, K] row-major (K contiguous), B: [N, K] row-major (K contiguous): both operands K-major
-//   ("TN"), the layout wgmma reads from 128-byte-swizzled shared memory without transposes.
+//   A: [M, K] row-major (K contiguous). B: [N, K] row-major (K contiguous, template parameter BT = 0:
+//   both operands K-major, "TN", the layout wgmma reads from 128-byte-swizzled shared memory without
+//   transposes), or B: [K, N] row-major (N contiguous, BT = 1: a weight as it is stored, e.g. GEMM1's
+//   weight2 [D, H]; TMA loads 64 x 64 boxes and wgmma reads them MN-major, imm-trans-b = 1).
 //
 // Structure (technique as in CUTLASS's sm90 warp-specialized kernels and public write-ups of
 // hand-written wgmma GEMMs; this code is our own):
@@ -169,6 +171,16 @@ __device__ __forceinline__ unsigned long long smem_desc(unsigned addr) {
          (1ull << 62);
 }
 
+// The same for an MN-major operand (B given as [K, N], N contiguous: BT = 1): the stage holds BN / 64
+// TMA boxes of 64 K-rows x 64 N-elements (128 B), 8 KiB each, 128-byte swizzled. The canonical MN-major
+// SW128 layout (as CUTLASS's make_gmma_desc<Major::MN> documents it) steps 64-element N chunks by the
+// leading byte offset (8 KiB: box to box) and 8-row K groups by the stride byte offset (1024 B: atom to
+// atom); stepping K by 16 rows adds 2048 bytes to the start address.
+__device__ __forceinline__ unsigned long long smem_desc_mn(unsigned addr) {
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(8192 >> 4) << 16) |
+         ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 // Waits until at most N committed wgmma groups of this warpgroup are still running.
@@ -182,8 +194,8 @@ __device__ __forceinline__ void fence_regs(float (&d)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// The m64nNk16 wgmma with both operands from shared memory, scale-d = 1 (accumulate into d), no
-// transposes (both K-major). The register lists are mechanical (d[0..N/2)), so they are spelled once,
+// The m64nNk16 wgmma with both operands from shared memory, scale-d = 1 (accumulate into d), A K-major,
+// B K-major (TB = 0) or MN-major (TB = 1: imm-trans-b). The register lists are mechanical (d[0..N/2)), so they are spelled once,
 // as macros: the PTX operand numbers %0.. and the matching "+f" constraints; the descriptors follow them.
 #define CUPYFFN_WGMMA_REGS_0_64 \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
@@ -215,38 +227,39 @@ __device__ __forceinline__ void fence_regs(float (&d)[N]) {
   "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
 
 // One wgmma of N columns on TYPE ("f16" or "bf16") operands: REGS the accumulator operand numbers, DESCS
-// the numbers of the two descriptors after them, then the accumulators' "+f" constraints.
+// the numbers of the two descriptors and of the imm-trans-b immediate after them, then the accumulators'
+// "+f" constraints.
 #define CUPYFFN_WGMMA(N, TYPE, REGS, DESCS, ...)                                                      \
   asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " {" REGS "}, " DESCS \
-               ", 1, 1, 1, 0, 0;\n"                                                                  \
+               ";\n"                                                                                \
                : __VA_ARGS__                                                                        \
-               : "l"(desc_a), "l"(desc_b)                                                           \
+               : "l"(desc_a), "l"(desc_b), "n"(TB)                                                  \
                : "memory")
 
-template <int OP>
+template <int OP, int TB>
 __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long long desc_a, unsigned long long desc_b) {
   if constexpr (OP == kOpF16) {
-    CUPYFFN_WGMMA(128, "f16", CUPYFFN_WGMMA_REGS_0_64, "%64, %65", CUPYFFN_WGMMA_D_0_64);
+    CUPYFFN_WGMMA(128, "f16", CUPYFFN_WGMMA_REGS_0_64, "%64, %65, 1, 1, 1, 0, %66", CUPYFFN_WGMMA_D_0_64);
   } else {
-    CUPYFFN_WGMMA(128, "bf16", CUPYFFN_WGMMA_REGS_0_64, "%64, %65", CUPYFFN_WGMMA_D_0_64);
+    CUPYFFN_WGMMA(128, "bf16", CUPYFFN_WGMMA_REGS_0_64, "%64, %65, 1, 1, 1, 0, %66", CUPYFFN_WGMMA_D_0_64);
   }
 }
 
-template <int OP>
+template <int OP, int TB>
 __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long long desc_a, unsigned long long desc_b) {
   if constexpr (OP == kOpF16) {
-    CUPYFFN_WGMMA(256, "f16", CUPYFFN_WGMMA_REGS_0_64 ", " CUPYFFN_WGMMA_REGS_64_128, "%128, %129",
+    CUPYFFN_WGMMA(256, "f16", CUPYFFN_WGMMA_REGS_0_64 ", " CUPYFFN_WGMMA_REGS_64_128, "%128, %129, 1, 1, 1, 0, %130",
                   CUPYFFN_WGMMA_D_0_64, CUPYFFN_WGMMA_D_64_128);
   } else {
-    CUPYFFN_WGMMA(256, "bf16", CUPYFFN_WGMMA_REGS_0_64 ", " CUPYFFN_WGMMA_REGS_64_128, "%128, %129",
+    CUPYFFN_WGMMA(256, "bf16", CUPYFFN_WGMMA_REGS_0_64 ", " CUPYFFN_WGMMA_REGS_64_128, "%128, %129, 1, 1, 1, 0, %130",
                   CUPYFFN_WGMMA_D_0_64, CUPYFFN_WGMMA_D_64_128);
   }
 }
 
-template <int OP, int BN>
+template <int OP, int BN, int TB>
 __device__ __forceinline__ void wgmma_k16(float (&d)[BN / 2], unsigned long long desc_a, unsigned long long desc_b) {
-  if constexpr (BN == 128) wgmma_m64n128k16<OP>(d, desc_a, desc_b);
-  if constexpr (BN == 256) wgmma_m64n256k16<OP>(d, desc_a, desc_b);
+  if constexpr (BN == 128) wgmma_m64n128k16<OP, TB>(d, desc_a, desc_b);
+  if constexpr (BN == 256) wgmma_m64n256k16<OP, TB>(d, desc_a, desc_b);
 }
 
 // Pipeline depth: as many (128 + BN) x 64 stages as fit in 192 KiB of the 227 KiB of shared memory.
@@ -552,7 +565,8 @@ __device__ __forceinline__ unsigned dynamic_smem_size() {
 // K > (kStages - 1) * 64 and a CTA has more than one tile).
 //
 // XS = 1: the staged dgelu epilogue (see the top of the file); XS = 0: x and t straight from global memory.
-template <int OP, int BN, int EPI, int PP, int XS>
+// BT = 1: B is [K, N] (N contiguous), see the top of the file.
+template <int OP, int BN, int EPI, int PP, int XS, int BT>
 __global__ void __launch_bounds__(sm90::kThreads, 1)
     gemm_sm90_kernel(const __grid_constant__ sm90::TmaDesc map_a, const __grid_constant__ sm90::TmaDesc map_b,
                      const __grid_constant__ sm90::GemmArgs args) {
@@ -605,7 +619,14 @@ __global__ void __launch_bounds__(sm90::kThreads, 1)
           // TMA counts the whole box, out-of-bounds (zero-filled) elements included.
           mbar_arrive_expect_tx(full_bar + 8 * s, kABytes + kBBytes);
           tma_load_2d(a_smem + s * kABytes, &map_a, full_bar + 8 * s, kt * kBK, mb * kBM);
-          tma_load_2d(b_smem + s * kBBytes, &map_b, full_bar + 8 * s, kt * kBK, nb * BN);
+          if constexpr (BT) {  // B [K, N]: BN / 64 boxes of 64 K-rows x 64 N-elements
+#pragma unroll
+            for (int q = 0; q < BN / 64; ++q) {
+              tma_load_2d(b_smem + s * kBBytes + q * 8192, &map_b, full_bar + 8 * s, nb * BN + 64 * q, kt * kBK);
+            }
+          } else {
+            tma_load_2d(b_smem + s * kBBytes, &map_b, full_bar + 8 * s, kt * kBK, nb * BN);
+          }
         }
       }
     }
@@ -649,7 +670,8 @@ __global__ void __launch_bounds__(sm90::kThreads, 1)
         for (int kk = 0; kk < kBK / 16; ++kk) {
 #pragma unroll
           for (int h = 0; h < kHalves; ++h) {
-            wgmma_k16<OP, BN>(acc[h], smem_desc(a_stage + h * (64 * 128) + 32 * kk), smem_desc(b_stage + 32 * kk));
+            const unsigned long long desc_b = BT ? smem_desc_mn(b_stage + 2048 * kk) : smem_desc(b_stage + 32 * kk);
+            wgmma_k16<OP, BN, BT>(acc[h], smem_desc(a_stage + h * (64 * 128) + 32 * kk), desc_b);
           }
         }
         wgmma_commit();

@@ -75,6 +75,16 @@ def operand(rng, rows, cols, kind, pad_cols=8):
     return view, bf16_value(view).astype(cupy.float64)
 
 
+def b_operand(rng, n, k, kind, b_layout):
+    """The B operand as the kernel takes it for b_layout ("nk": [N, K]; "kn": [K, N], a weight as stored,
+    NaN in its row padding), its value as float64 [N, K], and a K-contiguous [N, K] copy for cuBLAS."""
+    if b_layout == "nk":
+        b, b64 = operand(rng, n, k, kind)
+        return b, b64, b
+    b_kn, b_kn64 = operand(rng, k, n, kind)
+    return b_kn, b_kn64.T, cupy.ascontiguousarray(b_kn.T)
+
+
 def cublas_tn(a, b):
     """a @ b^T by cublasGemmEx on the tensor cores (16-bit in, fp32 out, as the engine calls it): the
     accuracy our kernel must match (tensor-core fp32 accumulation is less exact than IEEE fp32)."""
@@ -119,9 +129,10 @@ QUICK = pytest.mark.sm90_quick
 
 # The quick subset, by test id. (2048, 2056, 1000) with bn128pp: a CTA has 2-3 tiles and 16 k-steps
 # > 6 stages, the case where the ping-pong consumers must take turns (see gemm_sm90.cu).
-FP32_QUICK = {"130-257-40-fp16-bn256", "129-136-200-bf16-bn128", "1000-1536-6144-fp16-bn256",
-              "1536-4096-192-bf16-bn128pp", "2048-2056-1000-fp16-bn128pp", "2048-2056-1000-bf16-bn256",
-              "2048-2056-1000-fp16-bn128"}
+FP32_QUICK = {"130-257-40-fp16-bn256-nk", "129-136-200-bf16-bn128-nk", "1000-1536-6144-fp16-bn256-nk",
+              "1536-4096-192-bf16-bn128pp-nk", "2048-2056-1000-fp16-bn128pp-nk", "2048-2056-1000-bf16-bn256-nk",
+              "2048-2056-1000-fp16-bn128-nk", "130-257-40-bf16-bn128pp-kn", "129-136-200-fp16-bn256-kn",
+              "2048-2056-1000-fp16-bn128pp-kn", "1000-1536-6144-bf16-bn128-kn"}
 
 
 def marked(cases, quick):
@@ -132,25 +143,26 @@ def marked(cases, quick):
     return [pytest.param(*values, id=case_id, marks=[QUICK] if case_id in quick else []) for case_id, values in cases]
 
 
-FP32_CASES = marked(((f"{m}-{n}-{k}-{kind}-{cid}", (m, n, k, kind, config)) for m, n, k in SHAPES
-                     for kind in ("fp16", "bf16") for config, cid in zip(_sm90_gemm.CONFIGS, CONFIG_IDS)), FP32_QUICK)
+FP32_CASES = marked(((f"{m}-{n}-{k}-{kind}-{cid}-{bl}", (m, n, k, kind, config, bl)) for m, n, k in SHAPES
+                     for kind in ("fp16", "bf16") for config, cid in zip(_sm90_gemm.CONFIGS, CONFIG_IDS)
+                     for bl in _sm90_gemm.B_LAYOUTS), FP32_QUICK)
 
 
-@pytest.mark.parametrize("m,n,k,kind,config", FP32_CASES)
-def test_gemm_tn_fp32_out(rng, m, n, k, kind, config):
+@pytest.mark.parametrize("m,n,k,kind,config,b_layout", FP32_CASES)
+def test_gemm_tn_fp32_out(rng, m, n, k, kind, config, b_layout):
     block_n, pingpong = config
     a, a64 = operand(rng, m, k, kind)
-    b, b64 = operand(rng, n, k, kind)
+    b, b64, b_nk = b_operand(rng, n, k, kind, b_layout)
     out, buf = padded(m, n, numpy.float32, 2, numpy.nan, extra_rows=3, extra_cols=5)
     a_before, b_before = a.copy(), b.copy()
-    result = _sm90_gemm.gemm_tn(a, b, out, block_n=block_n, pingpong=pingpong)
+    result = _sm90_gemm.gemm_tn(a, b, out, block_n=block_n, pingpong=pingpong, b_layout=b_layout)
     cupy.cuda.get_current_stream().synchronize()
     assert result is out
     ref = a64 @ b64.T
     assert bool(cupy.isfinite(out).all()), "some outputs were not written"
     err = rel_l2(out, ref)
     # cuBLAS on the very same operands and tensor cores: the accuracy to match
-    cublas = cublas_tn(a, b)
+    cublas = cublas_tn(a, b_nk)
     err_cublas = rel_l2(cublas, ref)
     assert err <= 1e-4 and err <= 4 * err_cublas + 1e-6, (err, err_cublas)
     assert rel_l2(out, cublas.astype(cupy.float64)) <= 8 * err_cublas + 1e-6
@@ -186,19 +198,32 @@ DGELU_QUICK = {"77-302-64-bn128-bf16-1.0-False-staged", "130-257-40-bn128pp-fp16
                "256-6144-1536-bn256-fp16-0.125-False-staged", "1536-4096-192-bn256-bf16-1.0-True-staged",
                "1536-4096-192-bn128pp-fp16-16.0-False-staged", "2048-2056-1000-bn128pp-bf16-1.0-False-staged",
                "2048-2056-1000-bn256-fp16-16.0-False-staged", "1-64-16-bn128-fp16-0.125-True-staged",
-               "130-257-40-bn256-bf16-1.0-False-direct", "2048-2056-1000-bn128pp-fp16-16.0-True-direct"}
-DGELU_CASES = marked(((f"{m}-{n}-{k}-{cid}-{fmt}-{alpha}-{memory}-{epi}", (m, n, k, config, fmt, alpha, memory, epi))
-                      for m, n, k in DGELU_SHAPES for config, cid in zip(_sm90_gemm.CONFIGS, CONFIG_IDS)
-                      for fmt, alpha in (("bf16", 1.0), ("fp16", 2.0 ** 4), ("fp16", 2.0 ** -3))
-                      for memory in (False, True) for epi in _sm90_gemm.EPILOGUES), DGELU_QUICK)
+               "130-257-40-bn256-bf16-1.0-False-direct", "2048-2056-1000-bn128pp-fp16-16.0-True-direct",
+               "130-257-40-bn128pp-fp16-16.0-False-staged-kn", "2048-2056-1000-bn128pp-fp16-16.0-False-staged-kn",
+               "2048-2056-1000-bn256-bf16-1.0-True-staged-kn", "77-302-64-bn128-fp16-16.0-True-staged-kn"}
 
 
-@pytest.mark.parametrize("m,n,k,config,out_format,alpha,memory_mode,epilogue", DGELU_CASES)
-def test_gemm_tn_dgelu(rng, m, n, k, config, out_format, alpha, memory_mode, epilogue):
+def _dgelu_cases():
+    for m, n, k in DGELU_SHAPES:
+        for config, cid in zip(_sm90_gemm.CONFIGS, CONFIG_IDS):
+            for fmt, alpha in (("bf16", 1.0), ("fp16", 2.0 ** 4), ("fp16", 2.0 ** -3)):
+                for memory in (False, True):
+                    for epi in _sm90_gemm.EPILOGUES:
+                        yield f"{m}-{n}-{k}-{cid}-{fmt}-{alpha}-{memory}-{epi}", (m, n, k, config, fmt, alpha, memory, epi, "nk")
+                    if alpha != 2.0 ** -3:  # b [K, N] (the engine's weight2): the staged epilogue, both formats
+                        yield (f"{m}-{n}-{k}-{cid}-{fmt}-{alpha}-{memory}-staged-kn",
+                               (m, n, k, config, fmt, alpha, memory, "staged", "kn"))
+
+
+DGELU_CASES = marked(_dgelu_cases(), DGELU_QUICK)
+
+
+@pytest.mark.parametrize("m,n,k,config,out_format,alpha,memory_mode,epilogue,b_layout", DGELU_CASES)
+def test_gemm_tn_dgelu(rng, m, n, k, config, out_format, alpha, memory_mode, epilogue, b_layout):
     block_n, pingpong = config
     kind = "bf16" if out_format == "bf16" else "fp16"  # the plans: bf16 operands -> bf16; fp16 -> scaled fp16
     a, a64 = operand(rng, m, k, kind)
-    b, b64 = operand(rng, n, k, kind)
+    b, b64, b_nk = b_operand(rng, n, k, kind, b_layout)
     x, t = activations(rng, m, n)
     x_before, t_before = x.copy(), t.copy()
     if out_format == "bf16":
@@ -207,7 +232,7 @@ def test_gemm_tn_dgelu(rng, m, n, k, config, out_format, alpha, memory_mode, epi
         out, buf = padded(m, n, numpy.float16, 2, numpy.nan, extra_rows=2, extra_cols=3)
     amax = cupy.zeros(1, cupy.uint32)
     _sm90_gemm.gemm_tn_dgelu(a, b, x, None if memory_mode else t, out, alpha=alpha, amax=amax, block_n=block_n,
-                             pingpong=pingpong, epilogue=epilogue)
+                             pingpong=pingpong, epilogue=epilogue, b_layout=b_layout)
     cupy.cuda.get_current_stream().synchronize()
     x64, t64 = x.astype(cupy.float64), t.astype(cupy.float64)
     if memory_mode:
@@ -231,7 +256,7 @@ def test_gemm_tn_dgelu(rng, m, n, k, config, out_format, alpha, memory_mode, epi
     worst = float((cupy.abs(got - ref) / bound).max())
     assert worst <= 1.0, worst
     # the same through cuBLAS + a separate fp32 pass, rounded the same way: equal up to one rounding step
-    g32 = cublas_tn(a, b) * gelu_grad64(x64, t64).astype(cupy.float32)
+    g32 = cublas_tn(a, b_nk) * gelu_grad64(x64, t64).astype(cupy.float32)
     if out_format == "bf16":
         sep = bf16_value(bf16_bits(g32)).astype(cupy.float64)
         assert float((got == sep).mean()) >= 0.95
@@ -363,6 +388,9 @@ def _ok_operands(m=64, n=64, k=64, dtype=numpy.float16):
     ("block_n", "block_n"),
     ("pingpong256", "pingpong"),
     ("numpy", "cupy.ndarray"),
+    ("b_layout", "b_layout"),
+    ("kn_kmismatch", r"b must be \[K, N\]"),
+    ("kn_ldb", "multiple of 8"),
 ])
 def test_gemm_tn_rejects_bad_input(case, message):
     a, b = _ok_operands()
@@ -391,8 +419,14 @@ def test_gemm_tn_rejects_bad_input(case, message):
         out = buf
     elif case == "numpy":
         a = a.get()
+    elif case == "kn_kmismatch":
+        b = cupy.ones((72, 64), cupy.float16)  # [K, N] with K = 72, a has K = 64
+    elif case == "kn_ldb":
+        b = cupy.ones((64, 68), cupy.float16)[:, :64]  # [K, N] with a row stride of 68: not a multiple of 8
+    layout = "tn" if case == "b_layout" else ("kn" if case.startswith("kn") else "nk")
     with pytest.raises(ValueError, match=message):
-        _sm90_gemm.gemm_tn(a, b, out, block_n=192 if case == "block_n" else 256, pingpong=case == "pingpong256")
+        _sm90_gemm.gemm_tn(a, b, out, block_n=192 if case == "block_n" else 256, pingpong=case == "pingpong256",
+                           b_layout=layout)
 
 
 @pytest.mark.parametrize("case,message", [

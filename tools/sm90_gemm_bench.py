@@ -66,7 +66,8 @@ def parse_args(argv):
     p.add_argument("--staging", default=None, metavar="COLS,DROP",
                    help="the staged epilogue's x/t group width and stages given up (_sm90_gemm.set_staging); "
                         "default: the library's")
-    p.add_argument("--only", default=None, metavar="TEXT", help="only the measurements whose name contains TEXT")
+    p.add_argument("--only", default=None, metavar="TEXT[|TEXT...]",
+                   help="only the measurements whose name contains one of the |-separated TEXTs")
     args = p.parse_args(argv)
     if not args.budget_s > 0:
         p.error(f"--budget-s must be > 0, got {args.budget_s}")
@@ -262,17 +263,20 @@ class Bench:
         return self.record("gemm", gemm, t, "cupy_matmul_f16out",
                            self.timed(lambda: self.cupy.matmul(a, b.T, out=c16)))
 
-    def gemm_ours(self, gemm, t, block_n, pingpong):
+    def gemm_ours(self, gemm, t, block_n, pingpong, b_layout="nk"):
         s = self.gemm_state(gemm, t)
         a, b, out = s["a"], s["b"], s["out"]
         gemm_tn = self.sm90.gemm_tn
+        if b_layout == "kn":
+            b = self.cupy.ascontiguousarray(b.T)
 
         def call():
-            gemm_tn(a, b, out, block_n=block_n, pingpong=pingpong)
+            gemm_tn(a, b, out, block_n=block_n, pingpong=pingpong, b_layout=b_layout)
 
         checked = self.check(out, s["ref"], "f32", call)
-        return self.record("gemm", gemm, t, "ours_f32out_" + config_name(block_n, pingpong), self.timed(call),
-                           cfg=config_name(block_n, pingpong), **checked)
+        cfg = config_name(block_n, pingpong) + ("" if b_layout == "nk" else "_kn")
+        return self.record("gemm", gemm, t, "ours_f32out_" + cfg, self.timed(call), cfg=cfg, b_layout=b_layout,
+                           **checked)
 
     # ---- GEMM1 + GELU derivative -----------------------------------------------------------------
     def fused_state(self, t):
@@ -364,9 +368,9 @@ class Bench:
         launch.grid = max(1, min(items, k.sm_count(device) * k.blocks_per_sm("dgelu", "dgelu_kernel<1>", device) * 2))
         return launch
 
-    def fused_ours(self, t, fmt, block_n, pingpong, epilogue="staged"):
+    def fused_ours(self, t, fmt, block_n, pingpong, epilogue="staged", b_layout="nk"):
         """fmt: f16 (scaled fp16 out), f16_mem (the same, t recomputed), bf16 (bf16 operands and out);
-        epilogue: one of _sm90_gemm.EPILOGUES."""
+        epilogue: one of _sm90_gemm.EPILOGUES; b_layout "kn": weight2 as stored ([K, N]), as the engine has it."""
         s = self.fused_bf16_state(t) if fmt == "bf16" else self.fused_state(t)
         fn = self.sm90.gemm_tn_dgelu
         if fmt == "bf16":
@@ -374,13 +378,17 @@ class Bench:
         else:
             a, b, x, out, ref, kw = s["a"], s["b"], s["x"], s["out16"], s["ref16"], dict(alpha=ALPHA)
             tt = None if fmt == "f16_mem" else s["t"]
+        if b_layout == "kn":
+            b = self.cupy.ascontiguousarray(b.T)
 
         def call():
-            fn(a, b, x, tt, out, block_n=block_n, pingpong=pingpong, epilogue=epilogue, **kw)
+            fn(a, b, x, tt, out, block_n=block_n, pingpong=pingpong, epilogue=epilogue, b_layout=b_layout, **kw)
 
         checked = self.check(out, ref, fmt, call)
-        return self.record("fused", "gemm1", t, f"ours_dgelu_{fmt}_{epilogue}_" + config_name(block_n, pingpong),
-                           self.timed(call), cfg=config_name(block_n, pingpong), fmt=fmt, epi=epilogue, **checked)
+        suffix = "" if b_layout == "nk" else "_kn"
+        return self.record("fused", "gemm1", t, f"ours_dgelu_{fmt}_{epilogue}_" + config_name(block_n, pingpong) + suffix,
+                           self.timed(call), cfg=config_name(block_n, pingpong) + suffix, fmt=fmt, epi=epilogue,
+                           b_layout=b_layout, **checked)
 
     # ---- host cost -------------------------------------------------------------------------------
     def host(self):
@@ -422,6 +430,15 @@ def work_items(bench):
         for gemm in GEMMS:
             add(f"{gemm} T={t} cublas", bench.gemm_cublas, gemm, t)
             add(f"{gemm} T={t} ours bn256", bench.gemm_ours, gemm, t, 256, False)
+        for gemm in ("gemm1", "gemm3"):  # B a weight as stored
+            add(f"{gemm} T={t} ours bn256 kn", bench.gemm_ours, gemm, t, 256, False, "kn")
+    for t in FUSED_TS + (256, 512, 1024):  # 2b. weight2 as stored ([K, N]): what the engine would run
+        add(f"fused T={t} ours f16 staged bn256 kn", bench.fused_ours, t, "f16", 256, False, "staged", "kn")
+        add(f"fused T={t} ours f16 staged bn128pp kn", bench.fused_ours, t, "f16", 128, True, "staged", "kn")
+        if t < 2048:
+            add(f"fused T={t} cublas gemm1", bench.fused_cublas, t)
+            add(f"fused T={t} cublas+engine pass f16", bench.fused_cublas_engine_f16, t)
+            add(f"fused T={t} ours f16 staged bn128 kn", bench.fused_ours, t, "f16", 128, False, "staged", "kn")
     for t in FUSED_TS:  # 3. the rest
         add(f"fused T={t} cublas+pass f16", bench.fused_cublas_pass, t)
         add(f"fused T={t} ours f16 memory mode staged bn128pp", bench.fused_ours, t, "f16_mem", 128, True, "staged")
@@ -441,6 +458,8 @@ def work_items(bench):
     for t in (8192, 1024):  # 4. ping-pong plain GEMMs, last (a pipeline bug traps and ends the context)
         for gemm in GEMMS:
             add(f"{gemm} T={t} ours bn128pp", bench.gemm_ours, gemm, t, 128, True)
+        for gemm in ("gemm1", "gemm3"):
+            add(f"{gemm} T={t} ours bn128pp kn", bench.gemm_ours, gemm, t, 128, True, "kn")
     return items
 
 
@@ -491,7 +510,8 @@ def main(argv=None):
     print(f"[{runner.elapsed():5.1f}s] fp16 bn256 kernels (staged dgelu-f16 and f32 epilogues) ready in "
           f"{runner.result['compile_s']:.1f} s (NVRTC or CuPy's disk cache)", flush=True)
     bench = Bench(args.reps, args.warmup)
-    items = [item for item in work_items(bench) if args.only is None or args.only in item[0]]
+    wanted = None if args.only is None else args.only.split("|")
+    items = [item for item in work_items(bench) if wanted is None or any(w in item[0] for w in wanted)]
     result = runner.run(items)
     if not context_is_dead(None):
         bench.close()
