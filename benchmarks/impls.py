@@ -34,6 +34,25 @@ def _compiled_tf32(dy, x, w1, w2, z, t, g):
     return torch_backward(dy, x, w1, w2, z, t, g)
 
 
+#: cupyffn-tf32 on the cuBLAS GEMM1 + dgelu pass route (CUPYFFN_SM90_GEMM1=0, cupyffn/_gpu_engine.py): on an
+#: H100/H200, beside cupyffn-tf32 (whose GEMM1 + dgelu is the fused sm90 kernel), what the fusion gains, same run.
+TF32_CUBLAS_GEMM1 = "cupyffn-tf32-cublas-gemm1"
+
+
+def _without_fused_gemm1(build):
+    """build() with the fused GEMM1 turned off (the engine reads the variable when a plan is built)."""
+    key = "CUPYFFN_SM90_GEMM1"
+    old = os.environ.get(key)
+    os.environ[key] = "0"
+    try:
+        return build()
+    finally:
+        if old is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = old
+
+
 def torch_or_none(in_process_compile=False):
     if in_process_compile:
         # torch.compile's pool of compile workers stays alive and competes for the host CPU with the
@@ -71,7 +90,10 @@ class Implementations:
             " * (1.0f + 0.134145f * x * x))", "bench_naive_dgelu")
 
     def names(self):
-        names = [f"cupyffn-{p}" for p in cupyffn.PRECISIONS] + ["cupy-naive-fp32", "cupy-naive-tf32"]
+        names = [f"cupyffn-{p}" for p in cupyffn.PRECISIONS]
+        if self.cupy.cuda.Device().compute_capability == "90":  # where cupyffn-tf32's GEMM1 is the fused kernel
+            names.append(TF32_CUBLAS_GEMM1)
+        names += ["cupy-naive-fp32", "cupy-naive-tf32"]
         if self.torch is not None:
             names += ["torch-fp32", "torch-tf32"] + list(self.compiled)
         return names
@@ -83,7 +105,10 @@ class Implementations:
     def _build(self, name, T, D, H):
         torch = self.torch
         if name.startswith("cupyffn-"):
-            plan = cupyffn.GeluFFNBackward(T, D, H, precision=name[len("cupyffn-"):])
+            if name == TF32_CUBLAS_GEMM1:
+                plan = _without_fused_gemm1(lambda: cupyffn.GeluFFNBackward(T, D, H, precision="tf32"))
+            else:
+                plan = cupyffn.GeluFFNBackward(T, D, H, precision=name[len("cupyffn-"):])
 
             def bind(args, out, plan=plan):
                 return lambda: plan(*args, out=out)  # the current stream: the bench's

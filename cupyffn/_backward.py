@@ -130,6 +130,12 @@ class GeluFFNBackward:
         skip = (() if self.need_grad_hidden else ("gemm3",)) + (() if self.need_weight_grads else ("gemm2", "gemm4"))
         return {g: f.name for g, f in forms.items() if g not in skip}
 
+    @property
+    def fused_gemm1(self):
+        """True when GEMM1 and the GELU derivative run as one sm90 kernel (the "tf32" plan on a compute
+        capability 9.0 GPU: kernels_cu/gemm_sm90.cu, cupyffn/_gpu_engine.py), False for cuBLAS GEMM1 + a pass."""
+        return bool(self._engine is not None and self._engine.fused_gemm1)
+
     def __repr__(self):
         return (f"GeluFFNBackward(tokens={self.tokens}, dim={self.dim}, hidden_dim={self.hidden_dim}, "
                 f"precision={self.precision.name!r}, device={self.device!r}, graph={self.graph})")

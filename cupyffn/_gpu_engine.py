@@ -13,6 +13,13 @@ and GEMM3 and GEMM4, are independent: at small T, where one GEMM leaves most of 
 run side by side. For "tf32" (fp16 operands) every gathering pass is followed by a small rescue
 launch that converts again any tensor whose delayed scale did not fit (kernels_cu/convert.cu).
 
+"tf32" on an H100/H200 (compute capability 9.0): GEMM1 and dgelu are one kernel (kernels_cu/gemm_sm90.cu,
+`fused_gemm1`): the GELU derivative is applied in GEMM1's epilogue, which writes grad_linear1 as scaled fp16
+and gathers its maximum; grad_gelu is never written (no T x H fp32 scratch). Its scale is decided by a
+one-thread launch once convert B's exponents are final, then a fused rescue launch (a no-op unless the
+exponent moved: then it runs GEMM1 again). CUPYFFN_SM90_GEMM1=0 in the environment turns it off (the cuBLAS
+GEMM1 + dgelu pass route; for comparisons).
+
 "Lean" layout (bf16x3 at large T, where three 16-bit planes of gelu_out and of grad_linear1 side
 by side would break the memory budget): grad_linear1 reuses gelu_out's planes, so S waits for
 GEMM2 before dgelu, and weight1/hidden_states are converted after dgelu into grad_gelu's buffer,
@@ -21,8 +28,9 @@ which is dead by then. At that size each GEMM fills the GPU, so nothing is lost 
 
 import ctypes
 import math
+import os
 
-from . import _cublas, _gemm, _kernels, _plan_cache
+from . import _cublas, _gemm, _kernels, _plan_cache, _sm90_gemm
 from . import _precision as P
 
 _ALIGN = 256
@@ -110,6 +118,7 @@ class GpuEngine:
                                    "into a CUDA graph: build it (or make one call) before the capture begins")
             self._allocate_state()
             self._choose_forms()
+            self.fused_gemm1 = self._fused_gemm1_ok()
             self._layout()
             self._allocate()
             self._side = cupy.cuda.Stream(non_blocking=True)
@@ -164,6 +173,13 @@ class GpuEngine:
         else:
             self.fmt, self.planes = self.precision.fmt, self.precision.planes
 
+    def _fused_gemm1_ok(self):
+        """GEMM1 + dgelu as one sm90 kernel (module docstring): the tf32 plan's fp16 operands, a compute
+        capability 9.0 GPU, rows of 16-byte multiples for the TMA unit (D, H multiples of 8)."""
+        return (self.fmt == P.FMT_F16S and self.T > 0 and os.environ.get("CUPYFFN_SM90_GEMM1", "1") != "0"
+                and self.D % 8 == 0 and self.H % 8 == 0 and self.T < 2 ** 31 // max(self.H, self.D)
+                and _sm90_gemm.device_supported(self.device_id))
+
     @property
     def gemm_forms(self):
         """{gemm: form name} this plan runs."""
@@ -192,7 +208,7 @@ class GpuEngine:
     def _layout(self):
         T, D, H = self.T, self.D, self.H
         wg, gh = self.need_weight_grads, self.need_grad_hidden
-        self.gg_bytes = 4 * T * H
+        self.gg_bytes = 0 if self.fused_gemm1 else 4 * T * H  # the fused GEMM1 never writes grad_gelu
         ops = {}
         if self.fmt == P.FMT_F16E4M3:
             return self._layout_f16e4m3()
@@ -401,11 +417,30 @@ class GpuEngine:
                                               alpha_mask=alpha_mask)
             self._convert[stage] = (names, first, rescue)
 
+        if self.fused_gemm1:
+            self._build_fused_gemm1()
+            return
         expr = f"dgelu_kernel<{fmt}>"
         kernel = _kernels.get_function("dgelu", expr, dev)
         grid = max(1, min(_items(self.T, self.H), sms * _kernels.blocks_per_sm("dgelu", expr, dev) * 2))
         self._dgelu = self._dgelu_launch(kernel, grid, rescue=0)
         self._dgelu_rescue = self._dgelu_launch(kernel, min(grid, 2 * sms), rescue=1) if f16 else None
+
+    def _build_fused_gemm1(self):
+        """The fused GEMM1 + dgelu (gathering and rescue launches) and the decision between them (module docstring)."""
+        slot = P.SLOT["grad_linear1"]
+        common = dict(state_ptr=self._state.data.ptr, consts_ptr=self._consts.data.ptr,
+                      acc_scale_ptr=self._consts.data.ptr + 4 * 2, slot=slot, device_id=self.device_id)
+        # A: grad_output fp16 [T, D]; B: weight2 fp16 [D, H] as stored ("kn"); out: grad_linear1 fp16 [T, H]
+        where = (self._addr("grad_output"), self.D, self._addr("weight2"), self.H, "kn", self._addr("grad_linear1"),
+                 self.H, self.T, self.H, self.D)
+        self._fused = _sm90_gemm.DgeluLaunch(*where, rescue=False, alpha_mask=0, **common)
+        self._fused_rescue = _sm90_gemm.DgeluLaunch(*where, rescue=True, alpha_mask=0b1100, **common)
+        decide = _kernels.get_function("dgelu", "f16_decide_kernel", self.device_id)
+        self._decide_args = (ctypes.c_void_p(self._state.data.ptr), ctypes.c_int(slot))
+        self._decide = _kernels.KernelLaunch(decide, *self._decide_args)
+        self._decide.block = 32
+        self._dgelu = self._dgelu_rescue = None
 
     def _ensure_ieee_gelu(self):
         """ieee memory mode: GEMM2 reads gelu_out in fp32, so recompute it into scratch (built on first use)."""
@@ -482,7 +517,7 @@ class GpuEngine:
         split = self.fmt == P.FMT_F16E4M3  # operands in several encodings: ops[name + ".x3"] are the bf16 planes
         self.gemm1 = self.gemm2 = self.gemm3 = self.gemm4 = None
         for index, g in enumerate(("gemm1", "gemm2", "gemm3", "gemm4")):
-            if g not in self.forms:
+            if g not in self.forms or (g == "gemm1" and self.fused_gemm1):
                 continue
             form = self.forms[g]
             alpha = consts + 4 * (2 + index)
@@ -506,7 +541,8 @@ class GpuEngine:
                 elif g in ("gemm3", "gemm4"):  # ieee reads grad_linear1 in place (the other pointers: set_io)
                     plan.a.value, plan.lda.value = self._base, self.H
             setattr(self, g, plan)
-        _gemm.set_output(self.gemm1, self._base)
+        if self.gemm1 is not None:
+            _gemm.set_output(self.gemm1, self._base)
 
     # ------------------------------------------------------------------ per call
     def set_io(self, inputs, outputs, accumulate):
@@ -540,6 +576,9 @@ class GpuEngine:
                     dst_item = 4 if not self.planes else 2
                     job.vec = int(ok and _vec_ok(job.dst, job.dst_ld, job.cols, dst_item)
                                   and (job.part_stride * dst_item) % 16 == 0)
+        if self.fused_gemm1:
+            for launch in (self._fused, self._fused_rescue):
+                launch.set_activations(l1.ptr, l1.ld, t.ptr if t is not None else 0, t.ld if t is not None else 0)
         for launch in (self._dgelu, self._dgelu_rescue):
             if launch is None:
                 continue
@@ -618,8 +657,12 @@ class GpuEngine:
                 self._ieee_gelu[1](S2)
                 mark("gelu_out (recomputed)")
             record(self._ev_b, S2)
-            self.gemm1(self._main)
-            mark("GEMM1 grad_gelu")
+            if self.fused_gemm1:
+                self._fused(S)
+                mark("GEMM1 + dgelu (sm90 fused)")
+            else:
+                self.gemm1(self._main)
+                mark("GEMM1 grad_gelu")
             if self.gemm2 is not None:
                 wait(S2, self._ev_a)
                 self.gemm2(side)
@@ -628,11 +671,16 @@ class GpuEngine:
             if self.lean:
                 wait(S, self._ev_side)  # grad_linear1 overwrites the planes GEMM2 reads
             wait(S, self._ev_b)  # weight1 / hidden_states converted (and their scales final)
-            self._dgelu(S)
-            mark("dgelu")
-            if self._dgelu_rescue is not None:
-                self._dgelu_rescue(S)
+            if self.fused_gemm1:
+                self._decide(S)
+                self._fused_rescue(S)
                 mark("f16 rescue")
+            else:
+                self._dgelu(S)
+                mark("dgelu")
+                if self._dgelu_rescue is not None:
+                    self._dgelu_rescue(S)
+                    mark("f16 rescue")
             self._convert_stage("convert late", S, mark)
             record(self._ev_d, S)
             if self.gemm3 is not None:
@@ -695,7 +743,8 @@ class GpuEngine:
         for stage, (names, _, _) in self._convert.items():
             out[stage] = sum(4 * math.prod(self._dims(self._ROWS_COLS[n])) + written(n) for n in names)
         write = written("grad_linear1") if self.planes else 4 * self.T * self.H
-        out["dgelu"] = 12 * self.T * self.H + write
+        if not self.fused_gemm1:
+            out["dgelu"] = 12 * self.T * self.H + write
         return out
 
     def close(self):

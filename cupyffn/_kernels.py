@@ -45,7 +45,8 @@ def split_expression(kind, variant):
 #: module name -> (file in kernels_cu/, kernel names to instantiate)
 MODULES = {
     "convert": ("convert.cu", ("convert_kernel<0>", "convert_kernel<1>", "convert_kernel<2>", "convert_kernel<3>")),
-    "dgelu": ("dgelu.cu", ("dgelu_kernel<0>", "dgelu_kernel<1>", "dgelu_kernel<2>", "dgelu_kernel<3>")),
+    "dgelu": ("dgelu.cu", ("dgelu_kernel<0>", "dgelu_kernel<1>", "dgelu_kernel<2>", "dgelu_kernel<3>",
+                           "f16_decide_kernel")),
     "gelu_forward": ("gelu_forward.cu", ("gelu_forward_kernel<0>", "gelu_forward_kernel<1>",
                                          "gelu_forward_kernel<2>", "gelu_forward_kernel<3>")),
     # every variant of SPLIT_VARIANTS (below), so that one GPU run can time them side by side

@@ -142,7 +142,7 @@ class TmaDesc(ctypes.Structure):
 
 
 class GemmArgs(ctypes.Structure):
-    """Mirror of ``struct GemmArgs`` in gemm_sm90.cu (72 bytes)."""
+    """Mirror of ``struct GemmArgs`` in gemm_sm90.cu (112 bytes)."""
 
     _fields_ = [
         ("c", ctypes.c_void_p),
@@ -156,6 +156,13 @@ class GemmArgs(ctypes.Structure):
         ("k", ctypes.c_int),
         ("alpha", ctypes.c_float),
         ("amax", ctypes.c_void_p),
+        ("acc_scale", ctypes.c_void_p),
+        ("state", ctypes.c_void_p),
+        ("consts", ctypes.c_void_p),
+        ("slot", ctypes.c_int),
+        ("rescue", ctypes.c_int),
+        ("alpha_mask", ctypes.c_int),
+        ("xt_pairs", ctypes.c_int),
     ]
 
 
@@ -418,6 +425,60 @@ def _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream, staged=Fal
                         ctypes.addressof(argv), 0)
 
 
+def choose_config(m, n, sms):
+    """The (block_n, pingpong) of a fused GEMM1 + dgelu of an [m, n] output on `sms` multiprocessors: the
+    cooperative tile whose tile count fills the last wave best, 128 x 256 unless 128 x 128 fills it better by
+    more than 2%. (The rule reproduces the best of the measured configurations at T = 256 ... 8192,
+    H = 6144: results/history/sm90-gemm-bench-kn-rows32.json.)"""
+    def fill(block_n):
+        tiles = -(-m // BLOCK_M) * -(-n // block_n)
+        return tiles / (-(-tiles // sms) * sms)
+
+    return (128, False) if fill(128) > fill(256) + 0.02 else (256, False)
+
+
+class DgeluLaunch:
+    """A prebuilt fused GEMM1 + dgelu launch with fp16 output and the engine's device-side scales (the
+    "tf32" plan): A [M, K] and B (b_layout) fp16 operands and the output at fixed addresses (tensor maps
+    encoded once), linear1_out / tanh_inner set per call (set_activations: the staged epilogue where their
+    rows allow it, else the direct one). ``rescue``: the rescue launch (see gemm_sm90.cu). No validation
+    here: the engine owns the buffers and checks the shapes once."""
+
+    def __init__(self, a_ptr, lda, b_ptr, ldb, b_layout, out_ptr, ldc, m, n, k, *, state_ptr, consts_ptr,
+                 acc_scale_ptr, slot, rescue, alpha_mask, device_id):
+        self.block_n, self.pingpong = choose_config(m, n, _kernels.sm_count(device_id))
+        self.kernels = {staged: _kernel(OP_F16, self.block_n, EPI_DGELU_F16, self.pingpong, device_id, staged,
+                                        b_layout) for staged in (True, False)}
+        self.map_a = _maps.get(a_ptr, m, k, lda * 2, OP_F16, BLOCK_M)
+        self.map_b = (_maps.get(b_ptr, n, k, ldb * 2, OP_F16, self.block_n) if b_layout == "nk"
+                      else _maps.get(b_ptr, k, n, ldb * 2, OP_F16, 64))
+        gather = state_ptr + 4 * (_kernels.STATE_SLOTS + slot) if not rescue else None
+        self.args = GemmArgs(out_ptr, None, None, ldc, 0, 0, m, n, k, 1.0, gather, acc_scale_ptr, state_ptr,
+                             consts_ptr, slot, int(rescue), alpha_mask, 1)
+        self.grid = min(-(-m // BLOCK_M) * -(-n // self.block_n), _kernels.sm_count(device_id))
+        self.staged = True
+        self._argv = (ctypes.c_void_p * 3)(ctypes.addressof(self.map_a.desc), ctypes.addressof(self.map_b.desc),
+                                           ctypes.addressof(self.args))
+
+    def set_activations(self, x_ptr, ldx, t_ptr, ldt):
+        """linear1_out (and tanh_inner, or t_ptr 0: memory mode) of this call, fp32, row strides in elements
+        (any: rows on 16-byte boundaries take the staged epilogue, others the direct one, with float pairs
+        where they are 8-byte aligned, else single floats)."""
+        self.args.x, self.args.ldx = x_ptr, ldx
+        self.args.t, self.args.ldt = (t_ptr or None), (ldt if t_ptr else 0)
+        given = [(p, ld) for p, ld in ((x_ptr, ldx), (t_ptr, ldt)) if p]
+        one_row = self.args.m <= 1
+        self.staged = all(p % 16 == 0 and (one_row or ld % 4 == 0) for p, ld in given)
+        self.args.xt_pairs = int(all(p % 8 == 0 and (one_row or ld % 2 == 0) for p, ld in given))
+
+    def __call__(self, stream_ptr):
+        from cupy_backends.cuda.api import driver
+
+        kernel = self.kernels[self.staged]
+        driver.launchKernel(kernel.kernel.ptr, self.grid, 1, 1, THREADS, 1, 1,
+                            launch_smem_bytes(self.block_n, self.staged), stream_ptr, ctypes.addressof(self._argv), 0)
+
+
 def gemm_tn(a, b, out, *, block_n=256, pingpong=False, b_layout="nk", stream=None):
     """out[M, N] (float32) = a[M, K] @ b[N, K]^T (b_layout "nk") or a[M, K] @ b[K, N] ("kn") on the
     sm_90a kernel; returns out.
@@ -434,7 +495,7 @@ def gemm_tn(a, b, out, *, block_n=256, pingpong=False, b_layout="nk", stream=Non
     _check_no_overlap(out, ldc, (("a", a, lda), ("b", b, ldb)))
     if m == 0 or n == 0:
         return out
-    args = GemmArgs(out.data.ptr, None, None, ldc, 0, 0, m, n, k, 1.0, None)
+    args = GemmArgs(out.data.ptr, None, None, ldc, 0, 0, m, n, k, 1.0, None, xt_pairs=1)
     _launch(op, block_n, pingpong, EPI_F32, a, lda, b, ldb, args, stream, b_layout=b_layout)
     return out
 
@@ -499,6 +560,7 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, b
         raise ValueError(f"epilogue='staged' needs {name} rows on 16-byte boundaries (a row stride that is a "
                          f"multiple of 4 elements), got {ld}; epilogue=None falls back to 'direct'")
     args = GemmArgs(out.data.ptr, linear1_out.data.ptr, tanh_inner.data.ptr if tanh_inner is not None else None,
-                    ldc, ldx, ldt, m, n, k, alpha, amax.data.ptr if amax is not None else None)
+                    ldc, ldx, ldt, m, n, k, alpha, amax.data.ptr if amax is not None else None,
+                    xt_pairs=1)  # even row strides and 16-byte aligned data: checked above
     _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream, staged=epilogue == "staged", b_layout=b_layout)
     return out

@@ -90,3 +90,10 @@ __global__ void __launch_bounds__(256, 6) dgelu_kernel(const __grid_constant__ D
     }
   }
 }
+
+// The decision after a fused GEMM1 + dgelu gathering launch (kernels_cu/gemm_sm90.cu gathers max |g| of
+// grad_linear1 into the state, as dgelu_kernel's gathering pass does): one thread decides `slot`, launched
+// once the exponents of its GEMM partners (weight1, hidden_states) are final; the fused rescue launch follows.
+extern "C" __global__ void f16_decide_kernel(int* state, int slot) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) cupyffn::f16_decide_slot(state, slot);
+}

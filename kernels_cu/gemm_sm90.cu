@@ -26,8 +26,11 @@
 //   kEpiF32         C = acc, fp32 [M, N] with leading dimension ldc
 //   kEpiDgeluBf16   C = bf16(acc * gelu'(x, t)) (bits, uint16), x = linear1_out, t = tanh_inner
 //                   (fp32 [M, N]); t == nullptr recomputes t from x (memory mode)
-//   kEpiDgeluF16    C = fp16(alpha * acc * gelu'(x, t)), alpha a power of two chosen by the caller
-//   Both dgelu epilogues can also fold max |g| (finite g, before alpha) into a device word (GemmArgs::amax).
+//   kEpiDgeluF16    C = fp16(alpha * acc * gelu'(x, t)), alpha a power of two chosen by the caller, or
+//                   2^state[slot] from the engine's fp16 scale state (the "tf32" plan)
+//   Both dgelu epilogues can also fold max |g| (finite g, before alpha) into a device word (GemmArgs::amax),
+//   multiply acc by a device scale first (GemmArgs::acc_scale: GEMM1's alpha), and run as the engine's
+//   rescue launch (GemmArgs::rescue; kernels_cu/convert.cu explains gathering and rescue passes).
 //
 // How a dgelu epilogue gets x and t (template parameter XS):
 //   XS = 0 ("direct") loads them from global memory in the epilogue, 8 bytes per thread and fragment:
@@ -79,8 +82,16 @@ struct GemmArgs {
   float alpha;    // kEpiDgeluF16: scale applied before rounding to fp16
   unsigned* amax; // dgelu epilogues: if not nullptr, max |g| over the finite g (unscaled) is folded into
                   // *amax by atomicMax on the float's bits (non-negative floats order like their bits)
+  // The engine's device-side scales (the "tf32" plan; common.cuh's scale state), all optional:
+  const float* acc_scale;  // dgelu epilogues: g = (*acc_scale * acc) * gelu' (GEMM1's alpha 2^-(e_a + e_b))
+  int* state;     // kEpiDgeluF16: alpha = 2^state[slot] instead of `alpha`
+  float* consts;  // rescue launch: block 0 writes the alphas of alpha_mask's GEMMs (common.cuh write_alphas)
+  int slot;       // the output's scale slot
+  int rescue;     // 1: the rescue launch: runs only if state flags `slot` for conversion again
+  int alpha_mask;
+  int xt_pairs;   // direct epilogue: 1 if x and t rows hold 8-byte aligned column pairs (else one float at a time)
 };
-static_assert(sizeof(GemmArgs) == 72, "GemmArgs layout is mirrored in cupyffn/_sm90_gemm.py");
+static_assert(sizeof(GemmArgs) == 112, "GemmArgs layout is mirrored in cupyffn/_sm90_gemm.py");
 static_assert(sizeof(TmaDesc) == 128, "a CUtensorMap is 128 bytes");
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
@@ -296,6 +307,15 @@ static_assert(xs_smem_bytes_for(256) <= 232448 && xs_smem_bytes_for(128) <= 2324
 static_assert(xs_stages_for(256) >= 2 && xs_stages_for(128) >= 2 && xt_slots_for(256) >= 1 && xt_slots_for(128) >= 1,
               "at least two stages and one slot");
 
+// The dgelu epilogues' two scales: acc_scale multiplies the accumulator (GEMM1's alpha), out_scale the
+// result before it is rounded to fp16 (1 for bf16). Read at each epilogue (L1 hits), not held in registers
+// through the mainloop (the ping-pong variants have none to spare).
+template <int EPI>
+__device__ __forceinline__ void epilogue_scales(const GemmArgs& args, float& acc_scale, float& out_scale) {
+  acc_scale = args.acc_scale != nullptr ? *args.acc_scale : 1.0f;
+  out_scale = EPI == kEpiDgeluF16 ? (args.state != nullptr ? ldexpf(1.0f, args.state[args.slot]) : args.alpha) : 1.0f;
+}
+
 // Stores a consumer's 64 x BN block of the tile whose top-left output element is (row0, col0).
 // wgmma's accumulator layout: thread `lane` of warp w holds, for each 8-column group j, columns
 // 8j + 2(lane % 4) + {0, 1} of rows 16w + lane / 4 (d[4j], d[4j+1]) and 16w + lane / 4 + 8 (d[4j+2], d[4j+3]).
@@ -303,7 +323,8 @@ template <int EPI, int BN>
 __device__ __forceinline__ void store_block(const float (&acc)[BN / 2], const GemmArgs& args, int row0, int col0,
                                             int tid) {
   const int warp = tid >> 5, lane = tid & 31;
-  float amax = 0.0f;
+  float amax = 0.0f, acc_scale = 1.0f, out_scale = 1.0f;
+  if constexpr (EPI != kEpiF32) epilogue_scales<EPI>(args, acc_scale, out_scale);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = row0 + 16 * warp + (lane >> 2) + 8 * h;
@@ -323,30 +344,32 @@ __device__ __forceinline__ void store_block(const float (&acc)[BN / 2], const Ge
         }
       } else {
         const float* xp = args.x + r * args.ldx + col;
+        const bool pairs = pair && args.xt_pairs;
         float x0, x1 = 0.0f, t0, t1;
-        if (pair) {
+        if (pairs) {
           const float2 xv = __ldcs(reinterpret_cast<const float2*>(xp));
           x0 = xv.x;
           x1 = xv.y;
         } else {
           x0 = __ldcs(xp);
+          if (pair) x1 = __ldcs(xp + 1);
         }
         if (args.t != nullptr) {
           const float* tp = args.t + r * args.ldt + col;
-          if (pair) {
+          if (pairs) {
             const float2 tv = __ldcs(reinterpret_cast<const float2*>(tp));
             t0 = tv.x;
             t1 = tv.y;
           } else {
             t0 = __ldcs(tp);
-            t1 = 0.0f;
+            t1 = pair ? __ldcs(tp + 1) : 0.0f;
           }
         } else {
           t0 = cupyffn::tanh_inner_of(x0);
           t1 = cupyffn::tanh_inner_of(x1);
         }
-        v0 *= cupyffn::gelu_grad(x0, t0);
-        v1 *= cupyffn::gelu_grad(x1, t1);
+        v0 = (acc_scale * v0) * cupyffn::gelu_grad(x0, t0);
+        v1 = (acc_scale * v1) * cupyffn::gelu_grad(x1, t1);
         amax = cupyffn::finite_absmax(amax, v0);
         if (pair) amax = cupyffn::finite_absmax(amax, v1);
         unsigned short c0, c1;
@@ -354,8 +377,8 @@ __device__ __forceinline__ void store_block(const float (&acc)[BN / 2], const Ge
           c0 = cupyffn::bf16_bits(v0);  // the same rounding as the engine's dgelu kernel
           c1 = cupyffn::bf16_bits(v1);
         } else {
-          c0 = cupyffn::f16_bits(v0 * args.alpha);
-          c1 = cupyffn::f16_bits(v1 * args.alpha);
+          c0 = cupyffn::f16_bits(v0 * out_scale);
+          c1 = cupyffn::f16_bits(v1 * out_scale);
         }
         unsigned short* p = static_cast<unsigned short*>(args.c) + r * args.ldc + col;
         if (pair) {
@@ -473,7 +496,8 @@ __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], co
   static_assert(EPI != kEpiF32 && SLOTS >= 1 && SLOTS <= kGroups, "staged: dgelu epilogues, 1..groups slots");
   const int warp = tid >> 5, lane = tid & 31;
   const bool has_t = args.t != nullptr;
-  const float alpha = args.alpha;
+  float acc_scale, out_scale;
+  epilogue_scales<EPI>(args, acc_scale, out_scale);
 #pragma unroll
   for (int jg = 0; jg < kGroupsPerHalf; ++jg) {
     const int g = H * kGroupsPerHalf + jg;
@@ -501,8 +525,8 @@ __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], co
           t0 = cupyffn::tanh_inner_of(xv.x);
           t1 = cupyffn::tanh_inner_of(xv.y);
         }
-        const float v0 = acc[4 * j + 2 * hh] * cupyffn::gelu_grad(xv.x, t0);
-        const float v1 = acc[4 * j + 2 * hh + 1] * cupyffn::gelu_grad(xv.y, t1);
+        const float v0 = (acc_scale * acc[4 * j + 2 * hh]) * cupyffn::gelu_grad(xv.x, t0);
+        const float v1 = (acc_scale * acc[4 * j + 2 * hh + 1]) * cupyffn::gelu_grad(xv.y, t1);
         if (r < args.m && col < args.n) {
           amax = cupyffn::finite_absmax(amax, v0);
           if (pair) amax = cupyffn::finite_absmax(amax, v1);
@@ -511,8 +535,8 @@ __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], co
             c0 = cupyffn::bf16_bits(v0);  // the same rounding as the engine's dgelu kernel
             c1 = cupyffn::bf16_bits(v1);
           } else {
-            c0 = cupyffn::f16_bits(v0 * alpha);
-            c1 = cupyffn::f16_bits(v1 * alpha);
+            c0 = cupyffn::f16_bits(v0 * out_scale);
+            c1 = cupyffn::f16_bits(v1 * out_scale);
           }
           unsigned short* p = static_cast<unsigned short*>(args.c) + ((long long)r * (int)args.ldc + col);
           if (pair) {
@@ -593,6 +617,12 @@ __global__ void __launch_bounds__(sm90::kThreads, 1)
   const int k_tiles = (args.k + kBK - 1) / kBK;
   const int wg = threadIdx.x >> 7;
 
+  if (EPI != kEpiF32 && args.state != nullptr && args.rescue) {
+    // The rescue launch (as dgelu.cu's): block 0 writes the alphas of the GEMMs that read this output; the
+    // whole launch runs only if the decision after the gathering launch moved this output's exponent.
+    cupyffn::write_alphas(args.state, args.consts, args.alpha_mask);
+    if (args.state[2 * kSlots + args.slot] == 0) return;  // uniform across the grid, before any barrier
+  }
   if (threadIdx.x == 0) {
     // a launch with less shared memory than this variant's layout would write past it: fail loudly
     if (dynamic_smem_size() < kSmemBytes) __trap();

@@ -38,7 +38,7 @@ def _fake_cupy():
         Event=lambda *a, **k: types.SimpleNamespace(record=lambda stream=None: None),
         get_elapsed_time=lambda a, b: 0.5,
         get_current_stream=lambda: _Stream(),
-        Device=lambda *a: types.SimpleNamespace(id=0),
+        Device=lambda *a: types.SimpleNamespace(id=0, compute_capability="80"),
         runtime=types.SimpleNamespace(deviceSynchronize=lambda: None,
                                       getDeviceProperties=lambda dev: {"l2CacheSize": 1 << 16}))
 

@@ -427,7 +427,7 @@ def test_sm90_gemm_args_mirror():
     mirror = [(name, kinds[t]) for name, t in _sm90_gemm.GemmArgs._fields_]
     assert mirror == cuda
     m = re.search(r"static_assert\(sizeof\(GemmArgs\) == (\d+),", source)
-    assert m and int(m.group(1)) == ctypes.sizeof(_sm90_gemm.GemmArgs) == 72
+    assert m and int(m.group(1)) == ctypes.sizeof(_sm90_gemm.GemmArgs) == 112
     assert ctypes.sizeof(_sm90_gemm.TmaDesc) == 128
     assert define(source, "kEpiF32") == _sm90_gemm.EPI_F32
     assert define(source, "kEpiDgeluBf16") == _sm90_gemm.EPI_DGELU_BF16
