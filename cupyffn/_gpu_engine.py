@@ -17,8 +17,11 @@ launch that converts again any tensor whose delayed scale did not fit (kernels_c
 `fused_gemm1`): the GELU derivative is applied in GEMM1's epilogue, which writes grad_linear1 as scaled fp16
 and gathers its maximum; grad_gelu is never written (no T x H fp32 scratch). Its scale is decided by a
 one-thread launch once convert B's exponents are final, then a fused rescue launch (a no-op unless the
-exponent moved: then it runs GEMM1 again). CUPYFFN_SM90_GEMM1=0 in the environment turns it off (the cuBLAS
-GEMM1 + dgelu pass route; for comparisons).
+exponent moved: then it runs GEMM1 again). It runs up to FUSED_GEMM1_MAX_TOKENS tokens, where it measured
+faster over the whole call; above, the cuBLAS route's dgelu pass overlaps GEMM2 on the side stream, which
+the persistent fused kernel (every SM, one CTA each) does not allow, and that overlap was worth more than
+the fusion (results/history/nvidia-h200-fused-all-T-cdd957e.json, docs/perf-notes.md). The environment
+variable CUPYFFN_SM90_GEMM1 (read when a plan is built) overrides: 0 never, 1 at every T (comparisons).
 
 "Lean" layout (bf16x3 at large T, where three 16-bit planes of gelu_out and of grad_linear1 side
 by side would break the memory budget): grad_linear1 reuses gelu_out's planes, so S waits for
@@ -34,6 +37,9 @@ from . import _cublas, _gemm, _kernels, _plan_cache, _sm90_gemm
 from . import _precision as P
 
 _ALIGN = 256
+#: Largest T at which the tf32 plan fuses GEMM1 + dgelu (module docstring): whole calls on the H200, same run,
+#: fused / cuBLAS route = 0.92-0.95 at T = 1024, 1.03-1.08 at 2048-4096 (results/history/nvidia-h200-fused-all-T-cdd957e.json).
+FUSED_GEMM1_MAX_TOKENS = 1024
 
 
 def _align(n):
@@ -176,9 +182,12 @@ class GpuEngine:
     def _fused_gemm1_ok(self):
         """GEMM1 + dgelu as one sm90 kernel (module docstring): the tf32 plan's fp16 operands, a compute
         capability 9.0 GPU, rows of 16-byte multiples for the TMA unit (D, H multiples of 8)."""
-        return (self.fmt == P.FMT_F16S and self.T > 0 and os.environ.get("CUPYFFN_SM90_GEMM1", "1") != "0"
-                and self.D % 8 == 0 and self.H % 8 == 0 and self.T < 2 ** 31 // max(self.H, self.D)
-                and _sm90_gemm.device_supported(self.device_id))
+        choice = os.environ.get("CUPYFFN_SM90_GEMM1", "auto")
+        if choice not in ("0", "1", "auto"):
+            raise ValueError(f"CUPYFFN_SM90_GEMM1 must be 0, 1 or auto, got {choice!r}")
+        wanted = choice == "1" or (choice == "auto" and self.T <= FUSED_GEMM1_MAX_TOKENS)
+        return (wanted and self.fmt == P.FMT_F16S and self.T > 0 and self.D % 8 == 0 and self.H % 8 == 0
+                and self.T < 2 ** 31 and _sm90_gemm.device_supported(self.device_id))
 
     @property
     def gemm_forms(self):

@@ -162,3 +162,20 @@ def test_fused_plan_replays_in_a_cuda_graph(monkeypatch):
     for label, g, r in zip(W.OUTPUT_NAMES, out, W.reference(inputs, xp=cupy)):
         assert bool(cupy.isfinite(g).all()), label
         assert W.relative_l2(g, r, xp=cupy) <= CONTRACT, label
+
+
+def test_default_policy_and_the_override(monkeypatch):
+    """auto (the default): fused up to FUSED_GEMM1_MAX_TOKENS tokens, the cuBLAS route above (measured faster
+    there over the whole call); 1 forces it, 0 turns it off, anything else is refused with the variable's name."""
+    from cupyffn import _gpu_engine
+
+    limit = _gpu_engine.FUSED_GEMM1_MAX_TOKENS
+    monkeypatch.delenv("CUPYFFN_SM90_GEMM1", raising=False)
+    assert cupyffn.GeluFFNBackward(limit, 64, 256, precision="tf32").fused_gemm1
+    assert not cupyffn.GeluFFNBackward(limit + 1, 64, 256, precision="tf32").fused_gemm1
+    assert not cupyffn.GeluFFNBackward(limit, 64, 256, precision="bf16x3").fused_gemm1  # tf32 only
+    monkeypatch.setenv("CUPYFFN_SM90_GEMM1", "1")
+    assert cupyffn.GeluFFNBackward(limit + 1, 64, 256, precision="tf32").fused_gemm1
+    monkeypatch.setenv("CUPYFFN_SM90_GEMM1", "yes")
+    with pytest.raises(ValueError, match="CUPYFFN_SM90_GEMM1"):
+        cupyffn.GeluFFNBackward(64, 64, 256, precision="tf32")
