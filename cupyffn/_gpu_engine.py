@@ -17,8 +17,9 @@ launch that converts again any tensor whose delayed scale did not fit (kernels_c
 `fused_gemm1`): the GELU derivative is applied in GEMM1's epilogue, which writes grad_linear1 as scaled fp16
 and gathers its maximum; grad_gelu is never written (no T x H fp32 scratch). Its scale is decided by a
 one-thread launch once convert B's exponents are final, then a fused rescue launch (a no-op unless the
-exponent moved: then it runs GEMM1 again). It runs up to FUSED_GEMM1_MAX_TOKENS tokens, where it measured
-faster over the whole call; above, the cuBLAS route's dgelu pass overlaps GEMM2 on the side stream, which
+exponent moved: then it runs GEMM1 again). It runs for FUSED_GEMM1_TOKENS, where it measured faster over
+the whole call. Below, the calls are host- and launch-bound and two runs disagreed (T = 512: 1.00 and 1.10x
+the cuBLAS route); above, the cuBLAS route's dgelu pass overlaps GEMM2 on the side stream, which
 the persistent fused kernel (every SM, one CTA each) does not allow, and that overlap was worth more than
 the fusion (results/history/nvidia-h200-fused-all-T-cdd957e.json, docs/perf-notes.md). The environment
 variable CUPYFFN_SM90_GEMM1 (read when a plan is built) overrides: 0 never, 1 at every T (comparisons).
@@ -37,9 +38,10 @@ from . import _cublas, _gemm, _kernels, _plan_cache, _sm90_gemm
 from . import _precision as P
 
 _ALIGN = 256
-#: Largest T at which the tf32 plan fuses GEMM1 + dgelu (module docstring): whole calls on the H200, same run,
-#: fused / cuBLAS route = 0.92-0.95 at T = 1024, 1.03-1.08 at 2048-4096 (results/history/nvidia-h200-fused-all-T-cdd957e.json).
-FUSED_GEMM1_MAX_TOKENS = 1024
+#: T (first <= T <= last) at which the tf32 plan fuses GEMM1 + dgelu (module docstring). Whole calls on the H200,
+#: fused / cuBLAS route, same run: 0.92-0.95 and 0.87-0.97 at T = 1024 (two runs), 1.03-1.08 at 2048-4096, 1.00 and
+#: 1.10 at 512 (results/history/nvidia-h200-fused-all-T-cdd957e.json, nvidia-h200-7472e86.json).
+FUSED_GEMM1_TOKENS = (513, 1024)
 
 
 def _align(n):
@@ -185,7 +187,8 @@ class GpuEngine:
         choice = os.environ.get("CUPYFFN_SM90_GEMM1", "auto")
         if choice not in ("0", "1", "auto"):
             raise ValueError(f"CUPYFFN_SM90_GEMM1 must be 0, 1 or auto, got {choice!r}")
-        wanted = choice == "1" or (choice == "auto" and self.T <= FUSED_GEMM1_MAX_TOKENS)
+        first, last = FUSED_GEMM1_TOKENS
+        wanted = choice == "1" or (choice == "auto" and first <= self.T <= last)
         return (wanted and self.fmt == P.FMT_F16S and self.T > 0 and self.D % 8 == 0 and self.H % 8 == 0
                 and self.T < 2 ** 31 and _sm90_gemm.device_supported(self.device_id))
 

@@ -165,13 +165,15 @@ def test_fused_plan_replays_in_a_cuda_graph(monkeypatch):
 
 
 def test_default_policy_and_the_override(monkeypatch):
-    """auto (the default): fused up to FUSED_GEMM1_MAX_TOKENS tokens, the cuBLAS route above (measured faster
-    there over the whole call); 1 forces it, 0 turns it off, anything else is refused with the variable's name."""
+    """auto (the default): fused for T in FUSED_GEMM1_TOKENS, the cuBLAS route elsewhere (measured faster there
+    over the whole call); 1 forces it, 0 turns it off, anything else is refused with the variable's name."""
     from cupyffn import _gpu_engine
 
-    limit = _gpu_engine.FUSED_GEMM1_MAX_TOKENS
+    first, limit = _gpu_engine.FUSED_GEMM1_TOKENS
     monkeypatch.delenv("CUPYFFN_SM90_GEMM1", raising=False)
     assert cupyffn.GeluFFNBackward(limit, 64, 256, precision="tf32").fused_gemm1
+    assert cupyffn.GeluFFNBackward(first, 64, 256, precision="tf32").fused_gemm1
+    assert not cupyffn.GeluFFNBackward(first - 1, 64, 256, precision="tf32").fused_gemm1
     assert not cupyffn.GeluFFNBackward(limit + 1, 64, 256, precision="tf32").fused_gemm1
     assert not cupyffn.GeluFFNBackward(limit, 64, 256, precision="bf16x3").fused_gemm1  # tf32 only
     monkeypatch.setenv("CUPYFFN_SM90_GEMM1", "1")
