@@ -290,12 +290,6 @@ __host__ __device__ constexpr int smem_bytes_for(int bn) { return stages_for(bn)
 #ifndef CUPYFFN_XS_STAGE_DROP
 #define CUPYFFN_XS_STAGE_DROP 1
 #endif
-// 1: when a tile starts, the groups that do not fit in the slots are also prefetched into L2
-// (prefetch.global.L2, one 128-byte line per lane and request), so that the epilogue's copies of them
-// wait on L2 instead of DRAM latency. A hint: no smem, no barrier.
-#ifndef CUPYFFN_XT_PREFETCH
-#define CUPYFFN_XT_PREFETCH 0
-#endif
 constexpr int kXtCols = CUPYFFN_XT_COLS;          // columns of a group: whole 16-byte chunks of fp32
 constexpr int kXtChunks = kXtCols / 4;            // 16-byte chunks per row of a warp slot
 constexpr int kWarpSlotBytes = 2 * 16 * kXtCols * 4;  // x and t, 16 rows each
@@ -482,31 +476,12 @@ __device__ __forceinline__ void stage_group(unsigned slot, const GemmArgs& args,
 
 // The first SLOTS groups of a block (rows from row0, columns from col0), requested before its mainloop,
 // one cp.async group each.
-template <int BN, int HALVES, int SLOTS>
+template <int BN, int SLOTS>
 __device__ __forceinline__ void stage_xt_prologue(unsigned slots, const GemmArgs& args, int row0, int col0, int tid) {
 #pragma unroll 1
   for (int g = 0; g < SLOTS; ++g) {
     stage_group<BN>(slots + g * kXtSlotBytes, args, row0, col0, g, tid);
     cp_async_commit();
-  }
-  if constexpr (CUPYFFN_XT_PREFETCH != 0) {
-    // the block's other groups into L2: lane l takes row l % 16 of its warp's 16 and tensor l / 16, and
-    // prefetches the lines of the row's first and last in-bounds column of the group (one line or two)
-    const int warp = tid >> 5, lane = tid & 31;
-    const float* base = (lane >> 4) ? args.t : args.x;
-    const long long ld = (lane >> 4) ? args.ldt : args.ldx;
-    if (base != nullptr) {
-#pragma unroll 1
-      for (int g = SLOTS; g < HALVES * (BN / kXtCols); ++g) {
-        const int r = row0 + 64 * (g / (BN / kXtCols)) + 16 * warp + (lane & 15);
-        const int c = col0 + kXtCols * (g % (BN / kXtCols));
-        if (r >= args.m || c >= args.n) continue;
-        const float* p = base + (long long)r * ld + c;
-        const int last = min(kXtCols, args.n - c) - 1;
-        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p) : "memory");
-        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p + last) : "memory");
-      }
-    }
   }
 }
 
@@ -702,7 +677,7 @@ __global__ void __launch_bounds__(sm90::kThreads, 1)
       // staged: x and t of the first kXtSlots groups are on their way while the mainloop runs (the ring
       // is free: this thread's previous epilogue has read all of it)
       if constexpr (XS) {
-        stage_xt_prologue<BN, kHalves, kXtSlots>(xt_smem + consumer * kXtSlots * kXtSlotBytes, args, row0, nb * BN, tid);
+        stage_xt_prologue<BN, kXtSlots>(xt_smem + consumer * kXtSlots * kXtSlotBytes, args, row0, nb * BN, tid);
       }
       // ping-pong: my turn once the other consumer has passed every stage of the tile before this one
       if (PP && local > 0) named_bar_sync(1 + consumer, 256);

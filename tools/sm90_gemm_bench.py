@@ -63,9 +63,9 @@ def parse_args(argv):
     p.add_argument("--reps", type=int, default=10, help="timed samples per measurement (median)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls before the samples")
     p.add_argument("--out", default=None, help="JSON path (default: $OUT/sm90_gemm_bench.json, OUT or .)")
-    p.add_argument("--staging", default=None, metavar="COLS,DROP[,PREFETCH]",
-                   help="the staged epilogue's x/t group width, stages given up and L2 prefetch 0/1 "
-                        "(_sm90_gemm.set_staging); default: the library's")
+    p.add_argument("--staging", default=None, metavar="COLS,DROP",
+                   help="the staged epilogue's x/t group width and stages given up (_sm90_gemm.set_staging); "
+                        "default: the library's")
     p.add_argument("--only", default=None, metavar="TEXT[|TEXT...]",
                    help="only the measurements whose name contains one of the |-separated TEXTs")
     args = p.parse_args(argv)
@@ -78,9 +78,9 @@ def parse_args(argv):
     if args.staging is not None:
         try:
             args.staging = tuple(int(v) for v in args.staging.split(","))
-            assert len(args.staging) in (2, 3)
+            assert len(args.staging) == 2
         except (ValueError, AssertionError):
-            p.error(f"--staging must be COLS,DROP[,PREFETCH] (integers), got {args.staging!r}")
+            p.error(f"--staging must be COLS,DROP (two integers), got {args.staging!r}")
     return args
 
 
@@ -492,7 +492,6 @@ def main(argv=None):
     runner.result.update(device=cupy.cuda.runtime.getDeviceProperties(device.id)["name"].decode(),
                          cupy=cupy.__version__, reps=args.reps, warmup=args.warmup,
                          staging=dict(xt_cols=_sm90_gemm.XT_COLS, stage_drop=_sm90_gemm.XS_STAGE_DROP,
-                                      prefetch=_sm90_gemm.XT_PREFETCH,
                                       slots={bn: _sm90_gemm.xt_slots_for(bn) for bn in _sm90_gemm.BLOCK_NS},
                                       stages={bn: _sm90_gemm.xs_stages_for(bn) for bn in _sm90_gemm.BLOCK_NS}))
     print(f"sm90 GEMM bench: budget {args.budget_s:g} s, {args.reps} reps (median) after {args.warmup} warm-ups; "
