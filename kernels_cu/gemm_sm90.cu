@@ -316,6 +316,30 @@ __device__ __forceinline__ void epilogue_scales(const GemmArgs& args, float& acc
   out_scale = EPI == kEpiDgeluF16 ? (args.state != nullptr ? ldexpf(1.0f, args.state[args.slot]) : args.alpha) : 1.0f;
 }
 
+// Both dgelu epilogues: fold g = (v0, v1) (v1 only if `pair`) into amax, round (bf16, or fp16 after
+// out_scale) and store the codes at (r, col) of C, as a 4-byte pair where there is one.
+template <int EPI>
+__device__ __forceinline__ void store_dgelu_pair(const GemmArgs& args, int r, int col, float v0, float v1, bool pair,
+                                                 float out_scale, float& amax) {
+  amax = cupyffn::finite_absmax(amax, v0);
+  if (pair) amax = cupyffn::finite_absmax(amax, v1);
+  unsigned short c0, c1;
+  if constexpr (EPI == kEpiDgeluBf16) {
+    c0 = cupyffn::bf16_bits(v0);  // the same rounding as the engine's dgelu kernel
+    c1 = cupyffn::bf16_bits(v1);
+  } else {
+    c0 = cupyffn::f16_bits(v0 * out_scale);
+    c1 = cupyffn::f16_bits(v1 * out_scale);
+  }
+  // (32 x 32 -> 64-bit product: the launcher keeps row strides below 2^31; fewer registers than 64 x 64)
+  unsigned short* p = static_cast<unsigned short*>(args.c) + ((long long)r * (int)args.ldc + col);
+  if (pair) {
+    *reinterpret_cast<unsigned*>(p) = cupyffn::pack2(c0, c1);
+  } else {
+    p[0] = c0;
+  }
+}
+
 // Stores a consumer's 64 x BN block of the tile whose top-left output element is (row0, col0).
 // wgmma's accumulator layout: thread `lane` of warp w holds, for each 8-column group j, columns
 // 8j + 2(lane % 4) + {0, 1} of rows 16w + lane / 4 (d[4j], d[4j+1]) and 16w + lane / 4 + 8 (d[4j+2], d[4j+3]).
@@ -370,22 +394,7 @@ __device__ __forceinline__ void store_block(const float (&acc)[BN / 2], const Ge
         }
         v0 = (acc_scale * v0) * cupyffn::gelu_grad(x0, t0);
         v1 = (acc_scale * v1) * cupyffn::gelu_grad(x1, t1);
-        amax = cupyffn::finite_absmax(amax, v0);
-        if (pair) amax = cupyffn::finite_absmax(amax, v1);
-        unsigned short c0, c1;
-        if constexpr (EPI == kEpiDgeluBf16) {
-          c0 = cupyffn::bf16_bits(v0);  // the same rounding as the engine's dgelu kernel
-          c1 = cupyffn::bf16_bits(v1);
-        } else {
-          c0 = cupyffn::f16_bits(v0 * out_scale);
-          c1 = cupyffn::f16_bits(v1 * out_scale);
-        }
-        unsigned short* p = static_cast<unsigned short*>(args.c) + r * args.ldc + col;
-        if (pair) {
-          *reinterpret_cast<unsigned*>(p) = cupyffn::pack2(c0, c1);
-        } else {
-          p[0] = c0;
-        }
+        store_dgelu_pair<EPI>(args, r, col, v0, v1, pair, out_scale, amax);
       }
     }
   }
@@ -527,24 +536,7 @@ __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], co
         }
         const float v0 = (acc_scale * acc[4 * j + 2 * hh]) * cupyffn::gelu_grad(xv.x, t0);
         const float v1 = (acc_scale * acc[4 * j + 2 * hh + 1]) * cupyffn::gelu_grad(xv.y, t1);
-        if (r < args.m && col < args.n) {
-          amax = cupyffn::finite_absmax(amax, v0);
-          if (pair) amax = cupyffn::finite_absmax(amax, v1);
-          unsigned short c0, c1;
-          if constexpr (EPI == kEpiDgeluBf16) {
-            c0 = cupyffn::bf16_bits(v0);  // the same rounding as the engine's dgelu kernel
-            c1 = cupyffn::bf16_bits(v1);
-          } else {
-            c0 = cupyffn::f16_bits(v0 * out_scale);
-            c1 = cupyffn::f16_bits(v1 * out_scale);
-          }
-          unsigned short* p = static_cast<unsigned short*>(args.c) + ((long long)r * (int)args.ldc + col);
-          if (pair) {
-            *reinterpret_cast<unsigned*>(p) = cupyffn::pack2(c0, c1);
-          } else {
-            p[0] = c0;
-          }
-        }
+        if (r < args.m && col < args.n) store_dgelu_pair<EPI>(args, r, col, v0, v1, pair, out_scale, amax);
       }
     }
     // Refill the slot just read with group g + SLOTS, once every lane of the warp has read it (the loads
