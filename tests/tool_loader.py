@@ -10,6 +10,8 @@ TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
 def load_tool(name):
     """tools/`name`.py as a module (its top level run with `import cupy` raising ImportError)."""
+    if str(TOOLS) not in sys.path:  # as when the script runs: its folder first (tools/_json_out.py)
+        sys.path.insert(0, str(TOOLS))
     spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     saved = sys.modules.get("cupy", "absent")

@@ -33,11 +33,12 @@ items) the rest are listed as skipped. A table is printed at the end.
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
 import time
+
+from _json_out import save_json  # tools/_json_out.py (the script's folder is on sys.path)
 
 D, H = 1536, 6144
 TOKENS = (256, 512, 1024, 2048, 3142, 4096, 4904, 8192)
@@ -150,13 +151,7 @@ def format_table(result):
 
 
 def save(result, path):
-    folder = os.path.dirname(path)
-    if folder:
-        os.makedirs(folder, exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    save_json(result, path, sort_keys=True)
 
 
 # ------------------------------------------------------------------ GPU part (cupy imported here only)

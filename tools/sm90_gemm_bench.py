@@ -29,13 +29,14 @@ between measurements) the remaining ones are listed as skipped. The tables come 
 
 import argparse
 import ctypes
-import json
 import os
 import statistics
 import sys
 import time
 
 import numpy
+
+from _json_out import save_json  # tools/_json_out.py (the script's folder is on sys.path)
 
 D, H = 1536, 6144
 GEMMS = ("gemm1", "gemm2", "gemm3", "gemm4")
@@ -99,12 +100,7 @@ class Runner:
 
     def save(self):
         self.result["elapsed_s"] = round(self.elapsed(), 3)
-        folder = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(folder, exist_ok=True)
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.result, f, indent=1)
-        os.replace(tmp, self.path)  # a reader (or a kill) never sees half a file
+        save_json(self.result, self.path)
 
     def run(self, items):
         items = list(items)

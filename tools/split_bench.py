@@ -31,11 +31,12 @@ least total time over all measured T and stages of that KIND. When --budget-s is
 import argparse
 import ctypes
 import datetime
-import json
 import os
 import statistics
 import sys
 import time
+
+from _json_out import save_json  # tools/_json_out.py (the script's folder is on sys.path)
 
 D, H = 1536, 6144
 TOKENS = (2048, 4096, 8192)
@@ -127,13 +128,7 @@ def format_line(r):
 
 
 def save(result, path):
-    folder = os.path.dirname(path)
-    if folder:
-        os.makedirs(folder, exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    save_json(result, path, sort_keys=True)
 
 
 # ------------------------------------------------------------------ GPU part (cupy imported here only)
