@@ -7,6 +7,7 @@ functional call; median over 300 calls of the time to issue one call with the qu
 (bench.py --loop's host-time method). Prints one JSON line.
 """
 
+import argparse
 import json
 import statistics
 import sys
@@ -51,4 +52,6 @@ def main(label):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("label", help="names this checkout in the printed JSON line")
+    main(parser.parse_args(sys.argv[1:]).label)
