@@ -449,8 +449,7 @@ class GpuEngine:
         self._fused = _sm90_gemm.DgeluLaunch(*where, rescue=False, alpha_mask=0, **common)
         self._fused_rescue = _sm90_gemm.DgeluLaunch(*where, rescue=True, alpha_mask=0b1100, **common)
         decide = _kernels.get_function("dgelu", "f16_decide_kernel", self.device_id)
-        self._decide_args = (ctypes.c_void_p(self._state.data.ptr), ctypes.c_int(slot))
-        self._decide = _kernels.KernelLaunch(decide, *self._decide_args)
+        self._decide = _kernels.KernelLaunch(decide, ctypes.c_void_p(self._state.data.ptr), ctypes.c_int(slot))
         self._decide.block = 32
         self._dgelu = self._dgelu_rescue = None
 

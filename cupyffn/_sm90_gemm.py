@@ -1,6 +1,7 @@
-"""Launcher of the Hopper (sm_90a) GEMM in ``kernels_cu/gemm_sm90.cu``: C = A @ B^T, both K-major.
+"""Launcher of the Hopper (sm_90a) GEMM in ``kernels_cu/gemm_sm90.cu``: C = A @ B^T (B K-major) or A @ B.
 
-Standalone for now (issue 10, first step): not used by the engine yet. What it computes:
+The engine runs it as the tf32 plan's fused GEMM1 + dgelu (:class:`DgeluLaunch`, cupyffn/_gpu_engine.py);
+the validating functions below are for tests, tools and direct use. What they compute:
 
 * :func:`gemm_tn` -- ``out[M, N] (fp32) = a[M, K] @ b[N, K]^T``, or ``a @ b`` of a b[K, N] (N contiguous, a
   weight as stored) with ``b_layout="kn"``;
@@ -403,6 +404,25 @@ def _check_size(m, n, k):
 
 
 # ---- launch -------------------------------------------------------------------------------------
+def _rows_aligned(ptr, ld, rows, nbytes):
+    """Every row of the float32 matrix at `ptr` (row stride `ld` elements) starts on an `nbytes` boundary."""
+    return ptr % nbytes == 0 and (rows <= 1 or (4 * ld) % nbytes == 0)
+
+
+def _operand_maps(op, a_ptr, lda, b_ptr, ldb, b_layout, m, n, k, block_n):
+    """The tensor maps of A [M, K] (boxes of BLOCK_M rows x 64) and of B: [N, K] in boxes of block_n rows x 64
+    ("nk"), or [K, N] in boxes of 64 K-rows x 64 N-elements, block_n / 64 per stage ("kn")."""
+    map_a = _maps.get(a_ptr, m, k, lda * 2, op, BLOCK_M)
+    if b_layout == "nk":
+        return map_a, _maps.get(b_ptr, n, k, ldb * 2, op, block_n)
+    return map_a, _maps.get(b_ptr, k, n, ldb * 2, op, 64)
+
+
+def _grid(m, n, block_n, device_id):
+    """Persistent grid: one CTA per output tile, at most one per multiprocessor."""
+    return min(-(-m // BLOCK_M) * -(-n // block_n), _kernels.sm_count(device_id))
+
+
 def _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream, staged=False, b_layout="nk"):
     import cupy
     from cupy_backends.cuda.api import driver
@@ -410,13 +430,8 @@ def _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream, staged=Fal
     m, n = args.m, args.n
     device = cupy.cuda.Device().id
     kernel = _kernel(op, block_n, epi, bool(pingpong), device, bool(staged), b_layout)
-    map_a = _maps.get(a.data.ptr, m, args.k, lda * 2, op, BLOCK_M)
-    if b_layout == "nk":  # box: block_n rows of 64 K-elements
-        map_b = _maps.get(b.data.ptr, n, args.k, ldb * 2, op, block_n)
-    else:  # [K, N]: boxes of 64 K-rows x 64 N-elements, block_n / 64 per stage
-        map_b = _maps.get(b.data.ptr, args.k, n, ldb * 2, op, 64)
-    tiles = -(-m // BLOCK_M) * -(-n // block_n)
-    grid = min(tiles, _kernels.sm_count(device))
+    map_a, map_b = _operand_maps(op, a.data.ptr, lda, b.data.ptr, ldb, b_layout, m, n, args.k, block_n)
+    grid = _grid(m, n, block_n, device)
     argv = (ctypes.c_void_p * 3)(ctypes.addressof(map_a.desc), ctypes.addressof(map_b.desc), ctypes.addressof(args))
     stream_ptr = (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
     # The driver copies the parameters at launch: map_a/map_b/args may be reused as soon as this returns.
@@ -447,15 +462,15 @@ class DgeluLaunch:
     def __init__(self, a_ptr, lda, b_ptr, ldb, b_layout, out_ptr, ldc, m, n, k, *, state_ptr, consts_ptr,
                  acc_scale_ptr, slot, rescue, alpha_mask, device_id):
         self.block_n, self.pingpong = choose_config(m, n, _kernels.sm_count(device_id))
-        self.kernels = {staged: _kernel(OP_F16, self.block_n, EPI_DGELU_F16, self.pingpong, device_id, staged,
-                                        b_layout) for staged in (True, False)}
-        self.map_a = _maps.get(a_ptr, m, k, lda * 2, OP_F16, BLOCK_M)
-        self.map_b = (_maps.get(b_ptr, n, k, ldb * 2, OP_F16, self.block_n) if b_layout == "nk"
-                      else _maps.get(b_ptr, k, n, ldb * 2, OP_F16, 64))
+        # per epilogue (staged: True / direct: False): the function and its dynamic shared memory, looked up once
+        self._variants = {staged: (_kernel(OP_F16, self.block_n, EPI_DGELU_F16, self.pingpong, device_id, staged,
+                                           b_layout).kernel.ptr, launch_smem_bytes(self.block_n, staged))
+                          for staged in (True, False)}
+        self.map_a, self.map_b = _operand_maps(OP_F16, a_ptr, lda, b_ptr, ldb, b_layout, m, n, k, self.block_n)
         gather = state_ptr + 4 * (_kernels.STATE_SLOTS + slot) if not rescue else None
         self.args = GemmArgs(out_ptr, None, None, ldc, 0, 0, m, n, k, 1.0, gather, acc_scale_ptr, state_ptr,
                              consts_ptr, slot, int(rescue), alpha_mask, 1)
-        self.grid = min(-(-m // BLOCK_M) * -(-n // self.block_n), _kernels.sm_count(device_id))
+        self.grid = _grid(m, n, self.block_n, device_id)
         self.staged = True
         self._argv = (ctypes.c_void_p * 3)(ctypes.addressof(self.map_a.desc), ctypes.addressof(self.map_b.desc),
                                            ctypes.addressof(self.args))
@@ -467,16 +482,14 @@ class DgeluLaunch:
         self.args.x, self.args.ldx = x_ptr, ldx
         self.args.t, self.args.ldt = (t_ptr or None), (ldt if t_ptr else 0)
         given = [(p, ld) for p, ld in ((x_ptr, ldx), (t_ptr, ldt)) if p]
-        one_row = self.args.m <= 1
-        self.staged = all(p % 16 == 0 and (one_row or ld % 4 == 0) for p, ld in given)
-        self.args.xt_pairs = int(all(p % 8 == 0 and (one_row or ld % 2 == 0) for p, ld in given))
+        self.staged = all(_rows_aligned(p, ld, self.args.m, 16) for p, ld in given)
+        self.args.xt_pairs = int(all(_rows_aligned(p, ld, self.args.m, 8) for p, ld in given))
 
     def __call__(self, stream_ptr):
         from cupy_backends.cuda.api import driver
 
-        kernel = self.kernels[self.staged]
-        driver.launchKernel(kernel.kernel.ptr, self.grid, 1, 1, THREADS, 1, 1,
-                            launch_smem_bytes(self.block_n, self.staged), stream_ptr, ctypes.addressof(self._argv), 0)
+        function, smem = self._variants[self.staged]
+        driver.launchKernel(function, self.grid, 1, 1, THREADS, 1, 1, smem, stream_ptr, ctypes.addressof(self._argv), 0)
 
 
 def gemm_tn(a, b, out, *, block_n=256, pingpong=False, b_layout="nk", stream=None):
@@ -550,13 +563,13 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, b
             raise ValueError(f"{name} must have a row stride below 2^31 elements, got {ld}")
     if m == 0 or n == 0:
         return out
-    # the staged epilogue copies 16-byte chunks of rows (the data pointers are 16-byte aligned, checked above)
-    rows_16b = [(name, ld) for name, x, ld in (("linear1_out", linear1_out, ldx), ("tanh_inner", tanh_inner, ldt))
-                if x is not None and x.shape[0] > 1 and ld % 4]
+    # the staged epilogue copies 16-byte chunks of rows
+    off_16b = [(name, ld) for name, x, ld in (("linear1_out", linear1_out, ldx), ("tanh_inner", tanh_inner, ldt))
+               if x is not None and not _rows_aligned(x.data.ptr, ld, x.shape[0], 16)]
     if epilogue is None:
-        epilogue = "direct" if rows_16b else "staged"
-    elif epilogue == "staged" and rows_16b:
-        name, ld = rows_16b[0]
+        epilogue = "direct" if off_16b else "staged"
+    elif epilogue == "staged" and off_16b:
+        name, ld = off_16b[0]
         raise ValueError(f"epilogue='staged' needs {name} rows on 16-byte boundaries (a row stride that is a "
                          f"multiple of 4 elements), got {ld}; epilogue=None falls back to 'direct'")
     args = GemmArgs(out.data.ptr, linear1_out.data.ptr, tanh_inner.data.ptr if tanh_inner is not None else None,
