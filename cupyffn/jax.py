@@ -56,14 +56,22 @@ except AttributeError:  # pragma: no cover - a JAX that moved it
 
 
 # ---------------------------------------------------------------------- inside XLA's execution
+_DLPACK_CPU = 1  # DLDeviceType kDLCPU
+
+
+def _in_host_memory(buffers):
+    """True for the CPU client's buffers, by their DLPack device type (on the CPU, ctx.stream raises "XLA FFI
+    GPU context is not available"; deciding by the buffers keeps any other failure of it from passing for that)."""
+    return all(int(b.__dlpack_device__()[0]) == _DLPACK_CPU for b in buffers)
+
+
 def _on_device(ctx, buffers):
     """cupyffn's view of XLA's `buffers` and the stream to run on: (arrays, stream, device id or None for the CPU)."""
-    try:
-        stream = ctx.stream
-        if callable(stream):  # a JAX whose ExecutionContext spells it as a method
-            stream = stream()
-    except Exception:  # the CPU client has no GPU context ("XLA FFI GPU context is not available")
+    if _in_host_memory(buffers):
         return [numpy.asarray(b) for b in buffers], None, None
+    stream = ctx.stream
+    if callable(stream):  # a JAX whose ExecutionContext spells it as a method
+        stream = stream()
     stream_ptr = _pointer(stream)
     from cupy_backends.cuda.api import runtime
 

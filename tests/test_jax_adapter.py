@@ -208,6 +208,9 @@ def test_gpu_callback_reads_xlas_buffers_and_stream(monkeypatch):
         def __init__(self, ptr, shape):
             self.__cuda_array_interface__ = {"shape": shape, "typestr": "<f4", "data": (ptr, False), "version": 2}
 
+        def __dlpack_device__(self):
+            return (2, 0)  # kDLCUDA, device 0
+
     api = ctypes.pythonapi
     api.PyCapsule_New.restype = ctypes.py_object
     api.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
@@ -223,3 +226,32 @@ def test_gpu_callback_reads_xlas_buffers_and_stream(monkeypatch):
         assert [a.data.ptr for a in arrays] == [1 << 30, (1 << 30) + 4096]
         assert [a.shape for a in arrays] == [(4, 8, 16), (32, 16)]
         assert [a.strides for a in arrays] == [(512, 64, 4), (64, 4)] and all(a.dtype == numpy.float32 for a in arrays)
+
+
+def test_host_buffers_take_the_numpy_path_and_device_errors_surface():
+    """The CPU client's buffers (DLPack device kDLCPU) are NumPy arrays with no stream; device buffers whose
+    context cannot give a stream raise that error instead of silently taking the NumPy path."""
+    class HostBuffer:
+        def __init__(self, values):
+            self.values = values
+
+        def __dlpack_device__(self):
+            return (1, 0)
+
+        def __array__(self, dtype=None, copy=None):
+            return self.values
+
+    class DeviceBuffer(HostBuffer):
+        def __dlpack_device__(self):
+            return (2, 0)
+
+    class NoStream:
+        @property
+        def stream(self):
+            raise RuntimeError("stream not available")
+
+    values = numpy.arange(6, dtype=numpy.float32).reshape(2, 3)
+    arrays, stream, device = cj._on_device(NoStream(), [HostBuffer(values)])
+    assert stream is None and device is None and arrays[0] is values
+    with pytest.raises(RuntimeError, match="stream not available"):
+        cj._on_device(NoStream(), [DeviceBuffer(values)])
