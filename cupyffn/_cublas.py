@@ -19,6 +19,7 @@ OP_T = 1
 POINTER_MODE_DEVICE = 1
 DEFAULT_MATH = 0
 COMPUTE_32F = 68
+COMPUTE_32F_FAST_TF32 = 77  # fp32 operands rounded to TF32 on the tensor cores, fp32 accumulation
 GEMM_DEFAULT = -1
 # cudaDataType (library_types.h)
 R_32F = 0
@@ -96,6 +97,9 @@ def library():
             "cublasGetVersion_v2": [vp, ctypes.POINTER(i32)],
             "cublasGemmEx": [vp, i32, i32, i32, i32, i32, vp, vp, i32, i32, vp, i32, i32, vp, vp, i32, i32,
                              i32, i32],
+            "cublasGemmStridedBatchedEx": [vp, i32, i32, i32, i32, i32, vp, vp, i32, i32, ctypes.c_longlong,
+                                           vp, i32, i32, ctypes.c_longlong, vp, vp, i32, i32,
+                                           ctypes.c_longlong, i32, i32, i32],
         }
         for name, argtypes in prototypes.items():
             fn = getattr(lib, name)
@@ -173,11 +177,12 @@ class Gemm:
     Row-major matrices are column-major transposes, so this issues ``C^T = op(B)^T op(A)^T``.
     `a_trans` means A is stored as its transpose, a row-major [K, M] with row stride `lda`;
     likewise `b_trans` for B ([N, K]). Pointers are ctypes fields the plan rewrites per call.
-    alpha and beta are device pointers (the handles use device pointer mode).
+    alpha and beta are device pointers (the handles use device pointer mode). `compute`: the cublasComputeType
+    (COMPUTE_32F, or COMPUTE_32F_FAST_TF32 for fp32 operands on the TF32 tensor cores).
     """
 
     def __init__(self, m, n, k, a_type, b_type, c_type, a_trans=False, b_trans=False,
-                 lda=None, ldb=None, ldc=None, name="gemm"):
+                 lda=None, ldb=None, ldc=None, name="gemm", compute=COMPUTE_32F):
         vp, i32 = ctypes.c_void_p, ctypes.c_int
         self.name = name
         self.m, self.n, self.k = m, n, k
@@ -190,7 +195,7 @@ class Gemm:
         self._args = (self.handle, i32(OP_T if b_trans else OP_N), i32(OP_T if a_trans else OP_N),
                       i32(n), i32(m), i32(k), self.alpha, self.b, i32(b_type), self.ldb,
                       self.a, i32(a_type), self.lda, self.beta, self.c, i32(c_type), self.ldc,
-                      i32(COMPUTE_32F), i32(GEMM_DEFAULT))
+                      i32(compute), i32(GEMM_DEFAULT))
 
     def __call__(self, handle):
         self.handle.value = handle.ptr.value

@@ -1,0 +1,257 @@
+"""Where the time of a small-T backward goes, and what the alternatives to its GEMMs cost (GPU only):
+
+    PYTHONPATH=. python3 tools/small_t.py [--tokens 256,512,1024] [--reps 20] [--out PATH]
+
+  1. each backward GEMM (D = 1536, H = 6144, row-major as the engine issues them, _precision.GEMMS) as
+     cublasGemmEx on fp16 operands (the tf32 plan's f16s form) and on the fp32 operands with
+     CUBLAS_COMPUTE_32F_FAST_TF32 (TF32 tensor cores, no conversion pass);
+  2. GEMM3 (M = T, N = D, K = H: at T = 256 only 24 output tiles of 128 x 128 for 132 SMs) split along K
+     into S slices as one cublasGemmStridedBatchedEx into fp32 partials, then the partials summed
+     (cupy.sum over the slice axis): both parts timed, fp16 and TF32;
+  3. the kernel timeline of one tf32 plan call (CUPTI activity records, L2 flushed before the call):
+     every kernel's stream, start and duration, the host's API calls that launched them.
+
+Protocol for 1 and 2: fresh random operands (normal, weights 0.02 N(0, 1) as the benchmark's), the L2
+flushed (256 MiB written) before each sample, CUDA events around the call only, median of --reps after
+3 warm-ups. Each result is checked once against a float64 product of the same fp32 data (rel. L2, output
+NaN-poisoned before the call). Results: JSON at --out (default $OUT/small_t.json, OUT or .).
+"""
+
+import argparse
+import ctypes
+import os
+import statistics
+import sys
+
+import numpy
+
+from _json_out import save_json  # tools/_json_out.py (the script's folder is on sys.path)
+
+D, H = 1536, 6144
+SPLITS = (2, 3, 4, 6, 8)
+
+
+def gemm_layout(g, T):
+    """(M, N, K, a_trans) of backward GEMM g, row-major C[M,N] = op(A) @ B[K,N] (cupyffn/_precision.py)."""
+    return {"gemm1": (T, H, D, False), "gemm2": (D, H, T, True),
+            "gemm3": (T, D, H, False), "gemm4": (H, D, T, True)}[g]
+
+
+def rel_l2(x, ref):
+    x, ref = numpy.asarray(x, numpy.float64), numpy.asarray(ref, numpy.float64)
+    return float(numpy.linalg.norm(x - ref) / numpy.linalg.norm(ref))
+
+
+class Bench:
+    def __init__(self, reps):
+        import cupy
+
+        from cupyffn import _cublas
+
+        self.cupy, self.cb, self.reps = cupy, _cublas, reps
+        self.flush_buf = cupy.empty(256 << 20, dtype=cupy.uint8)
+        self.handle = _cublas.acquire(cupy.cuda.Device().id)
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.handle.bind(self.stream.ptr)
+        self.consts = cupy.asarray([0.0, 1.0], dtype=cupy.float32)
+        self.rng = numpy.random.default_rng(7)
+
+    def time(self, run):
+        cupy = self.cupy
+        with self.stream:
+            for _ in range(3):
+                run()
+            samples = []
+            for _ in range(self.reps):
+                self.flush_buf.fill(0)
+                a, b = cupy.cuda.Event(), cupy.cuda.Event()
+                a.record(self.stream)
+                run()
+                b.record(self.stream)
+                b.synchronize()
+                samples.append(cupy.cuda.get_elapsed_time(a, b))
+        return statistics.median(samples)
+
+    def operands(self, g, T):
+        """fp32 A (as stored: [K, M] if a_trans) and B [K, N] with the benchmark's scales."""
+        m, n, k, a_trans = gemm_layout(g, T)
+        a_shape = (k, m) if a_trans else (m, k)
+        a = self.rng.standard_normal(a_shape, dtype=numpy.float32)
+        b = self.rng.standard_normal((k, n), dtype=numpy.float32)
+        if g in ("gemm1", "gemm3"):
+            b *= numpy.float32(0.02)  # the weight
+        return a, b
+
+    def gemm(self, a, b, m, n, k, a_trans, dtype, compute):
+        """A prebuilt _cublas.Gemm over device copies of a, b in `dtype`, and its output."""
+        cupy, cb = self.cupy, self.cb
+        code = cb.R_16F if dtype == numpy.float16 else cb.R_32F
+        da, db = cupy.asarray(a.astype(dtype)), cupy.asarray(b.astype(dtype))
+        c = cupy.full((m, n), numpy.nan, dtype=cupy.float32)
+        plan = cb.Gemm(m, n, k, code, code, cb.R_32F, a_trans=a_trans, compute=compute, name="small_t")
+        plan.a.value, plan.b.value, plan.c.value = da.data.ptr, db.data.ptr, c.data.ptr
+        plan.alpha.value, plan.beta.value = self.consts.data.ptr + 4, self.consts.data.ptr
+        return (lambda: plan(self.handle)), c, (da, db)
+
+    def split_k(self, a, b, m, n, k, s, dtype, compute):
+        """GEMM3's form split along K into s slices (one strided-batched call into partials [s, m, n]),
+        then summed; returns (gemm only, gemm + sum, output)."""
+        cupy, cb = self.cupy, self.cb
+        code = cb.R_16F if dtype == numpy.float16 else cb.R_32F
+        da, db = cupy.asarray(a.astype(dtype)), cupy.asarray(b.astype(dtype))
+        kc = k // s
+        parts = cupy.full((s, m, n), numpy.nan, dtype=cupy.float32)
+        c = cupy.full((m, n), numpy.nan, dtype=cupy.float32)
+        lib = cb.library()
+        i32, i64 = ctypes.c_int, ctypes.c_longlong
+        one, zero = ctypes.c_void_p(self.consts.data.ptr + 4), ctypes.c_void_p(self.consts.data.ptr)
+        # row-major C[m,n] = A[m,k] @ B[k,n] is column-major C^T = B^T A^T: cuBLAS's A is our B.
+        args = (self.handle.ptr, i32(cb.OP_N), i32(cb.OP_N), i32(n), i32(m), i32(kc), one,
+                ctypes.c_void_p(db.data.ptr), i32(code), i32(n), i64(kc * n),
+                ctypes.c_void_p(da.data.ptr), i32(code), i32(k), i64(kc),
+                zero, ctypes.c_void_p(parts.data.ptr), i32(cb.R_32F), i32(n), i64(m * n),
+                i32(s), i32(compute), i32(cb.GEMM_DEFAULT))
+
+        def gemm():
+            cb.check(lib.cublasGemmStridedBatchedEx(*args), "cublasGemmStridedBatchedEx")
+
+        def both():
+            gemm()
+            cupy.sum(parts, axis=0, out=c)
+        return gemm, both, c, (da, db, parts)
+
+
+def part_gemms(bench, tokens, results):
+    cb = bench.cb
+    forms = (("f16", numpy.float16, cb.COMPUTE_32F), ("tf32", numpy.float32, cb.COMPUTE_32F_FAST_TF32))
+    for T in tokens:
+        for g in ("gemm1", "gemm2", "gemm3", "gemm4"):
+            m, n, k, a_trans = gemm_layout(g, T)
+            a, b = bench.operands(g, T)
+            ref = (a.astype(numpy.float64).T if a_trans else a.astype(numpy.float64)) @ b.astype(numpy.float64)
+            for form, dtype, compute in forms:
+                run, c, keep = bench.gemm(a, b, m, n, k, a_trans, dtype, compute)
+                with bench.stream:
+                    run()
+                bench.stream.synchronize()
+                err = rel_l2(c.get(), ref)
+                ms = bench.time(run)
+                row = {"part": "gemm", "T": T, "gemm": g, "form": form, "ms": ms, "rel_l2": err,
+                       "tflops": 2 * m * n * k / ms / 1e9}
+                results.append(row)
+                print(f"T={T:5d} {g} {form:5s} {ms:8.4f} ms {row['tflops']:6.1f} TFLOP/s rel.L2 {err:.1e}", flush=True)
+            if g != "gemm3":
+                continue
+            for form, dtype, compute in forms:
+                for s in SPLITS:
+                    if k % (8 * s):
+                        continue
+                    gemm, both, c, keep = bench.split_k(a, b, m, n, k, s, dtype, compute)
+                    with bench.stream:
+                        both()
+                    bench.stream.synchronize()
+                    err = rel_l2(c.get(), ref)
+                    ms_gemm, ms_both = bench.time(gemm), bench.time(both)
+                    results.append({"part": "split_k", "T": T, "gemm": g, "form": form, "splits": s,
+                                    "ms_gemm": ms_gemm, "ms": ms_both, "rel_l2": err})
+                    print(f"T={T:5d} {g} {form:5s} split {s}: gemm {ms_gemm:.4f} + sum = {ms_both:.4f} ms "
+                          f"rel.L2 {err:.1e}", flush=True)
+
+
+def part_timeline(tokens, results, iters=8):
+    """Kernel records of the tf32 plan's calls (the `iters // 2`-th call is kept), L2 flushed before each."""
+    import cupy
+    from cupti import cupti
+
+    import cupyffn
+    from cupyffn import workloads as W
+
+    K = cupti.ActivityKind
+    kernels, apis = [], []
+
+    def requested():
+        return 8 << 20, 0
+
+    def completed(records):
+        for a in records:
+            if a.kind == K.CONCURRENT_KERNEL:
+                kernels.append((a.correlation_id, a.start, a.end, str(a.name), int(a.stream_id)))
+            elif a.kind in (K.RUNTIME, K.DRIVER):
+                apis.append((a.correlation_id, a.start, a.end))
+
+    flush = cupy.empty(256 << 20, dtype=cupy.uint8)
+    for T in tokens:
+        inputs = W.make_inputs((T,), xp=cupy, seed=11)
+        args = [inputs[n] for n in W.INPUT_NAMES]
+        out = (cupy.empty((T, D), cupy.float32), cupy.empty((H, D), cupy.float32), cupy.empty((D, H), cupy.float32))
+        plan = cupyffn.GeluFFNBackward(T, D, H, precision="tf32")
+        stream = cupy.cuda.Stream(non_blocking=True)
+        for _ in range(3):
+            plan(*args, out=out, stream=stream)
+        stream.synchronize()
+        kernels.clear()
+        apis.clear()
+        windows = []
+        enabled = [K.CONCURRENT_KERNEL, K.RUNTIME, K.DRIVER]
+        for k in enabled:
+            cupti.activity_enable(k)
+        cupti.activity_register_callbacks(requested, completed)
+        try:
+            for _ in range(iters):
+                with stream:
+                    flush.fill(0)
+                stream.synchronize()
+                t0 = cupti.get_timestamp()
+                plan(*args, out=out, stream=stream)
+                t1 = cupti.get_timestamp()
+                stream.synchronize()
+                windows.append((t0, t1))
+            cupti.activity_flush_all(0)
+        finally:
+            for k in enabled:
+                cupti.activity_disable(k)
+        plan.close()
+        t0, t1 = windows[iters // 2]
+        launch = {corr: (s, e) for corr, s, e in apis if t0 <= s <= t1}
+        mine = sorted((s, e, name, sid, launch[corr]) for corr, s, e, name, sid in kernels if corr in launch)
+        base = mine[0][0]
+        rows = [{"kernel": name[:60], "stream": sid, "start_us": (s - base) / 1e3, "us": (e - s) / 1e3,
+                 "launched_at_us": (ls - t0) / 1e3} for s, e, name, sid, (ls, _) in mine]
+        span = (max(r[1] for r in mine) - base) / 1e3
+        results.append({"part": "timeline", "T": T, "span_us": span, "host_us": (t1 - t0) / 1e3,
+                        "first_launch_to_first_start_us": (base - mine[0][4][0]) / 1e3, "kernels": rows})
+        print(f"T={T} tf32 plan: span {span:.1f} us, host call {(t1 - t0) / 1e3:.1f} us")
+        for r in rows:
+            print(f"   stream {r['stream']:3d} launched {r['launched_at_us']:7.1f}  start {r['start_us']:7.1f}  "
+                  f"{r['us']:7.1f} us  {r['kernel']}")
+    try:
+        cupti.finalize()
+    except Exception:
+        pass
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default="256,512,1024", help="comma-separated token counts")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--parts", default="gemms,timeline", help="comma-separated: gemms, timeline")
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "small_t.json"))
+    args = parser.parse_args(argv)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    parts = args.parts.split(",")
+    import cupy
+
+    results = []
+    meta = {"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), "tokens": tokens,
+            "reps": args.reps, "command": " ".join(sys.argv), "results": results}
+    try:
+        if "gemms" in parts:
+            part_gemms(Bench(args.reps), tokens, results)
+        if "timeline" in parts:
+            part_timeline(tokens, results)
+    finally:
+        save_json(meta, args.out)
+
+
+if __name__ == "__main__":
+    main()
