@@ -9,7 +9,11 @@
      into S slices as one cublasGemmStridedBatchedEx into fp32 partials, then the partials summed
      (cupy.sum over the slice axis): both parts timed, fp16 and TF32;
   3. the kernel timeline of one tf32 plan call (CUPTI activity records, L2 flushed before the call):
-     every kernel's stream, start and duration, the host's API calls that launched them.
+     every kernel's stream, start and duration, the host's API calls that launched them; the call as it
+     is and with the engine's serial enqueue (everything on the caller's stream, no events), each with
+     input sets rotated so that no address repeats within --rotate calls;
+  4. host cost: microseconds per plan call without CUPTI (queue drained first), and per enqueue of each
+     GEMM as cublasGemmEx vs cublasLtMatmul (cupyffn._cublaslt.LtMatmul) at the call's shapes.
 
 Protocol for 1 and 2: fresh random operands (normal, weights 0.02 N(0, 1) as the benchmark's), the L2
 flushed (256 MiB written) before each sample, CUDA events around the call only, median of --reps after
@@ -158,8 +162,17 @@ def part_gemms(bench, tokens, results):
                           f"rel.L2 {err:.1e}", flush=True)
 
 
-def part_timeline(tokens, results, iters=8):
-    """Kernel records of the tf32 plan's calls (the `iters // 2`-th call is kept), L2 flushed before each."""
+def _api_name(cupti, kind, cbid):
+    try:
+        domain = cupti.CallbackDomain.RUNTIME_API if kind == cupti.ActivityKind.RUNTIME else cupti.CallbackDomain.DRIVER_API
+        return str(cupti.get_callback_name(domain, cbid))
+    except Exception:
+        return f"{'rt' if kind == cupti.ActivityKind.RUNTIME else 'drv'}:{cbid}"
+
+
+def part_timeline(tokens, results, iters=8, rotate=4):
+    """Kernel records of the tf32 plan's calls (the `iters // 2`-th call is kept), L2 flushed before each,
+    the inputs rotated over `rotate` sets; the plan's own enqueue and its serial one."""
     import cupy
     from cupti import cupti
 
@@ -177,64 +190,140 @@ def part_timeline(tokens, results, iters=8):
             if a.kind == K.CONCURRENT_KERNEL:
                 kernels.append((a.correlation_id, a.start, a.end, str(a.name), int(a.stream_id)))
             elif a.kind in (K.RUNTIME, K.DRIVER):
-                apis.append((a.correlation_id, a.start, a.end))
+                apis.append((a.correlation_id, a.start, a.end, a.kind, int(a.cbid)))
 
     flush = cupy.empty(256 << 20, dtype=cupy.uint8)
     for T in tokens:
-        inputs = W.make_inputs((T,), xp=cupy, seed=11)
-        args = [inputs[n] for n in W.INPUT_NAMES]
+        pool = []
+        for k in range(rotate):
+            inputs = W.make_inputs((T,), xp=cupy, seed=11 + k)
+            pool.append([inputs[n] for n in W.INPUT_NAMES])
         out = (cupy.empty((T, D), cupy.float32), cupy.empty((H, D), cupy.float32), cupy.empty((D, H), cupy.float32))
         plan = cupyffn.GeluFFNBackward(T, D, H, precision="tf32")
         stream = cupy.cuda.Stream(non_blocking=True)
-        for _ in range(3):
-            plan(*args, out=out, stream=stream)
-        stream.synchronize()
-        kernels.clear()
-        apis.clear()
-        windows = []
-        enabled = [K.CONCURRENT_KERNEL, K.RUNTIME, K.DRIVER]
-        for k in enabled:
-            cupti.activity_enable(k)
-        cupti.activity_register_callbacks(requested, completed)
-        try:
-            for _ in range(iters):
-                with stream:
-                    flush.fill(0)
-                stream.synchronize()
-                t0 = cupti.get_timestamp()
-                plan(*args, out=out, stream=stream)
-                t1 = cupti.get_timestamp()
-                stream.synchronize()
-                windows.append((t0, t1))
-            cupti.activity_flush_all(0)
-        finally:
+        engine = plan._engine
+
+        def serial(i):  # the same call with the engine's serial enqueue (set_io through a normal call first)
+            plan(*pool[i % rotate], out=out, stream=stream)
+            stream.synchronize()
+            return lambda: engine.enqueue(stream.ptr, serial=True)
+
+        for mode in ("streams", "serial"):
+            for i in range(rotate):
+                plan(*pool[i], out=out, stream=stream)
+            stream.synchronize()
+            kernels.clear()
+            apis.clear()
+            windows = []
+            enabled = [K.CONCURRENT_KERNEL, K.RUNTIME, K.DRIVER]
             for k in enabled:
-                cupti.activity_disable(k)
+                cupti.activity_enable(k)
+            cupti.activity_register_callbacks(requested, completed)
+            try:
+                for i in range(iters):
+                    run = serial(i) if mode == "serial" else (lambda i=i: plan(*pool[i % rotate], out=out, stream=stream))
+                    with stream:
+                        flush.fill(0)
+                    stream.synchronize()
+                    t0 = cupti.get_timestamp()
+                    run()
+                    t1 = cupti.get_timestamp()
+                    stream.synchronize()
+                    windows.append((t0, t1))
+                cupti.activity_flush_all(0)
+            finally:
+                for k in enabled:
+                    cupti.activity_disable(k)
+            spans = []
+            for w, (t0, t1) in enumerate(windows):
+                launch = {a[0]: a for a in apis if t0 <= a[1] <= t1}
+                mine = sorted((s_, e, name, sid, launch[corr]) for corr, s_, e, name, sid in kernels if corr in launch)
+                spans.append(((max(m[1] for m in mine) - mine[0][0]) / 1e3, w, mine, launch))
+            spans.sort()
+            span, w, mine, launch = spans[len(spans) // 2]  # the median iteration
+            t0, t1 = windows[w]
+            base = mine[0][0]
+            rows = [{"kernel": name[:60], "stream": sid, "start_us": (s_ - base) / 1e3, "us": (e - s_) / 1e3,
+                     "launched_at_us": (la[1] - t0) / 1e3} for s_, e, name, sid, la in mine]
+            calls = sorted(launch.values(), key=lambda a: a[1])
+            api_rows = [{"api": _api_name(cupti, kind, cbid), "at_us": (st - t0) / 1e3, "us": (en - st) / 1e3}
+                        for _, st, en, kind, cbid in calls]
+            results.append({"part": "timeline", "T": T, "mode": mode, "rotate": rotate, "span_us": span,
+                            "spans_us": sorted(x[0] for x in spans), "host_us": (t1 - t0) / 1e3,
+                            "api_calls": len(api_rows), "api_us": sum(r["us"] for r in api_rows),
+                            "kernels": rows, "apis": api_rows})
+            print(f"T={T} tf32 plan, {mode}: span median {span:.1f} us (min {spans[0][0]:.1f}, max {spans[-1][0]:.1f}), "
+                  f"host call {(t1 - t0) / 1e3:.1f} us, {len(api_rows)} API calls, {sum(r['us'] for r in api_rows):.1f} us in them")
+            for r in rows:
+                print(f"   stream {r['stream']:3d} launched {r['launched_at_us']:7.1f}  start {r['start_us']:7.1f}  "
+                      f"{r['us']:7.1f} us  {r['kernel']}")
         plan.close()
-        t0, t1 = windows[iters // 2]
-        launch = {corr: (s, e) for corr, s, e in apis if t0 <= s <= t1}
-        mine = sorted((s, e, name, sid, launch[corr]) for corr, s, e, name, sid in kernels if corr in launch)
-        base = mine[0][0]
-        rows = [{"kernel": name[:60], "stream": sid, "start_us": (s - base) / 1e3, "us": (e - s) / 1e3,
-                 "launched_at_us": (ls - t0) / 1e3} for s, e, name, sid, (ls, _) in mine]
-        span = (max(r[1] for r in mine) - base) / 1e3
-        results.append({"part": "timeline", "T": T, "span_us": span, "host_us": (t1 - t0) / 1e3,
-                        "first_launch_to_first_start_us": (base - mine[0][4][0]) / 1e3, "kernels": rows})
-        print(f"T={T} tf32 plan: span {span:.1f} us, host call {(t1 - t0) / 1e3:.1f} us")
-        for r in rows:
-            print(f"   stream {r['stream']:3d} launched {r['launched_at_us']:7.1f}  start {r['start_us']:7.1f}  "
-                  f"{r['us']:7.1f} us  {r['kernel']}")
     try:
         cupti.finalize()
     except Exception:
         pass
 
 
+def part_host(tokens, results, calls=200):
+    """Host microseconds per plan call (CUPTI off) and per GEMM enqueue, gemmEx vs cuBLASLt."""
+    import time
+
+    import cupy
+
+    import cupyffn
+    from cupyffn import _cublas, _cublaslt
+    from cupyffn import workloads as W
+
+    def per_call(run, stream):
+        for _ in range(10):
+            run()
+        samples = []
+        for _ in range(calls):
+            stream.synchronize()
+            t0 = time.perf_counter()
+            run()
+            samples.append(time.perf_counter() - t0)
+        stream.synchronize()
+        return statistics.median(samples) * 1e6
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    for T in tokens:
+        pool = [[W.make_inputs((T,), xp=cupy, seed=40 + k)[n] for n in W.INPUT_NAMES] for k in range(2)]
+        out = (cupy.empty((T, D), cupy.float32), cupy.empty((H, D), cupy.float32), cupy.empty((D, H), cupy.float32))
+        plan = cupyffn.GeluFFNBackward(T, D, H, precision="tf32")
+        same = per_call(lambda: plan(*pool[0], out=out, stream=stream), stream)
+        flip = [0]
+
+        def alternating():
+            flip[0] ^= 1
+            plan(*pool[flip[0]], out=out, stream=stream)
+        other = per_call(alternating, stream)
+        plan.close()
+        row = {"part": "host", "T": T, "plan_call_same_inputs_us": same, "plan_call_alternating_inputs_us": other}
+        handle = _cublas.acquire(cupy.cuda.Device().id)
+        handle.bind(stream.ptr)
+        consts = cupy.asarray([0.0, 1.0], dtype=cupy.float32)
+        for g in ("gemm1", "gemm2", "gemm3", "gemm4"):
+            m, n, k, a_trans = gemm_layout(g, T)
+            a = cupy.ones((k, m) if a_trans else (m, k), cupy.float16)
+            b = cupy.ones((k, n), cupy.float16)
+            c = cupy.empty((m, n), cupy.float32)
+            for label, cls in (("gemmEx", _cublas.Gemm), ("lt", _cublaslt.LtMatmul)):
+                kw = {"device_id": cupy.cuda.Device().id} if cls is _cublaslt.LtMatmul else {}
+                p = cls(m, n, k, _cublas.R_16F, _cublas.R_16F, _cublas.R_32F, a_trans=a_trans, name=g, **kw)
+                p.a.value, p.b.value, p.c.value = a.data.ptr, b.data.ptr, c.data.ptr
+                p.alpha.value, p.beta.value = consts.data.ptr + 4, consts.data.ptr
+                row[f"{g}_{label}_us"] = per_call(lambda: p(handle), stream)
+        _cublas.release(handle)
+        results.append(row)
+        print(f"T={T} host: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items() if k.endswith("_us")), flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="256,512,1024", help="comma-separated token counts")
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--parts", default="gemms,timeline", help="comma-separated: gemms, timeline")
+    parser.add_argument("--parts", default="gemms,timeline,host", help="comma-separated: gemms, timeline, host")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "small_t.json"))
     args = parser.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -249,6 +338,8 @@ def main(argv=None):
             part_gemms(Bench(args.reps), tokens, results)
         if "timeline" in parts:
             part_timeline(tokens, results)
+        if "host" in parts:
+            part_host(tokens, results)
     finally:
         save_json(meta, args.out)
 
