@@ -41,7 +41,7 @@ _ALIGN = 256
 #: T (first <= T <= last) at which the tf32 plan fuses GEMM1 + dgelu (module docstring). Whole calls on the H200,
 #: fused / cuBLAS route, same run: 0.92-0.95 and 0.87-0.97 at T = 1024 (two runs), 1.03-1.08 at 2048-4096, 1.00 and
 #: 1.10 at 512 (results/history/nvidia-h200-fused-all-T-cdd957e.json, nvidia-h200-7472e86.json).
-FUSED_GEMM1_TOKENS = (513, 1024)
+FUSED_GEMM1_TOKENS = {P.FMT_F16S: (513, 1024), P.FMT_BF16X3: (1, 0)}
 
 
 def _align(n):
@@ -182,14 +182,16 @@ class GpuEngine:
             self.fmt, self.planes = self.precision.fmt, self.precision.planes
 
     def _fused_gemm1_ok(self):
-        """GEMM1 + dgelu as one sm90 kernel (module docstring): the tf32 plan's fp16 operands, a compute
-        capability 9.0 GPU, rows of 16-byte multiples for the TMA unit (D, H multiples of 8)."""
+        """GEMM1 + dgelu as one sm90 kernel (module docstring): the tf32 plan's fp16 or the bf16x3 plan's bf16
+        operands, a compute capability 9.0 GPU, rows of 16-byte multiples for the TMA unit (D, H multiples of 8)."""
         choice = os.environ.get("CUPYFFN_SM90_GEMM1", "auto")
         if choice not in ("0", "1", "auto"):
             raise ValueError(f"CUPYFFN_SM90_GEMM1 must be 0, 1 or auto, got {choice!r}")
-        first, last = FUSED_GEMM1_TOKENS
+        if self.fmt not in FUSED_GEMM1_TOKENS:
+            return False
+        first, last = FUSED_GEMM1_TOKENS[self.fmt]
         wanted = choice == "1" or (choice == "auto" and first <= self.T <= last)
-        return (wanted and self.fmt == P.FMT_F16S and self.T > 0 and self.D % 8 == 0 and self.H % 8 == 0
+        return (wanted and self.T > 0 and self.D % 8 == 0 and self.H % 8 == 0
                 and self.T < 2 ** 31 and _sm90_gemm.device_supported(self.device_id))
 
     @property
@@ -439,19 +441,28 @@ class GpuEngine:
         self._dgelu_rescue = self._dgelu_launch(kernel, min(grid, 2 * sms), rescue=1) if f16 else None
 
     def _build_fused_gemm1(self):
-        """The fused GEMM1 + dgelu (gathering and rescue launches) and the decision between them (module docstring)."""
+        """The fused GEMM1 + dgelu (module docstring). tf32: its gathering and rescue launches and the decision
+        between them; bf16x3: one launch (no scale to decide)."""
+        # A: grad_output [T, planes * D]; B: weight2 [planes * D, H] as stored ("kn"); out: grad_linear1
+        # [T, planes * H] (tf32: one fp16 plane; bf16x3: K tripled, planes (hi, lo, hi) side by side)
+        p = self.planes
+        where = (self._addr("grad_output"), p * self.D, self._addr("weight2"), self.H, "kn",
+                 self._addr("grad_linear1"), p * self.H, self.T, self.H, p * self.D)
+        self._dgelu = self._dgelu_rescue = None
+        if self.fmt == P.FMT_BF16X3:
+            self._fused = _sm90_gemm.DgeluLaunch(*where, state_ptr=None, consts_ptr=None, acc_scale_ptr=None, slot=0,
+                                                 rescue=False, alpha_mask=0, device_id=self.device_id,
+                                                 epi=_sm90_gemm.EPI_DGELU_BF16X3)
+            self._fused_rescue = self._decide = None
+            return
         slot = P.SLOT["grad_linear1"]
         common = dict(state_ptr=self._state.data.ptr, consts_ptr=self._consts.data.ptr,
                       acc_scale_ptr=self._consts.data.ptr + 4 * 2, slot=slot, device_id=self.device_id)
-        # A: grad_output fp16 [T, D]; B: weight2 fp16 [D, H] as stored ("kn"); out: grad_linear1 fp16 [T, H]
-        where = (self._addr("grad_output"), self.D, self._addr("weight2"), self.H, "kn", self._addr("grad_linear1"),
-                 self.H, self.T, self.H, self.D)
         self._fused = _sm90_gemm.DgeluLaunch(*where, rescue=False, alpha_mask=0, **common)
         self._fused_rescue = _sm90_gemm.DgeluLaunch(*where, rescue=True, alpha_mask=0b1100, **common)
         decide = _kernels.get_function("dgelu", "f16_decide_kernel", self.device_id)
         self._decide = _kernels.KernelLaunch(decide, ctypes.c_void_p(self._state.data.ptr), ctypes.c_int(slot))
         self._decide.block = 32
-        self._dgelu = self._dgelu_rescue = None
 
     def _ensure_ieee_gelu(self):
         """ieee memory mode: GEMM2 reads gelu_out in fp32, so recompute it into scratch (built on first use)."""
@@ -589,7 +600,8 @@ class GpuEngine:
                                   and (job.part_stride * dst_item) % 16 == 0)
         if self.fused_gemm1:
             for launch in (self._fused, self._fused_rescue):
-                launch.set_activations(l1.ptr, l1.ld, t.ptr if t is not None else 0, t.ld if t is not None else 0)
+                if launch is not None:
+                    launch.set_activations(l1.ptr, l1.ld, t.ptr if t is not None else 0, t.ld if t is not None else 0)
         for launch in (self._dgelu, self._dgelu_rescue):
             if launch is None:
                 continue
@@ -683,9 +695,10 @@ class GpuEngine:
                 wait(S, self._ev_side)  # grad_linear1 overwrites the planes GEMM2 reads
             wait(S, self._ev_b)  # weight1 / hidden_states converted (and their scales final)
             if self.fused_gemm1:
-                self._decide(S)
-                self._fused_rescue(S)
-                mark("f16 rescue")
+                if self._fused_rescue is not None:  # tf32: grad_linear1's exponent decided; rerun if it moved
+                    self._decide(S)
+                    self._fused_rescue(S)
+                    mark("f16 rescue")
             else:
                 self._dgelu(S)
                 mark("dgelu")

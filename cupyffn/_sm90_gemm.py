@@ -1,6 +1,7 @@
 """Launcher of the Hopper (sm_90a) GEMM in ``kernels_cu/gemm_sm90.cu``: C = A @ B^T (B K-major) or A @ B.
 
-The engine runs it as the tf32 plan's fused GEMM1 + dgelu (:class:`DgeluLaunch`, cupyffn/_gpu_engine.py);
+The engine runs it as the fused GEMM1 + dgelu of the tf32 and bf16x3 plans (:class:`DgeluLaunch`,
+cupyffn/_gpu_engine.py);
 the validating functions below are for tests, tools and direct use. What they compute:
 
 * :func:`gemm_tn` -- ``out[M, N] (fp32) = a[M, K] @ b[N, K]^T``, or ``a @ b`` of a b[K, N] (N contiguous, a
@@ -9,8 +10,9 @@ the validating functions below are for tests, tools and direct use. What they co
   shared memory by cp.async during the mainloop where their rows start on 16-byte boundaries, else, or
   with ``epilogue="direct"``, loaded in the epilogue):
   ``out = acc * gelu'(linear1_out, tanh_inner)`` rounded to bf16 (``out.dtype == uint16``, bf16
-  bit patterns) or to fp16 after scaling by a power of two ``alpha`` (``out.dtype == float16``);
-  ``tanh_inner=None`` recomputes t from linear1_out (memory mode).
+  bit patterns), or split into three bf16 planes (hi, lo, hi) side by side in each row (``planes=3``,
+  out [M, 3N]: the bf16x3 plan's grad_linear1), or rounded to fp16 after scaling by a power of two
+  ``alpha`` (``out.dtype == float16``); ``tanh_inner=None`` recomputes t from linear1_out (memory mode).
 
 Operands ``a`` and ``b`` are 16-bit: ``float16`` arrays, or bf16 bit patterns in ``uint16`` arrays
 (CuPy has no bfloat16 dtype). Constraints (checked, ValueError otherwise): K >= 1; a and b contiguous
@@ -69,6 +71,7 @@ OP_BF16 = 1
 EPI_F32 = 0
 EPI_DGELU_BF16 = 1
 EPI_DGELU_F16 = 2
+EPI_DGELU_BF16X3 = 3  # three bf16 planes (hi, lo, hi) side by side in a row: the bf16x3 plan's grad_linear1
 
 #: (block_n, pingpong) schedules: cooperative 128x128 and 128x256 tiles, ping-pong 128x128 (see gemm_sm90.cu).
 CONFIGS = ((128, False), (256, False), (128, True))
@@ -88,7 +91,7 @@ def _variants():
         for op in (OP_F16, OP_BF16):
             for bn, pp in CONFIGS:
                 yield op, bn, EPI_F32, pp, False, bt
-                for epi in (EPI_DGELU_BF16, EPI_DGELU_F16):
+                for epi in (EPI_DGELU_BF16, EPI_DGELU_F16) + ((EPI_DGELU_BF16X3,) if op == OP_BF16 else ()):
                     for staged in (False, True):
                         yield op, bn, epi, pp, staged, bt
 
@@ -453,21 +456,28 @@ def choose_config(m, n, sms):
 
 
 class DgeluLaunch:
-    """A prebuilt fused GEMM1 + dgelu launch with fp16 output and the engine's device-side scales (the
-    "tf32" plan): A [M, K] and B (b_layout) fp16 operands and the output at fixed addresses (tensor maps
-    encoded once), linear1_out / tanh_inner set per call (set_activations: the staged epilogue where their
-    rows allow it, else the direct one). ``rescue``: the rescue launch (see gemm_sm90.cu). No validation
-    here: the engine owns the buffers and checks the shapes once."""
+    """A prebuilt fused GEMM1 + dgelu launch of the engine: A [M, K] and B (b_layout) 16-bit operands and
+    the output at fixed addresses (tensor maps encoded once), linear1_out / tanh_inner set per call
+    (set_activations: the staged epilogue where their rows allow it, else the direct one). No validation
+    here: the engine owns the buffers and checks the shapes once.
+
+    ``epi``: EPI_DGELU_F16 (the "tf32" plan: fp16 operands, fp16 output scaled by the device state's
+    2^state[slot], max |g| gathered into the state unless ``rescue``, the rescue launch of gemm_sm90.cu)
+    or EPI_DGELU_BF16X3 (the bf16x3 plan: bf16 operands with K tripled, the three bf16 planes of the
+    output side by side in each row; no scale: pass state_ptr, consts_ptr, acc_scale_ptr None)."""
 
     def __init__(self, a_ptr, lda, b_ptr, ldb, b_layout, out_ptr, ldc, m, n, k, *, state_ptr, consts_ptr,
-                 acc_scale_ptr, slot, rescue, alpha_mask, device_id):
+                 acc_scale_ptr, slot, rescue, alpha_mask, device_id, epi=EPI_DGELU_F16):
+        if epi not in (EPI_DGELU_F16, EPI_DGELU_BF16X3):
+            raise ValueError(f"epi must be EPI_DGELU_F16 or EPI_DGELU_BF16X3, got {epi!r}")
+        op = OP_F16 if epi == EPI_DGELU_F16 else OP_BF16
         self.block_n, self.pingpong = choose_config(m, n, _kernels.sm_count(device_id))
         # per epilogue (staged: True / direct: False): the function and its dynamic shared memory, looked up once
-        self._variants = {staged: (_kernel(OP_F16, self.block_n, EPI_DGELU_F16, self.pingpong, device_id, staged,
+        self._variants = {staged: (_kernel(op, self.block_n, epi, self.pingpong, device_id, staged,
                                            b_layout).kernel.ptr, launch_smem_bytes(self.block_n, staged))
                           for staged in (True, False)}
-        self.map_a, self.map_b = _operand_maps(OP_F16, a_ptr, lda, b_ptr, ldb, b_layout, m, n, k, self.block_n)
-        gather = state_ptr + 4 * (_kernels.STATE_SLOTS + slot) if not rescue else None
+        self.map_a, self.map_b = _operand_maps(op, a_ptr, lda, b_ptr, ldb, b_layout, m, n, k, self.block_n)
+        gather = state_ptr + 4 * (_kernels.STATE_SLOTS + slot) if state_ptr and not rescue else None
         self.args = GemmArgs(out_ptr, None, None, ldc, 0, 0, m, n, k, 1.0, gather, acc_scale_ptr, state_ptr,
                              consts_ptr, slot, int(rescue), alpha_mask, 1)
         self.grid = _grid(m, n, self.block_n, device_id)
@@ -514,9 +524,11 @@ def gemm_tn(a, b, out, *, block_n=256, pingpong=False, b_layout="nk", stream=Non
 
 
 def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, block_n=256, pingpong=False,
-                  epilogue=None, b_layout="nk", stream=None):
+                  epilogue=None, b_layout="nk", planes=1, stream=None):
     """GEMM1 with the GELU derivative fused: g = (a @ b^T) * gelu'(linear1_out, tanh_inner) in fp32,
-    stored as bf16 bits (out uint16) or as fp16(alpha * g) (out float16); returns out.
+    stored as bf16 bits (out uint16 [M, N]), as three bf16 planes (planes=3: out uint16 [M, 3N], columns
+    [0, N) hi = bf16(g), [N, 2N) lo = bf16(g - hi), [2N, 3N) hi), or as fp16(alpha * g) (out float16);
+    returns out.
 
     linear1_out, tanh_inner: float32 [M, N]; tanh_inner None recomputes it (memory mode). alpha:
     a power of two (exact scaling), only with a float16 out. amax: None, or a 1-element uint32 CuPy
@@ -532,11 +544,17 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, b
     if epilogue is not None and epilogue not in EPILOGUES:
         raise ValueError(f"epilogue must be None or one of {EPILOGUES}, got {epilogue!r}")
     op, m, n, k, lda, ldb = _check_operands(a, b, b_layout)
+    if planes == 3 and op != OP_BF16:
+        raise ValueError(f"planes=3 (bf16x3 planes) needs bf16 operands (uint16 a and b), got {a.dtype}")
     ldx = _check_matrix(linear1_out, "linear1_out", (m, n), numpy.float32)
     ldt = _check_matrix(tanh_inner, "tanh_inner", (m, n), numpy.float32) if tanh_inner is not None else 0
+    if planes not in (1, 3):
+        raise ValueError(f"planes must be 1 or 3 (bf16x3 planes), got {planes!r}")
     out_dtype = getattr(out, "dtype", None)
+    if planes == 3 and out_dtype != numpy.uint16:
+        raise ValueError(f"planes=3 writes bf16 planes: out must be uint16 (bf16 bit patterns), got {out_dtype}")
     if out_dtype == numpy.uint16:
-        epi = EPI_DGELU_BF16
+        epi = EPI_DGELU_BF16 if planes == 1 else EPI_DGELU_BF16X3
         if alpha != 1.0:
             raise ValueError(f"alpha applies to a float16 out only; with bf16 (uint16) out it must be 1.0, got {alpha}")
     elif out_dtype == numpy.float16:
@@ -546,7 +564,7 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, b
     alpha = float(alpha)
     if not (math.isfinite(alpha) and alpha > 0 and math.frexp(alpha)[0] == 0.5 and -126 <= math.frexp(alpha)[1] - 1 <= 127):
         raise ValueError(f"alpha must be a power of two 2^e with -126 <= e <= 127 (a normal float), got {alpha}")
-    ldc = _check_matrix(out, "out", (m, n))
+    ldc = _check_matrix(out, "out", (m, planes * n))
     if amax is not None:
         import cupy
 

@@ -28,6 +28,9 @@
 //                   (fp32 [M, N]); t == nullptr recomputes t from x (memory mode)
 //   kEpiDgeluF16    C = fp16(alpha * acc * gelu'(x, t)), alpha a power of two chosen by the caller, or
 //                   2^state[slot] from the engine's fp16 scale state (the "tf32" plan)
+//   kEpiDgeluBf16x3 g = acc * gelu'(x, t) as three bf16 planes side by side in each row of C: columns
+//                   [0, N) hi = bf16(g), [N, 2N) lo = bf16(g - hi), [2N, 3N) hi again (ldc >= 3N): the
+//                   bf16x3 plan's grad_linear1, the A operand (hi, lo, hi) of GEMM3 and GEMM4 (K tripled)
 //   Both dgelu epilogues can also fold max |g| (finite g, before alpha) into a device word (GemmArgs::amax),
 //   multiply acc by a device scale first (GemmArgs::acc_scale: GEMM1's alpha), and run as the engine's
 //   rescue launch (GemmArgs::rescue; kernels_cu/convert.cu explains gathering and rescue passes).
@@ -54,6 +57,7 @@
 #define kEpiF32 0
 #define kEpiDgeluBf16 1
 #define kEpiDgeluF16 2
+#define kEpiDgeluBf16x3 3
 #define kOpF16 0
 #define kOpBf16 1
 
@@ -323,6 +327,24 @@ __device__ __forceinline__ void store_dgelu_pair(const GemmArgs& args, int r, in
                                                  float out_scale, float& amax) {
   amax = cupyffn::finite_absmax(amax, v0);
   if (pair) amax = cupyffn::finite_absmax(amax, v1);
+  // (32 x 32 -> 64-bit product: the launcher keeps row strides below 2^31; fewer registers than 64 x 64)
+  unsigned short* p = static_cast<unsigned short*>(args.c) + ((long long)r * (int)args.ldc + col);
+  if constexpr (EPI == kEpiDgeluBf16x3) {
+    unsigned short hi0, lo0, hi1, lo1;
+    cupyffn::split_bf16(v0, hi0, lo0);  // the engine's conversion (common.cuh write_operand)
+    cupyffn::split_bf16(v1, hi1, lo1);
+    const int n = args.n;
+    if (pair) {
+      *reinterpret_cast<unsigned*>(p) = cupyffn::pack2(hi0, hi1);
+      *reinterpret_cast<unsigned*>(p + n) = cupyffn::pack2(lo0, lo1);
+      *reinterpret_cast<unsigned*>(p + 2 * n) = cupyffn::pack2(hi0, hi1);
+    } else {
+      p[0] = hi0;
+      p[n] = lo0;
+      p[2 * n] = hi0;
+    }
+    return;
+  }
   unsigned short c0, c1;
   if constexpr (EPI == kEpiDgeluBf16) {
     c0 = cupyffn::bf16_bits(v0);  // the same rounding as the engine's dgelu kernel
@@ -331,8 +353,6 @@ __device__ __forceinline__ void store_dgelu_pair(const GemmArgs& args, int r, in
     c0 = cupyffn::f16_bits(v0 * out_scale);
     c1 = cupyffn::f16_bits(v1 * out_scale);
   }
-  // (32 x 32 -> 64-bit product: the launcher keeps row strides below 2^31; fewer registers than 64 x 64)
-  unsigned short* p = static_cast<unsigned short*>(args.c) + ((long long)r * (int)args.ldc + col);
   if (pair) {
     *reinterpret_cast<unsigned*>(p) = cupyffn::pack2(c0, c1);
   } else {

@@ -1,6 +1,8 @@
-"""GPU: the "tf32" plan with GEMM1 + the GELU derivative as one sm90 kernel (cupyffn/_gpu_engine.py,
-kernels_cu/gemm_sm90.cu) against float64, against the benchmark's own check, and against the same plan
-on the cuBLAS GEMM1 + dgelu pass route (CUPYFFN_SM90_GEMM1=0), on fresh inputs with NaN-poisoned outputs.
+"""GPU: the "tf32" and "bf16x3" plans with GEMM1 + the GELU derivative as one sm90 kernel
+(cupyffn/_gpu_engine.py, kernels_cu/gemm_sm90.cu; tf32: scaled fp16 out, bf16x3: three bf16 planes out)
+against float64, against the benchmark's own check, and against the same plan on the cuBLAS GEMM1 +
+dgelu pass route (CUPYFFN_SM90_GEMM1=0), on fresh inputs with NaN-poisoned outputs. fp16+fp8 below
+T = 2048 is the bf16x3 plan and fuses the same way.
 
 What the cases protect: tile boundaries and partial tiles (T, H not multiples of 128), T = 1, memory
 mode (tanh_inner and gelu_out not given), linear1_out rows off 16-byte boundaries (the direct epilogue),
@@ -19,6 +21,7 @@ pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
 
 CONTRACT = cupyffn.PRECISIONS["tf32"].contract
+FUSING = ("tf32", "bf16x3")  # the plans whose GEMM1 + dgelu the sm90 kernel runs
 
 
 @pytest.fixture(autouse=True)
@@ -37,9 +40,13 @@ def poisoned(dim, hidden, tokens):
             cupy.full((dim, hidden), numpy.nan, cupy.float32))
 
 
-def run(args, tokens, dim, hidden, *, fused, monkeypatch):
+def contract(precision):
+    return cupyffn.PRECISIONS[precision].contract
+
+
+def run(args, tokens, dim, hidden, *, fused, monkeypatch, precision="tf32"):
     monkeypatch.setenv("CUPYFFN_SM90_GEMM1", "1" if fused else "0")
-    plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision="tf32")
+    plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision)
     assert plan.fused_gemm1 == fused
     grads = plan(*args, out=poisoned(dim, hidden, tokens))
     cupy.cuda.Device().synchronize()
@@ -55,20 +62,24 @@ CASES = [  # (T, D, H)
 ]
 
 
+@pytest.mark.parametrize("precision", FUSING + ("fp16+fp8",))
 @pytest.mark.parametrize("memory_mode", [False, True])
 @pytest.mark.parametrize("tokens,dim,hidden", CASES)
-def test_fused_matches_float64_and_the_cublas_route(tokens, dim, hidden, memory_mode, monkeypatch):
+def test_fused_matches_float64_and_the_cublas_route(tokens, dim, hidden, memory_mode, precision, monkeypatch):
+    if precision == "fp16+fp8" and tokens >= 2048:
+        pytest.skip("fp16+fp8 from T = 2048 on converts for its e4m3 pairs: GEMM1 is not fused there")
     args, inputs = make(tokens, dim, hidden, seed=tokens + dim + memory_mode)
     if memory_mode:
         args[5] = args[6] = None  # tanh_inner, gelu_out recomputed
     before = [a.copy() if a is not None else None for a in args]
     ref64 = W.reference(inputs, xp=cupy)
-    _, fused = run(args, tokens, dim, hidden, fused=True, monkeypatch=monkeypatch)
-    _, split = run(args, tokens, dim, hidden, fused=False, monkeypatch=monkeypatch)
+    bound = contract(precision)
+    _, fused = run(args, tokens, dim, hidden, fused=True, monkeypatch=monkeypatch, precision=precision)
+    _, split = run(args, tokens, dim, hidden, fused=False, monkeypatch=monkeypatch, precision=precision)
     for label, f, s, r in zip(W.OUTPUT_NAMES, fused, split, ref64):
         assert bool(cupy.isfinite(f).all()), f"{label}: not every element written"
         e_fused, e_split = W.relative_l2(f, r, xp=cupy), W.relative_l2(s, r, xp=cupy)
-        assert e_fused <= CONTRACT, f"{label}: rel L2 {e_fused:.3g} > {CONTRACT}"
+        assert e_fused <= bound, f"{label}: rel L2 {e_fused:.3g} > {bound}"
         # the same encodings, one rounding of grad_linear1 apart: errors of the same size
         assert e_fused <= 1.5 * e_split + 1e-7, f"{label}: fused {e_fused:.3g} vs cuBLAS route {e_split:.3g}"
     if dim == W.DIM and hidden == W.HIDDEN_DIM:  # the benchmark's own check at official sizes
@@ -81,8 +92,9 @@ def test_fused_matches_float64_and_the_cublas_route(tokens, dim, hidden, memory_
             assert bool((a == b).all()), "an input was modified"
 
 
+@pytest.mark.parametrize("precision", FUSING)
 @pytest.mark.parametrize("extra,offset,pairs", [(2, 0, True), (5, 1, False)])
-def test_rows_off_16_bytes_take_the_direct_epilogue(extra, offset, pairs, monkeypatch):
+def test_rows_off_16_bytes_take_the_direct_epilogue(extra, offset, pairs, precision, monkeypatch):
     """linear1_out / tanh_inner in rows of hidden + extra floats starting `offset` floats in: not on 16-byte
     boundaries, so the fused kernel's direct epilogue, with float pairs (8-byte aligned) or single floats."""
     tokens, dim, hidden = 300, 64, 256
@@ -91,11 +103,11 @@ def test_rows_off_16_bytes_take_the_direct_epilogue(extra, offset, pairs, monkey
         wide = cupy.full((tokens, hidden + extra), numpy.nan, cupy.float32)
         wide[:, offset:offset + hidden] = args[i]
         args[i] = wide[:, offset:offset + hidden]
-    plan, grads = run(args, tokens, dim, hidden, fused=True, monkeypatch=monkeypatch)
+    plan, grads = run(args, tokens, dim, hidden, fused=True, monkeypatch=monkeypatch, precision=precision)
     assert not plan._engine._fused.staged  # the direct epilogue ran
     assert plan._engine._fused.args.xt_pairs == pairs
     for label, g, r in zip(W.OUTPUT_NAMES, grads, W.reference(inputs, xp=cupy)):
-        assert W.relative_l2(g, r, xp=cupy) <= CONTRACT, label
+        assert W.relative_l2(g, r, xp=cupy) <= contract(precision), label
 
 
 def test_rescue_reruns_gemm1_when_the_scale_moves(monkeypatch):
@@ -121,25 +133,27 @@ def test_rescue_reruns_gemm1_when_the_scale_moves(monkeypatch):
             assert W.relative_l2(g, r, xp=cupy) <= CONTRACT, (scale, label, W.relative_l2(g, r, xp=cupy))
 
 
+@pytest.mark.parametrize("precision", FUSING)
 @pytest.mark.parametrize("dim,hidden", [(60, 256), (64, 250)])
-def test_shapes_outside_the_kernel_take_the_cublas_route(dim, hidden, monkeypatch):
+def test_shapes_outside_the_kernel_take_the_cublas_route(dim, hidden, precision, monkeypatch):
     """D or H not a multiple of 8 (rows the TMA unit cannot address): cuBLAS GEMM1 + dgelu, still correct."""
     tokens = 130
     args, inputs = make(tokens, dim, hidden, seed=dim + hidden)
     monkeypatch.setenv("CUPYFFN_SM90_GEMM1", "1")
-    plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision="tf32")
+    plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision)
     assert not plan.fused_gemm1
     grads = plan(*args, out=poisoned(dim, hidden, tokens))
     for label, g, r in zip(W.OUTPUT_NAMES, grads, W.reference(inputs, xp=cupy)):
-        assert W.relative_l2(g, r, xp=cupy) <= CONTRACT, label
+        assert W.relative_l2(g, r, xp=cupy) <= contract(precision), label
 
 
-def test_fused_plan_replays_in_a_cuda_graph(monkeypatch):
+@pytest.mark.parametrize("precision", FUSING)
+def test_fused_plan_replays_in_a_cuda_graph(precision, monkeypatch):
     """Captured once, replayed on new inputs copied into the captured buffers: the replay's outputs are
     the new inputs' gradients (the fused launches and the decision are in the graph, nothing host-side)."""
     tokens, dim, hidden = 640, 128, 512
     monkeypatch.setenv("CUPYFFN_SM90_GEMM1", "1")
-    plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision="tf32")
+    plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision)
     assert plan.fused_gemm1
     args, _ = make(tokens, dim, hidden, seed=1)
     out = poisoned(dim, hidden, tokens)
@@ -161,23 +175,33 @@ def test_fused_plan_replays_in_a_cuda_graph(monkeypatch):
     stream.synchronize()
     for label, g, r in zip(W.OUTPUT_NAMES, out, W.reference(inputs, xp=cupy)):
         assert bool(cupy.isfinite(g).all()), label
-        assert W.relative_l2(g, r, xp=cupy) <= CONTRACT, label
+        assert W.relative_l2(g, r, xp=cupy) <= contract(precision), label
 
 
 def test_default_policy_and_the_override(monkeypatch):
-    """auto (the default): fused for T in FUSED_GEMM1_TOKENS, the cuBLAS route elsewhere (measured faster there
-    over the whole call); 1 forces it, 0 turns it off, anything else is refused with the variable's name."""
+    """auto (the default): fused for T in the plan's FUSED_GEMM1_TOKENS window, the cuBLAS route elsewhere
+    (measured faster there over the whole call); 1 forces it, 0 turns it off, anything else is refused
+    with the variable's name. Plans the kernel does not serve (ieee, fp16+fp8 from T = 2048) never fuse."""
     from cupyffn import _gpu_engine
 
-    first, limit = _gpu_engine.FUSED_GEMM1_TOKENS
     monkeypatch.delenv("CUPYFFN_SM90_GEMM1", raising=False)
-    assert cupyffn.GeluFFNBackward(limit, 64, 256, precision="tf32").fused_gemm1
-    assert cupyffn.GeluFFNBackward(first, 64, 256, precision="tf32").fused_gemm1
-    assert not cupyffn.GeluFFNBackward(first - 1, 64, 256, precision="tf32").fused_gemm1
-    assert not cupyffn.GeluFFNBackward(limit + 1, 64, 256, precision="tf32").fused_gemm1
-    assert not cupyffn.GeluFFNBackward(limit, 64, 256, precision="bf16x3").fused_gemm1  # tf32 only
+    for precision, fmt in (("tf32", _precision.FMT_F16S), ("bf16x3", _precision.FMT_BF16X3)):
+        first, limit = _gpu_engine.FUSED_GEMM1_TOKENS[fmt]
+        if first <= limit:
+            assert cupyffn.GeluFFNBackward(limit, 64, 256, precision=precision).fused_gemm1
+            assert cupyffn.GeluFFNBackward(first, 64, 256, precision=precision).fused_gemm1
+        if first > 1:
+            assert not cupyffn.GeluFFNBackward(first - 1, 64, 256, precision=precision).fused_gemm1
+        assert not cupyffn.GeluFFNBackward(limit + 1, 64, 256, precision=precision).fused_gemm1
+        monkeypatch.setenv("CUPYFFN_SM90_GEMM1", "0")
+        assert not cupyffn.GeluFFNBackward(max(first, 1), 64, 256, precision=precision).fused_gemm1
+        monkeypatch.setenv("CUPYFFN_SM90_GEMM1", "1")
+        assert cupyffn.GeluFFNBackward(limit + 1, 64, 256, precision=precision).fused_gemm1
+        monkeypatch.delenv("CUPYFFN_SM90_GEMM1")
     monkeypatch.setenv("CUPYFFN_SM90_GEMM1", "1")
-    assert cupyffn.GeluFFNBackward(limit + 1, 64, 256, precision="tf32").fused_gemm1
+    assert not cupyffn.GeluFFNBackward(1024, 64, 256, precision="ieee").fused_gemm1
+    assert not cupyffn.GeluFFNBackward(4096, 64, 256, precision="fp16+fp8").fused_gemm1  # its e4m3 pairs
+    assert cupyffn.GeluFFNBackward(1024, 64, 256, precision="fp16+fp8").fused_gemm1  # the bf16x3 plan there
     monkeypatch.setenv("CUPYFFN_SM90_GEMM1", "yes")
     with pytest.raises(ValueError, match="CUPYFFN_SM90_GEMM1"):
         cupyffn.GeluFFNBackward(64, 64, 256, precision="tf32")

@@ -270,6 +270,53 @@ def test_gemm_tn_dgelu(rng, m, n, k, config, out_format, alpha, memory_mode, epi
     assert abs(float(amax.view(cupy.float32)[0]) - exact_max) <= 1e-4 * exact_max, (amax.view(cupy.float32), exact_max)
 
 
+PLANES_CASES = [pytest.param(m, n, k, config, memory, epilogue, b_layout,
+                             id=f"{m}-{n}-{k}-{cid}-{memory}-{epilogue}-{b_layout}",
+                             marks=[QUICK] if (cid, epilogue) in (("bn256", "staged"), ("bn128pp", "direct")) else [])
+                for m, n, k in ((77, 302, 64), (1000, 1032, 384))
+                for config, cid in zip(_sm90_gemm.CONFIGS, CONFIG_IDS)
+                for memory, epilogue, b_layout in ((False, "staged", "kn"), (True, "staged", "nk"),
+                                                   (False, "direct", "kn"))]
+
+
+@pytest.mark.parametrize("m,n,k,config,memory_mode,epilogue,b_layout", PLANES_CASES)
+def test_dgelu_bf16x3_planes(rng, m, n, k, config, memory_mode, epilogue, b_layout):
+    """planes=3 (the bf16x3 plan's grad_linear1): columns [0, N) and [2N, 3N) hold hi, bit-identical to the
+    one-plane bf16 output of the same kernel on the same operands (the same accumulators and rounding);
+    [N, 2N) holds lo = bf16(g - hi), so hi + lo is g to ~2^-16 of the float64 reference; nothing is
+    stored outside [M, 3N]."""
+    block_n, pingpong = config
+    a, a64 = operand(rng, m, k, "bf16")
+    b, b64, _ = b_operand(rng, n, k, "bf16", b_layout)
+    x, t = activations(rng, m, n)
+    tt = None if memory_mode else t
+    kw = dict(block_n=block_n, pingpong=pingpong, epilogue=epilogue, b_layout=b_layout)
+    one, _ = padded(m, n, numpy.uint16, 2, 0x7FC0)
+    _sm90_gemm.gemm_tn_dgelu(a, b, x, tt, one, **kw)
+    out, buf = padded(m, 3 * n, numpy.uint16, 2, 0x7FC0, extra_rows=2, extra_cols=5)
+    amax = cupy.zeros(1, cupy.uint32)
+    _sm90_gemm.gemm_tn_dgelu(a, b, x, tt, out, amax=amax, planes=3, **kw)
+    cupy.cuda.get_current_stream().synchronize()
+    hi, lo, hi2 = out[:, :n], out[:, n:2 * n], out[:, 2 * n:]
+    assert int((hi != one).sum()) == 0, "plane 0 is not the one-plane bf16 result"
+    assert int((hi2 != hi).sum()) == 0, "plane 2 is not plane 0"
+    margin = buf.copy()
+    margin[:m, :3 * n] = 0x7FC0
+    assert bool((margin == 0x7FC0).all()), "stores outside [M, 3N]"
+    x64, t64 = x.astype(cupy.float64), t.astype(cupy.float64)
+    if memory_mode:
+        t64 = cupy.tanh(SQRT_2_OVER_PI * (x64 + 0.044715 * x64 ** 3))
+    ref = (a64 @ b64.T) * gelu_grad64(x64, t64)
+    got = bf16_value(hi).astype(cupy.float64) + bf16_value(lo).astype(cupy.float64)
+    assert bool(cupy.isfinite(got).all())
+    hi_only = rel_l2(bf16_value(hi).astype(cupy.float64), ref)
+    both = rel_l2(got, ref)
+    assert both <= 2.0 ** -15, both  # hi + lo: ~16 significant bits, plus fp32 accumulation (~1e-6)
+    assert both * 20 <= hi_only, (both, hi_only)  # lo carries what hi dropped
+    exact_max = float(cupy.abs(ref).max())
+    assert abs(float(amax.view(cupy.float32)[0]) - exact_max) <= 1e-4 * exact_max
+
+
 # (4100, 3000, 256) bn128pp: 32 x 24 tiles on 132 CTAs, 5-6 tiles per CTA, so each consumer's slot ring
 # is refilled across 3 tiles; N = 3000 ends inside a 16-column group; strides of 3004 / 3004 / 3006.
 EQUAL_CASES = [pytest.param(4100, 3000, 256, config, fmt, memory, id=f"{cid}-{fmt}-{memory}",
@@ -438,6 +485,9 @@ def test_gemm_tn_rejects_bad_input(case, message):
     ("overlap_x", "overlap"),
     ("amax_dtype", "amax"),
     ("epilogue", "epilogue"),
+    ("planes_value", "planes"),
+    ("planes_fp16_operands", "bf16 operands"),
+    ("planes_out_shape", "out must have shape"),
 ])
 def test_gemm_tn_dgelu_rejects_bad_input(case, message):
     a, b = _ok_operands()
@@ -461,8 +511,14 @@ def test_gemm_tn_dgelu_rejects_bad_input(case, message):
         t = cupy.zeros((64, 64), cupy.float16)
     elif case == "overlap_x":
         out = x.view(cupy.float16)[:, :64]
+    planes = {"planes_value": 2, "planes_fp16_operands": 3, "planes_out_shape": 3}.get(case, 1)
+    if case == "planes_fp16_operands":
+        out = cupy.empty((64, 192), cupy.uint16)
+    elif case == "planes_out_shape":
+        a, b = a.view(cupy.uint16), b.view(cupy.uint16)
+        out = cupy.empty((64, 64), cupy.uint16)
     with pytest.raises(ValueError, match=message):
-        _sm90_gemm.gemm_tn_dgelu(a, b, x, t, out, alpha=alpha, amax=amax,
+        _sm90_gemm.gemm_tn_dgelu(a, b, x, t, out, alpha=alpha, amax=amax, planes=planes,
                                  epilogue="tma" if case == "epilogue" else "staged")
 
 
