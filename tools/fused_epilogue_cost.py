@@ -1,0 +1,94 @@
+"""What the dgelu epilogue of the sm90 GEMM costs on top of its mainloop (GPU only):
+
+    PYTHONPATH=. python3 tools/fused_epilogue_cost.py [--tokens 1024,8192] [--reps 10] [--out PATH]
+
+GEMM1 of the backward (M = T, N = H = 6144, B = weight2 as stored, "kn") in the two forms the engine fuses:
+fp16 with K = D = 1536 (the tf32 plan) and bf16 with K = 3D = 4608 (the bf16x3 plan's three planes stacked
+along K). For each: cuBLAS (gemmEx, fp32 out) alone, our kernel with the fp32 epilogue (the mainloop and a
+plain store), and our kernel with the dgelu epilogue writing one 16-bit plane and (bf16) three planes, each
+at the engine's tile config (choose_config). Protocol: random operands, L2 flushed (256 MiB written) before
+each sample, CUDA events around the call, median of --reps after 2 warm-ups. JSON at --out (default
+$OUT/fused_epilogue_cost.json, OUT or .).
+"""
+
+import argparse
+import os
+import statistics
+import sys
+
+from _json_out import save_json  # tools/_json_out.py (the script's folder is on sys.path)
+
+D, H = 1536, 6144
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default="1024,8192")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "fused_epilogue_cost.json"))
+    args = parser.parse_args(argv)
+    import cupy
+    import numpy
+
+    from cupyffn import _cublas, _kernels, _sm90_gemm
+
+    flush = cupy.empty(256 << 20, dtype=cupy.uint8)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    handle = _cublas.acquire(cupy.cuda.Device().id)
+    handle.bind(stream.ptr)
+    consts = cupy.asarray([0.0, 1.0], dtype=cupy.float32)
+    rng = numpy.random.default_rng(5)
+    rows = []
+
+    def timed(run):
+        with stream:
+            for _ in range(2):
+                run()
+            samples = []
+            for _ in range(args.reps):
+                flush.fill(0)
+                a, b = cupy.cuda.Event(), cupy.cuda.Event()
+                a.record(stream)
+                run()
+                b.record(stream)
+                b.synchronize()
+                samples.append(cupy.cuda.get_elapsed_time(a, b))
+        return statistics.median(samples)
+
+    for T in (int(t) for t in args.tokens.split(",")):
+        x = cupy.asarray(rng.standard_normal((T, H), dtype=numpy.float32))
+        t = cupy.tanh(x)
+        for form, k, dtype, code in (("fp16", D, numpy.float16, _cublas.R_16F), ("bf16x3", 3 * D, numpy.uint16,
+                                                                                _cublas.R_16BF)):
+            a32 = rng.standard_normal((T, k), dtype=numpy.float32)
+            b32 = (0.02 * rng.standard_normal((k, H))).astype(numpy.float32)
+            if dtype == numpy.float16:
+                a, b = cupy.asarray(a32.astype(numpy.float16)), cupy.asarray(b32.astype(numpy.float16))
+            else:  # bf16 bits by truncation: the values do not matter for the timing
+                a = cupy.asarray((a32.view(numpy.uint32) >> 16).astype(numpy.uint16))
+                b = cupy.asarray((b32.view(numpy.uint32) >> 16).astype(numpy.uint16))
+            c32 = cupy.empty((T, H), cupy.float32)
+            g = _cublas.Gemm(T, H, k, code, code, _cublas.R_32F, name="gemm1")
+            g.a.value, g.b.value, g.c.value = a.data.ptr, b.data.ptr, c32.data.ptr
+            g.alpha.value, g.beta.value = consts.data.ptr + 4, consts.data.ptr
+            block_n, pp = _sm90_gemm.choose_config(T, H, _kernels.sm_count(cupy.cuda.Device().id))
+            cfg = dict(block_n=block_n, pingpong=pp, b_layout="kn", stream=stream)
+            out1 = cupy.empty((T, H), cupy.float16 if dtype == numpy.float16 else cupy.uint16)
+            cases = [("cublas fp32 out", lambda: g(handle)),
+                     ("ours fp32 out", lambda: _sm90_gemm.gemm_tn(a, b, c32, **cfg)),
+                     ("ours dgelu 1 plane", lambda: _sm90_gemm.gemm_tn_dgelu(a, b, x, t, out1, **cfg))]
+            if form == "bf16x3":
+                out3 = cupy.empty((T, 3 * H), cupy.uint16)
+                cases.append(("ours dgelu 3 planes", lambda: _sm90_gemm.gemm_tn_dgelu(a, b, x, t, out3, planes=3, **cfg)))
+            for name, run in cases:
+                ms = timed(run)
+                row = {"T": T, "form": form, "K": k, "case": name, "block_n": block_n, "ms": ms,
+                       "tflops": 2 * T * H * k / ms / 1e9}
+                rows.append(row)
+                print(f"T={T:5d} {form:6s} K={k:5d} {name:22s} {ms:8.4f} ms {row['tflops']:6.1f} TFLOP/s", flush=True)
+    save_json({"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), "command": " ".join(sys.argv),
+               "reps": args.reps, "results": rows}, args.out)
+
+
+if __name__ == "__main__":
+    main()
