@@ -23,6 +23,8 @@ the cuBLAS route); above, the cuBLAS route's dgelu pass overlaps GEMM2 on the si
 the persistent fused kernel (every SM, one CTA each) does not allow, and that overlap was worth more than
 the fusion (results/history/nvidia-h200-fused-all-T-cdd957e.json, docs/perf-notes.md). The environment
 variable CUPYFFN_SM90_GEMM1 (read when a plan is built) overrides: 0 never, 1 at every T (comparisons).
+The same kernel can serve the bf16x3 plan (epilogue writing grad_linear1's three bf16 planes; one launch, no
+scale to decide), but measured slower over the whole call at every T, so only CUPYFFN_SM90_GEMM1=1 turns it on.
 
 "Lean" layout (bf16x3 at large T, where three 16-bit planes of gelu_out and of grad_linear1 side
 by side would break the memory budget): grad_linear1 reuses gelu_out's planes, so S waits for
@@ -38,10 +40,16 @@ from . import _cublas, _gemm, _kernels, _plan_cache, _sm90_gemm
 from . import _precision as P
 
 _ALIGN = 256
-#: T (first <= T <= last) at which the tf32 plan fuses GEMM1 + dgelu (module docstring). Whole calls on the H200,
-#: fused / cuBLAS route, same run: 0.92-0.95 and 0.87-0.97 at T = 1024 (two runs), 1.03-1.08 at 2048-4096, 1.00 and
-#: 1.10 at 512 (results/history/nvidia-h200-fused-all-T-cdd957e.json, nvidia-h200-7472e86.json).
-FUSED_GEMM1_TOKENS = {P.FMT_F16S: (513, 1024), P.FMT_BF16X3: (1, 0)}
+#: Operand formats whose GEMM1 + dgelu the sm90 kernel can run: the tf32 plan's scaled fp16 and the bf16x3 plan's
+#: planes (also fp16+fp8 below T = 2048, where it is the bf16x3 plan).
+FUSABLE_FORMATS = (P.FMT_F16S, P.FMT_BF16X3)
+#: Per format, T (first <= T <= last) at which the default ("auto") fuses (module docstring); a format not
+#: listed fuses only when CUPYFFN_SM90_GEMM1=1. Whole calls on the H200, fused / cuBLAS route, same run:
+#: tf32 0.92-0.95 and 0.87-0.97 at T = 1024 (two runs), 1.03-1.08 at 2048-4096, 1.00 and 1.10 at 512
+#: (results/history/nvidia-h200-fused-all-T-cdd957e.json, nvidia-h200-7472e86.json). bf16x3: 1.06-1.23 from
+#: T = 512 on, 0.97-1.01 at 256 (results/history/ab-bf16x3-fused-c2d6cb6.json against ab-bf16x3-cublas-c2d6cb6.json):
+#: the three-plane epilogue costs more than the pass it replaces (docs/perf-notes.md), so not listed.
+FUSED_GEMM1_TOKENS = {P.FMT_F16S: (513, 1024)}
 
 
 def _align(n):
@@ -187,9 +195,9 @@ class GpuEngine:
         choice = os.environ.get("CUPYFFN_SM90_GEMM1", "auto")
         if choice not in ("0", "1", "auto"):
             raise ValueError(f"CUPYFFN_SM90_GEMM1 must be 0, 1 or auto, got {choice!r}")
-        if self.fmt not in FUSED_GEMM1_TOKENS:
+        if self.fmt not in FUSABLE_FORMATS:
             return False
-        first, last = FUSED_GEMM1_TOKENS[self.fmt]
+        first, last = FUSED_GEMM1_TOKENS.get(self.fmt, (1, 0))
         wanted = choice == "1" or (choice == "auto" and first <= self.T <= last)
         return (wanted and self.T > 0 and self.D % 8 == 0 and self.H % 8 == 0
                 and self.T < 2 ** 31 and _sm90_gemm.device_supported(self.device_id))

@@ -360,96 +360,6 @@ __device__ __forceinline__ void store_dgelu_pair(const GemmArgs& args, int r, in
   }
 }
 
-// ---- quad-transposed stores (the staged epilogue) ------------------------------------------------
-// In wgmma's accumulator layout the 4 lanes of a quad hold, per 8-column group, 2 columns each of one
-// row: a store per group writes 16 scattered bytes per row (half a 32-byte sector). Four consecutive
-// groups are transposed within the quad instead (3 shuffles of 32-bit code pairs), so that lane q holds
-// all 8 columns of group q and writes them with one 16-byte store: 64 contiguous bytes per row and
-// instruction, whole sectors. (Measured on the H200: the pair stores made the three-plane bf16x3 output
-// cost 2x its mainloop at T = 8192, tools/fused_epilogue_cost.py.)
-__device__ __forceinline__ unsigned pick4(const unsigned (&w)[4], int i) {
-  return i == 0 ? w[0] : i == 1 ? w[1] : i == 2 ? w[2] : w[3];  // selects: a dynamic index would go to local memory
-}
-
-// w[g] (this lane's code pair of group g) becomes w[l] = lane l's pair of group q = lane % 4: the 8 codes
-// of group q in column order. Every lane of the warp must take part (full-mask shuffles).
-__device__ __forceinline__ void quad_transpose(unsigned (&w)[4], int lane) {
-  const int q = lane & 3;
-  unsigned out[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const unsigned got = __shfl_sync(0xffffffffu, pick4(w, (q - r) & 3), (lane & ~3) | ((q + r) & 3));
-    const int l = (q + r) & 3;  // the source lane: its columns 2l, 2l + 1 of group q
-#pragma unroll
-    for (int s = 0; s < 4; ++s) out[s] = s == l ? got : out[s];
-  }
-#pragma unroll
-  for (int s = 0; s < 4; ++s) w[s] = out[s];
-}
-
-// The 8 codes w (column order) of columns [base, base + 8) at p: one 16-byte store where the row allows
-// it (`vec`: C and its rows 16-byte aligned), else pairs and a last single code up to column n.
-__device__ __forceinline__ void store_codes8(unsigned short* p, const unsigned (&w)[4], int base, int n, bool vec) {
-  if (vec && base + 8 <= n) {
-    __stcg(reinterpret_cast<uint4*>(p), make_uint4(w[0], w[1], w[2], w[3]));
-    return;
-  }
-#pragma unroll
-  for (int l = 0; l < 4; ++l) {
-    const int c = base + 2 * l;
-    if (c + 1 < n) {
-      *reinterpret_cast<unsigned*>(p + 2 * l) = w[l];
-    } else if (c < n) {
-      p[2 * l] = (unsigned short)(w[l] & 0xffffu);
-    }
-  }
-}
-
-// Whether every row of C starts on a 16-byte boundary (and, for the three planes, every plane).
-template <int EPI>
-__device__ __forceinline__ bool c_rows_16b(const GemmArgs& args) {
-  return (reinterpret_cast<unsigned long long>(args.c) & 15) == 0 && (args.ldc & 7) == 0 &&
-         (EPI != kEpiDgeluBf16x3 || (args.n & 7) == 0);
-}
-
-// Groups j0 .. j0 + 3 (first column col_j0) of row r: v[g] = this lane's g values of columns
-// col_j0 + 8g + 2(lane % 4) + {0, 1}. Folds the in-bounds ones into amax, rounds as store_dgelu_pair
-// does and stores them quad-transposed; row_ok false: shuffles only (the quad's row is past M).
-template <int EPI>
-__device__ __forceinline__ void store_dgelu_quad(const GemmArgs& args, int r, bool row_ok, int col_j0,
-                                                 const float (&v)[4][2], float out_scale, float& amax, int lane,
-                                                 bool vec) {
-  const int n = args.n;
-  unsigned hi[4], lo[4];
-#pragma unroll
-  for (int g = 0; g < 4; ++g) {
-    const int c = col_j0 + 8 * g + 2 * (lane & 3);
-    if (row_ok && c < n) amax = cupyffn::finite_absmax(amax, v[g][0]);
-    if (row_ok && c + 1 < n) amax = cupyffn::finite_absmax(amax, v[g][1]);
-    if constexpr (EPI == kEpiDgeluBf16x3) {
-      unsigned short h0, l0, h1, l1;
-      cupyffn::split_bf16(v[g][0], h0, l0);
-      cupyffn::split_bf16(v[g][1], h1, l1);
-      hi[g] = cupyffn::pack2(h0, h1);
-      lo[g] = cupyffn::pack2(l0, l1);
-    } else if constexpr (EPI == kEpiDgeluBf16) {
-      hi[g] = cupyffn::pack2(cupyffn::bf16_bits(v[g][0]), cupyffn::bf16_bits(v[g][1]));
-    } else {
-      hi[g] = cupyffn::pack2(cupyffn::f16_bits(v[g][0] * out_scale), cupyffn::f16_bits(v[g][1] * out_scale));
-    }
-  }
-  quad_transpose(hi, lane);
-  if constexpr (EPI == kEpiDgeluBf16x3) quad_transpose(lo, lane);
-  if (!row_ok) return;
-  const int base = col_j0 + 8 * (lane & 3);
-  unsigned short* p = static_cast<unsigned short*>(args.c) + ((long long)r * (int)args.ldc + base);
-  store_codes8(p, hi, base, n, vec);
-  if constexpr (EPI == kEpiDgeluBf16x3) {
-    store_codes8(p + n, lo, base, n, vec);
-    store_codes8(p + 2 * n, hi, base, n, vec);
-  }
-}
-
 // Stores a consumer's 64 x BN block of the tile whose top-left output element is (row0, col0).
 // wgmma's accumulator layout: thread `lane` of warp w holds, for each 8-column group j, columns
 // 8j + 2(lane % 4) + {0, 1} of rows 16w + lane / 4 (d[4j], d[4j+1]) and 16w + lane / 4 + 8 (d[4j+2], d[4j+3]).
@@ -617,56 +527,36 @@ __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], co
   const bool has_t = args.t != nullptr;
   float acc_scale, out_scale;
   epilogue_scales<EPI>(args, acc_scale, out_scale);
-  const bool vec = c_rows_16b<EPI>(args);
 #pragma unroll
   for (int jg = 0; jg < kGroupsPerHalf; ++jg) {
     const int g = H * kGroupsPerHalf + jg;
     cp_async_wait<SLOTS - 1>();  // this lane's copies of group g (the oldest of the SLOTS in flight) landed
     __syncwarp();                // ... and every other lane's of this warp slot
     const unsigned slot = slots + (g % SLOTS) * kXtSlotBytes + warp * kWarpSlotBytes;
-    // g of group j (the accumulator's 8-column group jj of this x/t group), row half hh, from the slot
-    auto dgelu_of = [&](int jj, int hh, float& v0, float& v1) {
-      const int j = jg * (kXtCols / 8) + jj;
+#pragma unroll
+    for (int jj = 0; jj < kXtCols / 8; ++jj) {
+      const int j = jg * (kXtCols / 8) + jj;  // the accumulator's 8-column group
       const int chunk = 2 * jj + ((lane & 3) >> 1);
-      const int rr = (lane >> 2) + 8 * hh;
-      const unsigned within = (lane & 1) * 8;
-      const float2 xv = ld_shared_f2(slot + xt_offset(0, rr, chunk) + within);
-      float t0, t1;
-      if (has_t) {
-        const float2 tv = ld_shared_f2(slot + xt_offset(1, rr, chunk) + within);
-        t0 = tv.x;
-        t1 = tv.y;
-      } else {
-        t0 = cupyffn::tanh_inner_of(xv.x);
-        t1 = cupyffn::tanh_inner_of(xv.y);
-      }
-      v0 = (acc_scale * acc[4 * j + 2 * hh]) * cupyffn::gelu_grad(xv.x, t0);
-      v1 = (acc_scale * acc[4 * j + 2 * hh + 1]) * cupyffn::gelu_grad(xv.y, t1);
-    };
-    if constexpr (kXtCols % 32 == 0) {  // whole quads of groups: 16-byte stores (store_dgelu_quad)
+      const int col = col0 + 8 * j + 2 * (lane & 3);
+      const bool pair = col + 1 < args.n;
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        const int r = row0 + 64 * H + 16 * warp + (lane >> 2) + 8 * hh;
-#pragma unroll
-        for (int jq = 0; jq < kXtCols / 8; jq += 4) {
-          float v[4][2];
-#pragma unroll
-          for (int g = 0; g < 4; ++g) dgelu_of(jq + g, hh, v[g][0], v[g][1]);
-          store_dgelu_quad<EPI>(args, r, r < args.m, col0 + 8 * (jg * (kXtCols / 8) + jq), v, out_scale, amax, lane,
-                                vec);
+        const int rr = (lane >> 2) + 8 * hh;
+        const int r = row0 + 64 * H + 16 * warp + rr;
+        const unsigned within = (lane & 1) * 8;
+        const float2 xv = ld_shared_f2(slot + xt_offset(0, rr, chunk) + within);
+        float t0, t1;
+        if (has_t) {
+          const float2 tv = ld_shared_f2(slot + xt_offset(1, rr, chunk) + within);
+          t0 = tv.x;
+          t1 = tv.y;
+        } else {
+          t0 = cupyffn::tanh_inner_of(xv.x);
+          t1 = cupyffn::tanh_inner_of(xv.y);
         }
-      }
-    } else {
-#pragma unroll
-      for (int jj = 0; jj < kXtCols / 8; ++jj) {
-        const int col = col0 + 8 * (jg * (kXtCols / 8) + jj) + 2 * (lane & 3);
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int r = row0 + 64 * H + 16 * warp + (lane >> 2) + 8 * hh;
-          float v0, v1;
-          dgelu_of(jj, hh, v0, v1);
-          if (r < args.m && col < args.n) store_dgelu_pair<EPI>(args, r, col, v0, v1, col + 1 < args.n, out_scale, amax);
-        }
+        const float v0 = (acc_scale * acc[4 * j + 2 * hh]) * cupyffn::gelu_grad(xv.x, t0);
+        const float v1 = (acc_scale * acc[4 * j + 2 * hh + 1]) * cupyffn::gelu_grad(xv.y, t1);
+        if (r < args.m && col < args.n) store_dgelu_pair<EPI>(args, r, col, v0, v1, pair, out_scale, amax);
       }
     }
     // Refill the slot just read with group g + SLOTS, once every lane of the warp has read it (the loads

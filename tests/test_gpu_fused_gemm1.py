@@ -179,29 +179,29 @@ def test_fused_plan_replays_in_a_cuda_graph(precision, monkeypatch):
 
 
 def test_default_policy_and_the_override(monkeypatch):
-    """auto (the default): fused for T in the plan's FUSED_GEMM1_TOKENS window, the cuBLAS route elsewhere
-    (measured faster there over the whole call); 1 forces it, 0 turns it off, anything else is refused
-    with the variable's name. Plans the kernel does not serve (ieee, fp16+fp8 from T = 2048) never fuse."""
+    """auto (the default): fused for T in the format's FUSED_GEMM1_TOKENS window (tf32), the cuBLAS route
+    elsewhere and for bf16x3 (measured faster there over the whole call); 1 forces it for every format the
+    kernel serves, 0 turns it off, anything else is refused with the variable's name. Plans the kernel does
+    not serve (ieee, fp16+fp8 from T = 2048) never fuse."""
     from cupyffn import _gpu_engine
 
     monkeypatch.delenv("CUPYFFN_SM90_GEMM1", raising=False)
-    for precision, fmt in (("tf32", _precision.FMT_F16S), ("bf16x3", _precision.FMT_BF16X3)):
-        first, limit = _gpu_engine.FUSED_GEMM1_TOKENS[fmt]
-        if first <= limit:
-            assert cupyffn.GeluFFNBackward(limit, 64, 256, precision=precision).fused_gemm1
-            assert cupyffn.GeluFFNBackward(first, 64, 256, precision=precision).fused_gemm1
-        if first > 1:
-            assert not cupyffn.GeluFFNBackward(first - 1, 64, 256, precision=precision).fused_gemm1
-        assert not cupyffn.GeluFFNBackward(limit + 1, 64, 256, precision=precision).fused_gemm1
-        monkeypatch.setenv("CUPYFFN_SM90_GEMM1", "0")
-        assert not cupyffn.GeluFFNBackward(max(first, 1), 64, 256, precision=precision).fused_gemm1
-        monkeypatch.setenv("CUPYFFN_SM90_GEMM1", "1")
-        assert cupyffn.GeluFFNBackward(limit + 1, 64, 256, precision=precision).fused_gemm1
-        monkeypatch.delenv("CUPYFFN_SM90_GEMM1")
+    first, limit = _gpu_engine.FUSED_GEMM1_TOKENS[_precision.FMT_F16S]
+    assert cupyffn.GeluFFNBackward(limit, 64, 256, precision="tf32").fused_gemm1
+    assert cupyffn.GeluFFNBackward(first, 64, 256, precision="tf32").fused_gemm1
+    assert not cupyffn.GeluFFNBackward(first - 1, 64, 256, precision="tf32").fused_gemm1
+    assert not cupyffn.GeluFFNBackward(limit + 1, 64, 256, precision="tf32").fused_gemm1
+    assert _precision.FMT_BF16X3 not in _gpu_engine.FUSED_GEMM1_TOKENS
+    for tokens in (256, 1024, 4096):
+        assert not cupyffn.GeluFFNBackward(tokens, 64, 256, precision="bf16x3").fused_gemm1
+    monkeypatch.setenv("CUPYFFN_SM90_GEMM1", "0")
+    assert not cupyffn.GeluFFNBackward(limit, 64, 256, precision="tf32").fused_gemm1
     monkeypatch.setenv("CUPYFFN_SM90_GEMM1", "1")
-    assert not cupyffn.GeluFFNBackward(1024, 64, 256, precision="ieee").fused_gemm1
-    assert not cupyffn.GeluFFNBackward(4096, 64, 256, precision="fp16+fp8").fused_gemm1  # its e4m3 pairs
+    assert cupyffn.GeluFFNBackward(limit + 1, 64, 256, precision="tf32").fused_gemm1
+    assert cupyffn.GeluFFNBackward(4096, 64, 256, precision="bf16x3").fused_gemm1
     assert cupyffn.GeluFFNBackward(1024, 64, 256, precision="fp16+fp8").fused_gemm1  # the bf16x3 plan there
+    assert not cupyffn.GeluFFNBackward(4096, 64, 256, precision="fp16+fp8").fused_gemm1  # its e4m3 pairs
+    assert not cupyffn.GeluFFNBackward(1024, 64, 256, precision="ieee").fused_gemm1
     monkeypatch.setenv("CUPYFFN_SM90_GEMM1", "yes")
     with pytest.raises(ValueError, match="CUPYFFN_SM90_GEMM1"):
         cupyffn.GeluFFNBackward(64, 64, 256, precision="tf32")
