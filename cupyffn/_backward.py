@@ -243,8 +243,13 @@ class GeluFFNBackward:
                         engine.set_io(call.inputs, pointers, accumulate)
                         self._io = io
                     if capturing:
-                        engine.side_in_capture = True
-                        engine.enqueue(sp, grad_hidden_ready=ready)
+                        if (engine.side_in_capture and engine.side_capture_stream != sp
+                                and not engine.side_stream_free()):
+                            # another capture, still open, holds the side stream: this one stays on its stream
+                            engine.enqueue(sp, serial=True, grad_hidden_ready=ready)
+                        else:
+                            engine.side_in_capture, engine.side_capture_stream = True, sp
+                            engine.enqueue(sp, grad_hidden_ready=ready)
                     elif engine.side_in_capture and not engine.side_stream_free():
                         engine.enqueue(sp, serial=True, grad_hidden_ready=ready)  # all on the caller's stream
                     elif self.graph:

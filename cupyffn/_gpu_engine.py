@@ -142,6 +142,7 @@ class GpuEngine:
              self._ev_done) = (cupy.cuda.Event(disable_timing=True) for _ in range(6))
             self._last_stream_ptr = None
             self.side_in_capture = False  # a captured call made the side stream join a caller's capture
+            self.side_capture_stream = 0  # ... on this stream of the caller's (its capture holds the side stream)
             self._ieee_gelu = None  # (names, launch, None) once memory mode needs it (ieee only)
             self._recompute_g = False
             self._main = _cublas.acquire(device_id)
@@ -744,8 +745,11 @@ class GpuEngine:
     def side_stream_free(self):
         """False while the side stream still belongs to a caller's capture: it joins at a captured call
         and stays in capture mode until the caller ends the capture, so an eager call meanwhile must not
-        use it (its waits and launches would land in, and break, that capture). Call with the plan's
-        lock held, when `side_in_capture` is set."""
+        use it (its waits and launches would land in, and break, that capture), nor may a call captured
+        on another stream (a second capture open at the same time: joining it would break both). A
+        captured call on `side_capture_stream` is in the capture that holds it (a stream is in one
+        capture at a time, and that capture cannot end before the side stream rejoins it). Call with
+        the plan's lock held, when `side_in_capture` is set."""
         if _plan_cache.is_capturing(self._side.ptr):
             return False
         self.side_in_capture = False

@@ -168,6 +168,26 @@ def test_eager_call_while_a_capture_holds_the_side_stream():
     assert_contract(out2, W.reference(inputs2, xp=cupy), "bf16x3", "eager call after the capture")
 
 
+def test_two_captures_of_one_plan_open_at_once():
+    """Two captures open at the same time (relaxed mode, one thread) both call the same cached plan: the
+    first capture's call takes the plan's side stream, the second's must stay on its own stream (joining
+    the side stream, still in the first capture, would invalidate both). Both graphs replay correctly."""
+    args, _ = make(21)
+    out_a, out_b = nan_outputs(args), nan_outputs(args)
+    cap_a, cap_b = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    cupyffn.gelu_ffn_backward(*args, out=out_a)  # warm-up (builds the plan)
+    cupy.cuda.Device().synchronize()
+    cap_a.begin_capture()
+    try:
+        cupyffn.gelu_ffn_backward(*args, out=out_a, stream=cap_a)
+        graph_b = capture(cap_b, lambda: cupyffn.gelu_ffn_backward(*args, out=out_b, stream=cap_b))
+        cupyffn.gelu_ffn_backward(*args, out=out_a, stream=cap_a)  # the first capture again: its side stream
+    finally:
+        graph_a = cap_a.end_capture()
+    replay_and_check(graph_a, cap_a, args, out_a, "bf16x3", (22, 23), "first capture")
+    replay_and_check(graph_b, cap_b, args, out_b, "bf16x3", (24,), "second capture")
+
+
 def test_replay_survives_clear_cache_and_churn():
     args, inputs = make(3)
     out = nan_outputs(args)

@@ -274,6 +274,7 @@ class FakeEngine:
     def __init__(self):
         self.log = []
         self.side_in_capture = False
+        self.side_capture_stream = 0
         self.side_busy = False  # the side stream still in a caller's capture
         self.fail = None
 
@@ -332,6 +333,29 @@ def gpu_like(monkeypatch):
     call = _validate.prepare(args, out)._replace(device=0)
     yield plan, call, out, capturing
     _plan_cache.release_captured_plans()
+
+
+def test_a_second_open_capture_keeps_to_its_own_stream(gpu_like):
+    """Two captures open at once (streams 9 and 11) of one plan: the first takes the side stream, the
+    second runs everything on its own stream (joining the first capture's side stream would break both);
+    further calls in the first capture use the side stream again; once it has ended, so may the next one."""
+    plan, call, out, capturing = gpu_like
+    engine = plan._engine
+    plan._run_gpu(call, out, FakeStream(7), False)  # warm-up
+    engine.log.clear()
+    capturing.update({9, 11})
+    plan._run_gpu(call, out, FakeStream(9), False)
+    engine.side_busy = True  # the side stream joined capture 9
+    plan._run_gpu(call, out, FakeStream(11), False)
+    plan._run_gpu(call, out, FakeStream(9), False)
+    assert engine.log == [("enqueue", 9, False), ("enqueue", 11, True), ("enqueue", 9, False)]
+    assert engine.side_capture_stream == 9
+    engine.side_busy = False  # capture 9 ended
+    capturing.discard(9)
+    engine.log.clear()
+    plan._run_gpu(call, out, FakeStream(11), False)
+    assert engine.log == [("enqueue", 11, False)] and engine.side_capture_stream == 11
+    assert cupyffn.release_captured_plans() == 1
 
 
 def test_eager_call_orders_after_the_previous_and_records_done(gpu_like):
