@@ -123,9 +123,14 @@ class Implementations:
             def bind(args, out):
                 targs = [torch.from_dlpack(a) for a in args]
 
-                def run():
-                    torch.backends.cuda.matmul.allow_tf32 = tf32
-                    return fn(*targs)
+                def run():  # TF32 for this call only: the process's setting is put back after it
+                    matmul = torch.backends.cuda.matmul
+                    before = matmul.allow_tf32
+                    matmul.allow_tf32 = tf32
+                    try:
+                        return fn(*targs)
+                    finally:
+                        matmul.allow_tf32 = before
                 return run
             return Impl(name, bind)
         raise ValueError(f"unknown implementation {name!r}")

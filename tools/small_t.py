@@ -266,25 +266,16 @@ def part_timeline(tokens, results, iters=8, rotate=4):
 
 def part_host(tokens, results, calls=200):
     """Host microseconds per plan call (CUPTI off) and per GEMM enqueue, gemmEx vs cuBLASLt."""
-    import time
-
     import cupy
 
     import cupyffn
     from cupyffn import _cublas, _cublaslt
     from cupyffn import workloads as W
 
+    from host_ab import host_us  # tools/host_ab.py: queue drained before each timed call
+
     def per_call(run, stream):
-        for _ in range(10):
-            run()
-        samples = []
-        for _ in range(calls):
-            stream.synchronize()
-            t0 = time.perf_counter()
-            run()
-            samples.append(time.perf_counter() - t0)
-        stream.synchronize()
-        return statistics.median(samples) * 1e6
+        return host_us(run, stream, calls)
 
     stream = cupy.cuda.Stream(non_blocking=True)
     for T in tokens:
