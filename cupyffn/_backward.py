@@ -132,8 +132,9 @@ class GeluFFNBackward:
 
     @property
     def fused_gemm1(self):
-        """True when GEMM1 and the GELU derivative run as one sm90 kernel (the "tf32" plan on a compute
-        capability 9.0 GPU: kernels_cu/gemm_sm90.cu, cupyffn/_gpu_engine.py), False for cuBLAS GEMM1 + a pass."""
+        """True when GEMM1 and the GELU derivative run as one sm90 kernel (on a compute capability 9.0 GPU: the
+        "tf32" plan by default where it measured faster, "bf16x3" only with CUPYFFN_SM90_GEMM1=1;
+        kernels_cu/gemm_sm90.cu, cupyffn/_gpu_engine.py), False for cuBLAS GEMM1 + a pass."""
         return bool(self._engine is not None and self._engine.fused_gemm1)
 
     def __repr__(self):

@@ -682,7 +682,8 @@ class GpuEngine:
         try:
             self._convert_stage("convert A", S, mark)
             record(self._ev_a, S)
-            if self.fmt in (P.FMT_F16S, P.FMT_F16E4M3) and self.cvt_b:
+            s2_after_a = self.fmt in (P.FMT_F16S, P.FMT_F16E4M3) and bool(self.cvt_b)
+            if s2_after_a:
                 wait(S2, self._ev_a)  # convert B's rescue writes alpha2, which needs grad_output's scale
             self._convert_stage("convert B", S2, mark)
             if self._recompute_g and self._ieee_gelu is not None:
@@ -696,11 +697,12 @@ class GpuEngine:
                 self.gemm1(self._main)
                 mark("GEMM1 grad_gelu")
             if self.gemm2 is not None:
-                wait(S2, self._ev_a)
+                if not s2_after_a:  # grad_output converted (S2 already waits for it where convert B did)
+                    wait(S2, self._ev_a)
                 self.gemm2(side)
                 mark("GEMM2 grad_weight2")
-                record(self._ev_side, S2)
             if self.lean:
+                record(self._ev_side, S2)
                 wait(S, self._ev_side)  # grad_linear1 overwrites the planes GEMM2 reads
             wait(S, self._ev_b)  # weight1 / hidden_states converted (and their scales final)
             if self.fused_gemm1:
