@@ -36,7 +36,7 @@ def _compiled_tf32(dy, x, w1, w2, z, t, g):
 
 #: cupyffn-tf32 on the cuBLAS GEMM1 + dgelu pass route (CUPYFFN_SM90_GEMM1=0, cupyffn/_gpu_engine.py): on an
 #: H100/H200, beside cupyffn-tf32 (whose GEMM1 + dgelu is the fused sm90 kernel), what the fusion gains, same run.
-TF32_CUBLAS_GEMM1 = "cupyffn-tf32-cublas-gemm1"
+TF32_CUBLAS_GEMM1 = "cupyffn-tf32-cublas-gemm1"  # one of report.A_B_TWINS
 
 
 def _without_fused_gemm1(build):

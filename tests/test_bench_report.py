@@ -209,3 +209,15 @@ def test_profile_stages_needs_a_gpu_plan():
     plan = cupyffn.GeluFFNBackward(4, 8, 16, device="cpu")
     with pytest.raises(RuntimeError, match="profile_stages needs a GPU plan"):
         plan.profile_stages(out=(None, None, None))
+
+
+def test_an_a_b_twin_is_never_the_headline():
+    """A twin of a precision run for one measurement (R.A_B_TWINS) stays out of the headline even when it
+    passes and is the fastest: the headline names a precision a user selects."""
+    twin = R.A_B_TWINS[0]
+    rows = _rows()
+    for row, t in zip(rows, (1.9, 7.9)):
+        row["results"][twin] = dict(row["results"]["cupyffn-a"], median_ms=t)
+    s = R.summarize(rows)
+    assert s["implementations"][twin]["passes"] and s["implementations"][twin]["mean_ms"] < 5.0
+    assert s["headline"]["implementation"] == "cupyffn-a"
