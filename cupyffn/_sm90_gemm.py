@@ -546,6 +546,8 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, b
     op, m, n, k, lda, ldb = _check_operands(a, b, b_layout)
     if planes == 3 and op != OP_BF16:
         raise ValueError(f"planes=3 (bf16x3 planes) needs bf16 operands (uint16 a and b), got {a.dtype}")
+    if planes == 3 and n % 2:  # the planes start N columns apart and are stored as 4-byte column pairs
+        raise ValueError(f"planes=3 needs an even N (b's {'rows' if b_layout == 'nk' else 'columns'}), got {n}")
     ldx = _check_matrix(linear1_out, "linear1_out", (m, n), numpy.float32)
     ldt = _check_matrix(tanh_inner, "tanh_inner", (m, n), numpy.float32) if tanh_inner is not None else 0
     if planes not in (1, 3):

@@ -488,6 +488,7 @@ def test_gemm_tn_rejects_bad_input(case, message):
     ("planes_value", "planes"),
     ("planes_fp16_operands", "bf16 operands"),
     ("planes_out_shape", "out must have shape"),
+    ("planes_odd_n", "even N"),
 ])
 def test_gemm_tn_dgelu_rejects_bad_input(case, message):
     a, b = _ok_operands()
@@ -511,7 +512,11 @@ def test_gemm_tn_dgelu_rejects_bad_input(case, message):
         t = cupy.zeros((64, 64), cupy.float16)
     elif case == "overlap_x":
         out = x.view(cupy.float16)[:, :64]
-    planes = {"planes_value": 2, "planes_fp16_operands": 3, "planes_out_shape": 3}.get(case, 1)
+    planes = {"planes_value": 2, "planes_fp16_operands": 3, "planes_out_shape": 3, "planes_odd_n": 3}.get(case, 1)
+    if case == "planes_odd_n":  # b [N = 63, K], x/t [64, 63], out [64, 189]
+        a, b = a.view(cupy.uint16), b.view(cupy.uint16)[:63]
+        x, t = x[:, :63], t[:, :63]
+        out = cupy.empty((64, 189), cupy.uint16)
     if case == "planes_fp16_operands":
         out = cupy.empty((64, 192), cupy.uint16)
     elif case == "planes_out_shape":
