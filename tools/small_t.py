@@ -3,8 +3,9 @@
     PYTHONPATH=. python3 tools/small_t.py [--tokens 256,512,1024] [--reps 20] [--out PATH]
 
   1. each backward GEMM (D = 1536, H = 6144, row-major as the engine issues them, _precision.GEMMS) as
-     cublasGemmEx on fp16 operands (the tf32 plan's f16s form) and on the fp32 operands with
-     CUBLAS_COMPUTE_32F_FAST_TF32 (TF32 tensor cores, no conversion pass);
+     cublasGemmEx on fp16 operands (the tf32 plan's f16s form), as cublasLtMatmul on the same operands
+     (the algorithm of cuBLASLt's heuristic: its GPU time, beside part 4's cheaper enqueue) and on the
+     fp32 operands with CUBLAS_COMPUTE_32F_FAST_TF32 (TF32 tensor cores, no conversion pass);
   2. GEMM3 (M = T, N = D, K = H: at T = 256 only 24 output tiles of 128 x 128 for 132 SMs) split along K
      into S slices as one cublasGemmStridedBatchedEx into fp32 partials, then the partials summed
      (cupy.sum over the slice axis): both parts timed, fp16 and TF32;
@@ -86,13 +87,20 @@ class Bench:
             b *= numpy.float32(0.02)  # the weight
         return a, b
 
-    def gemm(self, a, b, m, n, k, a_trans, dtype, compute):
-        """A prebuilt _cublas.Gemm over device copies of a, b in `dtype`, and its output."""
+    def gemm(self, a, b, m, n, k, a_trans, dtype, compute, lt=False):
+        """A prebuilt _cublas.Gemm (or, `lt`, a cuBLASLt matmul with its heuristic's algorithm: the engine's
+        other GEMM backend) over device copies of a, b in `dtype`, and its output."""
         cupy, cb = self.cupy, self.cb
         code = cb.R_16F if dtype == numpy.float16 else cb.R_32F
         da, db = cupy.asarray(a.astype(dtype)), cupy.asarray(b.astype(dtype))
         c = cupy.full((m, n), numpy.nan, dtype=cupy.float32)
-        plan = cb.Gemm(m, n, k, code, code, cb.R_32F, a_trans=a_trans, compute=compute, name="small_t")
+        if lt:
+            from cupyffn import _cublaslt
+
+            plan = _cublaslt.LtMatmul(m, n, k, code, code, cb.R_32F, a_trans=a_trans, name="small_t",
+                                      device_id=cupy.cuda.Device().id)
+        else:
+            plan = cb.Gemm(m, n, k, code, code, cb.R_32F, a_trans=a_trans, compute=compute, name="small_t")
         plan.a.value, plan.b.value, plan.c.value = da.data.ptr, db.data.ptr, c.data.ptr
         plan.alpha.value, plan.beta.value = self.consts.data.ptr + 4, self.consts.data.ptr
         return (lambda: plan(self.handle)), c, (da, db)
@@ -133,8 +141,8 @@ def part_gemms(bench, tokens, results):
             m, n, k, a_trans = gemm_layout(g, T)
             a, b = bench.operands(g, T)
             ref = (a.astype(numpy.float64).T if a_trans else a.astype(numpy.float64)) @ b.astype(numpy.float64)
-            for form, dtype, compute in forms:
-                run, c, keep = bench.gemm(a, b, m, n, k, a_trans, dtype, compute)
+            for form, dtype, compute in forms + (("f16-lt", numpy.float16, cb.COMPUTE_32F),):
+                run, c, keep = bench.gemm(a, b, m, n, k, a_trans, dtype, compute, lt=form.endswith("-lt"))
                 with bench.stream:
                     run()
                 bench.stream.synchronize()
