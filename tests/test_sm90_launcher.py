@@ -1,0 +1,101 @@
+"""The sm90 GEMM's host side without a GPU (cupyffn/_sm90_gemm.py): the variant list, the engine's prebuilt
+fused launch (DgeluLaunch) with stand-ins for the compiled kernels and the tensor maps, and its choice of
+epilogue by the activations' alignment."""
+
+import ctypes
+import re
+
+import pytest
+
+from cupyffn import _kernels, _sm90_gemm as G
+
+
+def test_variants_cover_each_schedule_layout_and_epilogue_once():
+    parsed = [tuple(int(v) for v in re.fullmatch(r"gemm_sm90_kernel<(\d), (\d+), (\d), (\d), (\d), (\d)>", e).groups())
+              for e in G.EXPRESSIONS]
+    assert len(parsed) == len(set(parsed)) == 72
+    for op, bn, epi, pp, xs, bt in parsed:
+        assert (bn, bool(pp)) in G.CONFIGS and bt in (0, 1)
+        assert epi != G.EPI_DGELU_BF16X3 or op == G.OP_BF16, "the three bf16 planes take bf16 operands"
+        assert not xs or epi != G.EPI_F32, "the staged epilogue is a dgelu epilogue"
+    # every dgelu epilogue exists staged and direct for every schedule and layout
+    for op, epis in ((G.OP_F16, (G.EPI_DGELU_BF16, G.EPI_DGELU_F16)),
+                     (G.OP_BF16, (G.EPI_DGELU_BF16, G.EPI_DGELU_F16, G.EPI_DGELU_BF16X3))):
+        for epi in epis:
+            for bn, pp in G.CONFIGS:
+                for bt in (0, 1):
+                    for xs in (0, 1):
+                        assert (op, bn, epi, int(pp), xs, bt) in parsed
+
+
+class _Holder:
+    def __init__(self):
+        self.desc = G.TmaDesc()
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    """_kernel, sm_count and the tensor-map cache replaced: records which variants a launch looks up."""
+    looked_up = []
+
+    class Fn:
+        def __init__(self, ptr):
+            self.kernel = type("K", (), {"ptr": ptr})()
+
+    def kernel(op, block_n, epi, pingpong, device_id, staged=False, b_layout="nk"):
+        looked_up.append((op, block_n, epi, pingpong, staged, b_layout))
+        return Fn(1000 + len(looked_up))
+
+    monkeypatch.setattr(G, "_kernel", kernel)
+    monkeypatch.setattr(_kernels, "sm_count", lambda device_id: 132)
+    monkeypatch.setattr(G._maps, "get", lambda *key: _Holder())
+    return looked_up
+
+
+def _launch(**kw):
+    T, D, H = 1024, 1536, 6144
+    where = (0x10000, D, 0x20000, H, "kn", 0x30000, H, T, H, D)
+    common = dict(state_ptr=0x40000, consts_ptr=0x50000, acc_scale_ptr=0x50008, slot=5, rescue=False,
+                  alpha_mask=0, device_id=0)
+    common.update(kw)
+    return G.DgeluLaunch(*where, **common)
+
+
+def test_tf32_launch_gathers_into_the_state_and_its_rescue_does_not(stand_ins):
+    launch = _launch()
+    assert {v[0] for v in stand_ins} == {G.OP_F16} and {v[2] for v in stand_ins} == {G.EPI_DGELU_F16}
+    assert {v[4] for v in stand_ins} == {True, False}  # both epilogues looked up once, at build
+    assert launch.args.amax == 0x40000 + 4 * (_kernels.STATE_SLOTS + 5)
+    assert launch.args.state == 0x40000 and launch.args.acc_scale == 0x50008 and launch.args.rescue == 0
+    assert (launch.block_n, launch.pingpong) == G.choose_config(1024, 6144, 132)
+    assert launch.grid == min(-(-1024 // G.BLOCK_M) * -(-6144 // launch.block_n), 132)
+    rescue = _launch(rescue=True, alpha_mask=0b1100)
+    assert rescue.args.amax is None and rescue.args.rescue == 1 and rescue.args.alpha_mask == 0b1100
+
+
+def test_bf16x3_launch_takes_bf16_operands_and_no_scale(stand_ins):
+    launch = _launch(epi=G.EPI_DGELU_BF16X3, state_ptr=None, consts_ptr=None, acc_scale_ptr=None, slot=0)
+    assert {v[0] for v in stand_ins} == {G.OP_BF16} and {v[2] for v in stand_ins} == {G.EPI_DGELU_BF16X3}
+    assert launch.args.amax is None and launch.args.state is None and launch.args.acc_scale is None
+
+
+def test_an_unknown_epilogue_is_refused(stand_ins):
+    with pytest.raises(ValueError, match="epi must be"):
+        _launch(epi=G.EPI_F32)
+    assert stand_ins == []  # refused before anything is looked up
+
+
+@pytest.mark.parametrize("x_ptr,ldx,t_ptr,ldt,staged,pairs", [
+    (0x1000, 6144, 0x9000, 6144, True, 1),   # 16-byte rows: staged
+    (0x1000, 6144, 0, 0, True, 1),           # memory mode (no tanh_inner)
+    (0x1008, 6146, 0x9000, 6144, False, 1),  # 8-byte rows: direct, float pairs
+    (0x1004, 6144, 0x9000, 6144, False, 0),  # 4-byte offset: direct, single floats
+    (0x1000, 6144, 0x9000, 6147, False, 0),  # one input's odd row stride decides for both
+])
+def test_set_activations_picks_the_epilogue_by_alignment(stand_ins, x_ptr, ldx, t_ptr, ldt, staged, pairs):
+    launch = _launch()
+    launch.set_activations(x_ptr, ldx, t_ptr, ldt)
+    assert launch.staged is staged and launch.args.xt_pairs == pairs
+    assert launch.args.x == x_ptr and launch.args.ldx == ldx
+    assert launch.args.t == (t_ptr or None) and launch.args.ldt == (ldt if t_ptr else 0)
+    assert ctypes.sizeof(launch.args) == 112
