@@ -1,0 +1,51 @@
+"""The engine's choice of the fused GEMM1 + dgelu (GpuEngine._fused_gemm1_ok) without a GPU: the formats the
+kernel serves, the default windows, the CUPYFFN_SM90_GEMM1 override and the shapes it cannot take."""
+
+import types
+
+import pytest
+
+from cupyffn import _gpu_engine as E
+from cupyffn import _precision as P
+
+
+def ok(fmt, tokens, dim=1536, hidden=6144, hopper=True, monkeypatch=None):
+    monkeypatch.setattr(E._sm90_gemm, "device_supported", lambda device_id: hopper)
+    engine = types.SimpleNamespace(fmt=fmt, T=tokens, D=dim, H=hidden, device_id=0)
+    return E.GpuEngine._fused_gemm1_ok(engine)
+
+
+def test_default_windows(monkeypatch):
+    monkeypatch.delenv("CUPYFFN_SM90_GEMM1", raising=False)
+    first, last = E.FUSED_GEMM1_TOKENS[P.FMT_F16S]
+    assert ok(P.FMT_F16S, first, monkeypatch=monkeypatch) and ok(P.FMT_F16S, last, monkeypatch=monkeypatch)
+    assert not ok(P.FMT_F16S, first - 1, monkeypatch=monkeypatch)
+    assert not ok(P.FMT_F16S, last + 1, monkeypatch=monkeypatch)
+    assert P.FMT_BF16X3 in E.FUSABLE_FORMATS and P.FMT_BF16X3 not in E.FUSED_GEMM1_TOKENS  # measured slower
+    assert not any(ok(P.FMT_BF16X3, t, monkeypatch=monkeypatch) for t in (1, 256, 1024, 8192))
+
+
+@pytest.mark.parametrize("fmt", [P.FMT_F16S, P.FMT_BF16X3])
+def test_override_and_what_the_kernel_cannot_take(fmt, monkeypatch):
+    monkeypatch.setenv("CUPYFFN_SM90_GEMM1", "1")
+    assert ok(fmt, 8192, monkeypatch=monkeypatch) and ok(fmt, 1, monkeypatch=monkeypatch)
+    assert not ok(fmt, 0, monkeypatch=monkeypatch)                    # nothing to compute
+    assert not ok(fmt, 1024, dim=1532, monkeypatch=monkeypatch)       # rows not 16-byte multiples for TMA
+    assert not ok(fmt, 1024, hidden=6140, monkeypatch=monkeypatch)
+    assert not ok(fmt, 1024, hopper=False, monkeypatch=monkeypatch)   # sm_90a code runs on cc 9.0 only
+    monkeypatch.setenv("CUPYFFN_SM90_GEMM1", "0")
+    first, _ = E.FUSED_GEMM1_TOKENS[P.FMT_F16S]
+    assert not ok(fmt, first, monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("fmt", [P.FMT_F32, P.FMT_BF16, P.FMT_F16E4M3])
+def test_formats_the_kernel_does_not_serve_never_fuse(fmt, monkeypatch):
+    monkeypatch.setenv("CUPYFFN_SM90_GEMM1", "1")
+    assert not ok(fmt, 1024, monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("value", ["yes", "", "2", "auto "])
+def test_a_bad_override_names_the_variable(value, monkeypatch):
+    monkeypatch.setenv("CUPYFFN_SM90_GEMM1", value)
+    with pytest.raises(ValueError, match="CUPYFFN_SM90_GEMM1 must be 0, 1 or auto"):
+        ok(P.FMT_F16S, 1024, monkeypatch=monkeypatch)
