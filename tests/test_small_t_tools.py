@@ -1,6 +1,8 @@
 """tools/small_t.py and tools/fused_epilogue_cost.py without a GPU: they load without cupy, answer --help,
 and small_t's GEMM shapes are the backward's (cupyffn/_precision.py)."""
 
+import types
+
 import pytest
 from tool_loader import load_tool  # tests/ is on sys.path
 
@@ -22,3 +24,33 @@ def test_small_t_gemm_shapes_are_the_backwards(tokens):
         m, n, k, a_trans = tool.gemm_layout(g, tokens)
         assert (m, n, k) == P.dims(letters, tokens, tool.D, tool.H), g
         assert a_trans == (g in ("gemm2", "gemm4")), g  # the weight gradients read A (T rows) transposed
+
+
+def test_flushed_median_ms_orders_flush_events_and_call():
+    """tools/_event_timing.py with stand-ins for cupy and the stream: warm-ups unflushed and untimed, then per
+    sample flush, start event, the call, stop event, a wait on it; the median of the elapsed times."""
+    load_tool("small_t")  # puts tools/ on sys.path
+    from _event_timing import flushed_median_ms
+
+    log, elapsed = [], iter([3.0, 1.0, 2.0])
+
+    class Event:
+        def record(self, stream):
+            log.append(("record", stream))
+
+        def synchronize(self):
+            log.append(("wait",))
+
+    class Stream:
+        def __enter__(self):
+            log.append(("enter",))
+
+        def __exit__(self, *exc):
+            log.append(("exit",))
+
+    stream = Stream()
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event, get_elapsed_time=lambda a, b: next(elapsed)))
+    ms = flushed_median_ms(cupy, stream, lambda: log.append(("run",)), lambda: log.append(("flush",)), reps=3, warmup=2)
+    assert ms == 2.0
+    sample = [("flush",), ("record", stream), ("run",), ("record", stream), ("wait",)]
+    assert log == [("enter",), ("run",), ("run",)] + 3 * sample + [("exit",)]

@@ -13,10 +13,10 @@ $OUT/fused_epilogue_cost.json, OUT or .).
 
 import argparse
 import os
-import statistics
 import sys
 
-from _json_out import save_json  # tools/_json_out.py (the script's folder is on sys.path)
+from _event_timing import flushed_median_ms  # tools/_event_timing.py (the script's folder is on sys.path)
+from _json_out import save_json
 
 D, H = 1536, 6144
 
@@ -41,19 +41,7 @@ def main(argv=None):
     rows = []
 
     def timed(run):
-        with stream:
-            for _ in range(2):
-                run()
-            samples = []
-            for _ in range(args.reps):
-                flush.fill(0)
-                a, b = cupy.cuda.Event(), cupy.cuda.Event()
-                a.record(stream)
-                run()
-                b.record(stream)
-                b.synchronize()
-                samples.append(cupy.cuda.get_elapsed_time(a, b))
-        return statistics.median(samples)
+        return flushed_median_ms(cupy, stream, run, lambda: flush.fill(0), args.reps, warmup=2)
 
     for T in (int(t) for t in args.tokens.split(",")):
         x = cupy.asarray(rng.standard_normal((T, H), dtype=numpy.float32))

@@ -25,12 +25,12 @@ NaN-poisoned before the call). Results: JSON at --out (default $OUT/small_t.json
 import argparse
 import ctypes
 import os
-import statistics
 import sys
 
 import numpy
 
-from _json_out import save_json  # tools/_json_out.py (the script's folder is on sys.path)
+from _event_timing import flushed_median_ms  # tools/_event_timing.py (the script's folder is on sys.path)
+from _json_out import save_json
 
 D, H = 1536, 6144
 SPLITS = (2, 3, 4, 6, 8)
@@ -62,20 +62,7 @@ class Bench:
         self.rng = numpy.random.default_rng(7)
 
     def time(self, run):
-        cupy = self.cupy
-        with self.stream:
-            for _ in range(3):
-                run()
-            samples = []
-            for _ in range(self.reps):
-                self.flush_buf.fill(0)
-                a, b = cupy.cuda.Event(), cupy.cuda.Event()
-                a.record(self.stream)
-                run()
-                b.record(self.stream)
-                b.synchronize()
-                samples.append(cupy.cuda.get_elapsed_time(a, b))
-        return statistics.median(samples)
+        return flushed_median_ms(self.cupy, self.stream, run, lambda: self.flush_buf.fill(0), self.reps, warmup=3)
 
     def operands(self, g, T):
         """fp32 A (as stored: [K, M] if a_trans) and B [K, N] with the benchmark's scales."""
