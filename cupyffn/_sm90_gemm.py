@@ -84,20 +84,25 @@ EPILOGUES = ("staged", "direct")
 #: How b is laid out: "nk" ([N, K], K contiguous: both operands K-major) or "kn" ([K, N], N contiguous:
 #: a weight as stored, read MN-major by wgmma; template parameter BT in gemm_sm90.cu).
 B_LAYOUTS = ("nk", "kn")
+#: CTAs per cluster: 1 (gemm_sm90_kernel) or 2 (gemm_sm90_cluster2_kernel: two vertically adjacent tiles share
+#: their B tile through TMA multicast, see gemm_sm90.cu).
+CLUSTERS = (1, 2)
+_KERNEL_NAMES = {1: "gemm_sm90_kernel", 2: "gemm_sm90_cluster2_kernel"}
 
 
 def _variants():
-    for bt in (0, 1):
-        for op in (OP_F16, OP_BF16):
-            for bn, pp in CONFIGS:
-                yield op, bn, EPI_F32, pp, False, bt
-                for epi in (EPI_DGELU_BF16, EPI_DGELU_F16) + ((EPI_DGELU_BF16X3,) if op == OP_BF16 else ()):
-                    for staged in (False, True):
-                        yield op, bn, epi, pp, staged, bt
+    for cl in CLUSTERS:
+        for bt in (0, 1):
+            for op in (OP_F16, OP_BF16):
+                for bn, pp in CONFIGS:
+                    yield op, bn, EPI_F32, pp, False, bt, cl
+                    for epi in (EPI_DGELU_BF16, EPI_DGELU_F16) + ((EPI_DGELU_BF16X3,) if op == OP_BF16 else ()):
+                        for staged in (False, True):
+                            yield op, bn, epi, pp, staged, bt, cl
 
 
-EXPRESSIONS = tuple(f"gemm_sm90_kernel<{op}, {bn}, {epi}, {int(pp)}, {int(xs)}, {bt}>"
-                    for op, bn, epi, pp, xs, bt in _variants())  # every variant; each compiled on first use
+EXPRESSIONS = tuple(f"{_KERNEL_NAMES[cl]}<{op}, {bn}, {epi}, {int(pp)}, {int(xs)}, {bt}>"
+                    for op, bn, epi, pp, xs, bt, cl in _variants())  # every variant; each compiled on first use
 
 
 def stages_for(block_n):
@@ -183,9 +188,10 @@ def device_supported(device_id):
     return cupy.cuda.Device(device_id).compute_capability == "90"
 
 
-def expression(op, block_n, epi, pingpong, staged=False, b_layout="nk"):
+def expression(op, block_n, epi, pingpong, staged=False, b_layout="nk", cluster=1):
     """The name expression of one kernel variant (one of EXPRESSIONS)."""
-    return f"gemm_sm90_kernel<{op}, {block_n}, {epi}, {int(pingpong)}, {int(staged)}, {B_LAYOUTS.index(b_layout)}>"
+    return (f"{_KERNEL_NAMES[cluster]}<{op}, {block_n}, {epi}, {int(pingpong)}, {int(staged)}, "
+            f"{B_LAYOUTS.index(b_layout)}>")
 
 
 @functools.lru_cache(maxsize=None)
@@ -206,11 +212,11 @@ def _module(name, device_id):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(op, block_n, epi, pingpong, device_id, staged=False, b_layout="nk"):
+def _kernel(op, block_n, epi, pingpong, device_id, staged=False, b_layout="nk", cluster=1):
     import cupy
     from cupy_backends.cuda.api import driver
 
-    name = expression(op, block_n, epi, pingpong, staged, b_layout)
+    name = expression(op, block_n, epi, pingpong, staged, b_layout, cluster)
     module = _module(name, device_id)
     with cupy.cuda.Device(device_id):
         kernel = module.get_function(name)
@@ -245,8 +251,36 @@ def _driver():
                           ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
             lib.cuGetErrorName.restype = ctypes.c_int
             lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+            lib.cuOccupancyMaxActiveClusters.restype = ctypes.c_int
+            lib.cuOccupancyMaxActiveClusters.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
+                                                         ctypes.POINTER(_LaunchConfig)]
             _libcuda = lib
     return _libcuda
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h), for cuOccupancyMaxActiveClusters; no attributes: the cluster shape is the
+    kernel's own (__cluster_dims__)."""
+
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+
+
+@functools.lru_cache(maxsize=None)
+def max_active_clusters(function_ptr, smem, cluster):
+    """How many clusters of `cluster` CTAs of the kernel `function_ptr` (CUfunction) with `smem` bytes of dynamic
+    shared memory the GPU runs at once (cuOccupancyMaxActiveClusters: a cluster's CTAs must share a GPC, so this
+    can be below sm_count / cluster)."""
+    lib = _driver()
+    config = _LaunchConfig((cluster, 1, 1), (THREADS, 1, 1), smem, None, None, 0)
+    count = ctypes.c_int()
+    status = lib.cuOccupancyMaxActiveClusters(ctypes.byref(count), ctypes.c_void_p(function_ptr), ctypes.byref(config))
+    if status != 0 or count.value < 1:
+        name = ctypes.c_char_p()
+        lib.cuGetErrorName(status, ctypes.byref(name))
+        raise RuntimeError(f"cuOccupancyMaxActiveClusters failed with {(name.value or b'?').decode()} ({status}), "
+                           f"count {count.value}, for clusters of {cluster} with {smem} bytes of shared memory")
+    return count.value
 
 
 class _AlignedDesc:
@@ -412,29 +446,40 @@ def _rows_aligned(ptr, ld, rows, nbytes):
     return ptr % nbytes == 0 and (rows <= 1 or (4 * ld) % nbytes == 0)
 
 
-def _operand_maps(op, a_ptr, lda, b_ptr, ldb, b_layout, m, n, k, block_n):
-    """The tensor maps of A [M, K] (boxes of BLOCK_M rows x 64) and of B: [N, K] in boxes of block_n rows x 64
-    ("nk"), or [K, N] in boxes of 64 K-rows x 64 N-elements, block_n / 64 per stage ("kn")."""
+def _operand_maps(op, a_ptr, lda, b_ptr, ldb, b_layout, m, n, k, block_n, cluster=1):
+    """The tensor maps of A [M, K] (boxes of BLOCK_M rows x 64) and of B: [N, K] in boxes of block_n / cluster
+    rows x 64 ("nk"; a cluster's CTAs load one part each), or [K, N] in boxes of 64 K-rows x 64 N-elements,
+    block_n / 64 per stage ("kn")."""
     map_a = _maps.get(a_ptr, m, k, lda * 2, op, BLOCK_M)
     if b_layout == "nk":
-        return map_a, _maps.get(b_ptr, n, k, ldb * 2, op, block_n)
+        return map_a, _maps.get(b_ptr, n, k, ldb * 2, op, block_n // cluster)
     return map_a, _maps.get(b_ptr, k, n, ldb * 2, op, 64)
 
 
-def _grid(m, n, block_n, device_id):
-    """Persistent grid: one CTA per output tile, at most one per multiprocessor."""
-    return min(-(-m // BLOCK_M) * -(-n // block_n), _kernels.sm_count(device_id))
+def _grid(m, n, block_n, device_id, cluster=1, function_ptr=None, smem=0):
+    """Persistent grid: one CTA per output tile, at most one per multiprocessor; with clusters, one cluster per
+    group of `cluster` vertically adjacent tiles, at most as many clusters as run at once (max_active_clusters
+    of the kernel `function_ptr`)."""
+    if cluster == 1:
+        return min(-(-m // BLOCK_M) * -(-n // block_n), _kernels.sm_count(device_id))
+    groups = -(-(-(-m // BLOCK_M)) // cluster) * -(-n // block_n)
+    return cluster * min(groups, max_active_clusters(function_ptr, smem, cluster))
 
 
-def _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream, staged=False, b_layout="nk"):
+def _check_cluster(cluster):
+    if cluster not in CLUSTERS:
+        raise ValueError(f"cluster must be one of {CLUSTERS}, got {cluster!r}")
+
+
+def _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream, staged=False, b_layout="nk", cluster=1):
     import cupy
     from cupy_backends.cuda.api import driver
 
     m, n = args.m, args.n
     device = cupy.cuda.Device().id
-    kernel = _kernel(op, block_n, epi, bool(pingpong), device, bool(staged), b_layout)
-    map_a, map_b = _operand_maps(op, a.data.ptr, lda, b.data.ptr, ldb, b_layout, m, n, args.k, block_n)
-    grid = _grid(m, n, block_n, device)
+    kernel = _kernel(op, block_n, epi, bool(pingpong), device, bool(staged), b_layout, cluster)
+    map_a, map_b = _operand_maps(op, a.data.ptr, lda, b.data.ptr, ldb, b_layout, m, n, args.k, block_n, cluster)
+    grid = _grid(m, n, block_n, device, cluster, kernel.kernel.ptr, launch_smem_bytes(block_n, staged))
     argv = (ctypes.c_void_p * 3)(ctypes.addressof(map_a.desc), ctypes.addressof(map_b.desc), ctypes.addressof(args))
     stream_ptr = (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
     # The driver copies the parameters at launch: map_a/map_b/args may be reused as soon as this returns.
@@ -455,6 +500,11 @@ def choose_config(m, n, sms):
     return (128, False) if fill(128) > fill(256) + 0.02 else (256, False)
 
 
+#: CTAs per cluster of the engine's fused launch (DgeluLaunch). 1 until clusters are measured faster there
+#: (docs/perf-notes.md).
+FUSED_CLUSTER = 1
+
+
 class DgeluLaunch:
     """A prebuilt fused GEMM1 + dgelu launch of the engine: A [M, K] and B (b_layout) 16-bit operands and
     the output at fixed addresses (tensor maps encoded once), linear1_out / tanh_inner set per call
@@ -464,23 +514,28 @@ class DgeluLaunch:
     ``epi``: EPI_DGELU_F16 (the "tf32" plan: fp16 operands, fp16 output scaled by the device state's
     2^state[slot], max |g| gathered into the state unless ``rescue``, the rescue launch of gemm_sm90.cu)
     or EPI_DGELU_BF16X3 (the bf16x3 plan: bf16 operands with K tripled, the three bf16 planes of the
-    output side by side in each row; no scale: pass state_ptr, consts_ptr, acc_scale_ptr None)."""
+    output side by side in each row; no scale: pass state_ptr, consts_ptr, acc_scale_ptr None).
+    ``cluster``: CTAs per cluster (CLUSTERS), default FUSED_CLUSTER."""
 
     def __init__(self, a_ptr, lda, b_ptr, ldb, b_layout, out_ptr, ldc, m, n, k, *, state_ptr, consts_ptr,
-                 acc_scale_ptr, slot, rescue, alpha_mask, device_id, epi=EPI_DGELU_F16):
+                 acc_scale_ptr, slot, rescue, alpha_mask, device_id, epi=EPI_DGELU_F16, cluster=None):
         if epi not in (EPI_DGELU_F16, EPI_DGELU_BF16X3):
             raise ValueError(f"epi must be EPI_DGELU_F16 or EPI_DGELU_BF16X3, got {epi!r}")
+        self.cluster = FUSED_CLUSTER if cluster is None else cluster
+        _check_cluster(self.cluster)
         op = OP_F16 if epi == EPI_DGELU_F16 else OP_BF16
         self.block_n, self.pingpong = choose_config(m, n, _kernels.sm_count(device_id))
-        # per epilogue (staged: True / direct: False): the function and its dynamic shared memory, looked up once
-        self._variants = {staged: (_kernel(op, self.block_n, epi, self.pingpong, device_id, staged,
-                                           b_layout).kernel.ptr, launch_smem_bytes(self.block_n, staged))
-                          for staged in (True, False)}
-        self.map_a, self.map_b = _operand_maps(op, a_ptr, lda, b_ptr, ldb, b_layout, m, n, k, self.block_n)
+        # per epilogue (staged: True / direct: False): the function, its dynamic shared memory and grid, found once
+        self._variants = {}
+        for staged in (True, False):
+            function = _kernel(op, self.block_n, epi, self.pingpong, device_id, staged, b_layout, self.cluster).kernel.ptr
+            smem = launch_smem_bytes(self.block_n, staged)
+            self._variants[staged] = (function, smem, _grid(m, n, self.block_n, device_id, self.cluster, function, smem))
+        self.map_a, self.map_b = _operand_maps(op, a_ptr, lda, b_ptr, ldb, b_layout, m, n, k, self.block_n,
+                                               self.cluster)
         gather = state_ptr + 4 * (_kernels.STATE_SLOTS + slot) if state_ptr and not rescue else None
         self.args = GemmArgs(out_ptr, None, None, ldc, 0, 0, m, n, k, 1.0, gather, acc_scale_ptr, state_ptr,
                              consts_ptr, slot, int(rescue), alpha_mask, 1)
-        self.grid = _grid(m, n, self.block_n, device_id)
         self.staged = True
         self._argv = (ctypes.c_void_p * 3)(ctypes.addressof(self.map_a.desc), ctypes.addressof(self.map_b.desc),
                                            ctypes.addressof(self.args))
@@ -498,19 +553,21 @@ class DgeluLaunch:
     def __call__(self, stream_ptr):
         from cupy_backends.cuda.api import driver
 
-        function, smem = self._variants[self.staged]
-        driver.launchKernel(function, self.grid, 1, 1, THREADS, 1, 1, smem, stream_ptr, ctypes.addressof(self._argv), 0)
+        function, smem, grid = self._variants[self.staged]
+        driver.launchKernel(function, grid, 1, 1, THREADS, 1, 1, smem, stream_ptr, ctypes.addressof(self._argv), 0)
 
 
-def gemm_tn(a, b, out, *, block_n=256, pingpong=False, b_layout="nk", stream=None):
+def gemm_tn(a, b, out, *, block_n=256, pingpong=False, b_layout="nk", cluster=1, stream=None):
     """out[M, N] (float32) = a[M, K] @ b[N, K]^T (b_layout "nk") or a[M, K] @ b[K, N] ("kn") on the
     sm_90a kernel; returns out.
 
     a, b: float16, or uint16 holding bf16 bit patterns (both the same). (block_n, pingpong): the
-    schedule, one of CONFIGS. stream: a cupy Stream (default: the current one)."""
+    schedule, one of CONFIGS. cluster: CTAs per cluster, one of CLUSTERS (2: vertically adjacent tiles share B
+    through TMA multicast). stream: a cupy Stream (default: the current one)."""
     import numpy
 
     _check_config(block_n, pingpong)
+    _check_cluster(cluster)
     op, m, n, k, lda, ldb = _check_operands(a, b, b_layout)
     ldc = _check_matrix(out, "out", (m, n), numpy.float32)
     _check_device((("a", a), ("b", b), ("out", out)))
@@ -519,12 +576,12 @@ def gemm_tn(a, b, out, *, block_n=256, pingpong=False, b_layout="nk", stream=Non
     if m == 0 or n == 0:
         return out
     args = GemmArgs(out.data.ptr, None, None, ldc, 0, 0, m, n, k, 1.0, None, xt_pairs=1)
-    _launch(op, block_n, pingpong, EPI_F32, a, lda, b, ldb, args, stream, b_layout=b_layout)
+    _launch(op, block_n, pingpong, EPI_F32, a, lda, b, ldb, args, stream, b_layout=b_layout, cluster=cluster)
     return out
 
 
 def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, block_n=256, pingpong=False,
-                  epilogue=None, b_layout="nk", planes=1, stream=None):
+                  epilogue=None, b_layout="nk", planes=1, cluster=1, stream=None):
     """GEMM1 with the GELU derivative fused: g = (a @ b^T) * gelu'(linear1_out, tanh_inner) in fp32,
     stored as bf16 bits (out uint16 [M, N]), as three bf16 planes (planes=3: out uint16 [M, 3N], columns
     [0, N) hi = bf16(g), [N, 2N) lo = bf16(g - hi), [2N, 3N) hi), or as fp16(alpha * g) (out float16);
@@ -537,10 +594,11 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, b
     epilogue, one of EPILOGUES ("staged": cp.async into shared memory during the mainloop, which needs
     every row of linear1_out and tanh_inner on a 16-byte boundary (row strides multiples of 4);
     "direct": global loads in the epilogue), or None: staged where the rows allow it, else direct.
-    Both give bitwise the same out and amax."""
+    Both give bitwise the same out and amax, and so do both cluster sizes (as in gemm_tn)."""
     import numpy
 
     _check_config(block_n, pingpong)
+    _check_cluster(cluster)
     if epilogue is not None and epilogue not in EPILOGUES:
         raise ValueError(f"epilogue must be None or one of {EPILOGUES}, got {epilogue!r}")
     op, m, n, k, lda, ldb = _check_operands(a, b, b_layout)
@@ -595,5 +653,6 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, b
     args = GemmArgs(out.data.ptr, linear1_out.data.ptr, tanh_inner.data.ptr if tanh_inner is not None else None,
                     ldc, ldx, ldt, m, n, k, alpha, amax.data.ptr if amax is not None else None,
                     xt_pairs=1)  # even row strides and 16-byte aligned data: checked above
-    _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream, staged=epilogue == "staged", b_layout=b_layout)
+    _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream, staged=epilogue == "staged", b_layout=b_layout,
+            cluster=cluster)
     return out

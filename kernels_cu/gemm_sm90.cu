@@ -163,11 +163,53 @@ __device__ __forceinline__ void named_bar_arrive(unsigned id, unsigned threads) 
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// ---- clusters -----------------------------------------------------------------------------------
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+
+// Every thread of every CTA of the cluster: memory operations before it (mbarrier inits, remote arrivals)
+// are visible to all of them after it. Not .aligned: the producer warpgroup arrives from divergent code.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
+// Arrives on the mbarrier at shared-memory offset `bar` of the CTA of cluster rank `rank` (itself included).
+__device__ __forceinline__ void mbar_arrive_cluster(unsigned bar, unsigned rank) {
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+}
+
+// A consumer warp is done with a stage: with CL = 2 both CTAs' producers write into it (A and one half of B
+// here, the other half from the peer), so both must hear it.
+template <int CL>
+__device__ __forceinline__ void release_stage(unsigned empty) {
+  if constexpr (CL == 1) {
+    mbar_arrive(empty);
+  } else {
+#pragma unroll
+    for (unsigned r = 0; r < (unsigned)CL; ++r) mbar_arrive_cluster(empty, r);
+  }
+}
+
 // ---- TMA ----------------------------------------------------------------------------------------
 __device__ __forceinline__ void tma_load_2d(unsigned dst, const TmaDesc* map, unsigned bar, int inner, int outer) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
       "l"(reinterpret_cast<unsigned long long>(map)), "r"(inner), "r"(outer), "r"(bar)
+      : "memory");
+}
+
+// The same copy delivered to the same shared-memory offset of every CTA in `cta_mask` (bit r: cluster rank r),
+// each completing the bytes it receives on its own mbarrier at offset `bar`.
+__device__ __forceinline__ void tma_load_2d_multicast(unsigned dst, const TmaDesc* map, unsigned bar, int inner, int outer,
+                                                      unsigned short cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(inner), "r"(outer), "r"(bar), "h"(cta_mask)
       : "memory");
 }
 
@@ -602,11 +644,20 @@ __device__ __forceinline__ unsigned dynamic_smem_size() {
 //
 // XS = 1: the staged dgelu epilogue (see the top of the file); XS = 0: x and t straight from global memory.
 // BT = 1: B is [K, N] (N contiguous), see the top of the file.
-template <int OP, int BN, int EPI, int PP, int XS, int BT>
-__global__ void __launch_bounds__(sm90::kThreads, 1)
-    gemm_sm90_kernel(const __grid_constant__ sm90::TmaDesc map_a, const __grid_constant__ sm90::TmaDesc map_b,
-                     const __grid_constant__ sm90::GemmArgs args) {
+//
+// CL = 2 (gemm_sm90_cluster2_kernel): clusters of two CTAs on vertically adjacent tiles (rows mb, mb + 1 of
+// tiles, the same column nb) share the B tile: each CTA loads its A tile and one half of B, multicast to both,
+// so L2 delivers 3/4 (BN = 128) or 2/3 (BN = 256) of the bytes per FLOP. Each CTA's full barrier counts the
+// bytes of both halves; a stage is free again only when the consumers of both CTAs are done with it, so each
+// consumer warp arrives on the empty barrier of both. The two CTAs walk the same sequence of tile pairs
+// (one k-step sequence), the second one's tile past M when the tile rows are odd (TMA zero-fills it, the
+// epilogue stores nothing), and neither leaves before the other (cluster_sync): a peer may still deliver
+// into its shared memory or arrive on its barriers.
+template <int OP, int BN, int EPI, int PP, int XS, int BT, int CL>
+__device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const sm90::TmaDesc& map_b,
+                                               const sm90::GemmArgs& args) {
   using namespace sm90;
+  static_assert(CL == 1 || CL == 2, "clusters of one or two CTAs");
   static_assert(PP == 0 || BN == 128, "ping-pong keeps a whole 128 x BN tile per warpgroup: BN = 128 only");
   static_assert(XS == 0 || EPI != kEpiF32, "the staged epilogue is a dgelu epilogue");
   constexpr int kStages = XS ? xs_stages_for(BN) : stages_for(BN);
@@ -625,7 +676,11 @@ __global__ void __launch_bounds__(sm90::kThreads, 1)
 
   const int m_tiles = (args.m + kBM - 1) / kBM;
   const int n_tiles = (args.n + BN - 1) / BN;
-  const int tiles = m_tiles * n_tiles;
+  // the cluster walks groups of CL vertically adjacent tiles (group = column nb, tile rows CL * mg ...)
+  const int m_groups = (m_tiles + CL - 1) / CL;
+  const int groups = m_groups * n_tiles;
+  const int cluster = blockIdx.x / CL, clusters = gridDim.x / CL;
+  const unsigned rank = CL > 1 ? cluster_rank() : 0u;
   const int k_tiles = (args.k + kBK - 1) / kBK;
   const int wg = threadIdx.x >> 7;
 
@@ -640,34 +695,55 @@ __global__ void __launch_bounds__(sm90::kThreads, 1)
     if (dynamic_smem_size() < kSmemBytes) __trap();
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full_bar + 8 * s, 1);   // the producer's arrive_expect_tx (+ the TMA bytes)
-      mbar_init(empty_bar + 8 * s, 4 * (2 / kHalves));  // one arrival per warp of the stage's consumers
+      mbar_init(empty_bar + 8 * s, CL * 4 * (2 / kHalves));  // one arrival per warp of the stage's consumers
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
     tma_prefetch_desc(&map_a);
     tma_prefetch_desc(&map_b);
   }
-  __syncthreads();
+  if constexpr (CL > 1) {
+    cluster_sync();  // the peer's barriers are initialized before anything multicasts or arrives on them
+  } else {
+    __syncthreads();
+  }
 
   if (wg == 0) {
     // Producer warpgroup: every thread gives up registers; one thread issues the copies.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if (threadIdx.x == 0) {
       unsigned it = 0;
-      for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-        const int mb = tile % m_tiles, nb = tile / m_tiles;
+      for (int group = cluster; group < groups; group += clusters) {
+        const int mb = CL * (group % m_groups) + rank, nb = group / m_groups;
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
           const unsigned s = it % kStages, phase = (it / kStages) & 1u;
           mbar_wait(empty_bar + 8 * s, phase ^ 1u);  // the consumers are done with this stage
-          // TMA counts the whole box, out-of-bounds (zero-filled) elements included.
+          // TMA counts the whole box, out-of-bounds (zero-filled) elements included; with CL = 2 the peer's
+          // half of B completes on this barrier too.
           mbar_arrive_expect_tx(full_bar + 8 * s, kABytes + kBBytes);
           tma_load_2d(a_smem + s * kABytes, &map_a, full_bar + 8 * s, kt * kBK, mb * kBM);
-          if constexpr (BT) {  // B [K, N]: BN / 64 boxes of 64 K-rows x 64 N-elements
+          if constexpr (CL == 1) {
+            if constexpr (BT) {  // B [K, N]: BN / 64 boxes of 64 K-rows x 64 N-elements
 #pragma unroll
-            for (int q = 0; q < BN / 64; ++q) {
-              tma_load_2d(b_smem + s * kBBytes + q * 8192, &map_b, full_bar + 8 * s, nb * BN + 64 * q, kt * kBK);
+              for (int q = 0; q < BN / 64; ++q) {
+                tma_load_2d(b_smem + s * kBBytes + q * 8192, &map_b, full_bar + 8 * s, nb * BN + 64 * q, kt * kBK);
+              }
+            } else {
+              tma_load_2d(b_smem + s * kBBytes, &map_b, full_bar + 8 * s, kt * kBK, nb * BN);
             }
           } else {
-            tma_load_2d(b_smem + s * kBBytes, &map_b, full_bar + 8 * s, kt * kBK, nb * BN);
+            // this CTA's half of B (BN / 2 rows, whole 1024-byte swizzle atoms: the layout one box would give),
+            // to both CTAs
+            constexpr unsigned short kBoth = (1u << CL) - 1u;
+            if constexpr (BT) {  // boxes rank * (BN / 128) ...
+#pragma unroll
+              for (int q = (int)rank * (BN / 128); q < ((int)rank + 1) * (BN / 128); ++q) {
+                tma_load_2d_multicast(b_smem + s * kBBytes + q * 8192, &map_b, full_bar + 8 * s, nb * BN + 64 * q,
+                                      kt * kBK, kBoth);
+              }
+            } else {  // map_b's box is BN / 2 rows
+              tma_load_2d_multicast(b_smem + s * kBBytes + rank * (kBBytes / 2), &map_b, full_bar + 8 * s, kt * kBK,
+                                    nb * BN + (int)rank * (BN / 2), kBoth);
+            }
           }
         }
       }
@@ -679,12 +755,12 @@ __global__ void __launch_bounds__(sm90::kThreads, 1)
     float acc[kHalves][BN / 2];
     unsigned it = 0;
     int local = 0;  // index of the tile in this CTA's sequence
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, ++local) {
+    for (int group = cluster; group < groups; group += clusters, ++local) {
       if (PP && (local & 1) != consumer) {  // the other consumer's tile: skip its stages
         it += k_tiles;
         continue;
       }
-      const int mb = tile % m_tiles, nb = tile / m_tiles;
+      const int mb = CL * (group % m_groups) + rank, nb = group / m_groups;
       const int row0 = mb * kBM + 64 * (PP ? 0 : consumer);  // this consumer's block of the tile
       // staged: x and t of the first kXtSlots groups are on their way while the mainloop runs (the ring
       // is free: this thread's previous epilogue has read all of it)
@@ -718,16 +794,16 @@ __global__ void __launch_bounds__(sm90::kThreads, 1)
         }
         wgmma_commit();
         wgmma_wait<1>();
-        if (kt > 0 && (tid & 31) == 0) mbar_arrive(empty_bar + 8 * previous);  // this warp is done with it
+        if (kt > 0 && (tid & 31) == 0) release_stage<CL>(empty_bar + 8 * previous);  // this warp is done with it
         previous = s;
       }
       wgmma_wait<0>();
 #pragma unroll
       for (int h = 0; h < kHalves; ++h) fence_regs(acc[h]);
-      if ((tid & 31) == 0) mbar_arrive(empty_bar + 8 * previous);
+      if ((tid & 31) == 0) release_stage<CL>(empty_bar + 8 * previous);
       // ping-pong: the other consumer's turn, if the CTA has a next tile (then it waits for exactly this
       // arrival: every bar.arrive is matched by one bar.sync, none is left pending at exit)
-      if (PP && tile + (int)gridDim.x < tiles) named_bar_arrive(1 + (consumer ^ 1), 256);
+      if (PP && group + clusters < groups) named_bar_arrive(1 + (consumer ^ 1), 256);
       if constexpr (XS) {
         const unsigned xt_slots = xt_smem + consumer * kXtSlots * kXtSlotBytes;
         store_block_staged<EPI, BN, kHalves, kXtSlots>(acc, args, row0, nb * BN, tid, xt_slots);
@@ -737,4 +813,20 @@ __global__ void __launch_bounds__(sm90::kThreads, 1)
       }
     }
   }
+  if constexpr (CL > 1) cluster_sync();  // the peer may still deliver to this CTA or arrive on its barriers
+}
+
+template <int OP, int BN, int EPI, int PP, int XS, int BT>
+__global__ void __launch_bounds__(sm90::kThreads, 1)
+    gemm_sm90_kernel(const __grid_constant__ sm90::TmaDesc map_a, const __grid_constant__ sm90::TmaDesc map_b,
+                     const __grid_constant__ sm90::GemmArgs args) {
+  gemm_sm90_body<OP, BN, EPI, PP, XS, BT, 1>(map_a, map_b, args);
+}
+
+// The same with clusters of two CTAs (CL = 2 above; the grid is a multiple of 2).
+template <int OP, int BN, int EPI, int PP, int XS, int BT>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(sm90::kThreads, 1)
+    gemm_sm90_cluster2_kernel(const __grid_constant__ sm90::TmaDesc map_a, const __grid_constant__ sm90::TmaDesc map_b,
+                              const __grid_constant__ sm90::GemmArgs args) {
+  gemm_sm90_body<OP, BN, EPI, PP, XS, BT, 2>(map_a, map_b, args);
 }

@@ -414,6 +414,90 @@ def test_dgelu_bf16_truncates_finite_overflow():
     assert bool((out == 0x7F7F).all()), cupy.unique(out)
 
 
+# ---- clusters of two CTAs (cluster=2: the B tile multicast to two vertically adjacent tiles) ------------
+# (77, 300, 64): one row of tiles, the second CTA's tile wholly past M; (300, 257, 200): three rows (the last
+# pair half past M), N odd; (1536, 4096, 192) and (2048, 2056, 1000): several tile pairs per cluster with
+# more k-steps than stages; (8192, 6144, 1536): GEMM1 at T = 8192, ~12 pairs per cluster.
+CLUSTER_SHAPES = [(1, 64, 16), (77, 300, 64), (300, 257, 200), (1536, 4096, 192), (2048, 2056, 1000),
+                  (8192, 6144, 1536)]
+CLUSTER_QUICK = {"300-257-200-fp16-bn128pp-nk", "2048-2056-1000-bf16-bn256-kn", "77-300-64-fp16-bn256-kn",
+                 "2048-2056-1000-fp16-bn128pp-kn", "8192-6144-1536-fp16-bn256-kn"}
+CLUSTER_CASES = marked(((f"{m}-{n}-{k}-{kind}-{cid}-{bl}", (m, n, k, kind, config, bl)) for m, n, k in CLUSTER_SHAPES
+                        for kind in ("fp16", "bf16") for config, cid in zip(_sm90_gemm.CONFIGS, CONFIG_IDS)
+                        for bl in _sm90_gemm.B_LAYOUTS), CLUSTER_QUICK)
+
+
+@pytest.mark.parametrize("m,n,k,kind,config,b_layout", CLUSTER_CASES)
+def test_cluster2_fp32_out_is_the_single_cta_result(rng, m, n, k, kind, config, b_layout):
+    """Each tile runs the same wgmma sequence with or without the cluster: out must be bit-identical to
+    cluster=1's, every element written, nothing outside [M, N]; and both are the float64 product to
+    tensor-core accuracy (checked where the float64 reference is cheap)."""
+    block_n, pingpong = config
+    a, a64 = operand(rng, m, k, kind)
+    b, b64, _ = b_operand(rng, n, k, kind, b_layout)
+    outs = []
+    for cluster in (1, 2):
+        out, buf = padded(m, n, numpy.float32, 2, numpy.nan, extra_rows=3, extra_cols=5)
+        _sm90_gemm.gemm_tn(a, b, out, block_n=block_n, pingpong=pingpong, b_layout=b_layout, cluster=cluster)
+        cupy.cuda.get_current_stream().synchronize()
+        assert bool(cupy.isfinite(out).all()), f"cluster={cluster}: some outputs were not written"
+        assert bool(cupy.isnan(buf[:m, n:]).all()) and bool(cupy.isnan(buf[m:]).all()), "stores outside [M, N]"
+        outs.append(out)
+    differ = int((outs[0].view(cupy.uint32) != outs[1].view(cupy.uint32)).sum())
+    assert differ == 0, f"{differ} of {m * n} elements differ between cluster=1 and cluster=2"
+    if m * n * k <= 2 ** 32:
+        assert rel_l2(outs[1], a64 @ b64.T) <= 1e-4
+
+
+CLUSTER_DGELU_CASES = [pytest.param(m, n, k, config, fmt, memory, epilogue, id=f"{m}-{n}-{k}-{cid}-{fmt}-{memory}-{epilogue}",
+                                    marks=[QUICK] if (cid, fmt, epilogue) in (("bn128pp", "fp16", "staged"),
+                                                                              ("bn256", "bf16x3", "staged"),
+                                                                              ("bn128", "bf16", "direct")) else [])
+                       for m, n, k in ((300, 302, 200), (4100, 3000, 256), (8192, 6144, 1536))
+                       for config, cid in zip(_sm90_gemm.CONFIGS, CONFIG_IDS)
+                       for fmt in ("fp16", "bf16", "bf16x3")
+                       for memory, epilogue in ((False, "staged"), (True, "staged"), (False, "direct"))
+                       if (m, n) != (8192, 6144) or not memory]
+
+
+@pytest.mark.parametrize("m,n,k,config,out_format,memory_mode,epilogue", CLUSTER_DGELU_CASES)
+def test_cluster2_dgelu_is_the_single_cta_result(rng, m, n, k, config, out_format, memory_mode, epilogue):
+    """The fused GEMM1 + dgelu (fp16 scaled, bf16, bf16x3 planes) with cluster=2: out, amax and the poisoned
+    margins bit-identical to cluster=1 (b as the engine passes it, [K, N]), and the result within one
+    rounding of float64 where the reference is cheap."""
+    block_n, pingpong = config
+    kind = "fp16" if out_format == "fp16" else "bf16"
+    planes = 3 if out_format == "bf16x3" else 1
+    a, a64 = operand(rng, m, k, kind)
+    b, b64, _ = b_operand(rng, n, k, kind, "kn")
+    x, t = activations(rng, m, n)
+    alpha = 2.0 ** -2 if out_format == "fp16" else 1.0
+    results = []
+    for cluster in (1, 2):
+        if out_format == "fp16":
+            out, buf = padded(m, n, numpy.float16, 2, numpy.nan, extra_rows=1, extra_cols=6)
+        else:
+            out, buf = padded(m, planes * n, numpy.uint16, 2, 0x7FC0, extra_rows=1, extra_cols=6)
+        amax = cupy.zeros(1, cupy.uint32)
+        _sm90_gemm.gemm_tn_dgelu(a, b, x, None if memory_mode else t, out, alpha=alpha, amax=amax, block_n=block_n,
+                                 pingpong=pingpong, epilogue=epilogue, b_layout="kn", planes=planes, cluster=cluster)
+        cupy.cuda.get_current_stream().synchronize()
+        results.append((buf.view(cupy.uint16).copy(), int(amax[0]), out))
+    (buf1, amax1, out1), (buf2, amax2, _) = results
+    differ = int((buf1 != buf2).sum())
+    assert differ == 0, f"{differ} elements of the output buffer differ between cluster=1 and cluster=2"
+    assert amax1 == amax2 and amax1 > 0, (amax1, amax2)
+    codes = out1[:, :n]
+    got = (codes.astype(cupy.float64) / alpha) if out_format == "fp16" else bf16_value(codes).astype(cupy.float64)
+    assert bool(cupy.isfinite(got).all()), "some outputs were not written"
+    if m * n * k <= 2 ** 32:
+        x64, t64 = x.astype(cupy.float64), t.astype(cupy.float64)
+        if memory_mode:
+            t64 = cupy.tanh(SQRT_2_OVER_PI * (x64 + 0.044715 * x64 ** 3))
+        ref = (a64 @ b64.T) * gelu_grad64(x64, t64)
+        assert rel_l2(got, ref) <= (2.0 ** -10 if out_format == "fp16" else 2.0 ** -8)
+
+
 # ---- input validation ---------------------------------------------------------------------------
 def _ok_operands(m=64, n=64, k=64, dtype=numpy.float16):
     a = cupy.ones((m, k), dtype)
@@ -438,6 +522,7 @@ def _ok_operands(m=64, n=64, k=64, dtype=numpy.float16):
     ("b_layout", "b_layout"),
     ("kn_kmismatch", r"b must be \[K, N\]"),
     ("kn_ldb", "multiple of 8"),
+    ("cluster", "cluster must be one of"),
 ])
 def test_gemm_tn_rejects_bad_input(case, message):
     a, b = _ok_operands()
@@ -473,7 +558,7 @@ def test_gemm_tn_rejects_bad_input(case, message):
     layout = "tn" if case == "b_layout" else ("kn" if case.startswith("kn") else "nk")
     with pytest.raises(ValueError, match=message):
         _sm90_gemm.gemm_tn(a, b, out, block_n=192 if case == "block_n" else 256, pingpong=case == "pingpong256",
-                           b_layout=layout)
+                           b_layout=layout, cluster=3 if case == "cluster" else 1)
 
 
 @pytest.mark.parametrize("case,message", [

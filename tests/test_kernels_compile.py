@@ -415,7 +415,10 @@ def test_sm90_gemm_ptx_uses_the_hopper_paths(sm90_gemm):
     for needle in ("wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16", "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
                    "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes",
                    "setmaxnreg.inc.sync.aligned.u32 232", "setmaxnreg.dec.sync.aligned.u32 40", "mbarrier.try_wait.parity",
-                   "cp.async.cg.shared.global.L2::cache_hint", "cp.async.wait_group"):  # the staged dgelu epilogue
+                   "cp.async.cg.shared.global.L2::cache_hint", "cp.async.wait_group",  # the staged dgelu epilogue
+                   # clusters of two: B multicast, remote stage releases, the cluster barrier, the cluster shape
+                   "mbarrier::complete_tx::bytes.multicast::cluster", "mbarrier.arrive.release.cluster.shared::cluster.b64",
+                   "barrier.cluster.arrive.release", ".reqnctapercluster 2, 1, 1"):
         assert needle in c.ptx, needle
     assert ".local" not in c.ptx  # no local-memory arrays (the accumulators stay in registers)
 

@@ -10,11 +10,19 @@ import pytest
 from cupyffn import _kernels, _sm90_gemm as G
 
 
+def _parse(expression):
+    m = re.fullmatch(r"gemm_sm90_(kernel|cluster2_kernel)<(\d), (\d+), (\d), (\d), (\d), (\d)>", expression)
+    return tuple(int(v) for v in m.groups()[1:]) + ({"kernel": 1, "cluster2_kernel": 2}[m.group(1)],)
+
+
 def test_variants_cover_each_schedule_layout_and_epilogue_once():
-    parsed = [tuple(int(v) for v in re.fullmatch(r"gemm_sm90_kernel<(\d), (\d+), (\d), (\d), (\d), (\d)>", e).groups())
-              for e in G.EXPRESSIONS]
-    assert len(parsed) == len(set(parsed)) == 72
-    for op, bn, epi, pp, xs, bt in parsed:
+    parsed = [_parse(e) for e in G.EXPRESSIONS]
+    assert len(parsed) == len(set(parsed)) == 2 * 72
+    # the cluster-2 kernels are exactly the single-CTA ones again
+    assert sorted(p[:-1] for p in parsed if p[-1] == 2) == sorted(p[:-1] for p in parsed if p[-1] == 1)
+    for op, bn, epi, pp, xs, bt, cl in parsed:
+        assert cl in G.CLUSTERS
+        assert G.expression(op, bn, epi, pp, xs, G.B_LAYOUTS[bt], cl) == G.EXPRESSIONS[parsed.index((op, bn, epi, pp, xs, bt, cl))]
         assert (bn, bool(pp)) in G.CONFIGS and bt in (0, 1)
         assert epi != G.EPI_DGELU_BF16X3 or op == G.OP_BF16, "the three bf16 planes take bf16 operands"
         assert not xs or epi != G.EPI_F32, "the staged epilogue is a dgelu epilogue"
@@ -25,7 +33,7 @@ def test_variants_cover_each_schedule_layout_and_epilogue_once():
             for bn, pp in G.CONFIGS:
                 for bt in (0, 1):
                     for xs in (0, 1):
-                        assert (op, bn, epi, int(pp), xs, bt) in parsed
+                        assert (op, bn, epi, int(pp), xs, bt, 1) in parsed
 
 
 class _Holder:
@@ -36,20 +44,32 @@ class _Holder:
 @pytest.fixture
 def stand_ins(monkeypatch):
     """_kernel, sm_count and the tensor-map cache replaced: records which variants a launch looks up."""
-    looked_up = []
+    looked_up = _Recorded()
 
     class Fn:
         def __init__(self, ptr):
             self.kernel = type("K", (), {"ptr": ptr})()
 
-    def kernel(op, block_n, epi, pingpong, device_id, staged=False, b_layout="nk"):
-        looked_up.append((op, block_n, epi, pingpong, staged, b_layout))
+    def kernel(op, block_n, epi, pingpong, device_id, staged=False, b_layout="nk", cluster=1):
+        looked_up.append((op, block_n, epi, pingpong, staged, b_layout, cluster))
         return Fn(1000 + len(looked_up))
+
+    maps = []
+
+    def get(*key):
+        maps.append(key)
+        return _Holder()
 
     monkeypatch.setattr(G, "_kernel", kernel)
     monkeypatch.setattr(_kernels, "sm_count", lambda device_id: 132)
-    monkeypatch.setattr(G._maps, "get", lambda *key: _Holder())
+    monkeypatch.setattr(G._maps, "get", get)
+    monkeypatch.setattr(G, "max_active_clusters", lambda function_ptr, smem, cluster: 60)  # fewer than 132 / 2
+    looked_up.maps = maps
     return looked_up
+
+
+class _Recorded(list):
+    pass
 
 
 def _launch(**kw):
@@ -68,7 +88,8 @@ def test_tf32_launch_gathers_into_the_state_and_its_rescue_does_not(stand_ins):
     assert launch.args.amax == 0x40000 + 4 * (_kernels.STATE_SLOTS + 5)
     assert launch.args.state == 0x40000 and launch.args.acc_scale == 0x50008 and launch.args.rescue == 0
     assert (launch.block_n, launch.pingpong) == G.choose_config(1024, 6144, 132)
-    assert launch.grid == min(-(-1024 // G.BLOCK_M) * -(-6144 // launch.block_n), 132)
+    assert launch.cluster == G.FUSED_CLUSTER == 1
+    assert {v[2] for v in launch._variants.values()} == {min(-(-1024 // G.BLOCK_M) * -(-6144 // launch.block_n), 132)}
     rescue = _launch(rescue=True, alpha_mask=0b1100)
     assert rescue.args.amax is None and rescue.args.rescue == 1 and rescue.args.alpha_mask == 0b1100
 
@@ -99,3 +120,26 @@ def test_set_activations_picks_the_epilogue_by_alignment(stand_ins, x_ptr, ldx, 
     assert launch.args.x == x_ptr and launch.args.ldx == ldx
     assert launch.args.t == (t_ptr or None) and launch.args.ldt == (ldt if t_ptr else 0)
     assert ctypes.sizeof(launch.args) == 112
+
+
+@pytest.mark.parametrize("T,b_layout", [(1024, "kn"), (1152, "nk"), (8192, "kn")])
+def test_cluster2_launch_grid_and_b_boxes(stand_ins, T, b_layout):
+    """Clusters of two: the grid is two CTAs per group of two tile rows (9 rows at T = 1152: the last group half
+    past M), at most as many clusters as run at once (the stand-in says 60), and the "nk" B box is half a tile."""
+    D, H = 1536, 6144
+    ldb = D if b_layout == "nk" else H
+    launch = G.DgeluLaunch(0x10000, D, 0x20000, ldb, b_layout, 0x30000, H, T, H, D, state_ptr=0x40000,
+                           consts_ptr=0x50000, acc_scale_ptr=0x50008, slot=5, rescue=False, alpha_mask=0, device_id=0,
+                           cluster=2)
+    assert {v[-1] for v in stand_ins} == {2}
+    groups = -(-(-(-T // G.BLOCK_M)) // 2) * -(-H // launch.block_n)
+    assert {v[2] for v in launch._variants.values()} == {2 * min(groups, 60)}
+    a_key, b_key = stand_ins.maps
+    assert a_key[-1] == G.BLOCK_M
+    assert b_key[-1] == (launch.block_n // 2 if b_layout == "nk" else 64)
+
+
+def test_an_unknown_cluster_size_is_refused(stand_ins):
+    with pytest.raises(ValueError, match="cluster must be one of"):
+        _launch(cluster=4)
+    assert stand_ins == []

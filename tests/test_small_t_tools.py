@@ -1,4 +1,4 @@
-"""tools/small_t.py and tools/fused_epilogue_cost.py without a GPU: they load without cupy, answer --help,
+"""tools/small_t.py, tools/fused_epilogue_cost.py and tools/sm90_precompile.py without a GPU: they load without cupy, answer --help,
 and small_t's GEMM shapes are the backward's (cupyffn/_precision.py)."""
 
 import types
@@ -9,12 +9,13 @@ from tool_loader import load_tool  # tests/ is on sys.path
 from cupyffn import _precision as P
 
 
-@pytest.mark.parametrize("name", ["small_t", "fused_epilogue_cost"])
-def test_loads_without_cupy_and_answers_help(name, capsys):
+@pytest.mark.parametrize("name,option", [("small_t", "--out"), ("fused_epilogue_cost", "--sweep"),
+                                         ("sm90_precompile", "--match")])
+def test_loads_without_cupy_and_answers_help(name, option, capsys):
     tool = load_tool(name)
     with pytest.raises(SystemExit) as info:
         tool.main(["--help"])
-    assert info.value.code == 0 and "--out" in capsys.readouterr().out
+    assert info.value.code == 0 and option in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("tokens", [1, 256, 3142])
