@@ -44,11 +44,24 @@ SOURCE = "gemm_sm90.cu"
 #: tools/sm90_gemm_bench.py can try others through set_staging() before anything is compiled.
 XT_COLS = 32
 XS_STAGE_DROP = 1
+#: Measurement hook (tools/sm90_trace.py, set_trace): compile with CUPYFFN_SM90_TRACE, the per-tile timestamps.
+TRACE = False
 
 
 def nvrtc_options():
     """NVRTC options; CuPy adds its include paths and its own -arch (see the module docstring)."""
-    return ("-arch=sm_90a", "--std=c++17", f"-DCUPYFFN_XT_COLS={XT_COLS}", f"-DCUPYFFN_XS_STAGE_DROP={XS_STAGE_DROP}")
+    return (("-arch=sm_90a", "--std=c++17", f"-DCUPYFFN_XT_COLS={XT_COLS}", f"-DCUPYFFN_XS_STAGE_DROP={XS_STAGE_DROP}")
+            + (("-DCUPYFFN_SM90_TRACE=1",) if TRACE else ()))
+
+
+def set_trace(enabled):
+    """Measurement hook: compile every variant with the per-tile timestamps of gemm_sm90.cu (CUPYFFN_SM90_TRACE;
+    the kernels then store them wherever the module's global ``cupyffn_sm90_trace`` points, nowhere if null).
+    Only before the first kernel of this process is compiled."""
+    global TRACE
+    if _module.cache_info().currsize:
+        raise RuntimeError("set_trace must come before the first sm90 kernel is compiled in this process")
+    TRACE = bool(enabled)
 
 
 def set_staging(xt_cols, stage_drop):
@@ -151,7 +164,7 @@ class TmaDesc(ctypes.Structure):
 
 
 class GemmArgs(ctypes.Structure):
-    """Mirror of ``struct GemmArgs`` in gemm_sm90.cu (112 bytes)."""
+    """Mirror of ``struct GemmArgs`` in gemm_sm90.cu (120 bytes)."""
 
     _fields_ = [
         ("c", ctypes.c_void_p),
@@ -172,6 +185,7 @@ class GemmArgs(ctypes.Structure):
         ("rescue", ctypes.c_int),
         ("alpha_mask", ctypes.c_int),
         ("xt_pairs", ctypes.c_int),
+        ("raster", ctypes.c_int),
     ]
 
 
@@ -471,6 +485,12 @@ def _check_cluster(cluster):
         raise ValueError(f"cluster must be one of {CLUSTERS}, got {cluster!r}")
 
 
+def _check_raster(raster):
+    if not isinstance(raster, int) or isinstance(raster, bool) or not 0 <= raster < 2 ** 31:
+        raise ValueError(f"raster must be an int >= 0 (0: tiles down each column; R: bands of R tile rows), "
+                         f"got {raster!r}")
+
+
 def _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream, staged=False, b_layout="nk", cluster=1):
     import cupy
     from cupy_backends.cuda.api import driver
@@ -503,6 +523,8 @@ def choose_config(m, n, sms):
 #: CTAs per cluster of the engine's fused launch (DgeluLaunch). 1 until clusters are measured faster there
 #: (docs/perf-notes.md).
 FUSED_CLUSTER = 1
+#: Tile order of the engine's fused launch (GemmArgs::raster). 0 until another order is measured faster there.
+FUSED_RASTER = 0
 
 
 class DgeluLaunch:
@@ -535,7 +557,7 @@ class DgeluLaunch:
                                                self.cluster)
         gather = state_ptr + 4 * (_kernels.STATE_SLOTS + slot) if state_ptr and not rescue else None
         self.args = GemmArgs(out_ptr, None, None, ldc, 0, 0, m, n, k, 1.0, gather, acc_scale_ptr, state_ptr,
-                             consts_ptr, slot, int(rescue), alpha_mask, 1)
+                             consts_ptr, slot, int(rescue), alpha_mask, 1, FUSED_RASTER)
         self.staged = True
         self._argv = (ctypes.c_void_p * 3)(ctypes.addressof(self.map_a.desc), ctypes.addressof(self.map_b.desc),
                                            ctypes.addressof(self.args))
@@ -557,17 +579,20 @@ class DgeluLaunch:
         driver.launchKernel(function, grid, 1, 1, THREADS, 1, 1, smem, stream_ptr, ctypes.addressof(self._argv), 0)
 
 
-def gemm_tn(a, b, out, *, block_n=256, pingpong=False, b_layout="nk", cluster=1, stream=None):
+def gemm_tn(a, b, out, *, block_n=256, pingpong=False, b_layout="nk", cluster=1, raster=0, stream=None):
     """out[M, N] (float32) = a[M, K] @ b[N, K]^T (b_layout "nk") or a[M, K] @ b[K, N] ("kn") on the
     sm_90a kernel; returns out.
 
     a, b: float16, or uint16 holding bf16 bit patterns (both the same). (block_n, pingpong): the
     schedule, one of CONFIGS. cluster: CTAs per cluster, one of CLUSTERS (2: vertically adjacent tiles share B
-    through TMA multicast). stream: a cupy Stream (default: the current one)."""
+    through TMA multicast). raster: the order of the output tiles (0: down each column of tiles; R > 0: bands of R
+    tile rows (of R clusters' rows), column by column). Neither changes a single bit of out.
+    stream: a cupy Stream (default: the current one)."""
     import numpy
 
     _check_config(block_n, pingpong)
     _check_cluster(cluster)
+    _check_raster(raster)
     op, m, n, k, lda, ldb = _check_operands(a, b, b_layout)
     ldc = _check_matrix(out, "out", (m, n), numpy.float32)
     _check_device((("a", a), ("b", b), ("out", out)))
@@ -575,13 +600,13 @@ def gemm_tn(a, b, out, *, block_n=256, pingpong=False, b_layout="nk", cluster=1,
     _check_no_overlap(out, ldc, (("a", a, lda), ("b", b, ldb)))
     if m == 0 or n == 0:
         return out
-    args = GemmArgs(out.data.ptr, None, None, ldc, 0, 0, m, n, k, 1.0, None, xt_pairs=1)
+    args = GemmArgs(out.data.ptr, None, None, ldc, 0, 0, m, n, k, 1.0, None, xt_pairs=1, raster=raster)
     _launch(op, block_n, pingpong, EPI_F32, a, lda, b, ldb, args, stream, b_layout=b_layout, cluster=cluster)
     return out
 
 
 def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, block_n=256, pingpong=False,
-                  epilogue=None, b_layout="nk", planes=1, cluster=1, stream=None):
+                  epilogue=None, b_layout="nk", planes=1, cluster=1, raster=0, stream=None):
     """GEMM1 with the GELU derivative fused: g = (a @ b^T) * gelu'(linear1_out, tanh_inner) in fp32,
     stored as bf16 bits (out uint16 [M, N]), as three bf16 planes (planes=3: out uint16 [M, 3N], columns
     [0, N) hi = bf16(g), [N, 2N) lo = bf16(g - hi), [2N, 3N) hi), or as fp16(alpha * g) (out float16);
@@ -594,11 +619,12 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, b
     epilogue, one of EPILOGUES ("staged": cp.async into shared memory during the mainloop, which needs
     every row of linear1_out and tanh_inner on a 16-byte boundary (row strides multiples of 4);
     "direct": global loads in the epilogue), or None: staged where the rows allow it, else direct.
-    Both give bitwise the same out and amax, and so do both cluster sizes (as in gemm_tn)."""
+    Both give bitwise the same out and amax, and so do both cluster sizes and every raster (as in gemm_tn)."""
     import numpy
 
     _check_config(block_n, pingpong)
     _check_cluster(cluster)
+    _check_raster(raster)
     if epilogue is not None and epilogue not in EPILOGUES:
         raise ValueError(f"epilogue must be None or one of {EPILOGUES}, got {epilogue!r}")
     op, m, n, k, lda, ldb = _check_operands(a, b, b_layout)
@@ -652,7 +678,7 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, b
                          f"multiple of 4 elements), got {ld}; epilogue=None falls back to 'direct'")
     args = GemmArgs(out.data.ptr, linear1_out.data.ptr, tanh_inner.data.ptr if tanh_inner is not None else None,
                     ldc, ldx, ldt, m, n, k, alpha, amax.data.ptr if amax is not None else None,
-                    xt_pairs=1)  # even row strides and 16-byte aligned data: checked above
+                    xt_pairs=1, raster=raster)  # xt_pairs: even row strides and 16-byte aligned data, checked above
     _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream, staged=epilogue == "staged", b_layout=b_layout,
             cluster=cluster)
     return out

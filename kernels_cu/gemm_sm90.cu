@@ -94,8 +94,9 @@ struct GemmArgs {
   int rescue;     // 1: the rescue launch: runs only if state flags `slot` for conversion again
   int alpha_mask;
   int xt_pairs;   // direct epilogue: 1 if x and t rows hold 8-byte aligned column pairs (else one float at a time)
+  int raster;     // order of the output tiles: 0 down each column, R > 0 in bands of R tile(-group) rows (group_coords)
 };
-static_assert(sizeof(GemmArgs) == 112, "GemmArgs layout is mirrored in cupyffn/_sm90_gemm.py");
+static_assert(sizeof(GemmArgs) == 120, "GemmArgs layout is mirrored in cupyffn/_sm90_gemm.py");
 static_assert(sizeof(TmaDesc) == 128, "a CUtensorMap is 128 bytes");
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
@@ -177,10 +178,13 @@ __device__ __forceinline__ void cluster_sync() {
 }
 
 // Arrives on the mbarrier at shared-memory offset `bar` of the CTA of cluster rank `rank` (itself included).
+// The default semantics (.release at CTA scope), as for a local arrive: what it orders is this warp's reads of
+// the stage, done (wgmma.wait_group) before the arrive. An explicit .release.cluster costs a cluster-scope
+// fence per stage and warp: measured 1.5-2.4x slower kernels (docs/perf-notes.md, session 5).
 __device__ __forceinline__ void mbar_arrive_cluster(unsigned bar, unsigned rank) {
   unsigned remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
 }
 
 // A consumer warp is done with a stage: with CL = 2 both CTAs' producers write into it (A and one half of B
@@ -624,6 +628,41 @@ __device__ __forceinline__ void store_block_staged(const float (&acc)[HALVES][BN
   }
 }
 
+// The tile group (cluster-sized stack of vertically adjacent tiles) at position `group` of the walk:
+// raster = 0 goes down each column (M fastest, then N); raster = R > 0 cuts the rows into bands of R and
+// walks each band column by column, so that the CTAs running at one time touch R rows' worth of A and a
+// few columns' worth of B (a smaller L2 working set than all of A). Producer and consumers call it alike.
+__device__ __forceinline__ void group_coords(int group, int m_groups, int n_tiles, int raster, int& mg, int& nb) {
+  if (raster <= 0 || raster >= m_groups) {
+    mg = group % m_groups;
+    nb = group / m_groups;
+    return;
+  }
+  const int per_band = raster * n_tiles;
+  const int band = group / per_band, within = group - band * per_band;
+  const int rows = min(raster, m_groups - band * raster);  // the last band may be shorter
+  mg = band * raster + within % rows;
+  nb = within / rows;
+}
+
+// Measurement only (tools/sm90_trace.py compiles with CUPYFFN_SM90_TRACE): per consumer and tile, the global
+// timer when the tile's loop iteration starts, when the consumer has its turn on the tensor cores (ping-pong),
+// when its mainloop has finished and when its epilogue has. The launcher never defines the macro.
+#ifdef CUPYFFN_SM90_TRACE
+constexpr int kTraceTiles = 64;  // per consumer and CTA; later tiles are not recorded
+extern "C" {  // unmangled: the tool sets it by name
+__device__ unsigned long long* cupyffn_sm90_trace;
+}
+__device__ __forceinline__ void trace_stamp(int consumer, int local, int what, int tid) {
+  if (tid == 0 && local < kTraceTiles && cupyffn_sm90_trace != nullptr) {
+    cupyffn_sm90_trace[((blockIdx.x * 2 + consumer) * kTraceTiles + local) * 4 + what] = global_ns();
+  }
+}
+#define CUPYFFN_TRACE(what) sm90::trace_stamp(consumer, local, what, tid)
+#else
+#define CUPYFFN_TRACE(what) ((void)0)
+#endif
+
 __device__ __forceinline__ unsigned dynamic_smem_size() {
   unsigned bytes;
   asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(bytes));
@@ -713,7 +752,9 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
     if (threadIdx.x == 0) {
       unsigned it = 0;
       for (int group = cluster; group < groups; group += clusters) {
-        const int mb = CL * (group % m_groups) + rank, nb = group / m_groups;
+        int mg, nb;
+        group_coords(group, m_groups, n_tiles, args.raster, mg, nb);
+        const int mb = CL * mg + rank;
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
           const unsigned s = it % kStages, phase = (it / kStages) & 1u;
           mbar_wait(empty_bar + 8 * s, phase ^ 1u);  // the consumers are done with this stage
@@ -760,7 +801,10 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
         it += k_tiles;
         continue;
       }
-      const int mb = CL * (group % m_groups) + rank, nb = group / m_groups;
+      int mg, nb;
+      group_coords(group, m_groups, n_tiles, args.raster, mg, nb);
+      const int mb = CL * mg + rank;
+      CUPYFFN_TRACE(0);
       const int row0 = mb * kBM + 64 * (PP ? 0 : consumer);  // this consumer's block of the tile
       // staged: x and t of the first kXtSlots groups are on their way while the mainloop runs (the ring
       // is free: this thread's previous epilogue has read all of it)
@@ -769,6 +813,7 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
       }
       // ping-pong: my turn once the other consumer has passed every stage of the tile before this one
       if (PP && local > 0) named_bar_sync(1 + consumer, 256);
+      CUPYFFN_TRACE(1);
 #pragma unroll
       for (int h = 0; h < kHalves; ++h) {
 #pragma unroll
@@ -804,6 +849,7 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
       // ping-pong: the other consumer's turn, if the CTA has a next tile (then it waits for exactly this
       // arrival: every bar.arrive is matched by one bar.sync, none is left pending at exit)
       if (PP && group + clusters < groups) named_bar_arrive(1 + (consumer ^ 1), 256);
+      CUPYFFN_TRACE(2);
       if constexpr (XS) {
         const unsigned xt_slots = xt_smem + consumer * kXtSlots * kXtSlotBytes;
         store_block_staged<EPI, BN, kHalves, kXtSlots>(acc, args, row0, nb * BN, tid, xt_slots);
@@ -811,6 +857,7 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
 #pragma unroll
         for (int h = 0; h < kHalves; ++h) store_block<EPI, BN>(acc[h], args, row0 + 64 * h, nb * BN, tid);
       }
+      CUPYFFN_TRACE(3);
     }
   }
   if constexpr (CL > 1) cluster_sync();  // the peer may still deliver to this CTA or arrive on its barriers

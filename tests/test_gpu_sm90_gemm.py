@@ -498,6 +498,43 @@ def test_cluster2_dgelu_is_the_single_cta_result(rng, m, n, k, config, out_forma
         assert rel_l2(got, ref) <= (2.0 ** -10 if out_format == "fp16" else 2.0 ** -8)
 
 
+# ---- tile order (raster=R: bands of R tile rows, column by column) ---------------------------------------
+# (1300, 3000, 256): 11 tile rows, so bands of 3 and 4 end with a shorter band, and with cluster=2 6 groups of
+# two rows (the last half past M); raster 16 >= the rows: the column order again.
+RASTER_CASES = [pytest.param(m, n, k, config, cluster, raster, id=f"{m}-{n}-{k}-{cid}-cl{cluster}-r{raster}",
+                             marks=[QUICK] if (cid, raster) in (("bn128pp", 3), ("bn256", 4)) else [])
+                for m, n, k in ((1300, 3000, 256), (2048, 2056, 1000))
+                for config, cid in zip(_sm90_gemm.CONFIGS, CONFIG_IDS)
+                for cluster in _sm90_gemm.CLUSTERS for raster in (3, 4, 16)]
+
+
+@pytest.mark.parametrize("m,n,k,config,cluster,raster", RASTER_CASES)
+def test_raster_changes_the_order_not_a_bit(rng, m, n, k, config, cluster, raster):
+    """Each tile is computed the same way whatever the order: fp32 out and the fused dgelu (fp16, amax) are
+    bit-identical to raster=0's, with every element written and nothing outside [M, N]."""
+    block_n, pingpong = config
+    a, a64 = operand(rng, m, k, "fp16")
+    b, b64, _ = b_operand(rng, n, k, "fp16", "kn")
+    x, t = activations(rng, m, n)
+    kw = dict(block_n=block_n, pingpong=pingpong, b_layout="kn", cluster=cluster)
+    got = {}
+    for r in (0, raster):
+        out, buf = padded(m, n, numpy.float32, 2, numpy.nan, extra_rows=2, extra_cols=3)
+        _sm90_gemm.gemm_tn(a, b, out, raster=r, **kw)
+        g16, gbuf = padded(m, n, numpy.float16, 2, numpy.nan, extra_rows=2, extra_cols=3)
+        amax = cupy.zeros(1, cupy.uint32)
+        _sm90_gemm.gemm_tn_dgelu(a, b, x, t, g16, alpha=0.5, amax=amax, raster=r, **kw)
+        cupy.cuda.get_current_stream().synchronize()
+        assert bool(cupy.isfinite(out).all()) and bool(cupy.isfinite(g16).all()), f"raster={r}: outputs not written"
+        assert bool(cupy.isnan(buf[:m, n:]).all()) and bool(cupy.isnan(buf[m:]).all()), "stores outside [M, N]"
+        assert bool(cupy.isnan(gbuf[:m, n:]).all()) and bool(cupy.isnan(gbuf[m:]).all()), "stores outside [M, N]"
+        got[r] = (buf.view(cupy.uint32).copy(), gbuf.view(cupy.uint16).copy(), int(amax[0]))
+    assert int((got[0][0] != got[raster][0]).sum()) == 0, "fp32 out differs from raster=0's"
+    assert int((got[0][1] != got[raster][1]).sum()) == 0, "dgelu out differs from raster=0's"
+    assert got[0][2] == got[raster][2] > 0
+    assert rel_l2(got[raster][0][:m, :n].view(cupy.float32), a64 @ b64.T) <= 1e-4
+
+
 # ---- input validation ---------------------------------------------------------------------------
 def _ok_operands(m=64, n=64, k=64, dtype=numpy.float16):
     a = cupy.ones((m, k), dtype)
@@ -523,6 +560,7 @@ def _ok_operands(m=64, n=64, k=64, dtype=numpy.float16):
     ("kn_kmismatch", r"b must be \[K, N\]"),
     ("kn_ldb", "multiple of 8"),
     ("cluster", "cluster must be one of"),
+    ("raster", "raster must be an int >= 0"),
 ])
 def test_gemm_tn_rejects_bad_input(case, message):
     a, b = _ok_operands()
@@ -558,7 +596,7 @@ def test_gemm_tn_rejects_bad_input(case, message):
     layout = "tn" if case == "b_layout" else ("kn" if case.startswith("kn") else "nk")
     with pytest.raises(ValueError, match=message):
         _sm90_gemm.gemm_tn(a, b, out, block_n=192 if case == "block_n" else 256, pingpong=case == "pingpong256",
-                           b_layout=layout, cluster=3 if case == "cluster" else 1)
+                           b_layout=layout, cluster=3 if case == "cluster" else 1, raster=-1 if case == "raster" else 0)
 
 
 @pytest.mark.parametrize("case,message", [

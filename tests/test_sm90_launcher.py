@@ -119,7 +119,7 @@ def test_set_activations_picks_the_epilogue_by_alignment(stand_ins, x_ptr, ldx, 
     assert launch.staged is staged and launch.args.xt_pairs == pairs
     assert launch.args.x == x_ptr and launch.args.ldx == ldx
     assert launch.args.t == (t_ptr or None) and launch.args.ldt == (ldt if t_ptr else 0)
-    assert ctypes.sizeof(launch.args) == 112
+    assert ctypes.sizeof(launch.args) == 120
 
 
 @pytest.mark.parametrize("T,b_layout", [(1024, "kn"), (1152, "nk"), (8192, "kn")])

@@ -10,7 +10,7 @@ from cupyffn import _precision as P
 
 
 @pytest.mark.parametrize("name,option", [("small_t", "--out"), ("fused_epilogue_cost", "--sweep"),
-                                         ("sm90_precompile", "--match")])
+                                         ("sm90_precompile", "--match"), ("sm90_trace", "--rasters")])
 def test_loads_without_cupy_and_answers_help(name, option, capsys):
     tool = load_tool(name)
     with pytest.raises(SystemExit) as info:
@@ -55,3 +55,24 @@ def test_flushed_median_ms_orders_flush_events_and_call():
     assert ms == 2.0
     sample = [("flush",), ("record", stream), ("run",), ("record", stream), ("wait",)]
     assert log == [("enter",), ("run",), ("run",)] + 3 * sample + [("exit",)]
+
+
+def test_sm90_trace_summary_of_a_known_timeline():
+    """tools/sm90_trace.py's summary on made-up stamps: one CTA whose two consumers alternate (mainloops 10 us,
+    epilogues 4 us, consumer 1 waits for consumer 0's first mainloop), a CTA that recorded nothing."""
+    import numpy
+
+    tool = load_tool("sm90_trace")
+    stamps = numpy.zeros((2, 2, tool.TRACE_TILES, 4), dtype=numpy.uint64)
+    us = 1000
+    # consumer 0: tiles 0 and 2; consumer 1: tile 1, its turn after consumer 0's mainloop (t = 10 us)
+    base = 10 ** 12  # a global timer reading (0 means "not recorded")
+    stamps[0, 0, 0] = [base + v * us for v in (0, 0, 10, 14)]
+    stamps[0, 1, 1] = [base + v * us for v in (0, 10, 20, 24)]
+    stamps[0, 0, 2] = [base + v * us for v in (14, 20, 30, 34)]
+    got = tool.summarize(stamps, 2)
+    assert got["tiles"] == 3
+    assert got["mainloop_us"] == 10 and got["epilogue_us"] == 4
+    assert got["turn_wait_us"] == 6  # waits 0, 10, 6: the median
+    assert got["span_us"] == 34
+    assert abs(got["tensor_busy"] - 30 / 34) < 1e-12  # mainloops cover 0-30 of 0-34; the empty CTA is left out

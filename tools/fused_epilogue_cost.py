@@ -1,14 +1,15 @@
 """What the dgelu epilogue of the sm90 GEMM costs on top of its mainloop (GPU only):
 
     PYTHONPATH=. python3 tools/fused_epilogue_cost.py [--tokens 1024,8192] [--reps 10] [--sweep] [--forms fp16,bf16x3]
-        [--out PATH]
+        [--clusters 1,2] [--rasters 0] [--out PATH]
 
 GEMM1 of the backward (M = T, N = H = 6144, B = weight2 as stored, "kn") in the two forms the engine fuses:
 fp16 with K = D = 1536 (the tf32 plan) and bf16 with K = 3D = 4608 (the bf16x3 plan's three planes stacked
 along K). For each: cuBLAS (gemmEx, fp32 out) alone, our kernel with the fp32 epilogue (the mainloop and a
 plain store), and our kernel with the dgelu epilogue writing one 16-bit plane and (bf16) three planes, each
 at the engine's tile config (choose_config), with clusters of one and of two CTAs (TMA multicast of B);
---sweep times every (block_n, pingpong) schedule instead of choose_config's alone. Protocol: random operands, L2 flushed (256 MiB written) before
+--sweep times every (block_n, pingpong) schedule instead of choose_config's alone, --rasters each tile order
+(GemmArgs::raster: 0 down each column of tiles, R bands of R tile rows). Protocol: random operands, L2 flushed (256 MiB written) before
 each sample, CUDA events around the call, median of --reps after 2 warm-ups. JSON at --out (default
 $OUT/fused_epilogue_cost.json, OUT or .).
 """
@@ -29,6 +30,8 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--sweep", action="store_true", help="every schedule of CONFIGS, not only choose_config's")
     parser.add_argument("--forms", default="fp16,bf16x3")
+    parser.add_argument("--clusters", default="1,2")
+    parser.add_argument("--rasters", default="0")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "fused_epilogue_cost.json"))
     args = parser.parse_args(argv)
     import cupy
@@ -70,8 +73,8 @@ def main(argv=None):
             out3 = cupy.empty((T, 3 * H), cupy.uint16)
             cases = [("cublas fp32 out", None, 1, lambda: g(handle))]
             for block_n, pp in (_sm90_gemm.CONFIGS if args.sweep else (chosen,)):
-                for cluster in _sm90_gemm.CLUSTERS:
-                    cfg = dict(block_n=block_n, pingpong=pp, b_layout="kn", cluster=cluster, stream=stream)
+                for cluster, raster in ((int(c), int(r)) for c in args.clusters.split(",") for r in args.rasters.split(",")):
+                    cfg = dict(block_n=block_n, pingpong=pp, b_layout="kn", cluster=cluster, raster=raster, stream=stream)
                     cases += [("ours fp32 out", cfg, cluster, lambda cfg=cfg: _sm90_gemm.gemm_tn(a, b, c32, **cfg)),
                               ("ours dgelu 1 plane", cfg, cluster,
                                lambda cfg=cfg: _sm90_gemm.gemm_tn_dgelu(a, b, x, t, out1, **cfg))]
@@ -81,11 +84,12 @@ def main(argv=None):
             for name, cfg, cluster, run in cases:
                 ms = timed(run)
                 schedule = "cublas" if cfg is None else f"bn{cfg['block_n']}{'pp' if cfg['pingpong'] else ''}"
-                row = {"T": T, "form": form, "K": k, "case": name, "schedule": schedule, "cluster": cluster,
+                raster = 0 if cfg is None else cfg["raster"]
+                row = {"T": T, "form": form, "K": k, "case": name, "schedule": schedule, "cluster": cluster, "raster": raster,
                        "chosen": cfg is not None and (cfg["block_n"], cfg["pingpong"]) == chosen, "ms": ms,
                        "tflops": 2 * T * H * k / ms / 1e9}
                 rows.append(row)
-                print(f"T={T:5d} {form:6s} K={k:5d} {name:20s} {schedule:8s} cl{cluster} {ms:8.4f} ms "
+                print(f"T={T:5d} {form:6s} K={k:5d} {name:20s} {schedule:8s} cl{cluster} r{raster:<2d} {ms:8.4f} ms "
                       f"{row['tflops']:6.1f} TFLOP/s", flush=True)
     save_json({"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), "command": " ".join(sys.argv),
                "reps": args.reps, "results": rows}, args.out)
