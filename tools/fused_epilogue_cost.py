@@ -1,7 +1,7 @@
 """What the dgelu epilogue of the sm90 GEMM costs on top of its mainloop (GPU only):
 
     PYTHONPATH=. python3 tools/fused_epilogue_cost.py [--tokens 1024,8192] [--reps 10] [--sweep] [--forms fp16,bf16x3]
-        [--clusters 1,2] [--rasters 0] [--out PATH]
+        [--clusters 1,2] [--rasters 0] [--staging COLS,DROP,PREFETCH] [--out PATH]
 
 GEMM1 of the backward (M = T, N = H = 6144, B = weight2 as stored, "kn") in the two forms the engine fuses:
 fp16 with K = D = 1536 (the tf32 plan) and bf16 with K = 3D = 4608 (the bf16x3 plan's three planes stacked
@@ -32,12 +32,18 @@ def main(argv=None):
     parser.add_argument("--forms", default="fp16,bf16x3")
     parser.add_argument("--clusters", default="1,2")
     parser.add_argument("--rasters", default="0")
+    parser.add_argument("--staging", default=None, help="the staged epilogue's shape, _sm90_gemm.set_staging(cols, drop, "
+                        "prefetch); default: the launcher's")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "fused_epilogue_cost.json"))
     args = parser.parse_args(argv)
     import cupy
     import numpy
 
     from cupyffn import _cublas, _kernels, _sm90_gemm
+
+    if args.staging:
+        _sm90_gemm.set_staging(*(int(v) for v in args.staging.split(",")))
+    staging = [_sm90_gemm.XT_COLS, _sm90_gemm.XS_STAGE_DROP, _sm90_gemm.XT_PREFETCH]
 
     flush = cupy.empty(256 << 20, dtype=cupy.uint8)
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -86,6 +92,7 @@ def main(argv=None):
                 schedule = "cublas" if cfg is None else f"bn{cfg['block_n']}{'pp' if cfg['pingpong'] else ''}"
                 raster = 0 if cfg is None else cfg["raster"]
                 row = {"T": T, "form": form, "K": k, "case": name, "schedule": schedule, "cluster": cluster, "raster": raster,
+                       "staging": staging,
                        "chosen": cfg is not None and (cfg["block_n"], cfg["pingpong"]) == chosen, "ms": ms,
                        "tflops": 2 * T * H * k / ms / 1e9}
                 rows.append(row)

@@ -66,6 +66,7 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--schedules", default="bn256,bn128pp")
     parser.add_argument("--rasters", default="0")
+    parser.add_argument("--staging", default=None, help="_sm90_gemm.set_staging(cols, drop, prefetch); default: the launcher's")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "sm90_trace.json"))
     args = parser.parse_args(argv)
     import cupy
@@ -73,6 +74,8 @@ def main(argv=None):
 
     from cupyffn import _kernels, _sm90_gemm as G
 
+    if args.staging:
+        G.set_staging(*(int(v) for v in args.staging.split(",")))
     G.set_trace(True)
     device = cupy.cuda.Device().id
     ctas = _kernels.sm_count(device)
@@ -105,10 +108,11 @@ def main(argv=None):
                 cupy.cuda.Device().synchronize()
                 pointer[0] = 0
                 stamps = buf.get()
-                row = {"T": T, "schedule": schedule, "raster": raster, "epilogue": epi, **summarize(stamps, ctas),
+                row = {"T": T, "schedule": schedule, "raster": raster, "epilogue": epi,
+                       "staging": [G.XT_COLS, G.XS_STAGE_DROP, G.XT_PREFETCH], **summarize(stamps, ctas),
                        "cta0": [[[int(v) for v in tile] for tile in cons if tile[0]] for cons in stamps[0]]}
                 rows.append(row)
-                print(f"T={T} {schedule:8s} raster {raster:2d} {epi:10s} tiles {row['tiles']:5d} span {row['span_us']:7.1f} us"
+                print(f"T={T} {schedule:8s} staging {row['staging']} raster {raster:2d} {epi:10s} tiles {row['tiles']:5d} span {row['span_us']:7.1f} us"
                       f" per tile: turn wait {row['turn_wait_us']:6.2f} mainloop {row['mainloop_us']:6.2f} epilogue "
                       f"{row['epilogue_us']:6.2f} us; tensor busy {row['tensor_busy']:.3f}", flush=True)
     save_json({"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), "command": " ".join(sys.argv),
