@@ -48,22 +48,28 @@ XS_STAGE_DROP = 1
 XT_PREFETCH = 0
 #: Measurement hook (tools/sm90_trace.py, set_trace): compile with CUPYFFN_SM90_TRACE, the per-tile timestamps.
 TRACE = False
+#: With TRACE, what the epilogue leaves out (CUPYFFN_SM90_EPI_PROBE): 0 nothing, 1 its global stores, 2 its x/t copies.
+PROBE = 0
 
 
 def nvrtc_options():
     """NVRTC options; CuPy adds its include paths and its own -arch (see the module docstring)."""
     return (("-arch=sm_90a", "--std=c++17", f"-DCUPYFFN_XT_COLS={XT_COLS}", f"-DCUPYFFN_XS_STAGE_DROP={XS_STAGE_DROP}",
-             f"-DCUPYFFN_XT_PREFETCH={XT_PREFETCH}") + (("-DCUPYFFN_SM90_TRACE=1",) if TRACE else ()))
+             f"-DCUPYFFN_XT_PREFETCH={XT_PREFETCH}")
+            + (("-DCUPYFFN_SM90_TRACE=1", f"-DCUPYFFN_SM90_EPI_PROBE={PROBE}") if TRACE else ()))
 
 
-def set_trace(enabled):
+def set_trace(enabled, probe=0):
     """Measurement hook: compile every variant with the per-tile timestamps of gemm_sm90.cu (CUPYFFN_SM90_TRACE;
-    the kernels then store them wherever the module's global ``cupyffn_sm90_trace`` points, nowhere if null).
-    Only before the first kernel of this process is compiled."""
-    global TRACE
+    the kernels then store them wherever the module's global ``cupyffn_sm90_trace`` points, nowhere if null), and
+    with `probe` 1 or 2 a dgelu epilogue without its global stores or without its x/t copies: WRONG RESULTS, for
+    timing the parts of the epilogue only. Only before the first kernel of this process is compiled."""
+    global TRACE, PROBE
     if _module.cache_info().currsize:
         raise RuntimeError("set_trace must come before the first sm90 kernel is compiled in this process")
-    TRACE = bool(enabled)
+    if probe not in (0, 1, 2) or (probe and not enabled):
+        raise ValueError(f"probe must be 0, 1 or 2, and only with the trace enabled; got {probe!r}, {enabled!r}")
+    TRACE, PROBE = bool(enabled), probe
 
 
 def set_staging(xt_cols, stage_drop, prefetch=0):

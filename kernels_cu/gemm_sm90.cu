@@ -398,6 +398,9 @@ __device__ __forceinline__ void store_dgelu_pair(const GemmArgs& args, int r, in
     }
     return;
   }
+#if defined(CUPYFFN_SM90_TRACE) && CUPYFFN_SM90_EPI_PROBE == 1
+  return;  // measurement only (tools/sm90_trace.py --probe 1): the epilogue without its global stores
+#endif
   unsigned short c0, c1;
   if constexpr (EPI == kEpiDgeluBf16) {
     c0 = cupyffn::bf16_bits(v0);  // the same rounding as the engine's dgelu kernel
@@ -501,14 +504,25 @@ __device__ __forceinline__ void cp_async_16(unsigned dst, const float* src, unsi
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
-// Waits until at most N of this thread's committed cp.async groups are still running.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
+// A plain (not volatile, no memory clobber) shared load: the compiler may issue a group's loads together,
+// ahead of the arithmetic and stores of earlier elements (one warp per scheduler runs an epilogue: nothing
+// else hides a load's latency). What keeps it after the copies it reads have landed is its address, which
+// comes out of slot_ready() below.
 __device__ __forceinline__ float2 ld_shared_f2(unsigned addr) {
   float2 v;
-  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+  asm("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
   return v;
+}
+
+// Waits until at most N of this thread's cp.async groups are pending and the warp has synchronized (so every
+// lane's copies of the oldest group have landed), then returns `addr`: routed through both asm statements, so
+// that loads from the result cannot be scheduled before them.
+template <int N>
+__device__ __forceinline__ unsigned slot_ready(unsigned addr) {
+  asm volatile("cp.async.wait_group %1;\n" : "+r"(addr) : "n"(N) : "memory");
+  asm volatile("bar.warp.sync 0xffffffff;\n" : "+r"(addr) : : "memory");
+  return addr;
 }
 
 // A warp slot: for x, then t, 16 rows of kXtCols floats (kXtChunks 16-byte chunks per row). The warp copies
@@ -525,6 +539,9 @@ __device__ __forceinline__ unsigned xt_offset(int tensor, int r, int chunk) {
 // 16 warp and the columns col_base ... + kXtCols; the caller commits the cp.async group. Every row of x and
 // t starts on a 16-byte boundary (the launcher checks).
 __device__ __forceinline__ void stage_xt(unsigned slot, const GemmArgs& args, int row_base, int col_base, int tid) {
+#if defined(CUPYFFN_SM90_TRACE) && CUPYFFN_SM90_EPI_PROBE == 2
+  return;  // measurement only (tools/sm90_trace.py --probe 2): no x/t copies (the epilogue reads stale slots)
+#endif
   const int warp = tid >> 5, lane = tid & 31;
   const unsigned base = slot + warp * kWarpSlotBytes;
   const unsigned long long policy = evict_first_policy();
@@ -599,9 +616,8 @@ __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], co
 #pragma unroll
   for (int jg = 0; jg < kGroupsPerHalf; ++jg) {
     const int g = H * kGroupsPerHalf + jg;
-    cp_async_wait<SLOTS - 1>();  // this lane's copies of group g (the oldest of the SLOTS in flight) landed
-    __syncwarp();                // ... and every other lane's of this warp slot
-    const unsigned slot = slots + (g % SLOTS) * kXtSlotBytes + warp * kWarpSlotBytes;
+    // this lane's copies of group g (the oldest of the SLOTS in flight) landed, and every other lane's
+    const unsigned slot = slot_ready<SLOTS - 1>(slots + (g % SLOTS) * kXtSlotBytes + warp * kWarpSlotBytes);
 #pragma unroll
     for (int jj = 0; jj < kXtCols / 8; ++jj) {
       const int j = jg * (kXtCols / 8) + jj;  // the accumulator's 8-column group
@@ -628,8 +644,9 @@ __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], co
         if (r < args.m && col < args.n) store_dgelu_pair<EPI>(args, r, col, v0, v1, pair, out_scale, amax);
       }
     }
-    // Refill the slot just read with group g + SLOTS, once every lane of the warp has read it (the loads
-    // above were issued before the barrier; a copy lands only after it). An empty group keeps the count.
+    // Refill the slot just read with group g + SLOTS, once every lane of the warp has read it: each loaded
+    // value feeds a store or amax above (so its load has completed before they issue, and they stay before
+    // this barrier); a copy lands only after it. An empty group keeps the count.
     __syncwarp();
     if (g + SLOTS < kGroups) stage_group<BN>(slots + (g % SLOTS) * kXtSlotBytes, args, row0, col0, g + SLOTS, tid);
     cp_async_commit();

@@ -66,6 +66,8 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--schedules", default="bn256,bn128pp")
     parser.add_argument("--rasters", default="0")
+    parser.add_argument("--probe", type=int, default=0, help="1: the dgelu epilogue without its global stores, 2: "
+                        "without its x/t copies (timing only: wrong results)")
     parser.add_argument("--staging", default=None, help="_sm90_gemm.set_staging(cols, drop, prefetch); default: the launcher's")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "sm90_trace.json"))
     args = parser.parse_args(argv)
@@ -76,7 +78,7 @@ def main(argv=None):
 
     if args.staging:
         G.set_staging(*(int(v) for v in args.staging.split(",")))
-    G.set_trace(True)
+    G.set_trace(True, args.probe)
     device = cupy.cuda.Device().id
     ctas = _kernels.sm_count(device)
     T = args.tokens
@@ -109,10 +111,10 @@ def main(argv=None):
                 pointer[0] = 0
                 stamps = buf.get()
                 row = {"T": T, "schedule": schedule, "raster": raster, "epilogue": epi,
-                       "staging": [G.XT_COLS, G.XS_STAGE_DROP, G.XT_PREFETCH], **summarize(stamps, ctas),
+                       "staging": [G.XT_COLS, G.XS_STAGE_DROP, G.XT_PREFETCH], "probe": args.probe, **summarize(stamps, ctas),
                        "cta0": [[[int(v) for v in tile] for tile in cons if tile[0]] for cons in stamps[0]]}
                 rows.append(row)
-                print(f"T={T} {schedule:8s} staging {row['staging']} raster {raster:2d} {epi:10s} tiles {row['tiles']:5d} span {row['span_us']:7.1f} us"
+                print(f"T={T} {schedule:8s} staging {row['staging']} probe {args.probe} raster {raster:2d} {epi:10s} tiles {row['tiles']:5d} span {row['span_us']:7.1f} us"
                       f" per tile: turn wait {row['turn_wait_us']:6.2f} mainloop {row['mainloop_us']:6.2f} epilogue "
                       f"{row['epilogue_us']:6.2f} us; tensor busy {row['tensor_busy']:.3f}", flush=True)
     save_json({"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), "command": " ".join(sys.argv),
