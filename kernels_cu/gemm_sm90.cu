@@ -603,7 +603,7 @@ __device__ __forceinline__ void stage_xt_prologue(unsigned slots, const GemmArgs
 // One 64-row half H (groups H * BN / kXtCols ...) of store_block_staged, folding into amax. (Register
 // pressure of the ping-pong variants, 128 accumulators at a cap of 168, decided the shape of this code:
 // one call per half, alpha read once, the prologue loop not unrolled.)
-template <int EPI, int BN, int HALVES, int SLOTS, int H, bool INTERIOR>
+template <int EPI, int BN, int HALVES, int SLOTS, int H>
 __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], const GemmArgs& args, int row0, int col0,
                                                   int tid, unsigned slots, float& amax) {
   constexpr int kGroupsPerHalf = BN / kXtCols;
@@ -623,7 +623,7 @@ __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], co
       const int j = jg * (kXtCols / 8) + jj;  // the accumulator's 8-column group
       const int chunk = 2 * jj + ((lane & 3) >> 1);
       const int col = col0 + 8 * j + 2 * (lane & 3);
-      const bool pair = INTERIOR || col + 1 < args.n;
+      const bool pair = col + 1 < args.n;
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int rr = (lane >> 2) + 8 * hh;
@@ -641,7 +641,7 @@ __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], co
         }
         const float v0 = (acc_scale * acc[4 * j + 2 * hh]) * cupyffn::gelu_grad(xv.x, t0);
         const float v1 = (acc_scale * acc[4 * j + 2 * hh + 1]) * cupyffn::gelu_grad(xv.y, t1);
-        if (INTERIOR || (r < args.m && col < args.n)) store_dgelu_pair<EPI>(args, r, col, v0, v1, pair, out_scale, amax);
+        if (r < args.m && col < args.n) store_dgelu_pair<EPI>(args, r, col, v0, v1, pair, out_scale, amax);
       }
     }
     // Refill the slot just read with group g + SLOTS, once every lane of the warp has read it: each loaded
@@ -668,18 +668,8 @@ __device__ __forceinline__ void store_block_staged(const float (&acc)[HALVES][BN
 #pragma unroll 1
     for (int g = SLOTS; g < SLOTS + kXtPrefetch && g < kGroups; ++g) prefetch_group<BN>(args, row0, col0, g, tid);
   }
-  // A block wholly inside [M, N] (most of them) takes code without per-element bounds: one straight-line block per
-  // group, whose loads and arithmetic the compiler can interleave across elements (the epilogue runs one or two
-  // warps per scheduler: only instruction-level parallelism hides its latencies; perf-notes, session 5).
-  // (Not for three bf16 planes under ping-pong: the interleaved stores of its three planes spill there.)
-  constexpr bool kInteriorPath = EPI != kEpiDgeluBf16x3 || HALVES == 1;
-  if (kInteriorPath && row0 + 64 * HALVES <= args.m && col0 + BN <= args.n) {
-    store_half_staged<EPI, BN, HALVES, SLOTS, 0, true>(acc[0], args, row0, col0, tid, slots, amax);
-    if constexpr (HALVES == 2) store_half_staged<EPI, BN, HALVES, SLOTS, 1, true>(acc[1], args, row0, col0, tid, slots, amax);
-  } else {
-    store_half_staged<EPI, BN, HALVES, SLOTS, 0, false>(acc[0], args, row0, col0, tid, slots, amax);
-    if constexpr (HALVES == 2) store_half_staged<EPI, BN, HALVES, SLOTS, 1, false>(acc[1], args, row0, col0, tid, slots, amax);
-  }
+  store_half_staged<EPI, BN, HALVES, SLOTS, 0>(acc[0], args, row0, col0, tid, slots, amax);
+  if constexpr (HALVES == 2) store_half_staged<EPI, BN, HALVES, SLOTS, 1>(acc[1], args, row0, col0, tid, slots, amax);
   if (args.amax != nullptr) {  // uniform: every thread of the warpgroup gets here
     for (int offset = 16; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
     if ((tid & 31) == 0 && amax > 0.0f) atomicMax(args.amax, __float_as_uint(amax));
