@@ -533,8 +533,10 @@ def choose_config(m, n, sms):
 #: CTAs per cluster of the engine's fused launch (DgeluLaunch). 1 until clusters are measured faster there
 #: (docs/perf-notes.md).
 FUSED_CLUSTER = 1
-#: Tile order of the engine's fused launch (GemmArgs::raster). 0 until another order is measured faster there.
-FUSED_RASTER = 0
+#: Tile order of the engine's fused launch (GemmArgs::raster): bands of 8 tile rows. Measured at T = 2048 and 8192
+#: 1.6-3.8% faster than the column order for the fused kernel (docs/perf-notes.md, session 5); at T <= 1024 (8 tile
+#: rows or fewer, where the engine fuses by default) it is the column order itself.
+FUSED_RASTER = 8
 
 
 class DgeluLaunch:

@@ -88,7 +88,7 @@ def test_tf32_launch_gathers_into_the_state_and_its_rescue_does_not(stand_ins):
     assert launch.args.amax == 0x40000 + 4 * (_kernels.STATE_SLOTS + 5)
     assert launch.args.state == 0x40000 and launch.args.acc_scale == 0x50008 and launch.args.rescue == 0
     assert (launch.block_n, launch.pingpong) == G.choose_config(1024, 6144, 132)
-    assert launch.cluster == G.FUSED_CLUSTER == 1
+    assert launch.cluster == G.FUSED_CLUSTER == 1 and launch.args.raster == G.FUSED_RASTER == 8
     assert {v[2] for v in launch._variants.values()} == {min(-(-1024 // G.BLOCK_M) * -(-6144 // launch.block_n), 132)}
     rescue = _launch(rescue=True, alpha_mask=0b1100)
     assert rescue.args.amax is None and rescue.args.rescue == 1 and rescue.args.alpha_mask == 0b1100
