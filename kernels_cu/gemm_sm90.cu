@@ -373,29 +373,32 @@ __device__ __forceinline__ void epilogue_scales(const GemmArgs& args, float& acc
   out_scale = EPI == kEpiDgeluF16 ? (args.state != nullptr ? ldexpf(1.0f, args.state[args.slot]) : args.alpha) : 1.0f;
 }
 
-// Both dgelu epilogues: fold g = (v0, v1) (v1 only if `pair`) into amax, round (bf16, or fp16 after
-// out_scale) and store the codes at (r, col) of C, as a 4-byte pair where there is one.
+// Both dgelu epilogues: if `ok` (the element (r, col) is inside [M, N]), fold g = (v0, v1) (v1 only if `pair`) into
+// amax, round (bf16, or fp16 after out_scale) and store the codes at (r, col) of C, as a 4-byte pair where there is
+// one. Written with selects and predicated stores: the staged epilogue's elements then form (nearly) one
+// straight-line block whose loads the compiler can issue ahead of earlier elements' stores (a branch around each
+// element kept one element in flight per warp). (The amax fold as two more selects spills the 128-accumulator
+// variants; as written, ptxas keeps a three-instruction branch there.)
 template <int EPI>
 __device__ __forceinline__ void store_dgelu_pair(const GemmArgs& args, int r, int col, float v0, float v1, bool pair,
-                                                 float out_scale, float& amax) {
-  amax = cupyffn::finite_absmax(amax, v0);
-  if (pair) amax = cupyffn::finite_absmax(amax, v1);
-  // (32 x 32 -> 64-bit product: the launcher keeps row strides below 2^31; fewer registers than 64 x 64)
+                                                 bool ok, float out_scale, float& amax) {
+  const float m0 = cupyffn::finite_absmax(amax, v0);
+  amax = ok ? (pair ? cupyffn::finite_absmax(m0, v1) : m0) : amax;
+  // (32 x 32 -> 64-bit product: the launcher keeps row strides below 2^31; fewer registers than 64 x 64; formed
+  // also where !ok, never dereferenced there)
   unsigned short* p = static_cast<unsigned short*>(args.c) + ((long long)r * (int)args.ldc + col);
+  const bool both = ok && pair, one = ok && !pair;
   if constexpr (EPI == kEpiDgeluBf16x3) {
     unsigned short hi0, lo0, hi1, lo1;
     cupyffn::split_bf16(v0, hi0, lo0);  // the engine's conversion (common.cuh write_operand)
     cupyffn::split_bf16(v1, hi1, lo1);
     const int n = args.n;
-    if (pair) {
-      *reinterpret_cast<unsigned*>(p) = cupyffn::pack2(hi0, hi1);
-      *reinterpret_cast<unsigned*>(p + n) = cupyffn::pack2(lo0, lo1);
-      *reinterpret_cast<unsigned*>(p + 2 * n) = cupyffn::pack2(hi0, hi1);
-    } else {
-      p[0] = hi0;
-      p[n] = lo0;
-      p[2 * n] = hi0;
-    }
+    if (both) *reinterpret_cast<unsigned*>(p) = cupyffn::pack2(hi0, hi1);
+    if (both) *reinterpret_cast<unsigned*>(p + n) = cupyffn::pack2(lo0, lo1);
+    if (both) *reinterpret_cast<unsigned*>(p + 2 * n) = cupyffn::pack2(hi0, hi1);
+    if (one) p[0] = hi0;
+    if (one) p[n] = lo0;
+    if (one) p[2 * n] = hi0;
     return;
   }
 #if defined(CUPYFFN_SM90_TRACE) && CUPYFFN_SM90_EPI_PROBE == 1
@@ -409,11 +412,8 @@ __device__ __forceinline__ void store_dgelu_pair(const GemmArgs& args, int r, in
     c0 = cupyffn::f16_bits(v0 * out_scale);
     c1 = cupyffn::f16_bits(v1 * out_scale);
   }
-  if (pair) {
-    *reinterpret_cast<unsigned*>(p) = cupyffn::pack2(c0, c1);
-  } else {
-    p[0] = c0;
-  }
+  if (both) *reinterpret_cast<unsigned*>(p) = cupyffn::pack2(c0, c1);
+  if (one) p[0] = c0;
 }
 
 // Stores a consumer's 64 x BN block of the tile whose top-left output element is (row0, col0).
@@ -470,7 +470,7 @@ __device__ __forceinline__ void store_block(const float (&acc)[BN / 2], const Ge
         }
         v0 = (acc_scale * v0) * cupyffn::gelu_grad(x0, t0);
         v1 = (acc_scale * v1) * cupyffn::gelu_grad(x1, t1);
-        store_dgelu_pair<EPI>(args, r, col, v0, v1, pair, out_scale, amax);
+        store_dgelu_pair<EPI>(args, r, col, v0, v1, pair, true, out_scale, amax);
       }
     }
   }
@@ -603,14 +603,13 @@ __device__ __forceinline__ void stage_xt_prologue(unsigned slots, const GemmArgs
 // One 64-row half H (groups H * BN / kXtCols ...) of store_block_staged, folding into amax. (Register
 // pressure of the ping-pong variants, 128 accumulators at a cap of 168, decided the shape of this code:
 // one call per half, alpha read once, the prologue loop not unrolled.)
-template <int EPI, int BN, int HALVES, int SLOTS, int H>
+template <int EPI, int BN, int HALVES, int SLOTS, int H, bool HAS_T>
 __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], const GemmArgs& args, int row0, int col0,
                                                   int tid, unsigned slots, float& amax) {
   constexpr int kGroupsPerHalf = BN / kXtCols;
   constexpr int kGroups = HALVES * kGroupsPerHalf;
   static_assert(EPI != kEpiF32 && SLOTS >= 1 && SLOTS <= kGroups, "staged: dgelu epilogues, 1..groups slots");
   const int warp = tid >> 5, lane = tid & 31;
-  const bool has_t = args.t != nullptr;
   float acc_scale, out_scale;
   epilogue_scales<EPI>(args, acc_scale, out_scale);
 #pragma unroll
@@ -631,7 +630,7 @@ __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], co
         const unsigned within = (lane & 1) * 8;
         const float2 xv = ld_shared_f2(slot + xt_offset(0, rr, chunk) + within);
         float t0, t1;
-        if (has_t) {
+        if constexpr (HAS_T) {
           const float2 tv = ld_shared_f2(slot + xt_offset(1, rr, chunk) + within);
           t0 = tv.x;
           t1 = tv.y;
@@ -641,7 +640,7 @@ __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], co
         }
         const float v0 = (acc_scale * acc[4 * j + 2 * hh]) * cupyffn::gelu_grad(xv.x, t0);
         const float v1 = (acc_scale * acc[4 * j + 2 * hh + 1]) * cupyffn::gelu_grad(xv.y, t1);
-        if (r < args.m && col < args.n) store_dgelu_pair<EPI>(args, r, col, v0, v1, pair, out_scale, amax);
+        store_dgelu_pair<EPI>(args, r, col, v0, v1, pair, r < args.m && col < args.n, out_scale, amax);
       }
     }
     // Refill the slot just read with group g + SLOTS, once every lane of the warp has read it: each loaded
@@ -668,8 +667,15 @@ __device__ __forceinline__ void store_block_staged(const float (&acc)[HALVES][BN
 #pragma unroll 1
     for (int g = SLOTS; g < SLOTS + kXtPrefetch && g < kGroups; ++g) prefetch_group<BN>(args, row0, col0, g, tid);
   }
-  store_half_staged<EPI, BN, HALVES, SLOTS, 0>(acc[0], args, row0, col0, tid, slots, amax);
-  if constexpr (HALVES == 2) store_half_staged<EPI, BN, HALVES, SLOTS, 1>(acc[1], args, row0, col0, tid, slots, amax);
+  // tanh_inner given or not (memory mode) decided once, not per element: a branch per element splits the
+  // epilogue into one small block per element (session 5 of docs/perf-notes.md)
+  if (args.t != nullptr) {
+    store_half_staged<EPI, BN, HALVES, SLOTS, 0, true>(acc[0], args, row0, col0, tid, slots, amax);
+    if constexpr (HALVES == 2) store_half_staged<EPI, BN, HALVES, SLOTS, 1, true>(acc[1], args, row0, col0, tid, slots, amax);
+  } else {
+    store_half_staged<EPI, BN, HALVES, SLOTS, 0, false>(acc[0], args, row0, col0, tid, slots, amax);
+    if constexpr (HALVES == 2) store_half_staged<EPI, BN, HALVES, SLOTS, 1, false>(acc[1], args, row0, col0, tid, slots, amax);
+  }
   if (args.amax != nullptr) {  // uniform: every thread of the warpgroup gets here
     for (int offset = 16; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
     if ((tid & 31) == 0 && amax > 0.0f) atomicMax(args.amax, __float_as_uint(amax));
