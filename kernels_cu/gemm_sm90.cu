@@ -16,9 +16,12 @@
 //     Schedules (template parameter PP): cooperative (both consumers on one tile, 64 rows each) or
 //     ping-pong (each consumer owns whole 128 x 128 tiles in turn: one stores while the other computes).
 //   * setmaxnreg hands the producer's registers to the consumers (40 / 232 per thread).
-//   * Persistent: the grid is at most one CTA per SM; CTAs walk the output tiles with a stride of
-//     gridDim.x (M fastest, so CTAs running together share B tiles in L2). The pipeline runs on
-//     across tile boundaries, so the producer loads the next tile while the consumers store.
+//   * Persistent: the grid is at most one CTA (or cluster, below) per SM; CTAs walk the output tiles with a
+//     stride of the grid, in the order GemmArgs::raster gives (M fastest down whole columns, or in bands
+//     of R tile rows: group_coords). The pipeline runs on across tile boundaries, so the producer loads
+//     the next tile while the consumers store.
+//   * Optionally clusters of two CTAs on vertically adjacent tiles that share B by TMA multicast
+//     (gemm_sm90_cluster2_kernel; see gemm_sm90_body).
 //   * Out-of-bounds rows/columns/K of a tile are zero-filled by TMA; the epilogue stores only
 //     in-bounds elements.
 //
