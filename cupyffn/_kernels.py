@@ -11,6 +11,7 @@ cost of a launch at about a microsecond and works unchanged inside CUDA-graph ca
 
 import ctypes
 import functools
+import os
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
@@ -435,3 +436,22 @@ def split_set_sources(job, src, src2=None, src3=None, kind=None):
         if s is not None:
             vec = vec and ptr % 16 == 0 and (ld * 4) % 16 == 0
     job.vec = int(vec)
+
+
+def cuda_include_dir():
+    """Folder with cuda_fp16.h / cuda_bf16.h, for compiling kernels_cu/ with NVRTC outside CuPy (tests, tools;
+    CuPy's own compiles find them by themselves): the pip CUDA runtime headers (cupy-cuda12x[ctk]), else a
+    system toolkit (CUDA_PATH, /usr/local/cuda) as on a GPU machine without the pip headers."""
+    try:
+        from cuda import pathfinder
+
+        found = pathfinder.find_nvidia_header_directory("cudart")
+        if found:
+            return str(found)
+    except ImportError:
+        pass
+    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root and (Path(root) / "include" / "cuda_fp16.h").is_file():
+            return str(Path(root) / "include")
+    raise RuntimeError("the CUDA headers (cuda_fp16.h, cuda_bf16.h) were found neither by cuda.pathfinder "
+                       "nor under CUDA_PATH, CUDA_HOME or /usr/local/cuda")

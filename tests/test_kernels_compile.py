@@ -3,7 +3,6 @@ and the Python mirrors of their structs and constants agree with them."""
 
 import ctypes
 import math
-import os
 import re
 from pathlib import Path
 
@@ -18,22 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 ARCH = "sm_90"
 
 
-def cuda_include_dir():
-    """Folder with cuda_fp16.h / cuda_bf16.h: the pip CUDA runtime headers (cupy-cuda12x[ctk]), else
-    a system toolkit (CUDA_PATH, /usr/local/cuda) as on a GPU machine without the pip headers."""
-    try:
-        from cuda import pathfinder
-
-        found = pathfinder.find_nvidia_header_directory("cudart")
-        if found:
-            return str(found)
-    except ImportError:
-        pass
-    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if root and (Path(root) / "include" / "cuda_fp16.h").is_file():
-            return str(Path(root) / "include")
-    raise AssertionError("the CUDA headers (cuda_fp16.h, cuda_bf16.h) were found neither by cuda.pathfinder "
-                         "nor under CUDA_PATH, CUDA_HOME or /usr/local/cuda")
+cuda_include_dir = _kernels.cuda_include_dir  # the headers NVRTC needs outside CuPy's launcher
 
 
 def compile_options():

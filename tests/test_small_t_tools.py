@@ -1,4 +1,4 @@
-"""tools/small_t.py, tools/fused_epilogue_cost.py and tools/sm90_precompile.py without a GPU: they load without cupy, answer --help,
+"""The tools without a GPU (small_t, fused_epilogue_cost, sm90_precompile, sm90_trace, sm90_sass): they load without cupy, answer --help,
 and small_t's GEMM shapes are the backward's (cupyffn/_precision.py)."""
 
 import types
@@ -10,7 +10,8 @@ from cupyffn import _precision as P
 
 
 @pytest.mark.parametrize("name,option", [("small_t", "--out"), ("fused_epilogue_cost", "--sweep"),
-                                         ("sm90_precompile", "--match"), ("sm90_trace", "--rasters")])
+                                         ("sm90_precompile", "--match"), ("sm90_trace", "--rasters"),
+                                         ("sm90_sass", "--dump")])
 def test_loads_without_cupy_and_answers_help(name, option, capsys):
     tool = load_tool(name)
     with pytest.raises(SystemExit) as info:
@@ -76,3 +77,23 @@ def test_sm90_trace_summary_of_a_known_timeline():
     assert got["turn_wait_us"] == 6  # waits 0, 10, 6: the median
     assert got["span_us"] == 34
     assert abs(got["tensor_busy"] - 30 / 34) < 1e-12  # mainloops cover 0-30 of 0-34; the empty CTA is left out
+
+
+def test_sm90_sass_counts_opcodes_of_a_listing():
+    """tools/sm90_sass.py's counter on a made-up nvdisasm listing: predicated or not, with modifiers, each opcode
+    counted once per instruction; labels and directives are not instructions."""
+    tool = load_tool("sm90_sass")
+    listing = """
+        .text.kernel:
+.L_x_42:
+        /*0000*/                   LDS.64 R10, [R5] ;
+        /*0010*/               @P0 LDS.64 R8, [R5+0x800] ;
+        /*0020*/                   BSSY B1, `(.L_x_43) ;
+        /*0030*/              @!P3 BRA `(.L_x_43) ;
+        /*0040*/               @P5 STG.E.U16 desc[UR16][R8.64], R2 ;
+        /*0050*/                   FMUL.FTZ R6, R7, 0.5 ;
+        /*0060*/                   HGMMA.64x256x16.F32 R24, gdesc[UR4], R24 ;
+        /*0070*/                   BSYNC B1 ;
+"""
+    got = tool.count_sass(listing)
+    assert got == {"instructions": 8, "BSSY": 1, "BRA": 1, "LDS": 2, "STG": 1, "LDGSTS": 0, "HGMMA": 1}
