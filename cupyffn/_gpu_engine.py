@@ -198,8 +198,8 @@ class GpuEngine:
             raise ValueError(f"CUPYFFN_SM90_GEMM1 must be 0, 1 or auto, got {choice!r}")
         if self.fmt not in FUSABLE_FORMATS:
             return False
-        first, last = FUSED_GEMM1_TOKENS.get(self.fmt, (1, 0))
-        wanted = choice == "1" or (choice == "auto" and first <= self.T <= last)
+        window = FUSED_GEMM1_TOKENS.get(self.fmt)  # None: this format fuses only when asked to ("1")
+        wanted = choice == "1" or (choice == "auto" and window is not None and window[0] <= self.T <= window[1])
         return (wanted and self.T > 0 and self.D % 8 == 0 and self.H % 8 == 0
                 and self.T < 2 ** 31 and _sm90_gemm.device_supported(self.device_id))
 
