@@ -44,8 +44,6 @@ SOURCE = "gemm_sm90.cu"
 #: tools/sm90_gemm_bench.py can try others through set_staging() before anything is compiled.
 XT_COLS = 32
 XS_STAGE_DROP = 1
-#: Groups of x/t prefetched into L2 ahead of the staged epilogue's slot ring (CUPYFFN_XT_PREFETCH; 0: none).
-XT_PREFETCH = 0
 #: Measurement hook (tools/sm90_trace.py, set_trace): compile with CUPYFFN_SM90_TRACE, the per-tile timestamps.
 TRACE = False
 #: With TRACE, what the epilogue leaves out (CUPYFFN_SM90_EPI_PROBE): 0 nothing, 1 its global stores, 2 its x/t copies.
@@ -54,9 +52,14 @@ PROBE = 0
 
 def nvrtc_options():
     """NVRTC options; CuPy adds its include paths and its own -arch (see the module docstring)."""
-    return (("-arch=sm_90a", "--std=c++17", f"-DCUPYFFN_XT_COLS={XT_COLS}", f"-DCUPYFFN_XS_STAGE_DROP={XS_STAGE_DROP}",
-             f"-DCUPYFFN_XT_PREFETCH={XT_PREFETCH}")
+    return (("-arch=sm_90a", "--std=c++17", f"-DCUPYFFN_XT_COLS={XT_COLS}", f"-DCUPYFFN_XS_STAGE_DROP={XS_STAGE_DROP}")
             + (("-DCUPYFFN_SM90_TRACE=1", f"-DCUPYFFN_SM90_EPI_PROBE={PROBE}") if TRACE else ()))
+
+
+def _before_first_compile(hook):
+    """The measurement hooks change the compile options of every variant: only before any is compiled."""
+    if _module.cache_info().currsize:
+        raise RuntimeError(f"{hook} must come before the first sm90 kernel is compiled in this process")
 
 
 def set_trace(enabled, probe=0):
@@ -65,24 +68,20 @@ def set_trace(enabled, probe=0):
     with `probe` 1 or 2 a dgelu epilogue without its global stores or without its x/t copies: WRONG RESULTS, for
     timing the parts of the epilogue only. Only before the first kernel of this process is compiled."""
     global TRACE, PROBE
-    if _module.cache_info().currsize:
-        raise RuntimeError("set_trace must come before the first sm90 kernel is compiled in this process")
+    _before_first_compile("set_trace")
     if probe not in (0, 1, 2) or (probe and not enabled):
         raise ValueError(f"probe must be 0, 1 or 2, and only with the trace enabled; got {probe!r}, {enabled!r}")
     TRACE, PROBE = bool(enabled), probe
 
 
-def set_staging(xt_cols, stage_drop, prefetch=0):
-    """Measurement hook: compile the staged epilogue with groups of `xt_cols` columns (8, 16, 32),
-    `stage_drop` stages given up (1 or 2) and `prefetch` groups requested into L2 ahead of the slots (0-8).
-    Only before the first kernel of this process is compiled."""
-    global XT_COLS, XS_STAGE_DROP, XT_PREFETCH
-    if _module.cache_info().currsize:
-        raise RuntimeError("set_staging must come before the first sm90 kernel is compiled in this process")
-    if xt_cols not in (8, 16, 32) or stage_drop not in (1, 2) or prefetch not in range(9):
-        raise ValueError(f"xt_cols must be 8, 16 or 32, stage_drop 1 or 2 and prefetch 0-8, got {xt_cols}, "
-                         f"{stage_drop}, {prefetch}")
-    XT_COLS, XS_STAGE_DROP, XT_PREFETCH = xt_cols, stage_drop, prefetch
+def set_staging(xt_cols, stage_drop):
+    """Measurement hook: compile the staged epilogue with groups of `xt_cols` columns (8, 16, 32) and
+    `stage_drop` stages given up (1 or 2). Only before the first kernel of this process is compiled."""
+    global XT_COLS, XS_STAGE_DROP
+    _before_first_compile("set_staging")
+    if xt_cols not in (8, 16, 32) or stage_drop not in (1, 2):
+        raise ValueError(f"xt_cols must be 8, 16 or 32 and stage_drop 1 or 2, got {xt_cols}, {stage_drop}")
+    XT_COLS, XS_STAGE_DROP = xt_cols, stage_drop
 
 # Must match gemm_sm90.cu.
 THREADS = 384

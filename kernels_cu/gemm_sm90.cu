@@ -343,14 +343,7 @@ __host__ __device__ constexpr int smem_bytes_for(int bn) { return stages_for(bn)
 #ifndef CUPYFFN_XS_STAGE_DROP
 #define CUPYFFN_XS_STAGE_DROP 1
 #endif
-// Groups of x/t requested into L2 ahead of the slot ring (prefetch.global.L2): while the epilogue reads group g,
-// the lines of group g + slots + kXtPrefetch - 1 are on their way from DRAM, so the copy into the slot that
-// frees next waits on L2, not on DRAM. 0: none. (cupyffn/_sm90_gemm.py passes it; measured in perf-notes.)
-#ifndef CUPYFFN_XT_PREFETCH
-#define CUPYFFN_XT_PREFETCH 0
-#endif
 constexpr int kXtCols = CUPYFFN_XT_COLS;          // columns of a group: whole 16-byte chunks of fp32
-constexpr int kXtPrefetch = CUPYFFN_XT_PREFETCH;
 constexpr int kXtChunks = kXtCols / 4;            // 16-byte chunks per row of a warp slot
 constexpr int kWarpSlotBytes = 2 * 16 * kXtCols * 4;  // x and t, 16 rows each
 constexpr int kXtSlotBytes = 4 * kWarpSlotBytes;
@@ -576,22 +569,6 @@ __device__ __forceinline__ void stage_group(unsigned slot, const GemmArgs& args,
   stage_xt(slot, args, row0 + 64 * (g / (BN / kXtCols)), col0 + kXtCols * (g % (BN / kXtCols)), tid);
 }
 
-// The same group's lines requested into L2 only (kXtPrefetch): each lane one row segment of x or t (16 rows x
-// 2 tensors = 32 per warp, kXtCols * 4 bytes from a 16-byte boundary: one or two 128-byte lines).
-template <int BN>
-__device__ __forceinline__ void prefetch_group(const GemmArgs& args, int row0, int col0, int g, int tid) {
-  const int warp = tid >> 5, lane = tid & 31;
-  const int r = row0 + 64 * (g / (BN / kXtCols)) + 16 * warp + (lane & 15);
-  const int col = col0 + kXtCols * (g % (BN / kXtCols));
-  const float* src = (lane >> 4) ? args.t : args.x;
-  if (src == nullptr || r >= args.m || col >= args.n) return;
-  src += (long long)r * (int)((lane >> 4) ? args.ldt : args.ldx) + col;
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(src) : "memory");
-  if constexpr (kXtCols == 32) {  // 128 bytes from a 16-byte boundary may reach into the next line
-    if (col + kXtCols - 1 < args.n) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(src + kXtCols - 1) : "memory");
-  }
-}
-
 // The first SLOTS groups of a block (rows from row0, columns from col0), requested before its mainloop,
 // one cp.async group each.
 template <int BN, int SLOTS>
@@ -652,9 +629,6 @@ __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], co
     __syncwarp();
     if (g + SLOTS < kGroups) stage_group<BN>(slots + (g % SLOTS) * kXtSlotBytes, args, row0, col0, g + SLOTS, tid);
     cp_async_commit();
-    if constexpr (kXtPrefetch > 0) {
-      if (g + SLOTS + kXtPrefetch < kGroups) prefetch_group<BN>(args, row0, col0, g + SLOTS + kXtPrefetch, tid);
-    }
   }
 }
 
@@ -665,11 +639,6 @@ template <int EPI, int BN, int HALVES, int SLOTS>
 __device__ __forceinline__ void store_block_staged(const float (&acc)[HALVES][BN / 2], const GemmArgs& args, int row0,
                                                    int col0, int tid, unsigned slots) {
   float amax = 0.0f;
-  if constexpr (kXtPrefetch > 0) {  // the groups after the ring's first fill, up to the prefetch distance
-    constexpr int kGroups = HALVES * (BN / kXtCols);
-#pragma unroll 1
-    for (int g = SLOTS; g < SLOTS + kXtPrefetch && g < kGroups; ++g) prefetch_group<BN>(args, row0, col0, g, tid);
-  }
   // tanh_inner given or not (memory mode) decided once, not per element: a branch per element splits the
   // epilogue into one small block per element (session 5 of docs/perf-notes.md)
   if (args.t != nullptr) {

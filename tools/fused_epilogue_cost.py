@@ -1,7 +1,7 @@
 """What the dgelu epilogue of the sm90 GEMM costs on top of its mainloop (GPU only):
 
     PYTHONPATH=. python3 tools/fused_epilogue_cost.py [--tokens 1024,8192] [--reps 10] [--sweep] [--forms fp16,bf16x3]
-        [--clusters 1,2] [--rasters 0] [--staging COLS,DROP,PREFETCH] [--out PATH]
+        [--clusters 1,2] [--rasters 0] [--staging COLS,DROP] [--out PATH]
 
 GEMM1 of the backward (M = T, N = H = 6144, B = weight2 as stored, "kn") in the two forms the engine fuses:
 fp16 with K = D = 1536 (the tf32 plan) and bf16 with K = 3D = 4608 (the bf16x3 plan's three planes stacked
@@ -32,8 +32,8 @@ def main(argv=None):
     parser.add_argument("--forms", default="fp16,bf16x3")
     parser.add_argument("--clusters", default="1,2")
     parser.add_argument("--rasters", default="0")
-    parser.add_argument("--staging", default=None, help="the staged epilogue's shape, _sm90_gemm.set_staging(cols, drop, "
-                        "prefetch); default: the launcher's")
+    parser.add_argument("--staging", default=None, help="the staged epilogue's shape, _sm90_gemm.set_staging(cols, drop); "
+                        "default: the launcher's")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "fused_epilogue_cost.json"))
     args = parser.parse_args(argv)
     import cupy
@@ -43,7 +43,7 @@ def main(argv=None):
 
     if args.staging:
         _sm90_gemm.set_staging(*(int(v) for v in args.staging.split(",")))
-    staging = [_sm90_gemm.XT_COLS, _sm90_gemm.XS_STAGE_DROP, _sm90_gemm.XT_PREFETCH]
+    staging = [_sm90_gemm.XT_COLS, _sm90_gemm.XS_STAGE_DROP]
 
     flush = cupy.empty(256 << 20, dtype=cupy.uint8)
     stream = cupy.cuda.Stream(non_blocking=True)

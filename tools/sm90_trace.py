@@ -68,7 +68,7 @@ def main(argv=None):
     parser.add_argument("--rasters", default="0")
     parser.add_argument("--probe", type=int, default=0, help="1: the dgelu epilogue without its global stores, 2: "
                         "without its x/t copies (timing only: wrong results)")
-    parser.add_argument("--staging", default=None, help="_sm90_gemm.set_staging(cols, drop, prefetch); default: the launcher's")
+    parser.add_argument("--staging", default=None, help="_sm90_gemm.set_staging(cols, drop); default: the launcher's")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "sm90_trace.json"))
     args = parser.parse_args(argv)
     import cupy
@@ -111,7 +111,7 @@ def main(argv=None):
                 pointer[0] = 0
                 stamps = buf.get()
                 row = {"T": T, "schedule": schedule, "raster": raster, "epilogue": epi,
-                       "staging": [G.XT_COLS, G.XS_STAGE_DROP, G.XT_PREFETCH], "probe": args.probe, **summarize(stamps, ctas),
+                       "staging": [G.XT_COLS, G.XS_STAGE_DROP], "probe": args.probe, **summarize(stamps, ctas),
                        "cta0": [[[int(v) for v in tile] for tile in cons if tile[0]] for cons in stamps[0]]}
                 rows.append(row)
                 print(f"T={T} {schedule:8s} staging {row['staging']} probe {args.probe} raster {raster:2d} {epi:10s} tiles {row['tiles']:5d} span {row['span_us']:7.1f} us"
