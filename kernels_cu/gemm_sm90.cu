@@ -220,6 +220,16 @@ __device__ __forceinline__ void tma_load_2d_multicast(unsigned dst, const TmaDes
       : "memory");
 }
 
+// A box of B: to this CTA alone (CL = 1), or multicast to every CTA of the cluster.
+template <int CL>
+__device__ __forceinline__ void tma_load_b(unsigned dst, const TmaDesc* map, unsigned bar, int inner, int outer) {
+  if constexpr (CL == 1) {
+    tma_load_2d(dst, map, bar, inner, outer);
+  } else {
+    tma_load_2d_multicast(dst, map, bar, inner, outer, (unsigned short)((1u << CL) - 1u));
+  }
+}
+
 __device__ __forceinline__ void tma_prefetch_desc(const TmaDesc* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(map)) : "memory");
 }
@@ -788,29 +798,17 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
           // half of B completes on this barrier too.
           mbar_arrive_expect_tx(full_bar + 8 * s, kABytes + kBBytes);
           tma_load_2d(a_smem + s * kABytes, &map_a, full_bar + 8 * s, kt * kBK, mb * kBM);
-          if constexpr (CL == 1) {
-            if constexpr (BT) {  // B [K, N]: BN / 64 boxes of 64 K-rows x 64 N-elements
+          // This CTA's part of B: all of it, or with CL = 2 one half (whole 1024-byte swizzle atoms: the layout
+          // one box would give), delivered to both CTAs.
+          if constexpr (BT) {  // B [K, N]: BN / 64 boxes of 64 K-rows x 64 N-elements, BN / 64 / CL of them here
+            constexpr int kBoxes = BN / 64 / CL;
 #pragma unroll
-              for (int q = 0; q < BN / 64; ++q) {
-                tma_load_2d(b_smem + s * kBBytes + q * 8192, &map_b, full_bar + 8 * s, nb * BN + 64 * q, kt * kBK);
-              }
-            } else {
-              tma_load_2d(b_smem + s * kBBytes, &map_b, full_bar + 8 * s, kt * kBK, nb * BN);
+            for (int q = (int)rank * kBoxes; q < ((int)rank + 1) * kBoxes; ++q) {
+              tma_load_b<CL>(b_smem + s * kBBytes + q * 8192, &map_b, full_bar + 8 * s, nb * BN + 64 * q, kt * kBK);
             }
-          } else {
-            // this CTA's half of B (BN / 2 rows, whole 1024-byte swizzle atoms: the layout one box would give),
-            // to both CTAs
-            constexpr unsigned short kBoth = (1u << CL) - 1u;
-            if constexpr (BT) {  // boxes rank * (BN / 128) ...
-#pragma unroll
-              for (int q = (int)rank * (BN / 128); q < ((int)rank + 1) * (BN / 128); ++q) {
-                tma_load_2d_multicast(b_smem + s * kBBytes + q * 8192, &map_b, full_bar + 8 * s, nb * BN + 64 * q,
-                                      kt * kBK, kBoth);
-              }
-            } else {  // map_b's box is BN / 2 rows
-              tma_load_2d_multicast(b_smem + s * kBBytes + rank * (kBBytes / 2), &map_b, full_bar + 8 * s, kt * kBK,
-                                    nb * BN + (int)rank * (BN / 2), kBoth);
-            }
+          } else {  // map_b's box is BN / CL rows
+            tma_load_b<CL>(b_smem + s * kBBytes + rank * (kBBytes / CL), &map_b, full_bar + 8 * s, kt * kBK,
+                           nb * BN + (int)rank * (BN / CL));
           }
         }
       }
