@@ -13,14 +13,16 @@ import numpy
 from . import _arrays, _precision
 
 _SQRT_2_OVER_PI = numpy.float32(0.7978845608028654)
-_CUBIC_COEFF = numpy.float32(0.134145)  # 3 * 0.044715
+_GRAD_C0 = numpy.float32(0.3989422804014327)  # sqrt(2/pi) / 2
+_GRAD_C1 = numpy.float32(0.05351611220445019)  # sqrt(2/pi) / 2 * 3 * 0.044715
 
 
 def gelu_grad(x, t):
-    """d/dx of 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) given t = that tanh (fp32)."""
+    """d/dx of 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) given t = that tanh (fp32), in the GPU
+    kernels' form x (1 - t^2) (c0 + c1 x^2) + (0.5 + 0.5 t) (kernels_cu/common.cuh; there with fmas)."""
     half = numpy.float32(0.5)
     one = numpy.float32(1.0)
-    return half * (one + t) + half * x * (one - t * t) * _SQRT_2_OVER_PI * (one + _CUBIC_COEFF * x * x)
+    return x * (one - t * t) * (_GRAD_C0 + _GRAD_C1 * (x * x)) + (half + half * t)
 
 
 def tanh_inner(z):

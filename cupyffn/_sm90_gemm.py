@@ -46,7 +46,8 @@ XT_COLS = 32
 XS_STAGE_DROP = 1
 #: Measurement hook (tools/sm90_trace.py, set_trace): compile with CUPYFFN_SM90_TRACE, the per-tile timestamps.
 TRACE = False
-#: With TRACE, what the epilogue leaves out (CUPYFFN_SM90_EPI_PROBE): 0 nothing, 1 its global stores, 2 its x/t copies.
+#: With TRACE, what the kernel leaves out (CUPYFFN_SM90_EPI_PROBE): 0 nothing, 1 the epilogue's global stores, 2 its
+#: x/t copies, 3 the mainloop's wgmma (the stages still flow: data movement alone).
 PROBE = 0
 
 
@@ -65,12 +66,12 @@ def _before_first_compile(hook):
 def set_trace(enabled, probe=0):
     """Measurement hook: compile every variant with the per-tile timestamps of gemm_sm90.cu (CUPYFFN_SM90_TRACE;
     the kernels then store them wherever the module's global ``cupyffn_sm90_trace`` points, nowhere if null), and
-    with `probe` 1 or 2 a dgelu epilogue without its global stores or without its x/t copies: WRONG RESULTS, for
-    timing the parts of the epilogue only. Only before the first kernel of this process is compiled."""
+    with `probe` 1 or 2 a dgelu epilogue without its global stores or without its x/t copies, with 3 a mainloop
+    that waits for and releases every stage but issues no wgmma: WRONG RESULTS, for timing parts of the kernel only. Only before the first kernel of this process is compiled."""
     global TRACE, PROBE
     _before_first_compile("set_trace")
-    if probe not in (0, 1, 2) or (probe and not enabled):
-        raise ValueError(f"probe must be 0, 1 or 2, and only with the trace enabled; got {probe!r}, {enabled!r}")
+    if probe not in (0, 1, 2, 3) or (probe and not enabled):
+        raise ValueError(f"probe must be 0, 1, 2 or 3, and only with the trace enabled; got {probe!r}, {enabled!r}")
     TRACE, PROBE = bool(enabled), probe
 
 
@@ -517,16 +518,28 @@ def _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream, staged=Fal
                         ctypes.addressof(argv), 0)
 
 
-def choose_config(m, n, sms):
-    """The (block_n, pingpong) of a fused GEMM1 + dgelu of an [m, n] output on `sms` multiprocessors: the
-    cooperative tile whose tile count fills the last wave best, 128 x 256 unless 128 x 128 fills it better by
-    more than 2%. (The rule reproduces the best of the measured configurations at T = 256 ... 8192,
-    H = 6144: results/history/sm90-gemm-bench-kn-rows32.json.)"""
-    def fill(block_n):
-        tiles = -(-m // BLOCK_M) * -(-n // block_n)
-        return tiles / (-(-tiles // sms) * sms)
+def choose_config(m, n, sms, tanh_inner=True):
+    """The (block_n, pingpong) of a fused GEMM1 + dgelu of an [m, n] output on `sms` multiprocessors.
 
-    return (128, False) if fill(128) > fill(256) + 0.02 else (256, False)
+    With tanh_inner given: the 128 x 128 tile if it fills the last wave better than 128 x 256 by more than 2%,
+    as ping-pong where each CTA gets two or three tiles (sms < tiles <= 3 sms: the two consumers take turns,
+    one's epilogue under the other's mainloop), cooperative otherwise; else 128 x 256 cooperative.
+    Memory mode (tanh_inner recomputed): the 128 x 128 cooperative tile everywhere (64 accumulators per thread
+    leave ptxas the registers for tanhf's temporaries; the 128-accumulator variants must serialize it).
+    Measured, every schedule at T = 256 ... 8192, H = 6144 on the H200 (results/history/sweep-t-*.json,
+    docs/perf-notes.md session 6): the rule's choice is the fastest or within 3.1% of it at every T."""
+    if not tanh_inner:
+        return (128, False)
+
+    def tiles(block_n):
+        return -(-m // BLOCK_M) * -(-n // block_n)
+
+    def fill(block_n):
+        return tiles(block_n) / (-(-tiles(block_n) // sms) * sms)
+
+    if fill(128) > fill(256) + 0.02:
+        return (128, sms < tiles(128) <= 3 * sms)
+    return (256, False)
 
 
 #: CTAs per cluster of the engine's fused launch (DgeluLaunch). 1 until clusters are measured faster there
@@ -557,21 +570,25 @@ class DgeluLaunch:
         self.cluster = FUSED_CLUSTER if cluster is None else cluster
         _check_cluster(self.cluster)
         op = OP_F16 if epi == EPI_DGELU_F16 else OP_BF16
-        self.block_n, self.pingpong = choose_config(m, n, _kernels.sm_count(device_id))
-        # per epilogue (staged: True / direct: False): the function, its dynamic shared memory and grid, found once
-        self._variants = {}
-        for staged in (True, False):
-            function = _kernel(op, self.block_n, epi, self.pingpong, device_id, staged, b_layout, self.cluster).kernel.ptr
-            smem = launch_smem_bytes(self.block_n, staged)
-            self._variants[staged] = (function, smem, _grid(m, n, self.block_n, device_id, self.cluster, function, smem))
-        self.map_a, self.map_b = _operand_maps(op, a_ptr, lda, b_ptr, ldb, b_layout, m, n, k, self.block_n,
-                                               self.cluster)
+        sms = _kernels.sm_count(device_id)
         gather = state_ptr + 4 * (_kernels.STATE_SLOTS + slot) if state_ptr and not rescue else None
         self.args = GemmArgs(out_ptr, None, None, ldc, 0, 0, m, n, k, 1.0, gather, acc_scale_ptr, state_ptr,
                              consts_ptr, slot, int(rescue), alpha_mask, 1, FUSED_RASTER)
+        # per (tanh_inner given, staged epilogue): the schedule (choose_config: memory mode has its own), the
+        # function, its dynamic shared memory and grid, and the kernel arguments (tensor maps of its block_n)
+        self.configs = {has_t: choose_config(m, n, sms, tanh_inner=has_t) for has_t in (True, False)}
+        self._variants = {}
+        for has_t, (block_n, pingpong) in self.configs.items():
+            map_a, map_b = _operand_maps(op, a_ptr, lda, b_ptr, ldb, b_layout, m, n, k, block_n, self.cluster)
+            argv = (ctypes.c_void_p * 3)(ctypes.addressof(map_a.desc), ctypes.addressof(map_b.desc),
+                                         ctypes.addressof(self.args))
+            for staged in (True, False):
+                function = _kernel(op, block_n, epi, pingpong, device_id, staged, b_layout, self.cluster).kernel.ptr
+                smem = launch_smem_bytes(block_n, staged)
+                grid = _grid(m, n, block_n, device_id, self.cluster, function, smem)
+                # (map_a, map_b kept: argv points into them)
+                self._variants[has_t, staged] = (function, smem, grid, argv, (map_a, map_b))
         self.staged = True
-        self._argv = (ctypes.c_void_p * 3)(ctypes.addressof(self.map_a.desc), ctypes.addressof(self.map_b.desc),
-                                           ctypes.addressof(self.args))
 
     def set_activations(self, x_ptr, ldx, t_ptr, ldt):
         """linear1_out (and tanh_inner, or t_ptr 0: memory mode) of this call, fp32, row strides in elements
@@ -586,8 +603,8 @@ class DgeluLaunch:
     def __call__(self, stream_ptr):
         from cupy_backends.cuda.api import driver
 
-        function, smem, grid = self._variants[self.staged]
-        driver.launchKernel(function, grid, 1, 1, THREADS, 1, 1, smem, stream_ptr, ctypes.addressof(self._argv), 0)
+        function, smem, grid, argv, _ = self._variants[self.args.t is not None, self.staged]
+        driver.launchKernel(function, grid, 1, 1, THREADS, 1, 1, smem, stream_ptr, ctypes.addressof(argv), 0)
 
 
 def gemm_tn(a, b, out, *, block_n=256, pingpong=False, b_layout="nk", cluster=1, raster=0, stream=None):

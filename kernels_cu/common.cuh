@@ -31,10 +31,14 @@ namespace cupyffn {
 
 // GELU(tanh) derivative from the saved tanh output t = tanh(sqrt(2/pi) * (x + 0.044715 x^3)):
 //   d/dx [0.5 x (1 + t)] = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+// Evaluated as fma(x (1 - t^2), c0 + c1 x^2, 0.5 + 0.5 t) with c0 = sqrt(2/pi) / 2, c1 = c0 * 3 * 0.044715:
+// six fp32 instructions (the form above compiles to nine), which the fused GEMM1 epilogue runs per element.
 __device__ __forceinline__ float gelu_grad(float x, float t) {
-  const float kSqrt2OverPi = 0.7978845608028654f;
-  const float kCubicCoeff = 0.134145f;  // 3 * 0.044715
-  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kSqrt2OverPi * (1.0f + kCubicCoeff * x * x);
+  const float kC0 = 0.3989422804014327f;    // sqrt(2/pi) / 2
+  const float kC1 = 0.05351611220445019f;   // sqrt(2/pi) / 2 * 3 * 0.044715
+  const float poly = fmaf(x * x, kC1, kC0);
+  const float half_one_plus_t = fmaf(0.5f, t, 0.5f);
+  return fmaf(x * fmaf(-t, t, 1.0f), poly, half_one_plus_t);
 }
 
 // GELU(tanh) of z: t = tanh(sqrt(2/pi) * (z + 0.044715 z^3)) and g = 0.5 z (1 + t).

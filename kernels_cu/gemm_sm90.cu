@@ -66,6 +66,13 @@
 
 namespace sm90 {
 
+// Measurement only (tools/sm90_trace.py --probe 3): the consumers wait for and release every stage without
+// issuing its wgmma, so the mainloop's time is the data movement alone.
+#if defined(CUPYFFN_SM90_TRACE) && CUPYFFN_SM90_EPI_PROBE == 3
+constexpr bool kProbeNoMma = true;
+#else
+constexpr bool kProbeNoMma = false;
+#endif
 constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
 constexpr int kBM = 128;       // rows of a CTA tile (64 per consumer warpgroup)
 constexpr int kBK = 64;        // K per stage: 64 16-bit elements = one 128-byte swizzle row
@@ -379,26 +386,29 @@ __device__ __forceinline__ void epilogue_scales(const GemmArgs& args, float& acc
   out_scale = EPI == kEpiDgeluF16 ? (args.state != nullptr ? ldexpf(1.0f, args.state[args.slot]) : args.alpha) : 1.0f;
 }
 
-// Both dgelu epilogues: if `ok` (the element (r, col) is inside [M, N]), fold g = (v0, v1) (v1 only if `pair`) into
-// amax, round (bf16, or fp16 after out_scale) and store the codes at (r, col) of C, as a 4-byte pair where there is
-// one. Written with selects and predicated stores: the staged epilogue's elements then form (nearly) one
-// straight-line block whose loads the compiler can issue ahead of earlier elements' stores (a branch around each
-// element kept one element in flight per warp). (The amax fold as two more selects spills the 128-accumulator
-// variants; as written, ptxas keeps a three-instruction branch there.)
+// |v| for finite v, NaN for Inf and NaN (v * 0 + v: exact for finite v), so that one max, which ignores a NaN
+// operand, leaves non-finite values out of amax: one instruction instead of a compare and a select.
+// (asm: the compiler must not fold v * 0 + v to v; ftz: the same flush of subnormals as fmaxf)
+__device__ __forceinline__ float finite_or_nan(float v) {
+  float r;
+  asm("fma.rn.ftz.f32 %0, %1, 0f00000000, %1;\n" : "=f"(r) : "f"(v));
+  return fabsf(r);
+}
+
+// Both dgelu epilogues: fold g = (v0, v1) into amax (finite values only; v1 only if `both`, nothing unless
+// `both` or `one`), round (bf16, or fp16 after out_scale) and store the codes at p: a 4-byte pair if `both`,
+// the 2-byte code of v0 if `one`. Selects and predicated stores, no branches: the staged epilogue's elements
+// then form one straight-line block whose loads the compiler can issue ahead of earlier elements' stores (a
+// branch around each element kept one element in flight per warp), and amax is one dependent max per pair.
 template <int EPI>
-__device__ __forceinline__ void store_dgelu_pair(const GemmArgs& args, int r, int col, float v0, float v1, bool pair,
-                                                 bool ok, float out_scale, float& amax) {
-  const float m0 = cupyffn::finite_absmax(amax, v0);
-  amax = ok ? (pair ? cupyffn::finite_absmax(m0, v1) : m0) : amax;
-  // (32 x 32 -> 64-bit product: the launcher keeps row strides below 2^31; fewer registers than 64 x 64; formed
-  // also where !ok, never dereferenced there)
-  unsigned short* p = static_cast<unsigned short*>(args.c) + ((long long)r * (int)args.ldc + col);
-  const bool both = ok && pair, one = ok && !pair;
+__device__ __forceinline__ void store_dgelu_pair(unsigned short* p, int n, float v0, float v1, bool both, bool one,
+                                                 float out_scale, float& amax) {
+  const float m = fmaxf(finite_or_nan(v0), both ? finite_or_nan(v1) : 0.0f);
+  amax = both || one ? fmaxf(amax, m) : amax;
   if constexpr (EPI == kEpiDgeluBf16x3) {
     unsigned short hi0, lo0, hi1, lo1;
     cupyffn::split_bf16(v0, hi0, lo0);  // the engine's conversion (common.cuh write_operand)
     cupyffn::split_bf16(v1, hi1, lo1);
-    const int n = args.n;
     if (both) *reinterpret_cast<unsigned*>(p) = cupyffn::pack2(hi0, hi1);
     if (both) *reinterpret_cast<unsigned*>(p + n) = cupyffn::pack2(lo0, lo1);
     if (both) *reinterpret_cast<unsigned*>(p + 2 * n) = cupyffn::pack2(hi0, hi1);
@@ -410,16 +420,16 @@ __device__ __forceinline__ void store_dgelu_pair(const GemmArgs& args, int r, in
 #if defined(CUPYFFN_SM90_TRACE) && CUPYFFN_SM90_EPI_PROBE == 1
   return;  // measurement only (tools/sm90_trace.py --probe 1): the epilogue without its global stores
 #endif
-  unsigned short c0, c1;
+  unsigned codes;
   if constexpr (EPI == kEpiDgeluBf16) {
-    c0 = cupyffn::bf16_bits(v0);  // the same rounding as the engine's dgelu kernel
-    c1 = cupyffn::bf16_bits(v1);
+    codes = cupyffn::pack2(cupyffn::bf16_bits(v0), cupyffn::bf16_bits(v1));  // the engine's dgelu rounding
   } else {
-    c0 = cupyffn::f16_bits(v0 * out_scale);
-    c1 = cupyffn::f16_bits(v1 * out_scale);
+    // one cvt.rn.f16x2.f32 for the pair: the same rounding as f16_bits of each
+    const __half2 h = __floats2half2_rn(v0 * out_scale, v1 * out_scale);
+    codes = *reinterpret_cast<const unsigned*>(&h);
   }
-  if (both) *reinterpret_cast<unsigned*>(p) = cupyffn::pack2(c0, c1);
-  if (one) p[0] = c0;
+  if (both) *reinterpret_cast<unsigned*>(p) = codes;
+  if (one) p[0] = (unsigned short)codes;
 }
 
 // Stores a consumer's 64 x BN block of the tile whose top-left output element is (row0, col0).
@@ -476,7 +486,8 @@ __device__ __forceinline__ void store_block(const float (&acc)[BN / 2], const Ge
         }
         v0 = (acc_scale * v0) * cupyffn::gelu_grad(x0, t0);
         v1 = (acc_scale * v1) * cupyffn::gelu_grad(x1, t1);
-        store_dgelu_pair<EPI>(args, r, col, v0, v1, pair, true, out_scale, amax);
+        unsigned short* p = static_cast<unsigned short*>(args.c) + (r * args.ldc + col);
+        store_dgelu_pair<EPI>(p, args.n, v0, v1, pair, !pair, out_scale, amax);
       }
     }
   }
@@ -602,6 +613,14 @@ __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], co
   const int warp = tid >> 5, lane = tid & 31;
   float acc_scale, out_scale;
   epilogue_scales<EPI>(args, acc_scale, out_scale);
+  // This thread's two rows (hh = 0, 1) and first column: a pointer to that element of C and the columns
+  // left from there (0 for a row past M), once per half, so that each element's store address is the
+  // pointer plus a constant and its bounds one compare with a constant. (32 x 32 -> 64-bit product: the
+  // launcher keeps row strides below 2^31; formed also past M, never dereferenced there.)
+  const int cbase = col0 + 2 * (lane & 3);
+  const int r_top = row0 + 64 * H + 16 * warp + (lane >> 2);
+  unsigned short* const top_ptr = static_cast<unsigned short*>(args.c) + ((long long)r_top * (int)args.ldc + cbase);
+  const int left[2] = {r_top < args.m ? args.n - cbase : 0, r_top + 8 < args.m ? args.n - cbase : 0};
 #pragma unroll
   for (int jg = 0; jg < kGroupsPerHalf; ++jg) {
     const int g = H * kGroupsPerHalf + jg;
@@ -611,12 +630,9 @@ __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], co
     for (int jj = 0; jj < kXtCols / 8; ++jj) {
       const int j = jg * (kXtCols / 8) + jj;  // the accumulator's 8-column group
       const int chunk = 2 * jj + ((lane & 3) >> 1);
-      const int col = col0 + 8 * j + 2 * (lane & 3);
-      const bool pair = col + 1 < args.n;
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int rr = (lane >> 2) + 8 * hh;
-        const int r = row0 + 64 * H + 16 * warp + rr;
         const unsigned within = (lane & 1) * 8;
         const float2 xv = ld_shared_f2(slot + xt_offset(0, rr, chunk) + within);
         float t0, t1;
@@ -630,7 +646,14 @@ __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], co
         }
         const float v0 = (acc_scale * acc[4 * j + 2 * hh]) * cupyffn::gelu_grad(xv.x, t0);
         const float v1 = (acc_scale * acc[4 * j + 2 * hh + 1]) * cupyffn::gelu_grad(xv.y, t1);
-        store_dgelu_pair<EPI>(args, r, col, v0, v1, pair, r < args.m && col < args.n, out_scale, amax);
+        // columns 8j, 8j + 1 from cbase: both inside N, or only the first
+        store_dgelu_pair<EPI>(top_ptr + (hh * 8 * (int)args.ldc + 8 * j), args.n, v0, v1, left[hh] > 8 * j + 1, left[hh] == 8 * j + 1,
+                              out_scale, amax);
+        // Memory mode with 128 accumulators per thread: tanh_inner recomputed is ~20 instructions per element
+        // with enough independent work in one pair; without this fence ptxas overlaps pairs until the 128 x 256
+        // variant spills. (It costs those variants ~half their memory-mode speed; the engine runs memory mode
+        // on the 64-accumulator 128 x 128 cooperative tile, choose_config.)
+        if constexpr (!HAS_T && HALVES * BN / 2 >= 128) __syncwarp();
       }
     }
     // Refill the slot just read with group g + SLOTS, once every lane of the warp has read it: each loaded
@@ -854,7 +877,7 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
         const unsigned b_stage = b_smem + s * kBBytes;
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kBK / 16; ++kk) {
+        for (int kk = 0; kk < (kProbeNoMma ? 0 : kBK / 16); ++kk) {
 #pragma unroll
           for (int h = 0; h < kHalves; ++h) {
             const unsigned long long desc_b = BT ? smem_desc_mn(b_stage + 2048 * kk) : smem_desc(b_stage + 32 * kk);

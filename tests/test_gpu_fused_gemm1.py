@@ -179,25 +179,24 @@ def test_fused_plan_replays_in_a_cuda_graph(precision, monkeypatch):
 
 
 def test_default_policy_and_the_override(monkeypatch):
-    """auto (the default): fused for T in the format's FUSED_GEMM1_TOKENS window (tf32), the cuBLAS route
-    elsewhere and for bf16x3 (measured faster there over the whole call); 1 forces it for every format the
-    kernel serves, 0 turns it off, anything else is refused with the variable's name. Plans the kernel does
-    not serve (ieee, fp16+fp8 from T = 2048) never fuse."""
+    """auto (the default): fused for T in the format's FUSED_GEMM1_TOKENS window (tf32: every T), the cuBLAS
+    route for bf16x3 (measured faster there over the whole call); 1 forces it for every format the kernel
+    serves, 0 turns it off, anything else is refused with the variable's name. Plans the kernel does not serve
+    (ieee, fp16+fp8 from T = 2048) never fuse. (The window's ends, 1 and 2^31 - 1, are tested without a GPU in
+    test_fused_policy.py: a plan of 2^31 tokens does not fit in memory.)"""
     from cupyffn import _gpu_engine
 
     monkeypatch.delenv("CUPYFFN_SM90_GEMM1", raising=False)
-    first, limit = _gpu_engine.FUSED_GEMM1_TOKENS[_precision.FMT_F16S]
-    assert cupyffn.GeluFFNBackward(limit, 64, 256, precision="tf32").fused_gemm1
-    assert cupyffn.GeluFFNBackward(first, 64, 256, precision="tf32").fused_gemm1
-    assert not cupyffn.GeluFFNBackward(first - 1, 64, 256, precision="tf32").fused_gemm1
-    assert not cupyffn.GeluFFNBackward(limit + 1, 64, 256, precision="tf32").fused_gemm1
+    assert _gpu_engine.FUSED_GEMM1_TOKENS[_precision.FMT_F16S] == (1, 2 ** 31 - 1)
+    for tokens in (1, 256, 1024, 4096):
+        assert cupyffn.GeluFFNBackward(tokens, 64, 256, precision="tf32").fused_gemm1
     assert _precision.FMT_BF16X3 not in _gpu_engine.FUSED_GEMM1_TOKENS
     for tokens in (256, 1024, 4096):
         assert not cupyffn.GeluFFNBackward(tokens, 64, 256, precision="bf16x3").fused_gemm1
     monkeypatch.setenv("CUPYFFN_SM90_GEMM1", "0")
-    assert not cupyffn.GeluFFNBackward(limit, 64, 256, precision="tf32").fused_gemm1
+    assert not cupyffn.GeluFFNBackward(1024, 64, 256, precision="tf32").fused_gemm1
     monkeypatch.setenv("CUPYFFN_SM90_GEMM1", "1")
-    assert cupyffn.GeluFFNBackward(limit + 1, 64, 256, precision="tf32").fused_gemm1
+    assert cupyffn.GeluFFNBackward(1024, 64, 256, precision="tf32").fused_gemm1
     assert cupyffn.GeluFFNBackward(4096, 64, 256, precision="bf16x3").fused_gemm1
     assert cupyffn.GeluFFNBackward(1024, 64, 256, precision="fp16+fp8").fused_gemm1  # the bf16x3 plan there
     assert not cupyffn.GeluFFNBackward(4096, 64, 256, precision="fp16+fp8").fused_gemm1  # its e4m3 pairs

@@ -317,6 +317,58 @@ def test_dgelu_bf16x3_planes(rng, m, n, k, config, memory_mode, epilogue, b_layo
     assert abs(float(amax.view(cupy.float32)[0]) - exact_max) <= 1e-4 * exact_max
 
 
+NONFINITE_CASES = [pytest.param(config, fmt, epilogue, id=f"{cid}-{fmt}-{epilogue}",
+                                 marks=[QUICK] if (cid, epilogue) in (("bn256", "staged"), ("bn128pp", "direct")) else [])
+                    for config, cid in zip(_sm90_gemm.CONFIGS, CONFIG_IDS) for fmt in ("fp16", "bf16", "bf16x3")
+                    for epilogue in _sm90_gemm.EPILOGUES]
+
+
+@pytest.mark.parametrize("config,out_format,epilogue", NONFINITE_CASES)
+def test_dgelu_amax_leaves_out_non_finite_values(rng, config, out_format, epilogue):
+    """g = NaN (linear1_out NaN) and g = +-Inf (linear1_out 1e30 with tanh_inner 0.5: gelu' overflows) are
+    stored as such and left out of amax, which is max |g| over the finite g: one Inf or NaN must not decide
+    the scale of the whole tensor, nor hide the finite neighbour it shares a stored pair with."""
+    block_n, pingpong = config
+    m, n, k = 300, 520, 96  # 3 x 3-5 tiles, N ends inside a tile
+    kind = "fp16" if out_format == "fp16" else "bf16"
+    a, a64 = operand(rng, m, k, kind)
+    b, b64 = operand(rng, n, k, kind)
+    x, t = activations(rng, m, n)
+    r_nan, c_nan = rng.integers(0, m, 40), rng.integers(0, n, 40)
+    r_inf, c_inf = rng.integers(0, m, 40), rng.integers(0, n, 40)
+    x[cupy.asarray(r_nan), cupy.asarray(c_nan)] = cupy.nan
+    x[cupy.asarray(r_inf), cupy.asarray(c_inf)] = 1e30
+    t[cupy.asarray(r_inf), cupy.asarray(c_inf)] = 0.5
+    planes = 3 if out_format == "bf16x3" else 1
+    alpha = 2.0 ** -2 if out_format == "fp16" else 1.0
+    if out_format == "fp16":
+        out = cupy.full((m, n), cupy.nan, cupy.float16)
+    else:
+        out = cupy.full((m, planes * n), 0x7FC0, cupy.uint16)
+    amax = cupy.zeros(1, cupy.uint32)
+    _sm90_gemm.gemm_tn_dgelu(a, b, x, t, out, alpha=alpha, amax=amax, block_n=block_n, pingpong=pingpong,
+                             epilogue=epilogue, planes=planes)
+    cupy.cuda.get_current_stream().synchronize()
+    nan_at, inf_at = cupy.isnan(x), x == 1e30
+    acc64 = a64 @ b64.T
+    ref = acc64 * gelu_grad64(cupy.where(inf_at | nan_at, 0.0, x.astype(cupy.float64)), t.astype(cupy.float64))
+    if out_format == "fp16":
+        got = out.astype(cupy.float64) / alpha
+    else:
+        got = bf16_value(out[:, :n]).astype(cupy.float64)
+    assert int(nan_at.sum()) > 0 and int(inf_at.sum()) > 0
+    assert bool((cupy.isnan(got) == nan_at).all()), "NaN where g is not NaN, or a NaN g not stored as NaN"
+    # gelu'(1e30, 0.5) overflows fp32 to +Inf, so g = sign(acc) Inf
+    assert bool((got[inf_at] == cupy.sign(acc64[inf_at]) * cupy.inf).all()), "an infinite g not stored as such"
+    finite = ~(nan_at | inf_at)
+    assert bool(cupy.isfinite(got[finite]).all())
+    err = float((cupy.abs(got - ref)[finite] / (2.0 ** -7 * cupy.abs(ref[finite]) + 1e-3)).max())
+    assert err <= 1.0, err
+    exact_max = float(cupy.abs(ref[finite]).max())
+    got_max = float(amax.view(cupy.float32)[0])
+    assert abs(got_max - exact_max) <= 1e-4 * exact_max, (got_max, exact_max)
+
+
 # (4100, 3000, 256) bn128pp: 32 x 24 tiles on 132 CTAs, 5-6 tiles per CTA, so each consumer's slot ring
 # is refilled across 3 tiles; N = 3000 ends inside a 16-column group; strides of 3004 / 3004 / 3006.
 EQUAL_CASES = [pytest.param(4100, 3000, 256, config, fmt, memory, id=f"{cid}-{fmt}-{memory}",

@@ -319,13 +319,19 @@ def test_bf16x3_patterns_pair_hi_and_lo():
 
 
 def test_gelu_constants_match_python():
+    """tanh_inner's sqrt(2/pi) and gelu_grad's c0 = sqrt(2/pi) / 2, c1 = c0 * 3 * 0.044715, in the kernels and in
+    the CPU engine."""
     common = all_sources()["common.cuh"]
-    sqrt2pi = float(re.search(r"kSqrt2OverPi\s*=\s*([0-9.eE+-]+)f", common).group(1))
-    cubic = float(re.search(r"kCubicCoeff\s*=\s*([0-9.eE+-]+)f", common).group(1))
+
+    def constant(name):
+        return float(re.search(name + r"\s*=\s*([0-9.eE+-]+)f", common).group(1))
+
+    sqrt2pi, c0, c1 = constant("kSqrt2OverPi"), constant("kC0"), constant("kC1")
     assert abs(sqrt2pi - math.sqrt(2 / math.pi)) < 1e-15
-    assert abs(cubic - 3 * 0.044715) < 1e-15
+    assert abs(c0 - math.sqrt(2 / math.pi) / 2) < 1e-15
+    assert abs(c1 - math.sqrt(2 / math.pi) / 2 * 3 * 0.044715) < 1e-15
     assert _numpy_backend._SQRT_2_OVER_PI == numpy.float32(sqrt2pi)
-    assert _numpy_backend._CUBIC_COEFF == numpy.float32(cubic)
+    assert (_numpy_backend._GRAD_C0, _numpy_backend._GRAD_C1) == (numpy.float32(c0), numpy.float32(c1))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -87,9 +87,13 @@ def test_tf32_launch_gathers_into_the_state_and_its_rescue_does_not(stand_ins):
     assert {v[4] for v in stand_ins} == {True, False}  # both epilogues looked up once, at build
     assert launch.args.amax == 0x40000 + 4 * (_kernels.STATE_SLOTS + 5)
     assert launch.args.state == 0x40000 and launch.args.acc_scale == 0x50008 and launch.args.rescue == 0
-    assert (launch.block_n, launch.pingpong) == G.choose_config(1024, 6144, 132)
+    assert launch.configs == {True: G.choose_config(1024, 6144, 132), False: G.choose_config(1024, 6144, 132, False)}
     assert launch.cluster == G.FUSED_CLUSTER == 1 and launch.args.raster == G.FUSED_RASTER == 8
-    assert {v[2] for v in launch._variants.values()} == {min(-(-1024 // G.BLOCK_M) * -(-6144 // launch.block_n), 132)}
+    for (has_t, staged), variant in launch._variants.items():
+        block_n, pingpong = launch.configs[has_t]
+        assert (G.OP_F16, block_n, G.EPI_DGELU_F16, pingpong, staged, "kn", 1) in stand_ins
+        assert variant[2] == min(-(-1024 // G.BLOCK_M) * -(-6144 // block_n), 132)  # the grid of its tile
+    assert len(launch._variants) == 4
     rescue = _launch(rescue=True, alpha_mask=0b1100)
     assert rescue.args.amax is None and rescue.args.rescue == 1 and rescue.args.alpha_mask == 0b1100
 
@@ -113,10 +117,15 @@ def test_an_unknown_epilogue_is_refused(stand_ins):
     (0x1004, 6144, 0x9000, 6144, False, 0),  # 4-byte offset: direct, single floats
     (0x1000, 6144, 0x9000, 6147, False, 0),  # one input's odd row stride decides for both
 ])
-def test_set_activations_picks_the_epilogue_by_alignment(stand_ins, x_ptr, ldx, t_ptr, ldt, staged, pairs):
+def test_set_activations_picks_the_epilogue_by_alignment(stand_ins, x_ptr, ldx, t_ptr, ldt, staged, pairs, monkeypatch):
     launch = _launch()
     launch.set_activations(x_ptr, ldx, t_ptr, ldt)
     assert launch.staged is staged and launch.args.xt_pairs == pairs
+    launched = []
+    driver = pytest.importorskip("cupy_backends.cuda.api.driver")
+    monkeypatch.setattr(driver, "launchKernel", lambda function, *rest: launched.append(function))
+    launch(0)  # the variant of this call's mode (tanh_inner given or not) and epilogue
+    assert launched == [launch._variants[bool(t_ptr), staged][0]]
     assert launch.args.x == x_ptr and launch.args.ldx == ldx
     assert launch.args.t == (t_ptr or None) and launch.args.ldt == (ldt if t_ptr else 0)
     assert ctypes.sizeof(launch.args) == 120
@@ -132,14 +141,28 @@ def test_cluster2_launch_grid_and_b_boxes(stand_ins, T, b_layout):
                            consts_ptr=0x50000, acc_scale_ptr=0x50008, slot=5, rescue=False, alpha_mask=0, device_id=0,
                            cluster=2)
     assert {v[-1] for v in stand_ins} == {2}
-    groups = -(-(-(-T // G.BLOCK_M)) // 2) * -(-H // launch.block_n)
-    assert {v[2] for v in launch._variants.values()} == {2 * min(groups, 60)}
-    a_key, b_key = stand_ins.maps
-    assert a_key[-1] == G.BLOCK_M
-    assert b_key[-1] == (launch.block_n // 2 if b_layout == "nk" else 64)
+    for has_t in (True, False):
+        block_n = launch.configs[has_t][0]
+        groups = -(-(-(-T // G.BLOCK_M)) // 2) * -(-H // block_n)
+        assert {launch._variants[has_t, staged][2] for staged in (True, False)} == {2 * min(groups, 60)}
+    keys = stand_ins.maps  # (A map, B map) per mode
+    assert len(keys) == 4 and {k[-1] for k in keys[0::2]} == {G.BLOCK_M}
+    assert [k[-1] for k in keys[1::2]] == [launch.configs[has_t][0] // 2 if b_layout == "nk" else 64
+                                          for has_t in (True, False)]
 
 
 def test_an_unknown_cluster_size_is_refused(stand_ins):
     with pytest.raises(ValueError, match="cluster must be one of"):
         _launch(cluster=4)
     assert stand_ins == []
+
+
+@pytest.mark.parametrize("T,config", [(256, (128, False)), (512, (256, False)), (768, (128, True)), (1024, (128, True)),
+                                      (2048, (256, False)), (3142, (256, False)), (4096, (256, False)),
+                                      (4904, (128, False)), (8192, (256, False))])
+def test_choose_config_at_the_workloads(T, config):
+    """The rule at H = 6144 on 132 SMs, where every schedule was measured (docs/perf-notes.md, session 6): 128-wide
+    tiles where they fill the last wave better (T = 256: 96 tiles, 4904: 1872 in 15 waves), ping-pong where each
+    CTA then has two or three of them (768, 1024), 128 x 256 cooperative elsewhere; memory mode 128 x 128 cooperative."""
+    assert G.choose_config(T, 6144, 132) == config
+    assert G.choose_config(T, 6144, 132, tanh_inner=False) == (128, False)

@@ -1,7 +1,7 @@
 """What the dgelu epilogue of the sm90 GEMM costs on top of its mainloop (GPU only):
 
     PYTHONPATH=. python3 tools/fused_epilogue_cost.py [--tokens 1024,8192] [--reps 10] [--sweep] [--forms fp16,bf16x3]
-        [--clusters 1,2] [--rasters 0] [--staging COLS,DROP] [--out PATH]
+        [--clusters 1,2] [--rasters 0] [--staging COLS,DROP] [--memory-mode] [--against DIR[,DIR...] --rounds N] [--out PATH]
 
 GEMM1 of the backward (M = T, N = H = 6144, B = weight2 as stored, "kn") in the two forms the engine fuses:
 fp16 with K = D = 1536 (the tf32 plan) and bf16 with K = 3D = 4608 (the bf16x3 plan's three planes stacked
@@ -10,12 +10,18 @@ plain store), and our kernel with the dgelu epilogue writing one 16-bit plane an
 at the engine's tile config (choose_config), with clusters of one and of two CTAs (TMA multicast of B);
 --sweep times every (block_n, pingpong) schedule instead of choose_config's alone, --rasters each tile order
 (GemmArgs::raster: 0 down each column of tiles, R bands of R tile rows). Protocol: random operands, L2 flushed (256 MiB written) before
-each sample, CUDA events around the call, median of --reps after 2 warm-ups. JSON at --out (default
+each sample, CUDA events around the call, median of --reps after 2 warm-ups. --against DIRS times each of our
+cases also with each DIR's gemm_sm90.cu and common.cuh (e.g. `git archive` of an older commit), alternating the
+sources round by round (--rounds), and reports the median over rounds: an A/B in one process, so that a drift of
+the GPU's clock between runs does not pass for a code change. JSON at --out (default
 $OUT/fused_epilogue_cost.json, OUT or .).
 """
 
 import argparse
+import collections
 import os
+import pathlib
+import statistics
 import sys
 
 from _event_timing import flushed_median_ms  # tools/_event_timing.py (the script's folder is on sys.path)
@@ -32,14 +38,31 @@ def main(argv=None):
     parser.add_argument("--forms", default="fp16,bf16x3")
     parser.add_argument("--clusters", default="1,2")
     parser.add_argument("--rasters", default="0")
+    parser.add_argument("--memory-mode", action="store_true", help="also the dgelu epilogue without tanh_inner (recomputed)")
     parser.add_argument("--staging", default=None, help="the staged epilogue's shape, _sm90_gemm.set_staging(cols, drop); "
                         "default: the launcher's")
+    parser.add_argument("--against", default=None, help="other kernels_cu folders, comma-separated (e.g. an older "
+                        "commit's): every case is timed with each one's gemm_sm90.cu + common.cuh too, interleaved, "
+                        "--rounds times each")
+    parser.add_argument("--rounds", type=int, default=1, help="with --against: rounds of (this tree, the others)")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "fused_epilogue_cost.json"))
     args = parser.parse_args(argv)
     import cupy
     import numpy
 
     from cupyffn import _cublas, _kernels, _sm90_gemm
+
+    sources = {"this": _sm90_gemm.module_source()}
+    for folder in (pathlib.Path(f) for f in (args.against.split(",") if args.against else ())):
+        common = (folder / "common.cuh").read_text().replace("#pragma once\n", "")
+        sources[str(folder)] = (folder / _sm90_gemm.SOURCE).read_text().replace('#include "common.cuh"', common, 1)
+
+    def use_source(which):
+        """Measurement only: the sm90 variants compiled from sources[which] from now on (CuPy's disk cache,
+        keyed by the source text, makes a switch back cheap)."""
+        _sm90_gemm.module_source = lambda: sources[which]
+        _sm90_gemm._module.cache_clear()
+        _sm90_gemm._kernel.cache_clear()
 
     if args.staging:
         _sm90_gemm.set_staging(*(int(v) for v in args.staging.split(",")))
@@ -84,22 +107,39 @@ def main(argv=None):
                     cases += [("ours fp32 out", cfg, cluster, lambda cfg=cfg: _sm90_gemm.gemm_tn(a, b, c32, **cfg)),
                               ("ours dgelu 1 plane", cfg, cluster,
                                lambda cfg=cfg: _sm90_gemm.gemm_tn_dgelu(a, b, x, t, out1, **cfg))]
+                    if args.memory_mode:  # tanh_inner recomputed in the epilogue
+                        cases.append(("ours dgelu memory", cfg, cluster,
+                                      lambda cfg=cfg: _sm90_gemm.gemm_tn_dgelu(a, b, x, None, out1, **cfg)))
                     if form == "bf16x3":
                         cases.append(("ours dgelu 3 planes", cfg, cluster,
                                       lambda cfg=cfg: _sm90_gemm.gemm_tn_dgelu(a, b, x, t, out3, planes=3, **cfg)))
-            for name, cfg, cluster, run in cases:
-                ms = timed(run)
+            samples = collections.defaultdict(list)  # (case index, source) -> ms of each round
+            for _ in range(args.rounds if args.against else 1):
+                for which in sources:
+                    use_source(which)
+                    for i, (name, cfg, cluster, run) in enumerate(cases):
+                        if cfg is not None or which == "this":  # cuBLAS does not depend on the source
+                            samples[i, which].append(timed(run))
+            for i, (name, cfg, cluster, run) in enumerate(cases):
                 schedule = "cublas" if cfg is None else f"bn{cfg['block_n']}{'pp' if cfg['pingpong'] else ''}"
                 raster = 0 if cfg is None else cfg["raster"]
-                row = {"T": T, "form": form, "K": k, "case": name, "schedule": schedule, "cluster": cluster, "raster": raster,
-                       "staging": staging,
-                       "chosen": cfg is not None and (cfg["block_n"], cfg["pingpong"]) == chosen, "ms": ms,
-                       "tflops": 2 * T * H * k / ms / 1e9}
-                rows.append(row)
-                print(f"T={T:5d} {form:6s} K={k:5d} {name:20s} {schedule:8s} cl{cluster} r{raster:<2d} {ms:8.4f} ms "
-                      f"{row['tflops']:6.1f} TFLOP/s", flush=True)
+                for which in sources:
+                    if (i, which) not in samples:
+                        continue
+                    ms = statistics.median(samples[i, which])
+                    row = {"T": T, "form": form, "K": k, "case": name, "schedule": schedule, "cluster": cluster,
+                           "raster": raster, "staging": staging, "source": which, "rounds": samples[i, which],
+                           "chosen": cfg is not None and (cfg["block_n"], cfg["pingpong"]) == chosen, "ms": ms,
+                           "tflops": 2 * T * H * k / ms / 1e9}
+                    rows.append(row)
+                    ratio = ""
+                    if which != "this":
+                        ratio = f"  this / it {statistics.median(samples[i, 'this']) / ms:.3f}"
+                    print(f"T={T:5d} {form:6s} K={k:5d} {name:20s} {schedule:8s} cl{cluster} r{raster:<2d} "
+                          f"{which[-12:]:12s} {ms:8.4f} ms {row['tflops']:6.1f} TFLOP/s"
+                          f" (rounds {min(samples[i, which]):.4f}-{max(samples[i, which]):.4f}){ratio}", flush=True)
     save_json({"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), "command": " ".join(sys.argv),
-               "reps": args.reps, "results": rows}, args.out)
+               "reps": args.reps, "against": args.against, "results": rows}, args.out)
 
 
 if __name__ == "__main__":

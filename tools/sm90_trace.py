@@ -67,7 +67,7 @@ def main(argv=None):
     parser.add_argument("--schedules", default="bn256,bn128pp")
     parser.add_argument("--rasters", default="0")
     parser.add_argument("--probe", type=int, default=0, help="1: the dgelu epilogue without its global stores, 2: "
-                        "without its x/t copies (timing only: wrong results)")
+                        "without its x/t copies, 3: the mainloop without its wgmma (timing only: wrong results)")
     parser.add_argument("--staging", default=None, help="_sm90_gemm.set_staging(cols, drop); default: the launcher's")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "sm90_trace.json"))
     args = parser.parse_args(argv)
