@@ -17,12 +17,11 @@ launch that converts again any tensor whose delayed scale did not fit (kernels_c
 `fused_gemm1`): the GELU derivative is applied in GEMM1's epilogue, which writes grad_linear1 as scaled fp16
 and gathers its maximum; grad_gelu is never written (no T x H fp32 scratch). Its scale is decided by a
 one-thread launch once convert B's exponents are final, then a fused rescue launch (a no-op unless the
-exponent moved: then it runs GEMM1 again). It runs for FUSED_GEMM1_TOKENS, where it measured faster over
-the whole call. Below, the calls are host- and launch-bound and two runs disagreed (T = 512: 1.00 and 1.10x
-the cuBLAS route); above, the cuBLAS route's dgelu pass overlaps GEMM2 on the side stream, which
-the persistent fused kernel (every SM, one CTA each) does not allow, and that overlap was worth more than
-the fusion (results/history/nvidia-h200-fused-all-T-cdd957e.json, docs/perf-notes.md). The environment
-variable CUPYFFN_SM90_GEMM1 (read when a plan is built) overrides: 0 never, 1 at every T (comparisons).
+exponent moved: then it runs GEMM1 again). It runs for FUSED_GEMM1_TOKENS: every T since session 6's
+epilogue (whole calls 0.90-0.975 of the cuBLAS route on 15 of the 16 workloads, results/nvidia-h200.json at
+27f16b9; before it, at T >= 2048 the cuBLAS route's dgelu pass overlapping GEMM2 on the side stream had been
+worth more than the fusion, docs/perf-notes.md). The environment variable CUPYFFN_SM90_GEMM1 (read when a
+plan is built) overrides: 0 never, 1 at every T (comparisons).
 The same kernel can serve the bf16x3 plan (epilogue writing grad_linear1's three bf16 planes; one launch, no
 scale to decide), but measured slower over the whole call at every T, so only CUPYFFN_SM90_GEMM1=1 turns it on.
 
@@ -44,11 +43,11 @@ _ALIGN = 256
 #: planes (also fp16+fp8 below T = 2048, where it is the bf16x3 plan).
 FUSABLE_FORMATS = (P.FMT_F16S, P.FMT_BF16X3)
 #: Per format, T (first <= T <= last) at which the default ("auto") fuses (module docstring); a format not
-#: listed fuses only when CUPYFFN_SM90_GEMM1=1. Whole calls on the H200, fused / cuBLAS route, same run:
-#: tf32 0.92-0.95 and 0.87-0.97 at T = 1024 (two runs), 1.03-1.08 at 2048-4096, 1.00 and 1.10 at 512
-#: (results/history/nvidia-h200-fused-all-T-cdd957e.json, nvidia-h200-7472e86.json). bf16x3: 1.06-1.23 from
-#: T = 512 on, 0.97-1.01 at 256 (results/history/ab-bf16x3-fused-c2d6cb6.json against ab-bf16x3-cublas-c2d6cb6.json):
-#: the three-plane epilogue costs more than the pass it replaces (docs/perf-notes.md), so not listed.
+#: listed fuses only when CUPYFFN_SM90_GEMM1=1. Whole calls on the H200, fused / cuBLAS route, same run: tf32
+#: 0.90-0.975 on 15 of the 16 workloads, 1.36 on one T = 256 row whose twin of equal shape measured 0.94 (host noise;
+#: results/nvidia-h200.json at 27f16b9; 0.89-0.99 at every T in results/history/ab-tf32-fused-all-T-s6d.json).
+#: bf16x3: 1.02-1.13 from T = 512 on, 0.97-0.98 at 256 (results/history/ab-bf16x3-fused-s6e.json against
+#: ab-bf16x3-cublas-s6e.json): the three-plane epilogue costs more than the pass it replaces, so not listed.
 FUSED_GEMM1_TOKENS = {P.FMT_F16S: (1, 2 ** 31 - 1)}
 
 
