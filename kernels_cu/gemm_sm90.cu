@@ -555,6 +555,18 @@ __device__ __forceinline__ unsigned xt_offset(int tensor, int r, int chunk) {
 // Requests into `slot` (the consumer's slot: its 4 warp slots) x and t of the warp's 16 rows from row_base +
 // 16 warp and the columns col_base ... + kXtCols; the caller commits the cp.async group. Every row of x and
 // t starts on a 16-byte boundary (the launcher checks).
+// p, as a value the compiler cannot know before this point (a volatile asm stays in order with the cp.async
+// waits and barriers around it), so that a refill's source addresses are formed when it is issued. LAUNDER is
+// set for the 128 x 256 variants, where ptxas otherwise precomputes every refill's addresses at the start of
+// the epilogue and runs out of registers for overlapping its elements (docs/perf-notes.md, session 6); the
+// ping-pong variants spill with it.
+template <bool LAUNDER>
+__device__ __forceinline__ const float* refill_source(const float* p) {
+  if constexpr (LAUNDER) asm volatile("mov.b64 %0, %0;\n" : "+l"(p));
+  return p;
+}
+
+template <bool LAUNDER>
 __device__ __forceinline__ void stage_xt(unsigned slot, const GemmArgs& args, int row_base, int col_base, int tid) {
 #if defined(CUPYFFN_SM90_TRACE) && CUPYFFN_SM90_EPI_PROBE == 2
   return;  // measurement only (tools/sm90_trace.py --probe 2): no x/t copies (the epilogue reads stale slots)
@@ -574,7 +586,7 @@ __device__ __forceinline__ void stage_xt(unsigned slot, const GemmArgs& args, in
     const int r_ok = bytes ? r : 0, c_ok = bytes ? col : 0;
 #pragma unroll
     for (int tensor = 0; tensor < 2; ++tensor) {
-      const float* src = tensor ? args.t : args.x;
+      const float* src = refill_source<LAUNDER>(tensor ? args.t : args.x);
       if (src == nullptr) continue;  // memory mode: no t
       src += (long long)r_ok * (int)(tensor ? args.ldt : args.ldx) + c_ok;
       const unsigned dst = base + xt_offset(tensor, rr, chunk);
@@ -587,7 +599,7 @@ __device__ __forceinline__ void stage_xt(unsigned slot, const GemmArgs& args, in
 // kXtCols * (g % (BN / kXtCols)).
 template <int BN>
 __device__ __forceinline__ void stage_group(unsigned slot, const GemmArgs& args, int row0, int col0, int g, int tid) {
-  stage_xt(slot, args, row0 + 64 * (g / (BN / kXtCols)), col0 + kXtCols * (g % (BN / kXtCols)), tid);
+  stage_xt<BN == 256>(slot, args, row0 + 64 * (g / (BN / kXtCols)), col0 + kXtCols * (g % (BN / kXtCols)), tid);
 }
 
 // The first SLOTS groups of a block (rows from row0, columns from col0), requested before its mainloop,
