@@ -526,7 +526,7 @@ def choose_config(m, n, sms, tanh_inner=True):
     one's epilogue under the other's mainloop), cooperative otherwise; else 128 x 256 cooperative.
     Memory mode (tanh_inner recomputed): the 128 x 128 cooperative tile everywhere (64 accumulators per thread
     leave ptxas the registers for tanhf's temporaries; the 128-accumulator variants must serialize it).
-    Measured, every schedule at T = 256 ... 8192, H = 6144 on the H200 (results/history/sweep-t-*.json,
+    Measured, every schedule at T = 256 ... 8192, H = 6144 on the H200 (results/history/sweep-t-schedules-s6d.json,
     docs/perf-notes.md session 6): the rule's choice is the fastest or within 3.1% of it at every T."""
     if not tanh_inner:
         return (128, False)
