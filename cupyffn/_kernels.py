@@ -81,10 +81,11 @@ def module_source(name):
     return source_with_common(MODULES[name][0])
 
 
-def source_with_common(filename):
+def source_with_common(filename, folder=None):
     """kernels_cu/`filename` with common.cuh pasted in place of its #include (so CuPy's disk cache, which
-    hashes the source text, sees an edited header)."""
-    folder = kernel_dir()
+    hashes the source text, sees an edited header). `folder`: another kernels_cu folder (the tools' A/B of an
+    older checkout's sources); default kernel_dir()."""
+    folder = kernel_dir() if folder is None else Path(folder)
     common = (folder / "common.cuh").read_text().replace("#pragma once\n", "")
     text = (folder / filename).read_text()
     include = '#include "common.cuh"'

@@ -67,7 +67,8 @@ def set_trace(enabled, probe=0):
     """Measurement hook: compile every variant with the per-tile timestamps of gemm_sm90.cu (CUPYFFN_SM90_TRACE;
     the kernels then store them wherever the module's global ``cupyffn_sm90_trace`` points, nowhere if null), and
     with `probe` 1 or 2 a dgelu epilogue without its global stores or without its x/t copies, with 3 a mainloop
-    that waits for and releases every stage but issues no wgmma: WRONG RESULTS, for timing parts of the kernel only. Only before the first kernel of this process is compiled."""
+    that waits for and releases every stage but issues no wgmma: WRONG RESULTS, for timing parts of the kernel
+    only. Only before the first kernel of this process is compiled."""
     global TRACE, PROBE
     _before_first_compile("set_trace")
     if probe not in (0, 1, 2, 3) or (probe and not enabled):
@@ -547,7 +548,7 @@ def choose_config(m, n, sms, tanh_inner=True):
 FUSED_CLUSTER = 1
 #: Tile order of the engine's fused launch (GemmArgs::raster): bands of 8 tile rows. Measured at T = 2048 and 8192
 #: 1.6-3.8% faster than the column order for the fused kernel (docs/perf-notes.md, session 5); at T <= 1024 (8 tile
-#: rows or fewer, where the engine fuses by default) it is the column order itself.
+#: rows or fewer) it is the column order itself.
 FUSED_RASTER = 8
 
 

@@ -552,9 +552,6 @@ __device__ __forceinline__ unsigned xt_offset(int tensor, int r, int chunk) {
   return (unsigned)(tensor * (16 * kXtCols * 4) + r * (kXtCols * 4) + ((chunk ^ swz) * 16));
 }
 
-// Requests into `slot` (the consumer's slot: its 4 warp slots) x and t of the warp's 16 rows from row_base +
-// 16 warp and the columns col_base ... + kXtCols; the caller commits the cp.async group. Every row of x and
-// t starts on a 16-byte boundary (the launcher checks).
 // p, as a value the compiler cannot know before this point (a volatile asm stays in order with the cp.async
 // waits and barriers around it), so that a refill's source addresses are formed when it is issued. LAUNDER is
 // set for the 128 x 256 variants, where ptxas otherwise precomputes every refill's addresses at the start of
@@ -566,6 +563,9 @@ __device__ __forceinline__ const float* refill_source(const float* p) {
   return p;
 }
 
+// Requests into `slot` (the consumer's slot: its 4 warp slots) x and t of the warp's 16 rows from row_base +
+// 16 warp and the columns col_base ... + kXtCols; the caller commits the cp.async group. Every row of x and
+// t starts on a 16-byte boundary (the launcher checks).
 template <bool LAUNDER>
 __device__ __forceinline__ void stage_xt(unsigned slot, const GemmArgs& args, int row_base, int col_base, int tid) {
 #if defined(CUPYFFN_SM90_TRACE) && CUPYFFN_SM90_EPI_PROBE == 2
@@ -614,8 +614,8 @@ __device__ __forceinline__ void stage_xt_prologue(unsigned slots, const GemmArgs
 }
 
 // One 64-row half H (groups H * BN / kXtCols ...) of store_block_staged, folding into amax. (Register
-// pressure of the ping-pong variants, 128 accumulators at a cap of 168, decided the shape of this code:
-// one call per half, alpha read once, the prologue loop not unrolled.)
+// pressure of the 128-accumulator variants, at setmaxnreg's 232 per consumer thread, decided the shape of
+// this code: one call per half, alpha read once, the prologue loop not unrolled.)
 template <int EPI, int BN, int HALVES, int SLOTS, int H, bool HAS_T>
 __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], const GemmArgs& args, int row0, int col0,
                                                   int tid, unsigned slots, float& amax) {
@@ -659,8 +659,8 @@ __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], co
         const float v0 = (acc_scale * acc[4 * j + 2 * hh]) * cupyffn::gelu_grad(xv.x, t0);
         const float v1 = (acc_scale * acc[4 * j + 2 * hh + 1]) * cupyffn::gelu_grad(xv.y, t1);
         // columns 8j, 8j + 1 from cbase: both inside N, or only the first
-        store_dgelu_pair<EPI>(top_ptr + (hh * 8 * (int)args.ldc + 8 * j), args.n, v0, v1, left[hh] > 8 * j + 1, left[hh] == 8 * j + 1,
-                              out_scale, amax);
+        store_dgelu_pair<EPI>(top_ptr + (hh * 8 * (int)args.ldc + 8 * j), args.n, v0, v1, left[hh] > 8 * j + 1,
+                              left[hh] == 8 * j + 1, out_scale, amax);
         // Memory mode with 128 accumulators per thread: tanh_inner recomputed is ~20 instructions per element
         // with enough independent work in one pair; without this fence ptxas overlaps pairs until the 128 x 256
         // variant spills. (It costs those variants ~half their memory-mode speed; the engine runs memory mode

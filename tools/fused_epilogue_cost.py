@@ -20,7 +20,6 @@ $OUT/fused_epilogue_cost.json, OUT or .).
 import argparse
 import collections
 import os
-import pathlib
 import statistics
 import sys
 
@@ -53,9 +52,8 @@ def main(argv=None):
     from cupyffn import _cublas, _kernels, _sm90_gemm
 
     sources = {"this": _sm90_gemm.module_source()}
-    for folder in (pathlib.Path(f) for f in (args.against.split(",") if args.against else ())):
-        common = (folder / "common.cuh").read_text().replace("#pragma once\n", "")
-        sources[str(folder)] = (folder / _sm90_gemm.SOURCE).read_text().replace('#include "common.cuh"', common, 1)
+    for folder in (args.against.split(",") if args.against else ()):
+        sources[folder] = _kernels.source_with_common(_sm90_gemm.SOURCE, folder)
 
     def use_source(which):
         """Measurement only: the sm90 variants compiled from sources[which] from now on (CuPy's disk cache,
