@@ -100,6 +100,8 @@ def library():
             "cublasGemmStridedBatchedEx": [vp, i32, i32, i32, i32, i32, vp, vp, i32, i32, ctypes.c_longlong,
                                            vp, i32, i32, ctypes.c_longlong, vp, vp, i32, i32,
                                            ctypes.c_longlong, i32, i32, i32],
+            "cublasGemmBatchedEx": [vp, i32, i32, i32, i32, i32, vp, vp, i32, i32, vp, i32, i32, vp, vp, i32, i32,
+                                    i32, i32, i32],
         }
         for name, argtypes in prototypes.items():
             fn = getattr(lib, name)
@@ -200,3 +202,14 @@ class Gemm:
     def __call__(self, handle):
         self.handle.value = handle.ptr.value
         check(library().cublasGemmEx(*self._args), f"cublasGemmEx ({self.name}: M={self.m} N={self.n} K={self.k})")
+
+    def indirect(self, handle, table):
+        """The same product as cublasGemmBatchedEx of one matrix, its operands' addresses read on the GPU from
+        `table`, a device array of three pointers [A, B, C] (row-major roles), when the kernel runs: a CUDA graph
+        replaying this GEMM follows whatever the table holds then (cupyffn/_replay.py). alpha, beta as set."""
+        a = list(self._args)
+        a[0] = handle.ptr
+        # the column-major call's A is our B (see the class docstring); pointer arrays of one entry each
+        a[7], a[10], a[14] = ctypes.c_void_p(table + 8), ctypes.c_void_p(table), ctypes.c_void_p(table + 16)
+        check(library().cublasGemmBatchedEx(*a[:17], ctypes.c_int(1), *a[17:]),
+              f"cublasGemmBatchedEx ({self.name}: M={self.m} N={self.n} K={self.k})")

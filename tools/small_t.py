@@ -14,7 +14,10 @@
      is and with the engine's serial enqueue (everything on the caller's stream, no events), each with
      input sets rotated so that no address repeats within --rotate calls;
   4. host cost: microseconds per plan call without CUPTI (queue drained first), and per enqueue of each
-     GEMM as cublasGemmEx vs cublasLtMatmul (cupyffn._cublaslt.LtMatmul) at the call's shapes.
+     GEMM as cublasGemmEx vs cublasLtMatmul (cupyffn._cublaslt.LtMatmul) at the call's shapes;
+  5. (--parts batched, not in the default set) each GEMM as cublasGemmEx against cublasGemmBatchedEx of one
+     matrix whose pointers are read from a device table (what a replayed CUDA graph of the call needs): GPU
+     time (the two alternating, one flushed sample each per round), host time per enqueue, same bits?
 
 Protocol for 1 and 2: fresh random operands (normal, weights 0.02 N(0, 1) as the benchmark's), the L2
 flushed (256 MiB written) before each sample, CUDA events around the call only, median of --reps after
@@ -25,6 +28,7 @@ NaN-poisoned before the call). Results: JSON at --out (default $OUT/small_t.json
 import argparse
 import ctypes
 import os
+import statistics
 import sys
 
 import numpy
@@ -155,6 +159,53 @@ def part_gemms(bench, tokens, results):
                                     "ms_gemm": ms_gemm, "ms": ms_both, "rel_l2": err})
                     print(f"T={T:5d} {g} {form:5s} split {s}: gemm {ms_gemm:.4f} + sum = {ms_both:.4f} ms "
                           f"rel.L2 {err:.1e}", flush=True)
+
+
+def part_batched(bench, tokens, results, calls=200):
+    """Each backward GEMM on fp16 operands as cublasGemmEx and as cublasGemmBatchedEx of one matrix with its
+    pointers in a device table (the form a replayed graph needs, cupyffn/_replay.py): GPU time (the two timed in
+    alternation, --reps rounds, median of each) and host enqueue time, and whether the outputs are bit-identical."""
+    import time
+
+    cupy, cb = bench.cupy, bench.cb
+    for T in tokens:
+        for g in ("gemm1", "gemm2", "gemm3", "gemm4"):
+            m, n, k, a_trans = gemm_layout(g, T)
+            a, b = bench.operands(g, T)
+            run, c, (da, db) = bench.gemm(a, b, m, n, k, a_trans, numpy.float16, cb.COMPUTE_32F)
+            c2 = cupy.full((m, n), numpy.nan, dtype=cupy.float32)
+            table = cupy.asarray([da.data.ptr, db.data.ptr, c2.data.ptr], dtype=cupy.uint64)
+            cupy.cuda.Device().synchronize()  # the table (copied on the null stream) before bench.stream reads it
+            gemm = cb.Gemm(m, n, k, cb.R_16F, cb.R_16F, cb.R_32F, a_trans=a_trans, name="batched")
+            gemm.alpha.value, gemm.beta.value = bench.consts.data.ptr + 4, bench.consts.data.ptr
+            indirect = lambda: gemm.indirect(bench.handle, table.data.ptr)  # noqa: E731
+            with bench.stream:
+                run()
+                indirect()
+            bench.stream.synchronize()
+            same = bool(cupy.array_equal(c, c2))
+            finite = bool(cupy.isfinite(c2).all())
+            direct_ms, indirect_ms = [], []
+            for _ in range(bench.reps):
+                direct_ms.append(flushed_median_ms(cupy, bench.stream, run, lambda: bench.flush_buf.fill(0), 1, 0))
+                indirect_ms.append(flushed_median_ms(cupy, bench.stream, indirect, lambda: bench.flush_buf.fill(0),
+                                                     1, 0))
+            host = {}
+            for label, fn in (("direct", run), ("indirect", indirect)):
+                with bench.stream:
+                    bench.stream.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        fn()
+                    host[label] = (time.perf_counter() - t0) / calls * 1e6
+                    bench.stream.synchronize()
+            row = {"part": "batched", "T": T, "gemm": g, "gemmex_ms": statistics.median(direct_ms),
+                   "batched1_ms": statistics.median(indirect_ms), "bit_identical": same, "finite": finite,
+                   "gemmex_host_us": host["direct"], "batched1_host_us": host["indirect"]}
+            results.append(row)
+            print(f"T={T:5d} {g} GemmEx {row['gemmex_ms']:.4f} ms / batched(1) {row['batched1_ms']:.4f} ms "
+                  f"({row['batched1_ms'] / row['gemmex_ms']:.3f}), host {host['direct']:.1f} / {host['indirect']:.1f} us, "
+                  f"identical {same}", flush=True)
 
 
 def _api_name(cupti, kind, cbid):
@@ -309,7 +360,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="256,512,1024", help="comma-separated token counts")
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--parts", default="gemms,timeline,host", help="comma-separated: gemms, timeline, host")
+    parser.add_argument("--parts", default="gemms,timeline,host", help="comma-separated: gemms, batched, timeline, host")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "small_t.json"))
     args = parser.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -322,6 +373,8 @@ def main(argv=None):
     try:
         if "gemms" in parts:
             part_gemms(Bench(args.reps), tokens, results)
+        if "batched" in parts:
+            part_batched(Bench(args.reps), tokens, results)
         if "timeline" in parts:
             part_timeline(tokens, results)
         if "host" in parts:
