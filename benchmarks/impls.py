@@ -34,16 +34,19 @@ def _compiled_tf32(dy, x, w1, w2, z, t, g):
     return torch_backward(dy, x, w1, w2, z, t, g)
 
 
-#: cupyffn-tf32 on the cuBLAS GEMM1 + dgelu pass route (CUPYFFN_SM90_GEMM1=0, cupyffn/_gpu_engine.py): on an
-#: H100/H200, beside cupyffn-tf32 (whose GEMM1 + dgelu is the fused sm90 kernel), what the fusion gains, same run.
-TF32_CUBLAS_GEMM1 = "cupyffn-tf32-cublas-gemm1"  # one of report.A_B_TWINS
+#: Twins of cupyffn-tf32 for an A/B in the same run (report.A_B_TWINS), each the tf32 plan built with one engine
+#: switch of cupyffn/_gpu_engine.py (read when a plan is built): the cuBLAS GEMM1 + dgelu pass route instead of the
+#: fused sm90 kernel (H100/H200 only, CUPYFFN_SM90_GEMM1=0), and every launch from the host instead of the
+#: re-pointed call graph (CUPYFFN_CALL_GRAPH=0).
+TF32_CUBLAS_GEMM1 = "cupyffn-tf32-cublas-gemm1"
+TF32_LAUNCHES = "cupyffn-tf32-launches"
+TWIN_SWITCHES = {TF32_CUBLAS_GEMM1: ("CUPYFFN_SM90_GEMM1", "0"), TF32_LAUNCHES: ("CUPYFFN_CALL_GRAPH", "0")}
 
 
-def _without_fused_gemm1(build):
-    """build() with the fused GEMM1 turned off (the engine reads the variable when a plan is built)."""
-    key = "CUPYFFN_SM90_GEMM1"
+def _with_switch(key, value, build):
+    """build() with the environment variable `key` set to `value` (then restored)."""
     old = os.environ.get(key)
-    os.environ[key] = "0"
+    os.environ[key] = value
     try:
         return build()
     finally:
@@ -93,6 +96,7 @@ class Implementations:
         names = [f"cupyffn-{p}" for p in cupyffn.PRECISIONS]
         if self.cupy.cuda.Device().compute_capability == "90":  # where cupyffn-tf32's GEMM1 is the fused kernel
             names.append(TF32_CUBLAS_GEMM1)
+        names.append(TF32_LAUNCHES)
         names += ["cupy-naive-fp32", "cupy-naive-tf32"]
         if self.torch is not None:
             names += ["torch-fp32", "torch-tf32"] + list(self.compiled)
@@ -105,8 +109,8 @@ class Implementations:
     def _build(self, name, T, D, H):
         torch = self.torch
         if name.startswith("cupyffn-"):
-            if name == TF32_CUBLAS_GEMM1:
-                plan = _without_fused_gemm1(lambda: cupyffn.GeluFFNBackward(T, D, H, precision="tf32"))
+            if name in TWIN_SWITCHES:
+                plan = _with_switch(*TWIN_SWITCHES[name], lambda: cupyffn.GeluFFNBackward(T, D, H, precision="tf32"))
             else:
                 plan = cupyffn.GeluFFNBackward(T, D, H, precision=name[len("cupyffn-"):])
 

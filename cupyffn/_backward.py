@@ -255,6 +255,8 @@ class GeluFFNBackward:
                         engine.enqueue(sp, serial=True, grad_hidden_ready=ready)  # all on the caller's stream
                     elif self.graph:
                         self._replay_or_capture(io, s)
+                    elif engine.call_graph and not ready:
+                        engine.launch_graph(sp)  # the same work as enqueue, as one re-pointed graph launch
                     else:
                         engine.enqueue(sp, grad_hidden_ready=ready)
                 except BaseException as e:

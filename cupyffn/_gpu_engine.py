@@ -35,7 +35,7 @@ import ctypes
 import math
 import os
 
-from . import _cublas, _gemm, _kernels, _plan_cache, _sm90_gemm
+from . import _call_graph, _cublas, _gemm, _kernels, _plan_cache, _sm90_gemm
 from . import _precision as P
 
 _ALIGN = 256
@@ -49,6 +49,16 @@ FUSABLE_FORMATS = (P.FMT_F16S, P.FMT_BF16X3)
 #: bf16x3: 1.02-1.13 from T = 512 on, 0.97-0.98 at 256 (results/history/ab-bf16x3-fused-s6e.json against
 #: ab-bf16x3-cublas-s6e.json): the three-plane epilogue costs more than the pass it replaces, so not listed.
 FUSED_GEMM1_TOKENS = {P.FMT_F16S: (1, 2 ** 31 - 1)}
+
+
+#: Per format, T (first <= T <= last) at which eager calls run as a call graph by default (CUPYFFN_CALL_GRAPH=auto;
+#: cupyffn/_call_graph.py). Measured on the H200, tf32, same runs (docs/perf-notes.md, session 7): at T <= 512 the
+#: GPU work of a call (0.11-0.14 ms) is as long as the host's enqueue of its launches, so launched one by one the
+#: call measured 0.112-0.18 ms at T = 256 depending on the host's state, as a graph 0.114-0.116 in every run; from
+#: T = 1024 on the GPU outlasts the enqueue and the graph's own cost (its batched cuBLAS GEMMs, the table node:
+#: 0.5-2.5%) is not paid back. bf16x3 and ieee: cuBLAS picks slower kernels for their batched GEMMs (whole calls
+#: 1.3x), so not listed; bf16 measured even.
+CALL_GRAPH_TOKENS = {P.FMT_F16S: (1, 512)}
 
 
 def _align(n):
@@ -144,6 +154,12 @@ class GpuEngine:
             self.side_capture_stream = 0  # ... on this stream of the caller's (its capture holds the side stream)
             self._ieee_gelu = None  # (names, launch, None) once memory mode needs it (ieee only)
             self._recompute_g = False
+            self._accumulate = False
+            # eager calls as a re-pointed CUDA graph (launch_graph, cupyffn/_call_graph.py): per key (graph_key)
+            self.call_graph = self._call_graph_ok()
+            self._call_graphs = {}
+            self._recorder = None  # the CallGraph being captured: enqueue reports its kernel launches to it
+            self._graph_stream = self._table = self._store_table = None
             self._main = _cublas.acquire(device_id)
             self._handles.append(self._main)
             if need_weight_grads:
@@ -201,6 +217,17 @@ class GpuEngine:
         wanted = choice == "1" or (choice == "auto" and window is not None and window[0] <= self.T <= window[1])
         return (wanted and self.T > 0 and self.D % 8 == 0 and self.H % 8 == 0
                 and self.T < 2 ** 31 and _sm90_gemm.device_supported(self.device_id))
+
+    def _call_graph_ok(self):
+        """Whether eager calls run as a call graph. Possible for every plan but fp16+fp8 (its cuBLASLt GEMMs take
+        their output address on the host; cuBLASLt has no device pointer table). CUPYFFN_CALL_GRAPH (read here):
+        auto (default) where CALL_GRAPH_TOKENS lists the plan's format and T, 1 wherever possible, 0 never."""
+        choice = os.environ.get("CUPYFFN_CALL_GRAPH", "auto")
+        if choice not in ("0", "1", "auto"):
+            raise ValueError(f"CUPYFFN_CALL_GRAPH must be 0, 1 or auto, got {choice!r}")
+        window = CALL_GRAPH_TOKENS.get(self.fmt)
+        wanted = choice == "1" or (choice == "auto" and window is not None and window[0] <= self.T <= window[1])
+        return wanted and self.T > 0 and self.fmt != P.FMT_F16E4M3
 
     @property
     def gemm_forms(self):
@@ -636,6 +663,7 @@ class GpuEngine:
 
     def _set_outputs(self, outputs, accumulate):
         grad_hidden, grad_w1, grad_w2 = outputs
+        self._accumulate = bool(accumulate)
         beta = self._consts.data.ptr + (4 if accumulate else 0)
         if self.gemm3 is not None:
             _gemm.set_output(self.gemm3, grad_hidden)
@@ -644,13 +672,27 @@ class GpuEngine:
             _gemm.set_output(self.gemm4, grad_w1)
             self.gemm2.beta.value = self.gemm4.beta.value = beta
 
+    def _launch(self, launch, stream_ptr):
+        """One of our kernels (KernelLaunch, DgeluLaunch); while a call graph is captured, its node is noted."""
+        launch(stream_ptr)
+        if self._recorder is not None:
+            self._recorder.record(launch, stream_ptr)
+
+    def _gemm(self, index, plan, handle):
+        """GEMM `index` (0..3); while a call graph is captured, as the form that reads its operand addresses from
+        the call table's entry `index` (_cublas.Gemm.indirect)."""
+        if self._recorder is not None:
+            plan.indirect(handle, self._table.ptr + ctypes.sizeof(_kernels.GemmPointers) * index)
+        else:
+            plan(handle)
+
     def _convert_stage(self, stage, stream_ptr, mark):
         if stage in self._convert:
             _, first, rescue = self._convert[stage]
-            first(stream_ptr)
+            self._launch(first, stream_ptr)
             mark(stage)
             if rescue is not None:
-                rescue(stream_ptr)
+                self._launch(rescue, stream_ptr)
                 mark("f16 rescue")
 
     def enqueue(self, stream_ptr, serial=False, mark=None, grad_hidden_ready=0):
@@ -686,19 +728,19 @@ class GpuEngine:
                 wait(S2, self._ev_a)  # convert B's rescue writes alpha2, which needs grad_output's scale
             self._convert_stage("convert B", S2, mark)
             if self._recompute_g and self._ieee_gelu is not None:
-                self._ieee_gelu[1](S2)
+                self._launch(self._ieee_gelu[1], S2)
                 mark("gelu_out (recomputed)")
             record(self._ev_b, S2)
             if self.fused_gemm1:
-                self._fused(S)
+                self._launch(self._fused, S)
                 mark("GEMM1 + dgelu (sm90 fused)")
             else:
-                self.gemm1(self._main)
+                self._gemm(0, self.gemm1, self._main)
                 mark("GEMM1 grad_gelu")
             if self.gemm2 is not None:
                 if not s2_after_a:  # grad_output converted (S2 already waits for it where convert B did)
                     wait(S2, self._ev_a)
-                self.gemm2(side)
+                self._gemm(1, self.gemm2, side)
                 mark("GEMM2 grad_weight2")
             if self.lean:
                 record(self._ev_side, S2)
@@ -706,32 +748,87 @@ class GpuEngine:
             wait(S, self._ev_b)  # weight1 / hidden_states converted (and their scales final)
             if self.fused_gemm1:
                 if self._fused_rescue is not None:  # tf32: grad_linear1's exponent decided; rerun if it moved
-                    self._decide(S)
-                    self._fused_rescue(S)
+                    self._launch(self._decide, S)
+                    self._launch(self._fused_rescue, S)
                     mark("f16 rescue")
             else:
-                self._dgelu(S)
+                self._launch(self._dgelu, S)
                 mark("dgelu")
                 if self._dgelu_rescue is not None:
-                    self._dgelu_rescue(S)
+                    self._launch(self._dgelu_rescue, S)
                     mark("f16 rescue")
             self._convert_stage("convert late", S, mark)
             record(self._ev_d, S)
             if self.gemm3 is not None:
-                self.gemm3(self._main)
+                self._gemm(2, self.gemm3, self._main)
                 if grad_hidden_ready:
                     runtime.eventRecord(grad_hidden_ready, S)
                 mark("GEMM3 grad_hidden")
             if self.gemm4 is not None:
                 if self.lean:
-                    self.gemm4(self._main)
+                    self._gemm(3, self.gemm4, self._main)
                 else:
                     wait(S2, self._ev_d)
-                    self.gemm4(side)
+                    self._gemm(3, self.gemm4, side)
                 mark("GEMM4 grad_weight1")
         finally:  # also on failure: nothing of this call may land after the caller's error handling
             record(self._ev_side, S2)
             wait(S, self._ev_side)
+
+    # ------------------------------------------------------------------ the call graph (eager calls)
+    def graph_key(self):
+        """What a call graph bakes in besides addresses: the beta of the weight gradients (cuBLAS takes its address
+        when captured) and, for ieee, whether memory mode recomputes gelu_out (one more launch)."""
+        return self._accumulate, bool(self._recompute_g and self._ieee_gelu is not None)
+
+    def launch_graph(self, stream_ptr):
+        """The call set by set_io, on `stream_ptr`, as a call graph: captured on the first call of its graph_key
+        (on a private stream), then re-pointed and launched (cupyffn/_call_graph.py)."""
+        key = self.graph_key()
+        graph = self._call_graphs.get(key)
+        if graph is None:
+            graph = self._capture_graph(stream_ptr)
+            self._call_graphs[key] = graph
+        values = self._store_table.args[1]
+        for index, g in enumerate(("gemm1", "gemm2", "gemm3", "gemm4")):
+            plan, entry = getattr(self, g), values.gemm[index]
+            if plan is not None:
+                entry.a, entry.b, entry.c = plan.a.value, plan.b.value, plan.c.value
+        graph.launch(stream_ptr)
+
+    def _capture_graph(self, stream_ptr):
+        import cupy
+
+        if self._table is None:
+            try:
+                self._table = cupy.cuda.alloc(ctypes.sizeof(_kernels.CallTable))
+            except cupy.cuda.memory.OutOfMemoryError as e:
+                raise MemoryError(f"cupyffn could not allocate its {ctypes.sizeof(_kernels.CallTable)}-byte call "
+                                  f"table: {e}") from None
+            store = _kernels.get_function("call_table", "store_call_table", self.device_id)
+            self._store_table = _kernels.KernelLaunch(store, ctypes.c_void_p(self._table.ptr), _kernels.CallTable())
+            self._store_table.block = 32
+            # The critical path (S: convert A, GEMM1 + dgelu, GEMM3) at the highest priority, the side stream's work
+            # at the default: where both are ready at once the GPU starts GEMM1 first and fits convert B into the
+            # last wave of its tiles, as the host's launch order makes it do without a graph. A graph without
+            # priorities started convert B first at T = 8192, leaving GEMM1's last wave exposed (+17 us;
+            # docs/perf-notes.md, session 7).
+            self._graph_stream = cupy.cuda.Stream(non_blocking=True, priority=_call_graph.greatest_stream_priority())
+        graph = _call_graph.CallGraph()
+
+        def body(cs):  # the table first: every GEMM of the graph follows its node
+            self._launch(self._store_table, cs)
+            self.enqueue(cs)
+
+        self._recorder = graph
+        try:
+            graph.capture(body, self._graph_stream.ptr, upload_stream_ptr=stream_ptr)
+        except BaseException:
+            graph.destroy()
+            raise
+        finally:
+            self._recorder = None
+        return graph
 
     def allocates_for(self, inputs):
         """Whether set_io(inputs, ...) would allocate (ieee memory mode's gelu_out buffer, on first use)."""
@@ -800,6 +897,9 @@ class GpuEngine:
 
             runtime.eventSynchronize(self._ev_done.ptr)
         finally:
+            for graph in self._call_graphs.values():
+                graph.destroy()
+            self._call_graphs = {}
             for h in self._handles:
                 _cublas.release(h)
             self._handles = []

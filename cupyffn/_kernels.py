@@ -48,6 +48,7 @@ MODULES = {
     "convert": ("convert.cu", ("convert_kernel<0>", "convert_kernel<1>", "convert_kernel<2>", "convert_kernel<3>")),
     "dgelu": ("dgelu.cu", ("dgelu_kernel<0>", "dgelu_kernel<1>", "dgelu_kernel<2>", "dgelu_kernel<3>",
                            "f16_decide_kernel")),
+    "call_table": ("call_table.cu", ("store_call_table",)),
     "gelu_forward": ("gelu_forward.cu", ("gelu_forward_kernel<0>", "gelu_forward_kernel<1>",
                                          "gelu_forward_kernel<2>", "gelu_forward_kernel<3>")),
     # every variant of SPLIT_VARIANTS (below), so that one GPU run can time them side by side
@@ -192,6 +193,22 @@ class DgeluJob(ctypes.Structure):
     ]
 
 
+#: GEMMs of a CallTable (kCallGemms in call_table.cu).
+CALL_GEMMS = 4
+
+
+class GemmPointers(ctypes.Structure):
+    """Mirror of ``struct GemmPointers`` in call_table.cu (24 bytes)."""
+
+    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("c", ctypes.c_void_p)]
+
+
+class CallTable(ctypes.Structure):
+    """Mirror of ``struct CallTable`` in call_table.cu: GEMM1..GEMM4's operand addresses of one call."""
+
+    _fields_ = [("gemm", GemmPointers * CALL_GEMMS)]
+
+
 class GeluForwardJob(ctypes.Structure):
     """Mirror of ``struct GeluForwardJob`` in gelu_forward.cu (104 bytes)."""
 
@@ -230,6 +247,11 @@ class KernelLaunch:
 
         driver.launchKernel(self.function, self.grid, 1, 1, self.block, 1, 1, 0, stream_ptr,
                             ctypes.addressof(self._argv), 0)
+
+    def node_params(self):
+        """(function, grid, block, dynamic shared memory, argument pointer array) of the launch as it stands: what
+        a call graph's node of this launch is set to (cupyffn/_call_graph.py)."""
+        return self.function, self.grid, self.block, 0, ctypes.addressof(self._argv)
 
 
 # ---------------------------------------------------------------------------------------------

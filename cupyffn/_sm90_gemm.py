@@ -607,6 +607,12 @@ class DgeluLaunch:
         function, smem, grid, argv, _ = self._variants[self.args.t is not None, self.staged]
         driver.launchKernel(function, grid, 1, 1, THREADS, 1, 1, smem, stream_ptr, ctypes.addressof(argv), 0)
 
+    def node_params(self):
+        """(function, grid, block, dynamic shared memory, argument pointer array) of this call's variant, as
+        KernelLaunch.node_params (a call graph's node follows the variant set_activations chose)."""
+        function, smem, grid, argv, _ = self._variants[self.args.t is not None, self.staged]
+        return function, grid, THREADS, smem, ctypes.addressof(argv)
+
 
 def gemm_tn(a, b, out, *, block_n=256, pingpong=False, b_layout="nk", cluster=1, raster=0, stream=None):
     """out[M, N] (float32) = a[M, K] @ b[N, K]^T (b_layout "nk") or a[M, K] @ b[K, N] ("kn") on the

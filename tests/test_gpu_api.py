@@ -251,15 +251,17 @@ def test_cublas_failure_fills_out_with_nan(monkeypatch):
     args, _ = make((64,), 64, 256, seed=40)
     cupyffn.clear_cache()
     calls = [0]
-    original = _cublas.Gemm.__call__
 
-    def failing(self, handle):
-        calls[0] += 1
-        if calls[0] == 3:
-            raise _cublas.CublasError("cublasGemmEx (injected)", 13)
-        return original(self, handle)
+    def failing_form(original):  # the third GEMM fails, launched directly or (call graph) through its table
+        def failing(self, handle, *table):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise _cublas.CublasError("cublasGemmEx (injected)", 13)
+            return original(self, handle, *table)
+        return failing
 
-    monkeypatch.setattr(_cublas.Gemm, "__call__", failing)
+    monkeypatch.setattr(_cublas.Gemm, "__call__", failing_form(_cublas.Gemm.__call__))
+    monkeypatch.setattr(_cublas.Gemm, "indirect", failing_form(_cublas.Gemm.indirect))
     out = (cupy.zeros(args[1].shape, cupy.float32), cupy.zeros(args[2].shape, cupy.float32),
            cupy.zeros(args[3].shape, cupy.float32))
     with pytest.raises(cupyffn.CublasError, match="injected"):

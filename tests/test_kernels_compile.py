@@ -265,6 +265,7 @@ def test_shared_constants_match():
         assert consts.get(fmt) == getattr(_precision, fmt), fmt
     assert consts.get("kSlots") == _kernels.STATE_SLOTS
     assert consts.get("kMaxJobs") == _kernels.MAX_JOBS
+    assert consts.get("kCallGemms") == _kernels.CALL_GEMMS
     assert max(_precision.SLOT.values()) < _kernels.STATE_SLOTS
     kernels = 0
     for name, text in all_sources().items():

@@ -277,6 +277,7 @@ class FakeEngine:
         self.side_capture_stream = 0
         self.side_busy = False  # the side stream still in a caller's capture
         self.fail = None
+        self.call_graph = False  # GpuEngine.call_graph: eager calls as one re-pointed graph launch
 
     def allocates_for(self, inputs):
         return False
@@ -291,6 +292,11 @@ class FakeEngine:
         if self.fail is not None:
             raise self.fail
         self.log.append(("enqueue", sp, serial))
+
+    def launch_graph(self, sp):
+        if self.fail is not None:
+            raise self.fail
+        self.log.append(("graph", sp))
 
     def record_done(self, sp):
         self.log.append(("done", sp))
@@ -364,6 +370,35 @@ def test_eager_call_orders_after_the_previous_and_records_done(gpu_like):
     assert all(g is o for g, o in zip(grads, out))
     assert plan._engine.log == [("order", 7), ("set_io",), ("enqueue", 7, False), ("done", 7)]
     assert not _plan_cache.is_pinned(plan)
+
+
+def test_eager_calls_take_the_call_graph_where_the_engine_has_one(gpu_like):
+    """An eager call launches the engine's call graph; a call under a caller's capture, one while that capture
+    holds the side stream, and one asking for grad_hidden_ready enqueue launch by launch (the graph records no
+    event for the caller, and a capture must capture the launches themselves)."""
+    plan, call, out, capturing = gpu_like
+    engine = plan._engine
+    engine.call_graph = True
+    plan._run_gpu(call, out, FakeStream(7), False)
+    assert engine.log == [("order", 7), ("set_io",), ("graph", 7), ("done", 7)]
+    engine.log.clear()
+    plan._run_gpu(call, out, FakeStream(7), False, ready=1234)
+    assert engine.log == [("order", 7), ("enqueue", 7, False), ("done", 7)]
+    engine.log.clear()
+    capturing.add(9)
+    plan._run_gpu(call, out, FakeStream(9), False)
+    engine.side_busy = True
+    plan._run_gpu(call, out, FakeStream(7), False)
+    assert engine.log == [("enqueue", 9, False), ("order", 7), ("enqueue", 7, True), ("done", 7)]
+    engine.side_busy = False
+    engine.log.clear()
+    plan._run_gpu(call, out, FakeStream(7), False)
+    assert engine.log == [("order", 7), ("graph", 7), ("done", 7)]
+    engine.fail = ValueError("injected")  # a failed graph launch: done recorded, out= NaN
+    with pytest.raises(ValueError, match="injected"):
+        plan._run_gpu(call, out, FakeStream(7), False)
+    assert engine.log[-1] == ("done", 7) and all(numpy.isnan(o).all() for o in out)
+    assert cupyffn.release_captured_plans() == 1
 
 
 def test_captured_call_pins_and_uses_no_event_from_outside(gpu_like):

@@ -216,9 +216,10 @@ def _api_name(cupti, kind, cbid):
         return f"{'rt' if kind == cupti.ActivityKind.RUNTIME else 'drv'}:{cbid}"
 
 
-def part_timeline(tokens, results, iters=8, rotate=4):
-    """Kernel records of the tf32 plan's calls (the `iters // 2`-th call is kept), L2 flushed before each,
-    the inputs rotated over `rotate` sets; the plan's own enqueue and its serial one."""
+def part_timeline(tokens, results, iters=16, rotate=4):
+    """Kernel records of the tf32 plan's calls (the median call's are kept), L2 flushed before each, the inputs
+    rotated over `rotate` sets: the plan's call graph ("graph"), its launches from the host (CUPYFFN_CALL_GRAPH=0,
+    "streams") and the engine's serial enqueue of them ("serial")."""
     import cupy
     from cupti import cupti
 
@@ -245,16 +246,21 @@ def part_timeline(tokens, results, iters=8, rotate=4):
             inputs = W.make_inputs((T,), xp=cupy, seed=11 + k)
             pool.append([inputs[n] for n in W.INPUT_NAMES])
         out = (cupy.empty((T, D), cupy.float32), cupy.empty((H, D), cupy.float32), cupy.empty((D, H), cupy.float32))
-        plan = cupyffn.GeluFFNBackward(T, D, H, precision="tf32")
+        plans = {"graph": cupyffn.GeluFFNBackward(T, D, H, precision="tf32")}
+        os.environ["CUPYFFN_CALL_GRAPH"] = "0"
+        try:
+            plans["streams"] = plans["serial"] = cupyffn.GeluFFNBackward(T, D, H, precision="tf32")
+        finally:
+            del os.environ["CUPYFFN_CALL_GRAPH"]
         stream = cupy.cuda.Stream(non_blocking=True)
-        engine = plan._engine
 
         def serial(i):  # the same call with the engine's serial enqueue (set_io through a normal call first)
             plan(*pool[i % rotate], out=out, stream=stream)
             stream.synchronize()
-            return lambda: engine.enqueue(stream.ptr, serial=True)
+            return lambda: plan._engine.enqueue(stream.ptr, serial=True)
 
-        for mode in ("streams", "serial"):
+        for mode in ("graph", "streams", "serial"):
+            plan = plans[mode]
             for i in range(rotate):
                 plan(*pool[i], out=out, stream=stream)
             stream.synchronize()
@@ -303,7 +309,8 @@ def part_timeline(tokens, results, iters=8, rotate=4):
             for r in rows:
                 print(f"   stream {r['stream']:3d} launched {r['launched_at_us']:7.1f}  start {r['start_us']:7.1f}  "
                       f"{r['us']:7.1f} us  {r['kernel']}")
-        plan.close()
+        plans["graph"].close()
+        plans["streams"].close()
     try:
         cupti.finalize()
     except Exception:
