@@ -37,10 +37,13 @@ def _compiled_tf32(dy, x, w1, w2, z, t, g):
 #: Twins of cupyffn-tf32 for an A/B in the same run (report.A_B_TWINS), each the tf32 plan built with one engine
 #: switch of cupyffn/_gpu_engine.py (read when a plan is built): the cuBLAS GEMM1 + dgelu pass route instead of the
 #: fused sm90 kernel (H100/H200 only, CUPYFFN_SM90_GEMM1=0), and every launch from the host instead of the
-#: re-pointed call graph (CUPYFFN_CALL_GRAPH=0).
+#: re-pointed call graph (CUPYFFN_CALL_GRAPH=0), and convert A and B as two launches on two streams instead of
+#: one (CUPYFFN_CONVERT_AB=0).
 TF32_CUBLAS_GEMM1 = "cupyffn-tf32-cublas-gemm1"
 TF32_LAUNCHES = "cupyffn-tf32-launches"
-TWIN_SWITCHES = {TF32_CUBLAS_GEMM1: ("CUPYFFN_SM90_GEMM1", "0"), TF32_LAUNCHES: ("CUPYFFN_CALL_GRAPH", "0")}
+TF32_CONVERT_APART = "cupyffn-tf32-convert-apart"
+TWIN_SWITCHES = {TF32_CUBLAS_GEMM1: ("CUPYFFN_SM90_GEMM1", "0"), TF32_LAUNCHES: ("CUPYFFN_CALL_GRAPH", "0"),
+                 TF32_CONVERT_APART: ("CUPYFFN_CONVERT_AB", "0")}
 
 
 def _with_switch(key, value, build):
@@ -96,7 +99,7 @@ class Implementations:
         names = [f"cupyffn-{p}" for p in cupyffn.PRECISIONS]
         if self.cupy.cuda.Device().compute_capability == "90":  # where cupyffn-tf32's GEMM1 is the fused kernel
             names.append(TF32_CUBLAS_GEMM1)
-        names.append(TF32_LAUNCHES)
+        names += [TF32_LAUNCHES, TF32_CONVERT_APART]
         names += ["cupy-naive-fp32", "cupy-naive-tf32"]
         if self.torch is not None:
             names += ["torch-fp32", "torch-tf32"] + list(self.compiled)

@@ -7,7 +7,8 @@ Work of one call (S = the caller's stream, S2 = the engine's side stream):
     S2: convert B ─┴─► GEMM2 grad_weight2 ┘(B)      └─► GEMM4 grad_weight1 ─────────┘
 
 `convert A` writes the operands of GEMM1 (grad_output, weight2) and `convert B` those of the rest
-(gelu_out, hidden_states, weight1), each in one launch; `dgelu` reads grad_gelu, linear1_out and
+(gelu_out, hidden_states, weight1), each in one launch (tf32 at T <= 2048: both in one launch on S,
+CONVERT_AB_TOKENS); `dgelu` reads grad_gelu, linear1_out and
 tanh_inner once and writes grad_linear1 straight in the format of GEMM3/GEMM4. GEMM1 and GEMM2,
 and GEMM3 and GEMM4, are independent: at small T, where one GEMM leaves most of the GPU idle, they
 run side by side. For "tf32" (fp16 operands) every gathering pass is followed by a small rescue
@@ -59,6 +60,15 @@ FUSED_GEMM1_TOKENS = {P.FMT_F16S: (1, 2 ** 31 - 1)}
 #: 0.5-2.5%) is not paid back. bf16x3 and ieee: cuBLAS picks slower kernels for their batched GEMMs (whole calls
 #: 1.3x), so not listed; bf16 measured even.
 CALL_GRAPH_TOKENS = {P.FMT_F16S: (1, 512)}
+
+
+#: Per format, T at which convert A and convert B are one launch (and one rescue launch) on S instead of two
+#: launches on two streams (CUPYFFN_CONVERT_AB=auto; 1 at every T, 0 never). Convert B's gathering pass can run
+#: beside convert A only after A's scale is decided (its last block caps gelu_out's exponent by grad_output's),
+#: so launched apart the five matrices go through the GPU one group after the other, with a rescue launch
+#: between; in one launch they share one grid and one decision (slots decided in order: grad_output's first).
+#: GEMM1 + dgelu then waits for all five. Measured: docs/perf-notes.md, session 7.
+CONVERT_AB_TOKENS = {P.FMT_F16S: (1, 2048)}
 
 
 def _align(n):
@@ -218,6 +228,15 @@ class GpuEngine:
         return (wanted and self.T > 0 and self.D % 8 == 0 and self.H % 8 == 0
                 and self.T < 2 ** 31 and _sm90_gemm.device_supported(self.device_id))
 
+    def _convert_ab_ok(self):
+        """convert A and B as one launch (CONVERT_AB_TOKENS; CUPYFFN_CONVERT_AB, read here: auto, 1, 0)."""
+        choice = os.environ.get("CUPYFFN_CONVERT_AB", "auto")
+        if choice not in ("0", "1", "auto"):
+            raise ValueError(f"CUPYFFN_CONVERT_AB must be 0, 1 or auto, got {choice!r}")
+        window = CONVERT_AB_TOKENS.get(self.fmt)
+        wanted = choice == "1" or (choice == "auto" and window is not None and window[0] <= self.T <= window[1])
+        return wanted and self.fmt == P.FMT_F16S and len(self.cvt_a + self.cvt_b) <= _kernels.MAX_JOBS
+
     def _call_graph_ok(self):
         """Whether eager calls run as a call graph. Possible for every plan but fp16+fp8 (its cuBLASLt GEMMs take
         their output address on the host; cuBLASLt has no device pointer table). CUPYFFN_CALL_GRAPH (read here):
@@ -293,6 +312,9 @@ class GpuEngine:
         present = lambda names: [n for n in names if n in ops]  # noqa: E731
         self.cvt_a = present(("grad_output", "weight2"))
         self.cvt_b = present(("gelu_out",) if self.lean else ("gelu_out", "hidden_states", "weight1"))
+        self.convert_ab = self._convert_ab_ok()
+        if self.convert_ab:
+            self.cvt_a, self.cvt_b = self.cvt_a + self.cvt_b, []
         self.cvt_late = late if self.lean else []
 
     _ROWS_COLS = {"grad_output": "TD", "weight2": "DH", "gelu_out": "TH", "hidden_states": "TD", "weight1": "HD",
@@ -336,6 +358,7 @@ class GpuEngine:
                     self.e4m3_order[f"{name}.e4{orient}"] = enc["e4" + orient]
         self.ops = ops
         self.lean = False
+        self.convert_ab = False
         offset = _align(self.gg_bytes)
         for op in ops.values():
             op.offset = offset
@@ -450,7 +473,9 @@ class GpuEngine:
         self._consts_ptr = vp(self._consts.data.ptr)
         sms = _kernels.sm_count(dev)
         # stage -> (names, alpha mask of its rescue pass, arrival counter)
-        stages = {"convert A": (self.cvt_a, 0b0001, 0), "convert B": (self.cvt_b, 0b0010, 1),
+        # (convert_ab: one launch for both, whose rescue pass writes GEMM1's and GEMM2's alphas)
+        stages = {"convert A": (self.cvt_a, 0b0011 if self.convert_ab else 0b0001, 0),
+                  "convert B": (self.cvt_b, 0b0010, 1),
                   "convert late": (self.cvt_late, 0, 3)}
         self._convert = {}
         for stage, (names, alpha_mask, counter) in stages.items():
