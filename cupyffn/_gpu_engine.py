@@ -7,7 +7,7 @@ Work of one call (S = the caller's stream, S2 = the engine's side stream):
     S2: convert B ─┴─► GEMM2 grad_weight2 ┘(B)      └─► GEMM4 grad_weight1 ─────────┘
 
 `convert A` writes the operands of GEMM1 (grad_output, weight2) and `convert B` those of the rest
-(gelu_out, hidden_states, weight1), each in one launch (tf32 at T <= 2048: both in one launch on S,
+(gelu_out, hidden_states, weight1), each in one launch (tf32 at T <= 512: both in one launch on S,
 CONVERT_AB_TOKENS); `dgelu` reads grad_gelu, linear1_out and
 tanh_inner once and writes grad_linear1 straight in the format of GEMM3/GEMM4. GEMM1 and GEMM2,
 and GEMM3 and GEMM4, are independent: at small T, where one GEMM leaves most of the GPU idle, they
@@ -67,8 +67,10 @@ CALL_GRAPH_TOKENS = {P.FMT_F16S: (1, 512)}
 #: beside convert A only after A's scale is decided (its last block caps gelu_out's exponent by grad_output's),
 #: so launched apart the five matrices go through the GPU one group after the other, with a rescue launch
 #: between; in one launch they share one grid and one decision (slots decided in order: grad_output's first).
-#: GEMM1 + dgelu then waits for all five. Measured: docs/perf-notes.md, session 7.
-CONVERT_AB_TOKENS = {P.FMT_F16S: (1, 2048)}
+#: GEMM1 + dgelu then waits for all five. Measured on the H200, whole calls, one launch / two, same run
+#: (results/history/ab-convert-ab-s7i.json): 0.928-0.930 at T = 256, 0.983 at 512, 1.00-1.03 from T = 1024 on
+#: (there GEMM1 + dgelu, started after convert A, gains more from convert B filling its last wave).
+CONVERT_AB_TOKENS = {P.FMT_F16S: (1, 512)}
 
 
 def _align(n):
