@@ -132,7 +132,6 @@ class CallGraph:
         self._exec = ctypes.c_void_p()
         self._nodes = []  # (launch, node handle)
         self._params = _KernelNodeParams()
-        self.capturing = False
 
     def record(self, launch, stream_ptr):
         self._nodes.append((launch, last_node(stream_ptr)))
@@ -144,11 +143,9 @@ class CallGraph:
         lib = _driver()
         stream = ctypes.c_void_p(stream_ptr)
         _check(lib.cuStreamBeginCapture_v2(stream, _CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")
-        self.capturing = True
         try:
             enqueue(stream_ptr)
         finally:  # also on failure: the stream must leave capture mode (the half graph is discarded)
-            self.capturing = False
             graph = ctypes.c_void_p()
             status = lib.cuStreamEndCapture(stream, ctypes.byref(graph))
             self._graph = graph
