@@ -116,6 +116,23 @@ def test_memory_mode_and_unaligned_rows_switch_the_kernel_variant(monkeypatch):
     assert len(graphed._engine._call_graphs) == 1
 
 
+@pytest.mark.parametrize("precision", GRAPHED)
+def test_memory_mode_alternating(precision, monkeypatch):
+    """tanh_inner / gelu_out given, then not (memory mode: recomputed), then given again. For ieee memory mode adds
+    a launch (gelu_out recomputed into fp32 scratch for GEMM2), so it gets a graph of its own (graph_key)."""
+    tokens, dim, hidden = 160, 64, 256
+    graphed, eager = twin_plans(monkeypatch, tokens, dim, hidden, precision)
+    for step, memory_mode in enumerate((False, True, False, True)):
+        args, inputs = make(tokens, dim, hidden, seed=170 + step)
+        if memory_mode:
+            args[5] = args[6] = None
+        got = graphed(*args, out=poisoned(tokens, dim, hidden))
+        want = eager(*args, out=poisoned(tokens, dim, hidden))
+        assert_close_to(got, want, f"step {step} memory_mode={memory_mode}")
+        assert_contract(got, inputs, precision, f"step {step}")
+    assert len(graphed._engine._call_graphs) == (2 if precision == "ieee" else 1)
+
+
 @pytest.mark.parametrize("need", ["grad_hidden", "weight_grads"])
 def test_partial_gradients(need, monkeypatch):
     tokens, dim, hidden = 129, 64, 256
