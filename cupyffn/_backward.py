@@ -61,7 +61,8 @@ class GeluFFNBackward:
         of the arrays it was captured with: calling with the same arrays (new contents are fine)
         replays it; other addresses run the ordinary path once and capture a new graph (up to four are
         kept). Without ``out=``, the results are arrays owned by the plan that the next call
-        overwrites.
+        overwrites. (The ordinary path of a tf32 plan at T <= 512 is itself one graph launch, re-pointed at
+        each call's arrays: cupyffn/_call_graph.py; CUPYFFN_CALL_GRAPH=0 turns that off.)
     need_grad_hidden, need_weight_grads : bool
         Skip the GEMM(s) of the gradients not needed (frozen weights, first layer).
 
