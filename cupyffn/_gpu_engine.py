@@ -73,6 +73,18 @@ CALL_GRAPH_TOKENS = {P.FMT_F16S: (1, 512)}
 CONVERT_AB_TOKENS = {P.FMT_F16S: (1, 512)}
 
 
+def switch_wanted(variable, windows, fmt, tokens):
+    """Whether the engine switch `variable` (an environment variable read when a plan is built: auto, the default,
+    1 or 0) asks for its mechanism in a plan of format `fmt` at `tokens`: 1 always, 0 never, auto where `windows`
+    ({format: (first, last)}: FUSED_GEMM1_TOKENS, CALL_GRAPH_TOKENS, CONVERT_AB_TOKENS) has first <= tokens <= last.
+    The caller adds what the mechanism itself needs."""
+    choice = os.environ.get(variable, "auto")
+    if choice not in ("0", "1", "auto"):
+        raise ValueError(f"{variable} must be 0, 1 or auto, got {choice!r}")
+    window = windows.get(fmt)
+    return choice == "1" or (choice == "auto" and window is not None and window[0] <= tokens <= window[1])
+
+
 def _align(n):
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
@@ -220,34 +232,21 @@ class GpuEngine:
     def _fused_gemm1_ok(self):
         """GEMM1 + dgelu as one sm90 kernel (module docstring): the tf32 plan's fp16 or the bf16x3 plan's bf16
         operands, a compute capability 9.0 GPU, rows of 16-byte multiples for the TMA unit (D, H multiples of 8)."""
-        choice = os.environ.get("CUPYFFN_SM90_GEMM1", "auto")
-        if choice not in ("0", "1", "auto"):
-            raise ValueError(f"CUPYFFN_SM90_GEMM1 must be 0, 1 or auto, got {choice!r}")
-        if self.fmt not in FUSABLE_FORMATS:
-            return False
-        window = FUSED_GEMM1_TOKENS.get(self.fmt)  # None: this format fuses only when asked to ("1")
-        wanted = choice == "1" or (choice == "auto" and window is not None and window[0] <= self.T <= window[1])
-        return (wanted and self.T > 0 and self.D % 8 == 0 and self.H % 8 == 0
+        # a format FUSED_GEMM1_TOKENS does not list fuses only when asked to ("1")
+        wanted = switch_wanted("CUPYFFN_SM90_GEMM1", FUSED_GEMM1_TOKENS, self.fmt, self.T)
+        return (wanted and self.fmt in FUSABLE_FORMATS and self.T > 0 and self.D % 8 == 0 and self.H % 8 == 0
                 and self.T < 2 ** 31 and _sm90_gemm.device_supported(self.device_id))
 
     def _convert_ab_ok(self):
         """convert A and B as one launch (CONVERT_AB_TOKENS; CUPYFFN_CONVERT_AB, read here: auto, 1, 0)."""
-        choice = os.environ.get("CUPYFFN_CONVERT_AB", "auto")
-        if choice not in ("0", "1", "auto"):
-            raise ValueError(f"CUPYFFN_CONVERT_AB must be 0, 1 or auto, got {choice!r}")
-        window = CONVERT_AB_TOKENS.get(self.fmt)
-        wanted = choice == "1" or (choice == "auto" and window is not None and window[0] <= self.T <= window[1])
+        wanted = switch_wanted("CUPYFFN_CONVERT_AB", CONVERT_AB_TOKENS, self.fmt, self.T)
         return wanted and self.fmt == P.FMT_F16S and len(self.cvt_a + self.cvt_b) <= _kernels.MAX_JOBS
 
     def _call_graph_ok(self):
         """Whether eager calls run as a call graph. Possible for every plan but fp16+fp8 (its cuBLASLt GEMMs take
         their output address on the host; cuBLASLt has no device pointer table). CUPYFFN_CALL_GRAPH (read here):
         auto (default) where CALL_GRAPH_TOKENS lists the plan's format and T, 1 wherever possible, 0 never."""
-        choice = os.environ.get("CUPYFFN_CALL_GRAPH", "auto")
-        if choice not in ("0", "1", "auto"):
-            raise ValueError(f"CUPYFFN_CALL_GRAPH must be 0, 1 or auto, got {choice!r}")
-        window = CALL_GRAPH_TOKENS.get(self.fmt)
-        wanted = choice == "1" or (choice == "auto" and window is not None and window[0] <= self.T <= window[1])
+        wanted = switch_wanted("CUPYFFN_CALL_GRAPH", CALL_GRAPH_TOKENS, self.fmt, self.T)
         return wanted and self.T > 0 and self.fmt != P.FMT_F16E4M3
 
     @property

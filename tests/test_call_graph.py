@@ -68,3 +68,19 @@ def test_indirect_gemm_passes_the_table_entries_in_cublas_order(monkeypatch):
 def test_default_windows_are_tf32_at_small_t(windows):
     """Both measured faster only for the tf32 plan at T <= 512 (docs/perf-notes.md, session 7)."""
     assert windows == {P.FMT_F16S: (1, 512)}
+
+
+def test_switch_wanted(monkeypatch):
+    """The engine's three switches (CUPYFFN_SM90_GEMM1, CUPYFFN_CALL_GRAPH, CUPYFFN_CONVERT_AB) read one way."""
+    windows = {P.FMT_F16S: (1, 512)}
+    monkeypatch.delenv("CUPYFFN_CALL_GRAPH", raising=False)
+    assert E.switch_wanted("CUPYFFN_CALL_GRAPH", windows, P.FMT_F16S, 512)
+    assert not E.switch_wanted("CUPYFFN_CALL_GRAPH", windows, P.FMT_F16S, 513)
+    assert not E.switch_wanted("CUPYFFN_CALL_GRAPH", windows, P.FMT_BF16X3, 256)  # not listed
+    monkeypatch.setenv("CUPYFFN_CALL_GRAPH", "1")
+    assert E.switch_wanted("CUPYFFN_CALL_GRAPH", windows, P.FMT_BF16X3, 10 ** 6)
+    monkeypatch.setenv("CUPYFFN_CALL_GRAPH", "0")
+    assert not E.switch_wanted("CUPYFFN_CALL_GRAPH", windows, P.FMT_F16S, 256)
+    monkeypatch.setenv("CUPYFFN_CALL_GRAPH", "yes")
+    with pytest.raises(ValueError, match="CUPYFFN_CALL_GRAPH must be 0, 1 or auto, got 'yes'"):
+        E.switch_wanted("CUPYFFN_CALL_GRAPH", windows, P.FMT_F16S, 256)
