@@ -92,6 +92,8 @@ BLOCK_K = 64
 BLOCK_NS = (128, 256)
 OP_F16 = 0
 OP_BF16 = 1
+OP_F16E4M3 = 2  # the fp16+fp8 pair in one kernel (gemm_sm90_pair_kernel); its tensor maps of e4m3 bytes: OP_E4M3
+OP_E4M3 = 100   # not a kernel operand code: the tensor-map kind of the pair's 8-bit operands (encode_tensor_map)
 EPI_F32 = 0
 EPI_DGELU_BF16 = 1
 EPI_DGELU_F16 = 2
@@ -125,8 +127,21 @@ def _variants():
                             yield op, bn, epi, pp, staged, bt, cl
 
 
-EXPRESSIONS = tuple(f"{_KERNEL_NAMES[cl]}<{op}, {bn}, {epi}, {int(pp)}, {int(xs)}, {bt}>"
-                    for op, bn, epi, pp, xs, bt, cl in _variants())  # every variant; each compiled on first use
+#: How the pair kernel's fp16 A is laid out: "mk" ([M, K], K contiguous) or "km" ([K, M], M contiguous: grad_output /
+#: grad_linear1 as stored, the A of the weight gradients; template parameter TA in gemm_sm90.cu).
+A_LAYOUTS = ("mk", "km")
+
+
+def pair_expression(block_n, pingpong, a_layout="mk", b_layout="nk"):
+    """The name expression of one variant of the fp16+fp8 pair kernel (gemm_sm90_pair_kernel)."""
+    return (f"gemm_sm90_pair_kernel<{block_n}, {int(pingpong)}, {A_LAYOUTS.index(a_layout)}, "
+            f"{B_LAYOUTS.index(b_layout)}>")
+
+
+EXPRESSIONS = (tuple(f"{_KERNEL_NAMES[cl]}<{op}, {bn}, {epi}, {int(pp)}, {int(xs)}, {bt}>"
+                     for op, bn, epi, pp, xs, bt, cl in _variants())
+               + tuple(pair_expression(bn, pp, al, bl) for bn, pp in CONFIGS for al in A_LAYOUTS for bl in B_LAYOUTS))
+# every variant; each compiled on first use
 
 
 def stages_for(block_n):
@@ -175,7 +190,7 @@ class TmaDesc(ctypes.Structure):
 
 
 class GemmArgs(ctypes.Structure):
-    """Mirror of ``struct GemmArgs`` in gemm_sm90.cu (120 bytes)."""
+    """Mirror of ``struct GemmArgs`` in gemm_sm90.cu (128 bytes)."""
 
     _fields_ = [
         ("c", ctypes.c_void_p),
@@ -197,6 +212,9 @@ class GemmArgs(ctypes.Structure):
         ("alpha_mask", ctypes.c_int),
         ("xt_pairs", ctypes.c_int),
         ("raster", ctypes.c_int),
+        ("pair_scale", ctypes.c_float),
+        ("k8", ctypes.c_int),
+        ("accumulate", ctypes.c_int),
     ]
 
 
@@ -237,21 +255,30 @@ def _module(name, device_id):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(op, block_n, epi, pingpong, device_id, staged=False, b_layout="nk", cluster=1):
+def _function(name, device_id, smem):
+    """The kernel `name` (one of EXPRESSIONS), compiled, allowed `smem` bytes of dynamic shared memory."""
     import cupy
     from cupy_backends.cuda.api import driver
 
-    name = expression(op, block_n, epi, pingpong, staged, b_layout, cluster)
     module = _module(name, device_id)
     with cupy.cuda.Device(device_id):
         kernel = module.get_function(name)
         # above 48 KiB of dynamic shared memory needs the opt-in, on the very function we launch
-        driver.funcSetAttribute(kernel.kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                launch_smem_bytes(block_n, staged))
+        driver.funcSetAttribute(kernel.kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
     return kernel
 
 
+def _kernel(op, block_n, epi, pingpong, device_id, staged=False, b_layout="nk", cluster=1):
+    return _function(expression(op, block_n, epi, pingpong, staged, b_layout, cluster), device_id,
+                     launch_smem_bytes(block_n, staged))
+
+
+def _pair_kernel(block_n, pingpong, a_layout, b_layout, device_id):
+    return _function(pair_expression(block_n, pingpong, a_layout, b_layout), device_id, smem_bytes(block_n))
+
+
 # ---- tensor maps --------------------------------------------------------------------------------
+_CU_TENSOR_MAP_DATA_TYPE_UINT8 = 0
 _CU_TENSOR_MAP_DATA_TYPE_FLOAT16 = 6
 _CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 = 9
 _CU_TENSOR_MAP_INTERLEAVE_NONE = 0
@@ -318,14 +345,16 @@ class _AlignedDesc:
 
 
 def encode_tensor_map(ptr, rows, cols, row_stride_bytes, op, box_rows):
-    """CUtensorMap of a [rows, cols] 16-bit row-major matrix at `ptr`, box [box_rows, 64], 128-byte swizzle."""
+    """CUtensorMap of a [rows, cols] row-major matrix at `ptr`, 128-byte swizzle, boxes of box_rows rows x 128
+    bytes: 64 16-bit elements (op OP_F16, OP_BF16) or 128 bytes (OP_E4M3)."""
     lib = _driver()
     holder = _AlignedDesc()
     dims = (ctypes.c_uint64 * 2)(cols, rows)
     strides = (ctypes.c_uint64 * 1)(row_stride_bytes)
-    box = (ctypes.c_uint32 * 2)(BLOCK_K, box_rows)
+    box = (ctypes.c_uint32 * 2)(2 * BLOCK_K if op == OP_E4M3 else BLOCK_K, box_rows)
     elem = (ctypes.c_uint32 * 2)(1, 1)
-    dtype = _CU_TENSOR_MAP_DATA_TYPE_FLOAT16 if op == OP_F16 else _CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+    dtype = {OP_F16: _CU_TENSOR_MAP_DATA_TYPE_FLOAT16, OP_BF16: _CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+             OP_E4M3: _CU_TENSOR_MAP_DATA_TYPE_UINT8}[op]
     status = lib.cuTensorMapEncodeTiled(ctypes.addressof(holder.desc), dtype, 2, ctypes.c_void_p(ptr), dims, strides,
                                         box, elem, _CU_TENSOR_MAP_INTERLEAVE_NONE, _CU_TENSOR_MAP_SWIZZLE_128B,
                                         _CU_TENSOR_MAP_L2_PROMOTION_L2_256B, _CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
@@ -333,7 +362,7 @@ def encode_tensor_map(ptr, rows, cols, row_stride_bytes, op, box_rows):
         name = ctypes.c_char_p()
         lib.cuGetErrorName(status, ctypes.byref(name))
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with {(name.value or b'?').decode()} ({status}) for a "
-                           f"[{rows}, {cols}] matrix, row stride {row_stride_bytes} bytes, box [{box_rows}, {BLOCK_K}]")
+                           f"[{rows}, {cols}] matrix, row stride {row_stride_bytes} bytes, box [{box_rows}, {box[0]}]")
     return holder
 
 
@@ -445,12 +474,18 @@ def _check_operands(a, b, b_layout):
     if b.dtype != a.dtype:
         raise ValueError(f"b must have the dtype of a ({a.dtype}), got {b.dtype}")
     m, k = a.shape
+    lda = _check_matrix(a, "a", (m, k), row_multiple=8)
+    n, ldb = _check_b(b, b_layout, k, "a.shape[1]")
+    return op, m, n, k, lda, ldb
+
+
+def _check_b(b, b_layout, k, k_source):
+    """(N, row stride) of b, [N, K] ("nk") or [K, N] ("kn"), K given by `k_source`."""
+    b_shape = "[N, K]" if b_layout == "nk" else "[K, N]"
     n = b.shape[0] if b_layout == "nk" else b.shape[1]
     if (b.shape[1] if b_layout == "nk" else b.shape[0]) != k:
-        raise ValueError(f"b must be {b_shape} with K = a.shape[1] = {k} (b_layout={b_layout!r}), got shape {b.shape}")
-    lda = _check_matrix(a, "a", (m, k), row_multiple=8)
-    ldb = _check_matrix(b, "b", (n, k) if b_layout == "nk" else (k, n), row_multiple=8)
-    return op, m, n, k, lda, ldb
+        raise ValueError(f"b must be {b_shape} with K = {k_source} = {k} (b_layout={b_layout!r}), got shape {b.shape}")
+    return n, _check_matrix(b, "b", (n, k) if b_layout == "nk" else (k, n), row_multiple=8)
 
 
 def _check_config(block_n, pingpong):
@@ -637,6 +672,116 @@ def gemm_tn(a, b, out, *, block_n=256, pingpong=False, b_layout="nk", cluster=1,
         return out
     args = GemmArgs(out.data.ptr, None, None, ldc, 0, 0, m, n, k, 1.0, None, xt_pairs=1, raster=raster)
     _launch(op, block_n, pingpong, EPI_F32, a, lda, b, ldb, args, stream, b_layout=b_layout, cluster=cluster)
+    return out
+
+
+def _pair_maps(a_ptr, lda, a_layout, b_ptr, ldb, b_layout, a8_ptr, lda8, b8_ptr, ldb8, m, n, k, k8, block_n):
+    """The pair kernel's four tensor maps: the fp16 A ([M, K] in boxes of BLOCK_M rows, or [K, M] in boxes of 64
+    K-rows x 64 M-elements, two per stage) and B (as _operand_maps), and the e4m3 A8 [M, k8] and B8 [N, k8] in
+    boxes of BLOCK_M (block_n) rows x 128 bytes."""
+    if a_layout == "mk":
+        map_a = _maps.get(a_ptr, m, k, lda * 2, OP_F16, BLOCK_M)
+    else:
+        map_a = _maps.get(a_ptr, k, m, lda * 2, OP_F16, 64)
+    _, map_b = _operand_maps(OP_F16, a_ptr, lda, b_ptr, ldb, b_layout, m, n, k, block_n)
+    map_a8 = _maps.get(a8_ptr, m, k8, lda8, OP_E4M3, BLOCK_M)
+    map_b8 = _maps.get(b8_ptr, n, k8, ldb8, OP_E4M3, block_n)
+    return map_a, map_b, map_a8, map_b8
+
+
+class PairLaunch:
+    """A prebuilt launch of the pair kernel at fixed operand addresses (tensor maps encoded once): fp32
+    out = alpha (pair_scale A8 B8^T + A B^T) (+ out), alpha read from the device at ``alpha_ptr`` (the engine's
+    consts) or the float ``alpha``. The output and whether it accumulates are set per call (``args.c``,
+    ``args.accumulate``). No validation here: gemm_pair validates, the engine owns its buffers."""
+
+    def __init__(self, a_ptr, lda, a_layout, b_ptr, ldb, b_layout, a8_ptr, lda8, b8_ptr, ldb8, m, n, k, k8, *,
+                 device_id, alpha=1.0, alpha_ptr=None, pair_scale=8.0, block_n=128, pingpong=False, out_ptr=None,
+                 ldc=None):
+        _check_config(block_n, pingpong)
+        self.args = GemmArgs(out_ptr, None, None, n if ldc is None else ldc, 0, 0, m, n, k, alpha, None, alpha_ptr,
+                             xt_pairs=1, pair_scale=pair_scale, k8=k8)
+        self._maps = _pair_maps(a_ptr, lda, a_layout, b_ptr, ldb, b_layout, a8_ptr, lda8, b8_ptr, ldb8, m, n, k, k8,
+                                block_n)
+        self._argv = (ctypes.c_void_p * 5)(*(ctypes.addressof(x.desc) for x in self._maps), ctypes.addressof(self.args))
+        self.function = _pair_kernel(block_n, pingpong, a_layout, b_layout, device_id).kernel.ptr
+        self.smem = smem_bytes(block_n)
+        self.grid = _grid(m, n, block_n, device_id)
+
+    def __call__(self, stream_ptr):
+        from cupy_backends.cuda.api import driver
+
+        # The driver copies the parameters at launch: the maps and args may change as soon as this returns.
+        driver.launchKernel(self.function, self.grid, 1, 1, THREADS, 1, 1, self.smem, stream_ptr,
+                            ctypes.addressof(self._argv), 0)
+
+    def node_params(self):
+        """(function, grid, block, dynamic shared memory, argument pointer array), as KernelLaunch.node_params."""
+        return self.function, self.grid, THREADS, self.smem, ctypes.addressof(self._argv)
+
+
+def _check_pair_8bit(x, name, rows):
+    """An e4m3 pair operand: uint8 [rows, k8], rows of multiples of 16 bytes (TMA); returns (k8, row stride)."""
+    import cupy
+    import numpy
+
+    if not isinstance(x, cupy.ndarray) or x.ndim != 2:
+        raise ValueError(f"{name} must be a 2-D cupy.ndarray of e4m3 bytes [{rows}, k8], got "
+                         f"{getattr(x, 'shape', type(x).__name__)}")
+    if x.dtype != numpy.uint8:
+        raise ValueError(f"{name} must be uint8 (e4m3 bit patterns), got {x.dtype}")
+    k8 = x.shape[1]
+    if k8 < 16 or k8 % 16:
+        raise ValueError(f"{name} must have a positive multiple of 16 columns (k8, the e4m3 K), got {k8}")
+    return k8, _check_matrix(x, name, (rows, k8), row_multiple=16)
+
+
+def gemm_pair(a, b, a8, b8, out, *, alpha=1.0, pair_scale=8.0, accumulate=False, a_layout="mk", b_layout="nk",
+              block_n=128, pingpong=False, stream=None):
+    """The fp16+fp8 pair in one sm90 kernel: out[M, N] (float32) = alpha * (pair_scale * a8 @ b8^T + a @ b)
+    (+ out if accumulate); returns out.
+
+    a: float16 [M, K] (a_layout "mk") or [K, M] ("km"); b: float16 [N, K] ("nk": a @ b^T) or [K, N] ("kn").
+    a8, b8: uint8 e4m3 bit patterns, [M, k8] and [N, k8] (both K-major; k8 a multiple of 16: the cross terms'
+    pairs of kernels_cu/split_e4m3.cu, e.g. [lo | hi] against [hi | lo]). The e4m3 product is summed first, then
+    weighed by pair_scale (a power of two) and the fp16 product added to it in the same accumulator (see
+    gemm_sm90.cu). (block_n, pingpong): one of CONFIGS. stream: a cupy Stream (default: the current one)."""
+    import cupy
+    import numpy
+
+    _check_config(block_n, pingpong)
+    if a_layout not in A_LAYOUTS:
+        raise ValueError(f"a_layout must be one of {A_LAYOUTS}, got {a_layout!r}")
+    if b_layout not in B_LAYOUTS:
+        raise ValueError(f"b_layout must be one of {B_LAYOUTS}, got {b_layout!r}")
+    for name, x in (("a", a), ("b", b)):
+        if not isinstance(x, cupy.ndarray) or x.ndim != 2 or x.dtype != numpy.float16:
+            raise ValueError(f"{name} must be a 2-D float16 cupy.ndarray, got {getattr(x, 'dtype', type(x).__name__)} "
+                             f"{getattr(x, 'shape', '')}")
+    m, k = a.shape if a_layout == "mk" else a.shape[::-1]
+    lda = _check_matrix(a, "a", a.shape, row_multiple=8)
+    n, ldb = _check_b(b, b_layout, k, f"a's K ({a_layout!r})")
+    k8, lda8 = _check_pair_8bit(a8, "a8", m)
+    if b8 is not None and getattr(b8, "ndim", 0) == 2 and b8.shape[1] != k8:
+        raise ValueError(f"b8 must have the k8 = {k8} columns of a8, got shape {b8.shape}")
+    _, ldb8 = _check_pair_8bit(b8, "b8", n)
+    ldc = _check_matrix(out, "out", (m, n), numpy.float32)
+    for name, v in (("alpha", alpha), ("pair_scale", pair_scale)):
+        if not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{name} must be a finite float, got {v!r}")
+    if not (pair_scale > 0 and math.frexp(pair_scale)[0] == 0.5):
+        raise ValueError(f"pair_scale must be a power of two (exact scaling), got {pair_scale!r}")
+    _check_device((("a", a), ("b", b), ("a8", a8), ("b8", b8), ("out", out)))
+    _check_size(m, n, max(k, k8))
+    _check_no_overlap(out, ldc, (("a", a, lda), ("b", b, ldb), ("a8", a8, lda8), ("b8", b8, ldb8)))
+    if m == 0 or n == 0:
+        return out
+    device = cupy.cuda.Device().id
+    launch = PairLaunch(a.data.ptr, lda, a_layout, b.data.ptr, ldb, b_layout, a8.data.ptr, lda8, b8.data.ptr, ldb8,
+                        m, n, k, k8, device_id=device, alpha=float(alpha), pair_scale=float(pair_scale),
+                        block_n=block_n, pingpong=pingpong, out_ptr=out.data.ptr, ldc=ldc)
+    launch.args.accumulate = int(bool(accumulate))
+    launch((stream if stream is not None else cupy.cuda.get_current_stream()).ptr)
     return out
 
 

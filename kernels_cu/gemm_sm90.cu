@@ -63,6 +63,7 @@
 #define kEpiDgeluBf16x3 3
 #define kOpF16 0
 #define kOpBf16 1
+#define kOpF16E4M3 2
 
 namespace sm90 {
 
@@ -93,7 +94,7 @@ struct GemmArgs {
   int m;
   int n;
   int k;
-  float alpha;    // kEpiDgeluF16: scale applied before rounding to fp16
+  float alpha;    // kEpiDgeluF16: scale applied before rounding to fp16; kEpiF32: C's scale (unless acc_scale)
   unsigned* amax; // dgelu epilogues: if not nullptr, max |g| over the finite g (unscaled) is folded into
                   // *amax by atomicMax on the float's bits (non-negative floats order like their bits)
   // The engine's device-side scales (the "tf32" plan; common.cuh's scale state), all optional:
@@ -105,8 +106,12 @@ struct GemmArgs {
   int alpha_mask;
   int xt_pairs;   // direct epilogue: 1 if x and t rows hold 8-byte aligned column pairs (else one float at a time)
   int raster;     // order of the output tiles: 0 down each column, R > 0 in bands of R tile(-group) rows (group_coords)
+  // kOpF16E4M3 (gemm_sm90_pair_kernel): C = scale * (pair_scale * A8 B8^T + A B^T) (+ C), the e4m3 stages first
+  float pair_scale;  // the e4m3 product's weight against the fp16 one (a power of two: exact)
+  int k8;            // K of the e4m3 operands (bytes per row in use; 0: no e4m3 stages)
+  int accumulate;    // kEpiF32: 1 adds to C (the weight gradients' beta = 1), 0 overwrites it
 };
-static_assert(sizeof(GemmArgs) == 120, "GemmArgs layout is mirrored in cupyffn/_sm90_gemm.py");
+static_assert(sizeof(GemmArgs) == 128, "GemmArgs layout is mirrored in cupyffn/_sm90_gemm.py");
 static_assert(sizeof(TmaDesc) == 128, "a CUtensorMap is 128 bytes");
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
@@ -308,39 +313,59 @@ __device__ __forceinline__ void fence_regs(float (&d)[N]) {
   "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
 
 // One wgmma of N columns on TYPE ("f16" or "bf16") operands: REGS the accumulator operand numbers, DESCS
-// the numbers of the two descriptors and of the imm-trans-b immediate after them, then the accumulators'
-// "+f" constraints.
+// the numbers of the two descriptors and of the imm-trans-a and imm-trans-b immediates after them, then the
+// accumulators' "+f" constraints.
 #define CUPYFFN_WGMMA(N, TYPE, REGS, DESCS, ...)                                                      \
   asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " {" REGS "}, " DESCS \
                ";\n"                                                                                \
                : __VA_ARGS__                                                                        \
-               : "l"(desc_a), "l"(desc_b), "n"(TB)                                                  \
+               : "l"(desc_a), "l"(desc_b), "n"(TA), "n"(TB)                                         \
                : "memory")
 
-template <int OP, int TB>
+// The m64nNk32 e4m3 x e4m3 wgmma (the fp16+fp8 pair's cross terms): 8-bit operands are K-major only, so
+// the instruction has no transpose immediates (scale-d, imm-scale-a, imm-scale-b = 1).
+#define CUPYFFN_WGMMA_E4M3(N, REGS, DESCS, ...)                                                    \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 {" REGS "}, " DESCS ";\n" \
+               : __VA_ARGS__                                                                     \
+               : "l"(desc_a), "l"(desc_b)                                                        \
+               : "memory")
+
+template <int OP, int TA, int TB>
 __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], unsigned long long desc_a, unsigned long long desc_b) {
-  if constexpr (OP == kOpF16) {
-    CUPYFFN_WGMMA(128, "f16", CUPYFFN_WGMMA_REGS_0_64, "%64, %65, 1, 1, 1, 0, %66", CUPYFFN_WGMMA_D_0_64);
+  if constexpr (OP == kOpBf16) {
+    CUPYFFN_WGMMA(128, "bf16", CUPYFFN_WGMMA_REGS_0_64, "%64, %65, 1, 1, 1, %66, %67", CUPYFFN_WGMMA_D_0_64);
   } else {
-    CUPYFFN_WGMMA(128, "bf16", CUPYFFN_WGMMA_REGS_0_64, "%64, %65, 1, 1, 1, 0, %66", CUPYFFN_WGMMA_D_0_64);
+    CUPYFFN_WGMMA(128, "f16", CUPYFFN_WGMMA_REGS_0_64, "%64, %65, 1, 1, 1, %66, %67", CUPYFFN_WGMMA_D_0_64);
   }
 }
 
-template <int OP, int TB>
+template <int OP, int TA, int TB>
 __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long long desc_a, unsigned long long desc_b) {
-  if constexpr (OP == kOpF16) {
-    CUPYFFN_WGMMA(256, "f16", CUPYFFN_WGMMA_REGS_0_64 ", " CUPYFFN_WGMMA_REGS_64_128, "%128, %129, 1, 1, 1, 0, %130",
+  if constexpr (OP == kOpBf16) {
+    CUPYFFN_WGMMA(256, "bf16", CUPYFFN_WGMMA_REGS_0_64 ", " CUPYFFN_WGMMA_REGS_64_128, "%128, %129, 1, 1, 1, %130, %131",
                   CUPYFFN_WGMMA_D_0_64, CUPYFFN_WGMMA_D_64_128);
   } else {
-    CUPYFFN_WGMMA(256, "bf16", CUPYFFN_WGMMA_REGS_0_64 ", " CUPYFFN_WGMMA_REGS_64_128, "%128, %129, 1, 1, 1, 0, %130",
+    CUPYFFN_WGMMA(256, "f16", CUPYFFN_WGMMA_REGS_0_64 ", " CUPYFFN_WGMMA_REGS_64_128, "%128, %129, 1, 1, 1, %130, %131",
                   CUPYFFN_WGMMA_D_0_64, CUPYFFN_WGMMA_D_64_128);
   }
 }
 
-template <int OP, int BN, int TB>
+// One k16 step of 16-bit operands (kOpF16E4M3: its fp16 part).
+template <int OP, int BN, int TA, int TB>
 __device__ __forceinline__ void wgmma_k16(float (&d)[BN / 2], unsigned long long desc_a, unsigned long long desc_b) {
-  if constexpr (BN == 128) wgmma_m64n128k16<OP, TB>(d, desc_a, desc_b);
-  if constexpr (BN == 256) wgmma_m64n256k16<OP, TB>(d, desc_a, desc_b);
+  if constexpr (BN == 128) wgmma_m64n128k16<OP, TA, TB>(d, desc_a, desc_b);
+  if constexpr (BN == 256) wgmma_m64n256k16<OP, TA, TB>(d, desc_a, desc_b);
+}
+
+// One k32 step of e4m3 operands (both K-major).
+template <int BN>
+__device__ __forceinline__ void wgmma_e4m3_k32(float (&d)[BN / 2], unsigned long long desc_a, unsigned long long desc_b) {
+  if constexpr (BN == 128) {
+    CUPYFFN_WGMMA_E4M3(128, CUPYFFN_WGMMA_REGS_0_64, "%64, %65, 1, 1, 1", CUPYFFN_WGMMA_D_0_64);
+  } else {
+    CUPYFFN_WGMMA_E4M3(256, CUPYFFN_WGMMA_REGS_0_64 ", " CUPYFFN_WGMMA_REGS_64_128, "%128, %129, 1, 1, 1",
+                       CUPYFFN_WGMMA_D_0_64, CUPYFFN_WGMMA_D_64_128);
+  }
 }
 
 // Pipeline depth: as many (128 + BN) x 64 stages as fit in 192 KiB of the 227 KiB of shared memory.
@@ -440,7 +465,11 @@ __device__ __forceinline__ void store_block(const float (&acc)[BN / 2], const Ge
                                             int tid) {
   const int warp = tid >> 5, lane = tid & 31;
   float amax = 0.0f, acc_scale = 1.0f, out_scale = 1.0f;
-  if constexpr (EPI != kEpiF32) epilogue_scales<EPI>(args, acc_scale, out_scale);
+  if constexpr (EPI != kEpiF32) {
+    epilogue_scales<EPI>(args, acc_scale, out_scale);
+  } else {  // fp32 out: the GEMM's alpha, from the device (the engine's consts) or the launch
+    acc_scale = args.acc_scale != nullptr ? *args.acc_scale : args.alpha;
+  }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = row0 + 16 * warp + (lane >> 2) + 8 * h;
@@ -453,10 +482,17 @@ __device__ __forceinline__ void store_block(const float (&acc)[BN / 2], const Ge
       float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
       if constexpr (EPI == kEpiF32) {
         float* p = static_cast<float*>(args.c) + r * args.ldc + col;
+        v0 *= acc_scale;
+        v1 *= acc_scale;
         if (pair) {
+          if (args.accumulate) {
+            const float2 c = *reinterpret_cast<const float2*>(p);
+            v0 += c.x;
+            v1 += c.y;
+          }
           *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
         } else {
-          p[0] = v0;
+          p[0] = args.accumulate ? v0 + p[0] : v0;
         }
       } else {
         const float* xp = args.x + r * args.ldx + col;
@@ -763,11 +799,24 @@ __device__ __forceinline__ unsigned dynamic_smem_size() {
 // (one k-step sequence), the second one's tile past M when the tile rows are odd (TMA zero-fills it, the
 // epilogue stores nothing), and neither leaves before the other (cluster_sync): a peer may still deliver
 // into its shared memory or arrive on its barriers.
-template <int OP, int BN, int EPI, int PP, int XS, int BT, int CL>
+//
+// OP = kOpF16E4M3 (gemm_sm90_pair_kernel, the fp16+fp8 plan's f16+e4m3 form in one kernel): each tile first
+// runs k8 / 128 stages of e4m3 operands (map_a8, map_b8: [M, k8] and [N, k8] bytes, K-major, the cross terms'
+// pairs of kernels_cu/split_e4m3.cu) into the accumulator, multiplies it by pair_scale (a power of two: exact),
+// then runs the fp16 stages of A and B on top. An e4m3 stage (128 x 128 and BN x 128 bytes) has the bytes and
+// the swizzle of an fp16 one, so the pipeline is the same; the cross terms come first because Hopper's e4m3 MMA
+// keeps only ~14 bits of its sum (docs/perf-notes.md): it only ever adds the small terms to each other, and the
+// fp16 MMAs add the large ones on top, as the cuBLAS pair does (its e4m3 GEMM writes C, the fp16 one adds to it).
+// TA = 1: A is [K, M] (M contiguous: grad_output / grad_linear1 as stored, for the weight gradients), loaded
+// and read MN-major as BT's B (16-bit operands only).
+template <int OP, int BN, int EPI, int PP, int XS, int BT, int CL, int TA = 0>
 __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const sm90::TmaDesc& map_b,
+                                               const sm90::TmaDesc& map_a8, const sm90::TmaDesc& map_b8,
                                                const sm90::GemmArgs& args) {
   using namespace sm90;
   static_assert(CL == 1 || CL == 2, "clusters of one or two CTAs");
+  static_assert(OP != kOpF16E4M3 || (EPI == kEpiF32 && CL == 1), "the pair: fp32 out, no clusters");
+  constexpr bool kPair = OP == kOpF16E4M3;
   static_assert(PP == 0 || BN == 128, "ping-pong keeps a whole 128 x BN tile per warpgroup: BN = 128 only");
   static_assert(XS == 0 || EPI != kEpiF32, "the staged epilogue is a dgelu epilogue");
   constexpr int kStages = XS ? xs_stages_for(BN) : stages_for(BN);
@@ -791,7 +840,8 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
   const int groups = m_groups * n_tiles;
   const int cluster = blockIdx.x / CL, clusters = gridDim.x / CL;
   const unsigned rank = CL > 1 ? cluster_rank() : 0u;
-  const int k_tiles = (args.k + kBK - 1) / kBK;
+  const int k8_tiles = kPair ? (args.k8 + 2 * kBK - 1) / (2 * kBK) : 0;  // e4m3 stages: 128 bytes of K each
+  const int k_tiles = k8_tiles + (args.k + kBK - 1) / kBK;             // every stage of a tile
   const int wg = threadIdx.x >> 7;
 
   if (EPI != kEpiF32 && args.state != nullptr && args.rescue) {
@@ -810,6 +860,10 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
     tma_prefetch_desc(&map_a);
     tma_prefetch_desc(&map_b);
+    if constexpr (kPair) {
+      tma_prefetch_desc(&map_a8);
+      tma_prefetch_desc(&map_b8);
+    }
   }
   if constexpr (CL > 1) {
     cluster_sync();  // the peer's barriers are initialized before anything multicasts or arrives on them
@@ -832,17 +886,28 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
           // TMA counts the whole box, out-of-bounds (zero-filled) elements included; with CL = 2 the peer's
           // half of B completes on this barrier too.
           mbar_arrive_expect_tx(full_bar + 8 * s, kABytes + kBBytes);
-          tma_load_2d(a_smem + s * kABytes, &map_a, full_bar + 8 * s, kt * kBK, mb * kBM);
+          if (kPair && kt < k8_tiles) {  // an e4m3 stage: boxes of 128 bytes of K (map_b8's box is BN rows)
+            tma_load_2d(a_smem + s * kABytes, &map_a8, full_bar + 8 * s, kt * 2 * kBK, mb * kBM);
+            tma_load_2d(b_smem + s * kBBytes, &map_b8, full_bar + 8 * s, kt * 2 * kBK, nb * BN);
+            continue;
+          }
+          const int kf = kt - k8_tiles;  // the 16-bit stage's K step
+          if constexpr (TA) {  // A [K, M]: two boxes of 64 K-rows x 64 M-elements, one per 64-row half
+            tma_load_2d(a_smem + s * kABytes, &map_a, full_bar + 8 * s, mb * kBM, kf * kBK);
+            tma_load_2d(a_smem + s * kABytes + 8192, &map_a, full_bar + 8 * s, mb * kBM + 64, kf * kBK);
+          } else {
+            tma_load_2d(a_smem + s * kABytes, &map_a, full_bar + 8 * s, kf * kBK, mb * kBM);
+          }
           // This CTA's part of B: all of it, or with CL = 2 one half (whole 1024-byte swizzle atoms: the layout
           // one box would give), delivered to both CTAs.
           if constexpr (BT) {  // B [K, N]: BN / 64 boxes of 64 K-rows x 64 N-elements, BN / 64 / CL of them here
             constexpr int kBoxes = BN / 64 / CL;
 #pragma unroll
             for (int q = (int)rank * kBoxes; q < ((int)rank + 1) * kBoxes; ++q) {
-              tma_load_b<CL>(b_smem + s * kBBytes + q * 8192, &map_b, full_bar + 8 * s, nb * BN + 64 * q, kt * kBK);
+              tma_load_b<CL>(b_smem + s * kBBytes + q * 8192, &map_b, full_bar + 8 * s, nb * BN + 64 * q, kf * kBK);
             }
           } else {  // map_b's box is BN / CL rows
-            tma_load_b<CL>(b_smem + s * kBBytes + rank * (kBBytes / CL), &map_b, full_bar + 8 * s, kt * kBK,
+            tma_load_b<CL>(b_smem + s * kBBytes + rank * (kBBytes / CL), &map_b, full_bar + 8 * s, kf * kBK,
                            nb * BN + (int)rank * (BN / CL));
           }
         }
@@ -883,17 +948,39 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
       unsigned previous = 0;
       for (int kt = 0; kt < k_tiles; ++kt, ++it) {
         const unsigned s = it % kStages, phase = (it / kStages) & 1u;
+        if (kPair && kt == k8_tiles && kt > 0) {
+          // the e4m3 cross terms are summed: weigh them against the fp16 product that follows
+          wgmma_wait<0>();
+#pragma unroll
+          for (int h = 0; h < kHalves; ++h) {
+            fence_regs(acc[h]);
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i) acc[h][i] *= args.pair_scale;
+          }
+        }
         mbar_wait(full_bar + 8 * s, phase);
-        // cooperative: this consumer's 64 rows; ping-pong: both halves, 64 rows (8 KiB) apart
+        // cooperative: this consumer's 64 rows; ping-pong: both halves, 64 rows (8 KiB, one TA box) apart
         const unsigned a_stage = a_smem + s * kABytes + (PP ? 0 : consumer * (64 * 128));
         const unsigned b_stage = b_smem + s * kBBytes;
         wgmma_fence();
+        if (kPair && kt < k8_tiles) {  // e4m3: 4 k32 steps of 32 bytes through the 128-byte swizzle row
 #pragma unroll
-        for (int kk = 0; kk < (kProbeNoMma ? 0 : kBK / 16); ++kk) {
+          for (int kk = 0; kk < (kProbeNoMma ? 0 : 4); ++kk) {
 #pragma unroll
-          for (int h = 0; h < kHalves; ++h) {
-            const unsigned long long desc_b = BT ? smem_desc_mn(b_stage + 2048 * kk) : smem_desc(b_stage + 32 * kk);
-            wgmma_k16<OP, BN, BT>(acc[h], smem_desc(a_stage + h * (64 * 128) + 32 * kk), desc_b);
+            for (int h = 0; h < kHalves; ++h) {
+              wgmma_e4m3_k32<BN>(acc[h], smem_desc(a_stage + h * (64 * 128) + 32 * kk), smem_desc(b_stage + 32 * kk));
+            }
+          }
+        } else {
+#pragma unroll
+          for (int kk = 0; kk < (kProbeNoMma ? 0 : kBK / 16); ++kk) {
+#pragma unroll
+            for (int h = 0; h < kHalves; ++h) {
+              const unsigned long long desc_b = BT ? smem_desc_mn(b_stage + 2048 * kk) : smem_desc(b_stage + 32 * kk);
+              const unsigned a_half = a_stage + h * (64 * 128);
+              const unsigned long long desc_a = TA ? smem_desc_mn(a_half + 2048 * kk) : smem_desc(a_half + 32 * kk);
+              wgmma_k16<OP, BN, TA, BT>(acc[h], desc_a, desc_b);
+            }
           }
         }
         wgmma_commit();
@@ -926,7 +1013,16 @@ template <int OP, int BN, int EPI, int PP, int XS, int BT>
 __global__ void __launch_bounds__(sm90::kThreads, 1)
     gemm_sm90_kernel(const __grid_constant__ sm90::TmaDesc map_a, const __grid_constant__ sm90::TmaDesc map_b,
                      const __grid_constant__ sm90::GemmArgs args) {
-  gemm_sm90_body<OP, BN, EPI, PP, XS, BT, 1>(map_a, map_b, args);
+  gemm_sm90_body<OP, BN, EPI, PP, XS, BT, 1>(map_a, map_b, map_a, map_b, args);
+}
+
+// The fp16+fp8 pair in one kernel (OP = kOpF16E4M3 above): fp32 C = alpha (pair_scale A8 B8^T + A B^T) (+ C).
+template <int BN, int PP, int TA, int BT>
+__global__ void __launch_bounds__(sm90::kThreads, 1)
+    gemm_sm90_pair_kernel(const __grid_constant__ sm90::TmaDesc map_a, const __grid_constant__ sm90::TmaDesc map_b,
+                          const __grid_constant__ sm90::TmaDesc map_a8, const __grid_constant__ sm90::TmaDesc map_b8,
+                          const __grid_constant__ sm90::GemmArgs args) {
+  gemm_sm90_body<kOpF16E4M3, BN, kEpiF32, PP, 0, BT, 1, TA>(map_a, map_b, map_a8, map_b8, args);
 }
 
 // The same with clusters of two CTAs (CL = 2 above; the grid is a multiple of 2).
@@ -934,5 +1030,5 @@ template <int OP, int BN, int EPI, int PP, int XS, int BT>
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(sm90::kThreads, 1)
     gemm_sm90_cluster2_kernel(const __grid_constant__ sm90::TmaDesc map_a, const __grid_constant__ sm90::TmaDesc map_b,
                               const __grid_constant__ sm90::GemmArgs args) {
-  gemm_sm90_body<OP, BN, EPI, PP, XS, BT, 2>(map_a, map_b, args);
+  gemm_sm90_body<OP, BN, EPI, PP, XS, BT, 2>(map_a, map_b, map_a, map_b, args);
 }

@@ -81,13 +81,19 @@ def test_cublaslt_refuses_no_e4m3_gemm_of_the_workloads(bench):
 
 
 def test_summary(bench):
-    full = dict(bf16x3=1.0, fp16=0.4, e4m3=0.45, pair=0.8, lt_fp16=0.39, lt_bf16x3=1.1)
-    assert bench.summarize(full) == dict(pair_over_bf16x3=0.8, winner="f16+e4m3", fastest="lt_fp16")
+    full = dict(bf16x3=1.0, fp16=0.4, e4m3=0.45, pair=0.8, lt_fp16=0.39, lt_bf16x3=1.1, sm90_pair=None)
+    none = dict(sm90_pair_over_pair=None)
+    assert bench.summarize(full) == dict(pair_over_bf16x3=0.8, winner="f16+e4m3", fastest="lt_fp16", **none)
     slow = dict(full, pair=1.25)
-    assert bench.summarize(slow) == dict(pair_over_bf16x3=1.25, winner="bf16x3", fastest="lt_fp16")
+    assert bench.summarize(slow) == dict(pair_over_bf16x3=1.25, winner="bf16x3", fastest="lt_fp16", **none)
     refused = dict(full, e4m3=None, pair=None)
-    assert bench.summarize(refused) == dict(pair_over_bf16x3=None, winner="bf16x3", fastest="lt_fp16")
-    assert bench.summarize({f: None for f in bench.FORMS}) == dict(pair_over_bf16x3=None, winner=None, fastest=None)
+    assert bench.summarize(refused) == dict(pair_over_bf16x3=None, winner="bf16x3", fastest="lt_fp16", **none)
+    assert bench.summarize({f: None for f in bench.FORMS}) == dict(pair_over_bf16x3=None, winner=None, fastest=None,
+                                                                   **none)
+    # the one-kernel pair: its ratio to the cuBLAS pair, and it can be the fastest form
+    one = dict(full, sm90_pair=0.2)
+    assert bench.summarize(one) == dict(pair_over_bf16x3=0.8, winner="f16+e4m3", fastest="sm90_pair",
+                                        sm90_pair_over_pair=0.25)
 
 
 def test_table_and_json(bench, tmp_path):

@@ -404,6 +404,7 @@ def test_sm90_gemm_ptx_uses_the_hopper_paths(sm90_gemm):
     c = sm90_gemm
     assert c.error is None, c.log
     for needle in ("wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16", "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
+                   "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3",  # the pair kernel's cross terms
                    "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes",
                    "setmaxnreg.inc.sync.aligned.u32 232", "setmaxnreg.dec.sync.aligned.u32 40", "mbarrier.try_wait.parity",
                    "cp.async.cg.shared.global.L2::cache_hint", "cp.async.wait_group",  # the staged dgelu epilogue
@@ -421,10 +422,11 @@ def test_sm90_gemm_args_mirror():
     mirror = [(name, kinds[t]) for name, t in _sm90_gemm.GemmArgs._fields_]
     assert mirror == cuda
     m = re.search(r"static_assert\(sizeof\(GemmArgs\) == (\d+),", source)
-    assert m and int(m.group(1)) == ctypes.sizeof(_sm90_gemm.GemmArgs) == 120
+    assert m and int(m.group(1)) == ctypes.sizeof(_sm90_gemm.GemmArgs) == 128
     assert ctypes.sizeof(_sm90_gemm.TmaDesc) == 128
     assert define(source, "kEpiF32") == _sm90_gemm.EPI_F32
     assert define(source, "kEpiDgeluBf16") == _sm90_gemm.EPI_DGELU_BF16
     assert define(source, "kEpiDgeluF16") == _sm90_gemm.EPI_DGELU_F16
     assert define(source, "kOpF16") == _sm90_gemm.OP_F16
     assert define(source, "kOpBf16") == _sm90_gemm.OP_BF16
+    assert define(source, "kOpF16E4M3") == _sm90_gemm.OP_F16E4M3

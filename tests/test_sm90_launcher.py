@@ -16,7 +16,7 @@ def _parse(expression):
 
 
 def test_variants_cover_each_schedule_layout_and_epilogue_once():
-    parsed = [_parse(e) for e in G.EXPRESSIONS]
+    parsed = [_parse(e) for e in G.EXPRESSIONS if "pair" not in e]
     assert len(parsed) == len(set(parsed)) == 2 * 72
     # the cluster-2 kernels are exactly the single-CTA ones again
     assert sorted(p[:-1] for p in parsed if p[-1] == 2) == sorted(p[:-1] for p in parsed if p[-1] == 1)
@@ -34,6 +34,14 @@ def test_variants_cover_each_schedule_layout_and_epilogue_once():
                 for bt in (0, 1):
                     for xs in (0, 1):
                         assert (op, bn, epi, int(pp), xs, bt, 1) in parsed
+
+
+def test_pair_variants_cover_each_schedule_and_layout_once():
+    """The fp16+fp8 pair kernel: every schedule with each fp16 A and B layout (its e4m3 operands are K-major)."""
+    pairs = [e for e in G.EXPRESSIONS if "pair" in e]
+    want = {G.pair_expression(bn, pp, al, bl) for bn, pp in G.CONFIGS for al in G.A_LAYOUTS for bl in G.B_LAYOUTS}
+    assert len(pairs) == len(set(pairs)) == 12 and set(pairs) == want
+    assert G.pair_expression(256, False, "km", "kn") == "gemm_sm90_pair_kernel<256, 0, 1, 1>"
 
 
 class _Holder:
@@ -128,7 +136,7 @@ def test_set_activations_picks_the_epilogue_by_alignment(stand_ins, x_ptr, ldx, 
     assert launched == [launch._variants[bool(t_ptr), staged][0]]
     assert launch.args.x == x_ptr and launch.args.ldx == ldx
     assert launch.args.t == (t_ptr or None) and launch.args.ldt == (ldt if t_ptr else 0)
-    assert ctypes.sizeof(launch.args) == 120
+    assert ctypes.sizeof(launch.args) == 128
 
 
 @pytest.mark.parametrize("T,b_layout", [(1024, "kn"), (1152, "nk"), (8192, "kn")])

@@ -9,6 +9,10 @@ Forms (C fp32 [M, N], fp32 compute, alpha/beta device pointers, on one private h
   pair       e4m3 with beta 0, then fp16 with beta 1 onto the same output (the "f16+e4m3" form)
   lt_fp16    fp16 through cuBLASLt, the fp16 form's layouts
   lt_bf16x3  bf16 K-tripled through cuBLASLt, the bf16x3 form's layouts
+  sm90_pair  the pair as one launch of our sm90 kernel (gemm_sm90_pair_kernel: the e4m3 stages, then the fp16
+             ones, into one accumulator, one fp32 output), on the fp16 and e4m3 operands above; the fastest of its
+             three schedules (each one's ms under "sm90_pair_configs"), its rel. L2 against the cuBLAS pair's
+             output on the same operands under "sm90_pair_rel_l2" (Hopper only)
 
 Shapes (D = 1536, H = 6144; row-major C[M,N] = op(A) @ op(B); p = planes: 3 for bf16x3, 1 for fp16):
   gemm1 grad_gelu    M=T N=H K=D   A [T, pD]             B [pD, H]
@@ -44,7 +48,7 @@ D, H = 1536, 6144
 TOKENS = (256, 512, 1024, 2048, 3142, 4096, 4904, 8192)
 GEMMS = ("gemm1", "gemm2", "gemm3", "gemm4")
 NAMES = {"gemm1": "grad_gelu", "gemm2": "grad_weight2", "gemm3": "grad_hidden", "gemm4": "grad_weight1"}
-FORMS = ("bf16x3", "fp16", "e4m3", "pair", "lt_fp16", "lt_bf16x3")
+FORMS = ("bf16x3", "fp16", "e4m3", "pair", "lt_fp16", "lt_bf16x3", "sm90_pair")
 A_SCALE = 8.0  # the e4m3 GEMM's A scale in the f16e4m3 plan
 HOST_SHAPE = 128
 
@@ -104,8 +108,10 @@ def parse_args(argv):
 
 def summarize(ms):
     """From {form: ms or None}: pair / bf16x3, the winner of the two, the fastest measured form."""
-    out = {"pair_over_bf16x3": None, "winner": None, "fastest": None}
+    out = {"pair_over_bf16x3": None, "winner": None, "fastest": None, "sm90_pair_over_pair": None}
     measured = {f: v for f, v in ms.items() if v is not None}
+    if ms.get("sm90_pair") is not None and ms.get("pair") is not None:
+        out["sm90_pair_over_pair"] = ms["sm90_pair"] / ms["pair"]
     if measured:
         out["fastest"] = min(measured, key=measured.get)
     if ms.get("bf16x3") is not None:
@@ -278,12 +284,49 @@ class Bench:
                     rec.setdefault("finite", {})[form] = bool(cupy.isfinite(c).all())  # a sanity check of the output
             except Exception as e:  # noqa: BLE001
                 rec["errors"].append(f"{form}: {type(e).__name__}: {e}")
+        if "pair" in plans and rec["ms"]["pair"] is not None:
+            try:
+                self.measure_sm90_pair(rec, t, gemm, ops, c, plans["pair"])
+            except Exception as e:  # noqa: BLE001
+                rec["errors"].append(f"sm90_pair: {type(e).__name__}: {e}")
         for form in ("e4m3", "lt_fp16", "lt_bf16x3"):
             if form in plans:
                 rec.setdefault("lt_workspace_bytes", {})[form] = plans[form].workspace_size
                 plans[form].close()
         rec.update(summarize(rec["ms"]))
         return rec
+
+    def measure_sm90_pair(self, rec, t, gemm, ops, c, pair):
+        """sm90_pair: each schedule of the one-kernel pair on the same operands as the cuBLAS pair `pair` (run
+        once more here into c), its ms, and its output's rel. L2 against the cuBLAS pair's."""
+        cupy = self.cupy
+        pair()
+        self.stream.synchronize()
+        from cupyffn import _sm90_gemm
+
+        if not _sm90_gemm.device_supported(self.device.id):
+            rec["unsupported"]["sm90_pair"] = "not a compute capability 9.0 GPU"
+            return
+        m, n, k = mnk(gemm, t)
+        lay16, lay8 = layout(gemm, t, "fp16"), layout(gemm, t, "e4m3")
+        (a, b), (a8, b8) = ops["fp16"], ops["e4m3"]
+        want = c.astype(cupy.float64)
+        out = cupy.full(m * n, cupy.nan, dtype=cupy.float32)
+        rec["sm90_pair_configs"], rec["sm90_pair_rel_l2"] = {}, {}
+        for block_n, pingpong in _sm90_gemm.CONFIGS:
+            name = f"bn{block_n}" + ("pp" if pingpong else "")
+            launch = _sm90_gemm.PairLaunch(a.data.ptr, lay16["lda"], "km" if lay16["a_trans"] else "mk", b.data.ptr,
+                                           lay16["ldb"], "kn", a8.data.ptr, lay8["lda"], b8.data.ptr, lay8["ldb"],
+                                           m, n, k, lay8["k"], device_id=self.device.id, alpha=1.0,
+                                           pair_scale=A_SCALE, block_n=block_n, pingpong=pingpong,
+                                           out_ptr=out.data.ptr, ldc=n)
+            with self.stream:
+                out.fill(cupy.nan)
+            rec["sm90_pair_configs"][name] = self.time(lambda: launch(self.stream.ptr))
+            with self.stream:
+                err = cupy.linalg.norm(out.astype(cupy.float64) - want) / cupy.linalg.norm(want)
+                rec["sm90_pair_rel_l2"][name] = float(err) if bool(cupy.isfinite(out).all()) else None
+        rec["ms"]["sm90_pair"] = min(rec["sm90_pair_configs"].values())
 
     def host_cost(self):
         """Microseconds per enqueue (host side) of Gemm vs LtMatmul at M = N = K = HOST_SHAPE."""
