@@ -34,16 +34,22 @@ def _compiled_tf32(dy, x, w1, w2, z, t, g):
     return torch_backward(dy, x, w1, w2, z, t, g)
 
 
-#: Twins of cupyffn-tf32 for an A/B in the same run (report.A_B_TWINS), each the tf32 plan built with one engine
-#: switch of cupyffn/_gpu_engine.py (read when a plan is built): the cuBLAS GEMM1 + dgelu pass route instead of the
-#: fused sm90 kernel (H100/H200 only, CUPYFFN_SM90_GEMM1=0), and every launch from the host instead of the
-#: re-pointed call graph (CUPYFFN_CALL_GRAPH=0), and convert A and B as two launches on two streams instead of
-#: one (CUPYFFN_CONVERT_AB=0).
+#: Twins of a cupyffn plan for an A/B in the same run (report.A_B_TWINS), each the plan built with one engine
+#: switch of cupyffn/_gpu_engine.py (read when a plan is built): (variable, value, precision). For tf32: the cuBLAS
+#: GEMM1 + dgelu pass route instead of the fused sm90 kernel (H100/H200 only, CUPYFFN_SM90_GEMM1=0), every launch
+#: from the host instead of the re-pointed call graph (CUPYFFN_CALL_GRAPH=0), convert A and B as two launches on
+#: two streams instead of one (CUPYFFN_CONVERT_AB=0). For fp16+fp8: GEMM1 as cuBLAS bf16x3 instead of the sm90 pair
+#: kernel (H100/H200 only, CUPYFFN_SM90_PAIR=0).
 TF32_CUBLAS_GEMM1 = "cupyffn-tf32-cublas-gemm1"
 TF32_LAUNCHES = "cupyffn-tf32-launches"
 TF32_CONVERT_APART = "cupyffn-tf32-convert-apart"
-TWIN_SWITCHES = {TF32_CUBLAS_GEMM1: ("CUPYFFN_SM90_GEMM1", "0"), TF32_LAUNCHES: ("CUPYFFN_CALL_GRAPH", "0"),
-                 TF32_CONVERT_APART: ("CUPYFFN_CONVERT_AB", "0")}
+FP16FP8_CUBLAS_GEMM1 = "cupyffn-fp16+fp8-cublas-gemm1"
+TWIN_SWITCHES = {TF32_CUBLAS_GEMM1: ("CUPYFFN_SM90_GEMM1", "0", "tf32"),
+                 TF32_LAUNCHES: ("CUPYFFN_CALL_GRAPH", "0", "tf32"),
+                 TF32_CONVERT_APART: ("CUPYFFN_CONVERT_AB", "0", "tf32"),
+                 FP16FP8_CUBLAS_GEMM1: ("CUPYFFN_SM90_PAIR", "0", "fp16+fp8")}
+#: The twins that differ from their plan only on an H100/H200 (a switch of an sm90 kernel).
+SM90_TWINS = (TF32_CUBLAS_GEMM1, FP16FP8_CUBLAS_GEMM1)
 
 
 def _with_switch(key, value, build):
@@ -97,8 +103,8 @@ class Implementations:
 
     def names(self):
         names = [f"cupyffn-{p}" for p in cupyffn.PRECISIONS]
-        if self.cupy.cuda.Device().compute_capability == "90":  # where cupyffn-tf32's GEMM1 is the fused kernel
-            names.append(TF32_CUBLAS_GEMM1)
+        if self.cupy.cuda.Device().compute_capability == "90":  # where the twins' sm90 kernels run
+            names += list(SM90_TWINS)
         names += [TF32_LAUNCHES, TF32_CONVERT_APART]
         names += ["cupy-naive-fp32", "cupy-naive-tf32"]
         if self.torch is not None:
@@ -113,7 +119,8 @@ class Implementations:
         torch = self.torch
         if name.startswith("cupyffn-"):
             if name in TWIN_SWITCHES:
-                plan = _with_switch(*TWIN_SWITCHES[name], lambda: cupyffn.GeluFFNBackward(T, D, H, precision="tf32"))
+                variable, value, precision = TWIN_SWITCHES[name]
+                plan = _with_switch(variable, value, lambda: cupyffn.GeluFFNBackward(T, D, H, precision=precision))
             else:
                 plan = cupyffn.GeluFFNBackward(T, D, H, precision=name[len("cupyffn-"):])
 

@@ -14,7 +14,8 @@ Backends, in the order :func:`build` tries them:
   dimensions multiples of 16), device A/B scales; the algorithm is chosen once by cuBLASLt's heuristic.
 
 A precision's form decides the descriptions (cupyffn/_precision.py); :class:`PairGemm` is the
-f16+e4m3 form's two products into one output.
+f16+e4m3 form's two products into one output, :class:`Sm90PairGemm` the same form as one launch of our sm90
+kernel (cupyffn/_sm90_gemm.py PairLaunch) where the engine takes it (_gpu_engine.SM90_PAIR_GEMMS).
 """
 
 from dataclasses import dataclass
@@ -129,7 +130,31 @@ class PairGemm:
         self.f16(handle)
 
 
+class Sm90PairGemm:
+    """The f16+e4m3 form as one sm90 kernel launch (a _sm90_gemm.PairLaunch over the engine's fixed operands),
+    behind a GEMM plan's call: ``plan(handle)`` runs on the stream the cuBLAS handle is bound to. Its output is set
+    by set_output, whether it adds to it by set_beta."""
+
+    def __init__(self, launch, name):
+        self.launch, self.name = launch, name
+
+    def __call__(self, handle):
+        self.launch(handle.stream_ptr)
+
+
 def set_output(plan, ptr):
     """Point a GEMM plan's output (both products of a PairGemm) at `ptr`."""
+    if isinstance(plan, Sm90PairGemm):
+        plan.launch.args.c = ptr
+        return
     for part in (plan.fp8, plan.f16) if isinstance(plan, PairGemm) else (plan,):
         part.c.value = ptr
+
+
+def set_beta(plan, beta_ptr, accumulate):
+    """The caller's beta of a GEMM plan: the device pointer `beta_ptr` (to 0 or 1) for cuBLAS, `accumulate` for
+    the sm90 kernel (which adds to its output or overwrites it)."""
+    if isinstance(plan, Sm90PairGemm):
+        plan.launch.args.accumulate = int(bool(accumulate))
+    else:
+        plan.beta.value = beta_ptr

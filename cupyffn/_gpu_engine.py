@@ -73,6 +73,14 @@ CALL_GRAPH_TOKENS = {P.FMT_F16S: (1, 512)}
 CONVERT_AB_TOKENS = {P.FMT_F16S: (1, 512)}
 
 
+#: fp16+fp8: the GEMMs whose f16+e4m3 form runs as one launch of the sm90 pair kernel (kernels_cu/gemm_sm90.cu
+#: gemm_sm90_pair_kernel: no fp32 output written and read again between the two products) instead of cuBLAS's
+#: e4m3 + fp16 pair. Measured on the H200, GEMMs alone (results/history/gemm-forms-pair-s8a.json): GEMM1 0.74x of
+#: cuBLAS's pair at T = 8192 (0.78-0.81x of bf16x3 at T = 2048-8192); GEMM3 0.99x at T = 8192 but 1.09-1.17x at
+#: T = 2048-4096; GEMM2 and GEMM4 (A read MN-major) 1.05-1.36x. CUPYFFN_SM90_PAIR=1 puts every pair GEMM there.
+SM90_PAIR_GEMMS = ("gemm1",)
+
+
 def switch_wanted(variable, windows, fmt, tokens):
     """Whether the engine switch `variable` (an environment variable read when a plan is built: auto, the default,
     1 or 0) asks for its mechanism in a plan of format `fmt` at `tokens`: 1 always, 0 never, auto where `windows`
@@ -211,9 +219,20 @@ class GpuEngine:
         self.forms = {g: forms[g] for g in sorted(present)}
         self._fp8 = {}
         self.form_notes = {}  # gemm -> why it fell back to bf16x3
+        self.sm90_pair = set()  # GEMMs whose pair runs as the sm90 kernel (no cuBLASLt plan)
         if self.precision.fmt == P.FMT_F16E4M3 and self.T > 0:
+            on_sm90 = self._sm90_pair_gemms()
             for g, form in self.forms.items():
                 if form.name != "f16+e4m3":
+                    continue
+                if g in on_sm90:
+                    self.sm90_pair.add(g)
+                    continue
+                if g == "gemm1":  # cuBLAS's two products are slower than bf16x3 there (FORM_TABLE)
+                    self.forms[g] = P.FORMS["bf16x3"]
+                    self.form_notes[g] = ("GEMM1's pair runs only as the sm90 pair kernel, which this plan does not "
+                                          "use (CUPYFFN_SM90_PAIR=0, not a compute capability 9.0 GPU, or D or H "
+                                          "not a multiple of 8)")
                     continue
                 try:
                     self._fp8[g], _ = _gemm.build(self._fp8_desc(g), self.device_id, backends=(_gemm.CUBLASLT,))
@@ -236,6 +255,18 @@ class GpuEngine:
         wanted = switch_wanted("CUPYFFN_SM90_GEMM1", FUSED_GEMM1_TOKENS, self.fmt, self.T)
         return (wanted and self.fmt in FUSABLE_FORMATS and self.T > 0 and self.D % 8 == 0 and self.H % 8 == 0
                 and self.T < 2 ** 31 and _sm90_gemm.device_supported(self.device_id))
+
+    def _sm90_pair_gemms(self):
+        """The GEMMs whose f16+e4m3 form runs as one sm90 pair kernel (SM90_PAIR_GEMMS; CUPYFFN_SM90_PAIR, read here:
+        auto, 1 every pair GEMM (comparisons), 0 none), where the kernel can run: a compute capability 9.0 GPU and
+        fp16 rows of 16-byte multiples for the TMA unit (D, H multiples of 8; the e4m3 pairs' rows always are)."""
+        choice = os.environ.get("CUPYFFN_SM90_PAIR", "auto")
+        if choice not in ("0", "1", "auto"):
+            raise ValueError(f"CUPYFFN_SM90_PAIR must be 0, 1 or auto, got {choice!r}")
+        if choice == "0" or self.D % 8 or self.H % 8 or self.T >= 2 ** 31 or \
+                not _sm90_gemm.device_supported(self.device_id):
+            return set()
+        return set(P.GEMMS) if choice == "1" else set(SM90_PAIR_GEMMS)
 
     def _convert_ab_ok(self):
         """convert A and B as one launch (CONVERT_AB_TOKENS; CUPYFFN_CONVERT_AB, read here: auto, 1, 0)."""
@@ -605,7 +636,9 @@ class GpuEngine:
             form = self.forms[g]
             alpha = consts + 4 * (2 + index)
             (a, a_or), (b, b_or) = self._E4M3_USES[g]
-            if form.name == "f16+e4m3":
+            if form.name == "f16+e4m3" and g in self.sm90_pair:
+                plan = self._sm90_pair_plan(g, alpha, a, a_or, b, b_or)
+            elif form.name == "f16+e4m3":
                 f16 = self._gemm16(g, 1, _cublas.R_16F)
                 f16.alpha.value = alpha
                 self._point(f16, g, a, b, 1)
@@ -626,6 +659,20 @@ class GpuEngine:
             setattr(self, g, plan)
         if self.gemm1 is not None:
             _gemm.set_output(self.gemm1, self._base)
+
+    def _sm90_pair_plan(self, g, alpha_ptr, a, a_or, b, b_or):
+        """GEMM g's f16+e4m3 form as one sm90 pair launch over the scratch operands: the fp16 A ([T, cols] read
+        MN-major for the weight gradients) and B ([K, N] as stored) and the e4m3 pairs (_E4M3_USES)."""
+        m, n, k = self._mnk(g)
+        oa, ob = self.ops[a], self.ops[b]
+        a8, b8 = self.ops[f"{a}.e4{a_or}"], self.ops[f"{b}.e4{b_or}"]
+        block_n, pingpong = _sm90_gemm.choose_pair_config(m, n, _kernels.sm_count(self.device_id))
+        launch = _sm90_gemm.PairLaunch(
+            self._addr(a), oa.dst_ld, "km" if g in ("gemm2", "gemm4") else "mk", self._addr(b), ob.dst_ld, "kn",
+            self._addr(f"{a}.e4{a_or}"), a8.dst_ld, self._addr(f"{b}.e4{b_or}"), b8.dst_ld, m, n, k, a8.dst_ld,
+            device_id=self.device_id, alpha_ptr=alpha_ptr, pair_scale=P.E4M3_PAIR_SCALE, block_n=block_n,
+            pingpong=pingpong, ldc=n)
+        return _gemm.Sm90PairGemm(launch, f"{g} f16+e4m3 (sm90 pair kernel)")
 
     # ------------------------------------------------------------------ per call
     def set_io(self, inputs, outputs, accumulate):
@@ -696,7 +743,8 @@ class GpuEngine:
         if self.gemm2 is not None:
             _gemm.set_output(self.gemm2, grad_w2)
             _gemm.set_output(self.gemm4, grad_w1)
-            self.gemm2.beta.value = self.gemm4.beta.value = beta
+            _gemm.set_beta(self.gemm2, beta, accumulate)
+            _gemm.set_beta(self.gemm4, beta, accumulate)
 
     def _launch(self, launch, stream_ptr):
         """One of our kernels (KernelLaunch, DgeluLaunch); while a call graph is captured, its node is noted."""

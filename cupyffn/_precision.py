@@ -98,8 +98,12 @@ FORMS = {
 #: on, but 1.01-1.08x for GEMM1 (output [T, H]) there; below T = 2048 it saves at most ~0.02 ms on a GEMM,
 #: less than the plan's extra conversion work costs the whole call (0.03-0.04 ms measured at T = 256-1024),
 #: so there every GEMM stays bf16x3 and the plan is the bf16x3 plan.
+#: GEMM1 (output [T, H]) takes the pair from T = 2048 on only as one launch of the sm90 pair kernel (e4m3 and fp16
+#: stages into one accumulator, one output: 0.78-0.81x bf16x3's time at T = 2048-8192, where cuBLAS's two
+#: products are 1.06-1.09x; results/history/gemm-forms-pair-s8a.json): the GPU engine runs it bf16x3 wherever that
+#: kernel cannot run (cupyffn/_gpu_engine.py SM90_PAIR_GEMMS).
 FORM_TABLE = {
-    "gemm1": ((0, "bf16x3"),),
+    "gemm1": ((0, "bf16x3"), (2048, "f16+e4m3")),
     "gemm2": ((0, "bf16x3"), (2048, "f16+e4m3")),
     "gemm3": ((0, "bf16x3"), (2048, "f16+e4m3")),
     "gemm4": ((0, "bf16x3"), (2048, "f16+e4m3")),

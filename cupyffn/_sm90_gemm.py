@@ -578,6 +578,21 @@ def choose_config(m, n, sms, tanh_inner=True):
     return (256, False)
 
 
+def choose_pair_config(m, n, sms):
+    """The (block_n, pingpong) of a pair kernel launch of an [m, n] output on `sms` multiprocessors: the 128 x 128
+    tile if it fills the last wave better than 128 x 256 by more than 2%, else 128 x 256; both cooperative.
+    Measured on the H200, GEMM1 at T = 256 ... 8192 (results/history/gemm-forms-pair-s8a.json): the rule's choice
+    is the fastest schedule at every T; ping-pong is 1.5-2.2x slower everywhere (the pair's e4m3 stages bring
+    the same bytes per stage in half the MMA time, so delivery, which ping-pong's tiles need more of, rules)."""
+    def tiles(block_n):
+        return -(-m // BLOCK_M) * -(-n // block_n)
+
+    def fill(block_n):
+        return tiles(block_n) / (-(-tiles(block_n) // sms) * sms)
+
+    return (128, False) if fill(128) > fill(256) + 0.02 else (256, False)
+
+
 #: CTAs per cluster of the engine's fused launch (DgeluLaunch). 1 until clusters are measured faster there
 #: (docs/perf-notes.md).
 FUSED_CLUSTER = 1

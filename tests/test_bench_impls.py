@@ -36,3 +36,15 @@ def test_torch_call_sets_tf32_for_itself_only(name, during, before):
         run()
     assert seen == [during, during]
     assert torch.backends.cuda.matmul.allow_tf32 is before  # put back, also after the failure
+
+
+def test_every_twin_is_kept_out_of_the_headline():
+    """Each A/B twin (a plan with one engine switch) is listed in report.A_B_TWINS, and names a public precision."""
+    import cupyffn
+    from benchmarks import report
+
+    assert set(report.A_B_TWINS) == set(I.TWIN_SWITCHES)
+    for name, (variable, value, precision) in I.TWIN_SWITCHES.items():
+        assert precision in cupyffn.PRECISIONS and name.startswith(f"cupyffn-{precision}-"), name
+        assert variable.startswith("CUPYFFN_") and value in ("0", "1")
+    assert set(I.SM90_TWINS) <= set(I.TWIN_SWITCHES)

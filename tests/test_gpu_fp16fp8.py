@@ -11,7 +11,7 @@ import numpy
 import pytest
 
 import cupyffn
-from cupyffn import _precision
+from cupyffn import _gpu_engine, _precision, _sm90_gemm
 from cupyffn import workloads as W
 
 pytestmark = pytest.mark.gpu
@@ -34,6 +34,18 @@ def errors(grads, ref64):
     return [W.relative_l2(g, r, xp=cupy) for g, r in zip(grads, ref64)]
 
 
+def on_sm90():
+    return _sm90_gemm.device_supported(cupy.cuda.Device().id)
+
+
+def expected_forms(tokens, dim, hidden):
+    """The table's forms, with GEMM1's pair where the engine can run it: only as the sm90 pair kernel."""
+    expected = {g: f.name for g, f in _precision.effective_forms(cupyffn.PRECISIONS[PLAN], tokens, dim, hidden).items()}
+    if expected["gemm1"] == "f16+e4m3" and not on_sm90():
+        expected["gemm1"] = "bf16x3"
+    return expected
+
+
 CASES = [  # (T, D, H): the table gives the pair to gemm2-4 from T = 2048 on
     (2048, 64, 256),
     (2048, 1536, 6144),  # official sizes
@@ -47,10 +59,12 @@ def test_forms_ran_and_accuracy_beats_fp16_alone(tokens, dim, hidden):
     args, inputs = make(tokens, dim, hidden, seed=tokens + dim)
     ref64 = W.reference(inputs, xp=cupy)
     plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=PLAN)
-    expected = {g: f.name for g, f in _precision.effective_forms(plan.precision, tokens, dim, hidden).items()}
+    expected = expected_forms(tokens, dim, hidden)
     assert "f16+e4m3" in expected.values(), expected  # the case exercises the pair
     notes = getattr(plan._engine, "form_notes", {})
     assert plan.gemm_forms == expected, f"ran {plan.gemm_forms}, table says {expected}; fallbacks: {notes}"
+    # GEMM1's pair as the sm90 kernel, GEMM2-4's as cuBLAS's two products (SM90_PAIR_GEMMS)
+    assert plan._engine.sm90_pair == ({"gemm1"} if expected["gemm1"] == "f16+e4m3" else set())
     grads = plan(*args, out=poisoned(args))
     tf32 = cupyffn.gelu_ffn_backward(*args, precision="tf32", out=poisoned(args))
     e_pair, e_tf32 = errors(grads, ref64), errors(tf32, ref64)
@@ -83,6 +97,46 @@ def test_memory_mode_and_accumulate_with_the_pair():
         assert e <= 2 * CONTRACT, f"accumulate {label}: {e:.3g}"
 
 
+@pytest.mark.parametrize("switch", ["0", "1"])
+def test_sm90_pair_switch(monkeypatch, switch):
+    """CUPYFFN_SM90_PAIR=0: GEMM1 bf16x3 on cuBLAS (the plan before the sm90 pair kernel), GEMM2-4 cuBLAS's pair;
+    =1: all four pairs on the sm90 kernel (GEMM2/GEMM4 read their A MN-major, and accumulate). Either is a correct
+    plan; the default runs GEMM1 alone there, so its gradients downstream of GEMM1 differ from both."""
+    if not on_sm90():
+        pytest.skip("the sm90 pair kernel needs a compute capability 9.0 GPU")
+    tokens, dim, hidden = 2048, 64, 256
+    args, inputs = make(tokens, dim, hidden, seed=21)
+    ref64 = W.reference(inputs, xp=cupy)
+    default = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=PLAN)(*args, out=poisoned(args))
+    monkeypatch.setenv("CUPYFFN_SM90_PAIR", switch)
+    plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=PLAN)
+    if switch == "0":
+        assert plan.gemm_forms["gemm1"] == "bf16x3" and plan._engine.sm90_pair == set()
+        assert "CUPYFFN_SM90_PAIR=0" in plan._engine.form_notes["gemm1"]
+    else:
+        assert set(plan.gemm_forms.values()) == {"f16+e4m3"} and plan._engine.sm90_pair == set(_precision.GEMMS)
+    rng = numpy.random.default_rng(6)
+    start_w1 = cupy.asarray(rng.standard_normal(args[2].shape, dtype=numpy.float32))
+    start_w2 = cupy.asarray(rng.standard_normal(args[3].shape, dtype=numpy.float32))
+    for accumulate in (False, True):
+        out = poisoned(args) if not accumulate else (poisoned(args)[0], start_w1.copy(), start_w2.copy())
+        grads = plan(*args, out=out, accumulate=accumulate)
+        starts = (0, start_w1, start_w2) if accumulate else (0, 0, 0)
+        for label, g, start, r in zip(W.OUTPUT_NAMES, grads, starts, ref64):
+            assert bool(cupy.isfinite(g).all()), label
+            e = W.relative_l2(g - start, r, xp=cupy)
+            assert e <= 2 * CONTRACT if accumulate else e <= CONTRACT, f"{switch} accumulate={accumulate} {label}: {e:.3g}"
+        if not accumulate:
+            # grad_hidden_states and grad_weight1 are downstream of GEMM1 (which the switch moves); grad_weight2 is
+            # GEMM2's: the same cuBLAS pair as the default's with 0, the sm90 one with 1
+            assert not bool((grads[0] == default[0]).all()) and not bool((grads[1] == default[1]).all())
+            assert bool((grads[2] == default[2]).all()) == (switch == "0")
+    monkeypatch.setenv("CUPYFFN_SM90_PAIR", "on")
+    with pytest.raises(ValueError, match="CUPYFFN_SM90_PAIR"):
+        cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=PLAN)
+    assert _gpu_engine.SM90_PAIR_GEMMS == ("gemm1",)
+
+
 def test_below_the_pair_threshold_the_plan_is_bf16x3():
     # every GEMM bf16x3 (T < 2048): the engine runs the bf16x3 plan's kernels, so the results are its bits
     tokens, dim, hidden = 1024, 64, 256
@@ -100,7 +154,7 @@ def test_fallback_where_the_e4m3_gemm_does_not_fit():
     tokens, dim, hidden = 2048, 64, 200
     plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=PLAN)
     assert plan.gemm_forms == {"gemm1": "bf16x3", "gemm2": "bf16x3", "gemm3": "f16+e4m3", "gemm4": "f16+e4m3"}, \
-        plan.gemm_forms
+        plan.gemm_forms  # GEMM1 too: N = H (pair_fits)
     args, inputs = make(tokens, dim, hidden, seed=3)
     grads = plan(*args, out=poisoned(args))
     for label, e in zip(W.OUTPUT_NAMES, errors(grads, W.reference(inputs, xp=cupy))):

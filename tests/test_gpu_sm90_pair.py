@@ -9,6 +9,8 @@ product is added). Outputs are NaN-poisoned, with poisoned margins around them t
     PYTHONPATH=. python3 -m pytest -q tests/test_gpu_sm90_pair.py
 """
 
+import re
+
 import numpy
 import pytest
 
@@ -137,13 +139,13 @@ def test_accumulate_adds_to_out(block_n, pingpong):
     m, n, k, k8 = 260, 264, 136, 288
     rng = numpy.random.default_rng(11)
     (a, b, a8, b8), (a64, b64, a864, b864) = operands(rng, m, n, k, k8, "km", "kn")
-    c0 = rng.standard_normal((m, n)).astype(numpy.float32) * 100
+    c0 = rng.standard_normal((m, n)).astype(numpy.float32) * 1e4  # larger than the product: its sum shows
     out = cupy.asarray(c0)
     G.gemm_pair(a, b, a8, b8, out, alpha=0.25, accumulate=True, a_layout="km", b_layout="kn", block_n=block_n,
                 pingpong=pingpong)
     want = c0 + 0.25 * (8.0 * (a864 @ b864.T) + a64 @ b64)
     assert rel_l2(cupy.asnumpy(out), want) <= 5e-3
-    assert rel_l2(cupy.asnumpy(out), want - c0) > 0.5  # c0 was added
+    assert rel_l2(cupy.asnumpy(out), want - c0) > 1  # c0 was added
 
 
 def plan_operands(x, w, ex, ew, a_layout):
@@ -211,7 +213,7 @@ def test_rejects_bad_arguments():
         kw = dict(a=a, b=b, a8=a8, b8=b8, out=out)
         kw.update(change)
         extra = {key: kw.pop(key) for key in list(kw) if key not in ("a", "b", "a8", "b8", "out")}
-        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        with pytest.raises(ValueError, match=re.escape(message)):
             G.gemm_pair(kw["a"], kw["b"], kw["a8"], kw["b8"], kw["out"], b_layout="kn", **extra)
     for before, after in zip(snapshot, (a, b, a8, b8, out)):
         assert numpy.array_equal(before, cupy.asnumpy(after))
