@@ -407,13 +407,14 @@ def _check_matrix(x, name, shape, dtype=None, row_multiple=2):
     """x is a 2-D CuPy array of `shape`, row-contiguous, 16-byte aligned, row stride a multiple of
     `row_multiple` elements; returns its row stride in elements."""
     import cupy
+    import numpy
 
     if not isinstance(x, cupy.ndarray):
         raise ValueError(f"{name} must be a cupy.ndarray, got {type(x).__name__}")
     if x.ndim != 2 or tuple(x.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
     if dtype is not None and x.dtype != dtype:
-        raise ValueError(f"{name} must be {dtype}, got {x.dtype}")
+        raise ValueError(f"{name} must be {numpy.dtype(dtype).name}, got {x.dtype}")
     item = x.dtype.itemsize
     if x.size and x.shape[1] > 1 and x.strides[1] != item:  # CuPy gives empty arrays zero strides
         raise ValueError(f"{name} must be contiguous along its last dimension (stride {item} bytes), "
