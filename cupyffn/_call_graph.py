@@ -20,11 +20,12 @@ is instantiated with node priorities: the engine captures its critical path on a
 where two kernels become ready at once the GPU starts them in the order the host's launches gave them (without
 it, convert B went first at T = 8192 and GEMM1's last wave ran alone: +17 us). Where it is the default:
 _gpu_engine.CALL_GRAPH_TOKENS. The driver entry points come from libcuda through ctypes (names and structs
-the same under CUDA 12 and 13).
+the same under CUDA 12 and 13; cupyffn/_libcuda.py).
 """
 
 import ctypes
-import threading
+
+from . import _libcuda
 
 # cuda.h enums
 _CAPTURE_MODE_THREAD_LOCAL = 1  # unsafe calls (e.g. cudaMalloc) by this thread during the capture fail loudly
@@ -40,65 +41,42 @@ class _KernelNodeParams(ctypes.Structure):
                 ("extra", ctypes.c_void_p), ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
 
 
-_lib = None
-_lib_lock = threading.Lock()
-_capture_info_has_edges = False
+_vp, _pvp = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
+_PROTOTYPES = {
+    "cuStreamBeginCapture_v2": [_vp, ctypes.c_int],
+    "cuStreamEndCapture": [_vp, _pvp],
+    "cuGraphInstantiateWithFlags": [_pvp, _vp, ctypes.c_ulonglong],
+    "cuGraphUpload": [_vp, _vp],
+    "cuGraphLaunch": [_vp, _vp],
+    "cuGraphExecKernelNodeSetParams_v2": [_vp, _vp, ctypes.POINTER(_KernelNodeParams)],
+    "cuGraphExecDestroy": [_vp],
+    "cuGraphDestroy": [_vp],
+    "cuCtxGetStreamPriorityRange": [ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)],
+}
 
 
-def _driver():
-    global _lib
-    with _lib_lock:
-        if _lib is None:
-            lib = ctypes.CDLL("libcuda.so.1")
-            vp, pvp = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
-            prototypes = {
-                "cuGetErrorName": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
-                "cuStreamBeginCapture_v2": [vp, ctypes.c_int],
-                "cuStreamEndCapture": [vp, pvp],
-                "cuGraphInstantiateWithFlags": [pvp, vp, ctypes.c_ulonglong],
-                "cuGraphUpload": [vp, vp],
-                "cuGraphLaunch": [vp, vp],
-                "cuGraphExecKernelNodeSetParams_v2": [vp, vp, ctypes.POINTER(_KernelNodeParams)],
-                "cuGraphExecDestroy": [vp],
-                "cuGraphDestroy": [vp],
-                "cuCtxGetStreamPriorityRange": [ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)],
-            }
-            for name, argtypes in prototypes.items():
-                fn = getattr(lib, name)
-                fn.argtypes = argtypes
-                fn.restype = ctypes.c_int
-            # (stream, status, capture id, graph, dependencies[, edge data], number of dependencies): v3 (CUDA
-            # 12.3 on) where the driver has it, else v2
-            global _capture_info_has_edges
-            _capture_info_has_edges = hasattr(lib, "cuStreamGetCaptureInfo_v3")
-            info = lib.cuStreamGetCaptureInfo_v3 if _capture_info_has_edges else lib.cuStreamGetCaptureInfo_v2
-            info.argtypes = ([vp, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64), pvp,
-                              ctypes.POINTER(pvp)] + [vp] * _capture_info_has_edges + [ctypes.POINTER(ctypes.c_size_t)])
-            info.restype = ctypes.c_int
-            lib.capture_info = info
-            _lib = lib
-    return _lib
+def _fn(name):
+    return _libcuda.function(name, _PROTOTYPES[name])
 
 
-class DriverError(RuntimeError):
-    """A CUDA driver call of the call graph returned an error."""
+def _capture_info():
+    """cuStreamGetCaptureInfo: (stream, status, capture id, graph, dependencies[, edge data], number of
+    dependencies) as v3 (CUDA 12.3 on) where the driver has it, else v2; and whether it takes the edge data."""
+    common = [_vp, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64), _pvp, ctypes.POINTER(_pvp)]
+    if _libcuda.has("cuStreamGetCaptureInfo_v3"):
+        return _libcuda.function("cuStreamGetCaptureInfo_v3", common + [_vp, ctypes.POINTER(ctypes.c_size_t)]), True
+    return _libcuda.function("cuStreamGetCaptureInfo_v2", common + [ctypes.POINTER(ctypes.c_size_t)]), False
 
-    def __init__(self, call, status):
-        name = ctypes.c_char_p()
-        _driver().cuGetErrorName(status, ctypes.byref(name))
-        self.call, self.status = call, status
-        super().__init__(f"{call} failed with {(name.value or b'?').decode()} ({status})")
 
-
-def _check(status, call):
-    if status != 0:
-        raise DriverError(call, status)
+#: A CUDA driver call of the call graph returned an error (the shared driver error).
+DriverError = _libcuda.DriverError
+_check = _libcuda.check
 
 
 def greatest_stream_priority():
     """The highest stream priority of the current context (the most negative number)."""
     least, greatest = ctypes.c_int(), ctypes.c_int()
-    _check(_driver().cuCtxGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest)),
+    _check(_fn("cuCtxGetStreamPriorityRange")(ctypes.byref(least), ctypes.byref(greatest)),
            "cuCtxGetStreamPriorityRange")
     return greatest.value
 
@@ -106,12 +84,12 @@ def greatest_stream_priority():
 def last_node(stream_ptr):
     """The node that the last launch on `stream_ptr`, a stream being captured, added to the capture: a stream's
     dependency set right after a kernel launch is that one kernel node."""
-    lib = _driver()
+    info, has_edges = _capture_info()
     status, graph = ctypes.c_int(), ctypes.c_void_p()
     deps, count = ctypes.POINTER(ctypes.c_void_p)(), ctypes.c_size_t()
-    edges = (None,) if _capture_info_has_edges else ()
-    _check(lib.capture_info(ctypes.c_void_p(stream_ptr), ctypes.byref(status), None, ctypes.byref(graph),
-                            ctypes.byref(deps), *edges, ctypes.byref(count)), "cuStreamGetCaptureInfo")
+    edges = (None,) if has_edges else ()
+    _check(info(ctypes.c_void_p(stream_ptr), ctypes.byref(status), None, ctypes.byref(graph), ctypes.byref(deps),
+                *edges, ctypes.byref(count)), "cuStreamGetCaptureInfo")
     if status.value != _CAPTURE_STATUS_ACTIVE or count.value != 1:
         raise RuntimeError(f"cupyffn: expected one node at the end of the capture, found {count.value} "
                            f"(capture status {status.value})")
@@ -140,19 +118,18 @@ class CallGraph:
         """Capture `enqueue(stream_ptr)` on `stream_ptr` (a stream of ours, idle), instantiate, and upload the graph
         on `upload_stream_ptr` (where it will be launched). Kernel nodes keep the priority of the stream they were
         captured from (the engine captures its critical path on a high-priority stream, see GpuEngine)."""
-        lib = _driver()
         stream = ctypes.c_void_p(stream_ptr)
-        _check(lib.cuStreamBeginCapture_v2(stream, _CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")
+        _check(_fn("cuStreamBeginCapture_v2")(stream, _CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")
         try:
             enqueue(stream_ptr)
         finally:  # also on failure: the stream must leave capture mode (the half graph is discarded)
             graph = ctypes.c_void_p()
-            status = lib.cuStreamEndCapture(stream, ctypes.byref(graph))
+            status = _fn("cuStreamEndCapture")(stream, ctypes.byref(graph))
             self._graph = graph
         _check(status, "cuStreamEndCapture")
-        _check(lib.cuGraphInstantiateWithFlags(ctypes.byref(self._exec), self._graph, _INSTANTIATE_USE_NODE_PRIORITY),
-               "cuGraphInstantiate")
-        _check(lib.cuGraphUpload(self._exec, ctypes.c_void_p(upload_stream_ptr)), "cuGraphUpload")
+        _check(_fn("cuGraphInstantiateWithFlags")(ctypes.byref(self._exec), self._graph,
+                                                  _INSTANTIATE_USE_NODE_PRIORITY), "cuGraphInstantiate")
+        _check(_fn("cuGraphUpload")(self._exec, ctypes.c_void_p(upload_stream_ptr)), "cuGraphUpload")
 
     @property
     def node_count(self):
@@ -160,23 +137,21 @@ class CallGraph:
         return len(self._nodes)
 
     def launch(self, stream_ptr):
-        lib = _driver()
         p = self._params
+        set_params = _fn("cuGraphExecKernelNodeSetParams_v2")
         for launch, node in self._nodes:
             p.func, grid, block, p.shared_mem_bytes, p.kernel_params = launch.node_params()
             p.grid[0], p.block[0] = grid, block
             p.grid[1] = p.grid[2] = p.block[1] = p.block[2] = 1
-            _check(lib.cuGraphExecKernelNodeSetParams_v2(self._exec, node, ctypes.byref(p)),
-                   "cuGraphExecKernelNodeSetParams")
-        _check(lib.cuGraphLaunch(self._exec, ctypes.c_void_p(stream_ptr)), "cuGraphLaunch")
+            _check(set_params(self._exec, node, ctypes.byref(p)), "cuGraphExecKernelNodeSetParams")
+        _check(_fn("cuGraphLaunch")(self._exec, ctypes.c_void_p(stream_ptr)), "cuGraphLaunch")
 
     def destroy(self):
         """Free the graph. The driver defers freeing an executable graph until its launches finish."""
-        lib = _driver()
         if self._exec:
-            lib.cuGraphExecDestroy(self._exec)
+            _fn("cuGraphExecDestroy")(self._exec)
             self._exec = ctypes.c_void_p()
         if self._graph:
-            lib.cuGraphDestroy(self._graph)
+            _fn("cuGraphDestroy")(self._graph)
             self._graph = ctypes.c_void_p()
         self._nodes = []

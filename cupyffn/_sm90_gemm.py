@@ -35,7 +35,7 @@ import functools
 import math
 import threading
 
-from cupyffn import _kernels
+from cupyffn import _kernels, _libcuda
 
 #: Source file in kernels_cu/ (compiled for sm_90a only; not one of _kernels.MODULES, which build for any GPU).
 SOURCE = "gemm_sm90.cu"
@@ -286,30 +286,6 @@ _CU_TENSOR_MAP_SWIZZLE_128B = 3
 _CU_TENSOR_MAP_L2_PROMOTION_L2_256B = 3
 _CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE = 0  # out-of-bounds elements read as zeros
 
-_libcuda = None
-_libcuda_lock = threading.Lock()
-
-
-def _driver():
-    global _libcuda
-    with _libcuda_lock:
-        if _libcuda is None:
-            lib = ctypes.CDLL("libcuda.so.1")
-            f = lib.cuTensorMapEncodeTiled
-            f.restype = ctypes.c_int
-            f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
-                          ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
-                          ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
-                          ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-            lib.cuGetErrorName.restype = ctypes.c_int
-            lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-            lib.cuOccupancyMaxActiveClusters.restype = ctypes.c_int
-            lib.cuOccupancyMaxActiveClusters.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
-                                                         ctypes.POINTER(_LaunchConfig)]
-            _libcuda = lib
-    return _libcuda
-
-
 class _LaunchConfig(ctypes.Structure):
     """CUlaunchConfig (cuda.h), for cuOccupancyMaxActiveClusters; no attributes: the cluster shape is the
     kernel's own (__cluster_dims__)."""
@@ -323,15 +299,15 @@ def max_active_clusters(function_ptr, smem, cluster):
     """How many clusters of `cluster` CTAs of the kernel `function_ptr` (CUfunction) with `smem` bytes of dynamic
     shared memory the GPU runs at once (cuOccupancyMaxActiveClusters: a cluster's CTAs must share a GPC, so this
     can be below sm_count / cluster)."""
-    lib = _driver()
+    occupancy = _libcuda.function("cuOccupancyMaxActiveClusters", [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
+                                                                   ctypes.POINTER(_LaunchConfig)])
     config = _LaunchConfig((cluster, 1, 1), (THREADS, 1, 1), smem, None, None, 0)
     count = ctypes.c_int()
-    status = lib.cuOccupancyMaxActiveClusters(ctypes.byref(count), ctypes.c_void_p(function_ptr), ctypes.byref(config))
-    if status != 0 or count.value < 1:
-        name = ctypes.c_char_p()
-        lib.cuGetErrorName(status, ctypes.byref(name))
-        raise RuntimeError(f"cuOccupancyMaxActiveClusters failed with {(name.value or b'?').decode()} ({status}), "
-                           f"count {count.value}, for clusters of {cluster} with {smem} bytes of shared memory")
+    status = occupancy(ctypes.byref(count), ctypes.c_void_p(function_ptr), ctypes.byref(config))
+    detail = f", count {count.value}, for clusters of {cluster} with {smem} bytes of shared memory"
+    _libcuda.check(status, "cuOccupancyMaxActiveClusters", detail)
+    if count.value < 1:
+        raise RuntimeError(f"cuOccupancyMaxActiveClusters returned no cluster{detail}")
     return count.value
 
 
@@ -347,7 +323,10 @@ class _AlignedDesc:
 def encode_tensor_map(ptr, rows, cols, row_stride_bytes, op, box_rows):
     """CUtensorMap of a [rows, cols] row-major matrix at `ptr`, 128-byte swizzle, boxes of box_rows rows x 128
     bytes: 64 16-bit elements (op OP_F16, OP_BF16) or 128 bytes (OP_E4M3)."""
-    lib = _driver()
+    encode = _libcuda.function("cuTensorMapEncodeTiled", [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
+        ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int])
     holder = _AlignedDesc()
     dims = (ctypes.c_uint64 * 2)(cols, rows)
     strides = (ctypes.c_uint64 * 1)(row_stride_bytes)
@@ -355,14 +334,11 @@ def encode_tensor_map(ptr, rows, cols, row_stride_bytes, op, box_rows):
     elem = (ctypes.c_uint32 * 2)(1, 1)
     dtype = {OP_F16: _CU_TENSOR_MAP_DATA_TYPE_FLOAT16, OP_BF16: _CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
              OP_E4M3: _CU_TENSOR_MAP_DATA_TYPE_UINT8}[op]
-    status = lib.cuTensorMapEncodeTiled(ctypes.addressof(holder.desc), dtype, 2, ctypes.c_void_p(ptr), dims, strides,
-                                        box, elem, _CU_TENSOR_MAP_INTERLEAVE_NONE, _CU_TENSOR_MAP_SWIZZLE_128B,
-                                        _CU_TENSOR_MAP_L2_PROMOTION_L2_256B, _CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
-    if status != 0:
-        name = ctypes.c_char_p()
-        lib.cuGetErrorName(status, ctypes.byref(name))
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed with {(name.value or b'?').decode()} ({status}) for a "
-                           f"[{rows}, {cols}] matrix, row stride {row_stride_bytes} bytes, box [{box_rows}, {box[0]}]")
+    status = encode(ctypes.addressof(holder.desc), dtype, 2, ctypes.c_void_p(ptr), dims, strides, box, elem,
+                    _CU_TENSOR_MAP_INTERLEAVE_NONE, _CU_TENSOR_MAP_SWIZZLE_128B, _CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                    _CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    _libcuda.check(status, "cuTensorMapEncodeTiled",
+                   f" for a [{rows}, {cols}] matrix, row stride {row_stride_bytes} bytes, box [{box_rows}, {box[0]}]")
     return holder
 
 

@@ -15,20 +15,11 @@ from cupyffn import workloads as W
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
+from gpu_inputs import make, poisoned  # noqa: E402  (tests/gpu_inputs.py)
 
 #: Plans that can run a call graph (fp16+fp8 cannot: its cuBLASLt GEMMs take their output address on the host);
 #: by default only tf32 at T <= 512 does (test_default_policy), the others are forced here (CUPYFFN_CALL_GRAPH=1).
 GRAPHED = ("tf32", "bf16", "bf16x3", "ieee")
-
-
-def make(tokens, dim, hidden, seed):
-    inputs = W.make_inputs((tokens,), dim, hidden, xp=cupy, seed=seed)
-    return [inputs[n] for n in W.INPUT_NAMES], inputs
-
-
-def poisoned(tokens, dim, hidden):
-    return (cupy.full((tokens, dim), numpy.nan, cupy.float32), cupy.full((hidden, dim), numpy.nan, cupy.float32),
-            cupy.full((dim, hidden), numpy.nan, cupy.float32))
 
 
 def twin_plans(monkeypatch, tokens, dim, hidden, precision, **kw):

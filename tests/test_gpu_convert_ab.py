@@ -15,6 +15,7 @@ from test_gpu_api import _scaled_inputs  # noqa: E402  (tests/ is on sys.path un
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
+from gpu_inputs import poisoned  # noqa: E402  (tests/gpu_inputs.py)
 
 
 def twin_plans(monkeypatch, tokens, dim, hidden, **kw):
@@ -24,11 +25,6 @@ def twin_plans(monkeypatch, tokens, dim, hidden, **kw):
     merged = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision="tf32", **kw)
     assert merged._engine.convert_ab and not apart._engine.convert_ab
     return merged, apart
-
-
-def poisoned(tokens, dim, hidden):
-    return (cupy.full((tokens, dim), numpy.nan, cupy.float32), cupy.full((hidden, dim), numpy.nan, cupy.float32),
-            cupy.full((dim, hidden), numpy.nan, cupy.float32))
 
 
 def assert_same_bits(got, want, what):

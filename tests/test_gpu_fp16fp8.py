@@ -16,14 +16,10 @@ from cupyffn import workloads as W
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
+from gpu_inputs import make  # noqa: E402  (tests/gpu_inputs.py)
 
 PLAN = "fp16+fp8"
 CONTRACT = cupyffn.PRECISIONS[PLAN].contract
-
-
-def make(tokens, dim, hidden, seed):
-    inputs = W.make_inputs((tokens,), dim, hidden, xp=cupy, seed=seed)
-    return [inputs[n] for n in W.INPUT_NAMES], inputs
 
 
 def poisoned(args):

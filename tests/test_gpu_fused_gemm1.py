@@ -19,6 +19,7 @@ from cupyffn import workloads as W
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
+from gpu_inputs import make, poisoned  # noqa: E402  (tests/gpu_inputs.py)
 
 CONTRACT = cupyffn.PRECISIONS["tf32"].contract
 FUSING = ("tf32", "bf16x3")  # the plans whose GEMM1 + dgelu the sm90 kernel runs
@@ -30,16 +31,6 @@ def hopper():
         pytest.skip("the fused GEMM1 runs on compute capability 9.0 GPUs only")
 
 
-def make(tokens, dim, hidden, seed):
-    inputs = W.make_inputs((tokens,), dim, hidden, xp=cupy, seed=seed)
-    return [inputs[n] for n in W.INPUT_NAMES], inputs
-
-
-def poisoned(dim, hidden, tokens):
-    return (cupy.full((tokens, dim), numpy.nan, cupy.float32), cupy.full((hidden, dim), numpy.nan, cupy.float32),
-            cupy.full((dim, hidden), numpy.nan, cupy.float32))
-
-
 def contract(precision):
     return cupyffn.PRECISIONS[precision].contract
 
@@ -48,7 +39,7 @@ def run(args, tokens, dim, hidden, *, fused, monkeypatch, precision="tf32"):
     monkeypatch.setenv("CUPYFFN_SM90_GEMM1", "1" if fused else "0")
     plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision)
     assert plan.fused_gemm1 == fused
-    grads = plan(*args, out=poisoned(dim, hidden, tokens))
+    grads = plan(*args, out=poisoned(tokens, dim, hidden))
     cupy.cuda.Device().synchronize()
     return plan, grads
 
@@ -124,7 +115,7 @@ def test_rescue_reruns_gemm1_when_the_scale_moves(monkeypatch):
         args[0] = args[0] * numpy.float32(scale)
         inputs = dict(inputs, grad_output=args[0])
         e_before = int(state[slot].get())
-        grads = plan(*args, out=poisoned(dim, hidden, tokens))
+        grads = plan(*args, out=poisoned(tokens, dim, hidden))
         cupy.cuda.Device().synchronize()
         if scale != 1.0:
             assert int(state[slot].get()) != e_before, "the exponent of grad_linear1 should have moved"
@@ -142,7 +133,7 @@ def test_shapes_outside_the_kernel_take_the_cublas_route(dim, hidden, precision,
     monkeypatch.setenv("CUPYFFN_SM90_GEMM1", "1")
     plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision)
     assert not plan.fused_gemm1
-    grads = plan(*args, out=poisoned(dim, hidden, tokens))
+    grads = plan(*args, out=poisoned(tokens, dim, hidden))
     for label, g, r in zip(W.OUTPUT_NAMES, grads, W.reference(inputs, xp=cupy)):
         assert W.relative_l2(g, r, xp=cupy) <= contract(precision), label
 
@@ -156,7 +147,7 @@ def test_fused_plan_replays_in_a_cuda_graph(precision, monkeypatch):
     plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision)
     assert plan.fused_gemm1
     args, _ = make(tokens, dim, hidden, seed=1)
-    out = poisoned(dim, hidden, tokens)
+    out = poisoned(tokens, dim, hidden)
     plan(*args, out=out)  # warm (scales settle)
     stream = cupy.cuda.Stream(non_blocking=True)
     cupy.cuda.Device().synchronize()

@@ -1,5 +1,6 @@
-"""The tools without a GPU (small_t, fused_epilogue_cost, sm90_precompile, sm90_trace, sm90_sass): they load without cupy, answer --help,
-and small_t's GEMM shapes are the backward's (cupyffn/_precision.py)."""
+"""The tools without a GPU (small_t, fused_epilogue_cost, sm90_precompile, sm90_trace, sm90_sass, sm90_ptx_diff): they
+load without cupy, answer --help, small_t's GEMM shapes are the backward's (cupyffn/_precision.py), and sm90_ptx_diff
+tells a changed kernel from an unchanged one (NVRTC on the CPU)."""
 
 import types
 
@@ -11,7 +12,7 @@ from cupyffn import _precision as P
 
 @pytest.mark.parametrize("name,option", [("small_t", "--out"), ("fused_epilogue_cost", "--sweep"),
                                          ("sm90_precompile", "--match"), ("sm90_trace", "--rasters"),
-                                         ("sm90_sass", "--dump")])
+                                         ("sm90_sass", "--dump"), ("sm90_ptx_diff", "--against")])
 def test_loads_without_cupy_and_answers_help(name, option, capsys):
     tool = load_tool(name)
     with pytest.raises(SystemExit) as info:
@@ -97,3 +98,21 @@ def test_sm90_sass_counts_opcodes_of_a_listing():
 """
     got = tool.count_sass(listing)
     assert got == {"instructions": 8, "BSSY": 1, "BRA": 1, "LDS": 2, "STG": 1, "LDGSTS": 0, "HGMMA": 1}
+
+
+def test_sm90_ptx_diff_tells_changed_code_from_unchanged(tmp_path, capsys):
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    from cupyffn import _kernels
+
+    tool = load_tool("sm90_ptx_diff")
+    variant = ["--match", r"gemm_sm90_kernel<0, 128, 2, 0, 0, 1>"]
+    for name in ("gemm_sm90.cu", "common.cuh"):
+        (tmp_path / name).write_text((_kernels.kernel_dir() / name).read_text())
+    assert tool.main(["--against", str(tmp_path)] + variant) == 0
+    assert "0 differ" in capsys.readouterr().out
+    source = (tmp_path / "gemm_sm90.cu").read_text()
+    assert "kHangNs = 2000000000ull" in source
+    (tmp_path / "gemm_sm90.cu").write_text(source.replace("kHangNs = 2000000000ull", "kHangNs = 1000000000ull"))
+    assert tool.main(["--against", str(tmp_path)] + variant) == 1
+    out = capsys.readouterr().out
+    assert "1 of 1 variants changed" in out and "1000000001" in out  # the compare against kHangNs
