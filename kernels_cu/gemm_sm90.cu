@@ -25,8 +25,12 @@
 //   * Out-of-bounds rows/columns/K of a tile are zero-filled by TMA; the epilogue stores only
 //     in-bounds elements.
 //
+// The fp16+fp8 plan's pair (gemm_sm90_pair_kernel, OP = kOpF16E4M3): the same pipeline runs first the e4m3
+// stages of the cross terms, then the fp16 ones, into one accumulator (see gemm_sm90_body); fp32 out.
+//
 // Epilogues (template parameter EPI):
-//   kEpiF32         C = acc, fp32 [M, N] with leading dimension ldc
+//   kEpiF32         C = alpha * acc (+ C if accumulate), fp32 [M, N] with leading dimension ldc; alpha is
+//                   *acc_scale where given (the engine's device constant), else GemmArgs::alpha
 //   kEpiDgeluBf16   C = bf16(acc * gelu'(x, t)) (bits, uint16), x = linear1_out, t = tanh_inner
 //                   (fp32 [M, N]); t == nullptr recomputes t from x (memory mode)
 //   kEpiDgeluF16    C = fp16(alpha * acc * gelu'(x, t)), alpha a power of two chosen by the caller, or
@@ -52,7 +56,7 @@
 //          nothing that can deadlock. It costs CUPYFFN_XS_STAGE_DROP pipeline stages to make room.
 //
 // Constraints (checked by cupyffn/_sm90_gemm.py): K >= 1; lda, ldb multiples of 8 elements and A, B
-// 16-byte aligned (TMA); ldc, ldx, ldt even (pairs of columns are stored/loaded together) and C, x, t
+// 16-byte aligned (TMA; the pair's e4m3 rows: multiples of 16 bytes, k8 a positive multiple of 16); ldc, ldx, ldt even (pairs of columns are stored/loaded together) and C, x, t
 // 16-byte aligned; the staged epilogue also needs ldx, ldt multiples of 4 (16-byte row starts). Compile for sm_90a (wgmma, setmaxnreg): cupyffn/_sm90_gemm.py does.
 
 #include "common.cuh"
