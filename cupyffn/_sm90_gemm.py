@@ -487,10 +487,14 @@ def _operand_maps(op, a_ptr, lda, b_ptr, ldb, b_layout, m, n, k, block_n, cluste
     """The tensor maps of A [M, K] (boxes of BLOCK_M rows x 64) and of B: [N, K] in boxes of block_n / cluster
     rows x 64 ("nk"; a cluster's CTAs load one part each), or [K, N] in boxes of 64 K-rows x 64 N-elements,
     block_n / 64 per stage ("kn")."""
-    map_a = _maps.get(a_ptr, m, k, lda * 2, op, BLOCK_M)
+    return _maps.get(a_ptr, m, k, lda * 2, op, BLOCK_M), _b_map(op, b_ptr, ldb, b_layout, n, k, block_n, cluster)
+
+
+def _b_map(op, b_ptr, ldb, b_layout, n, k, block_n, cluster=1):
+    """The tensor map of B (_operand_maps)."""
     if b_layout == "nk":
-        return map_a, _maps.get(b_ptr, n, k, ldb * 2, op, block_n // cluster)
-    return map_a, _maps.get(b_ptr, k, n, ldb * 2, op, 64)
+        return _maps.get(b_ptr, n, k, ldb * 2, op, block_n // cluster)
+    return _maps.get(b_ptr, k, n, ldb * 2, op, 64)
 
 
 def _grid(m, n, block_n, device_id, cluster=1, function_ptr=None, smem=0):
@@ -675,7 +679,7 @@ def _pair_maps(a_ptr, lda, a_layout, b_ptr, ldb, b_layout, a8_ptr, lda8, b8_ptr,
         map_a = _maps.get(a_ptr, m, k, lda * 2, OP_F16, BLOCK_M)
     else:
         map_a = _maps.get(a_ptr, k, m, lda * 2, OP_F16, 64)
-    _, map_b = _operand_maps(OP_F16, a_ptr, lda, b_ptr, ldb, b_layout, m, n, k, block_n)
+    map_b = _b_map(OP_F16, b_ptr, ldb, b_layout, n, k, block_n)
     map_a8 = _maps.get(a8_ptr, m, k8, lda8, OP_E4M3, BLOCK_M)
     map_b8 = _maps.get(b8_ptr, n, k8, ldb8, OP_E4M3, block_n)
     return map_a, map_b, map_a8, map_b8

@@ -174,3 +174,47 @@ def test_choose_config_at_the_workloads(T, config):
     CTA then has two or three of them (768, 1024), 128 x 256 cooperative elsewhere; memory mode 128 x 128 cooperative."""
     assert G.choose_config(T, 6144, 132) == config
     assert G.choose_config(T, 6144, 132, tanh_inner=False) == (128, False)
+
+
+@pytest.mark.parametrize("a_layout", G.A_LAYOUTS)
+def test_pair_launch_maps_args_and_grid(stand_ins, monkeypatch, a_layout):
+    """The pair launch (the fp16+fp8 plan's GEMM1, or GEMM2/GEMM4 with A MN-major): the four tensor maps' geometry,
+    the arguments the kernel reads, the grid, and a launch of exactly its variant on the given stream."""
+    looked_up = []
+
+    class Fn:
+        kernel = type("K", (), {"ptr": 4242})()
+
+    def pair_kernel(block_n, pingpong, a_layout_, b_layout, device_id):
+        looked_up.append((block_n, pingpong, a_layout_, b_layout))
+        return Fn()
+
+    monkeypatch.setattr(G, "_pair_kernel", pair_kernel)
+    m, n, k, k8 = 2048, 6144, 1536, 2 * 1536
+    lda = k if a_layout == "mk" else m
+    launch = G.PairLaunch(0x1000, lda, a_layout, 0x2000, n, "kn", 0x3000, k8, 0x4000, k8, m, n, k, k8,
+                          device_id=0, alpha_ptr=0x5008, pair_scale=8.0, block_n=256, out_ptr=0x6000)
+    a_map = (0x1000, m, k, 2 * lda, G.OP_F16, G.BLOCK_M) if a_layout == "mk" else (0x1000, k, m, 2 * lda, G.OP_F16, 64)
+    assert stand_ins.maps == [a_map, (0x2000, k, n, 2 * n, G.OP_F16, 64),  # B [K, N]: 64 x 64 boxes
+                              (0x3000, m, k8, k8, G.OP_E4M3, G.BLOCK_M), (0x4000, n, k8, k8, G.OP_E4M3, 256)]
+    assert looked_up == [(256, False, a_layout, "kn")]
+    a = launch.args
+    assert (a.c, a.ldc, a.m, a.n, a.k, a.k8, a.pair_scale, a.acc_scale, a.accumulate) == \
+        (0x6000, n, m, n, k, k8, 8.0, 0x5008, 0)
+    assert a.state is None and a.amax is None and a.rescue == 0  # the fp32 epilogue: no scale state
+    assert launch.grid == min(-(-m // G.BLOCK_M) * -(-n // 256), 132) and launch.smem == G.smem_bytes(256)
+    launched = []
+    driver = pytest.importorskip("cupy_backends.cuda.api.driver")
+    monkeypatch.setattr(driver, "launchKernel", lambda *argv: launched.append(argv))
+    launch(0x77)
+    function, grid, _, _, block, _, _, smem, stream, _, _ = launched[0]
+    assert (function, grid, block, smem, stream) == (4242, launch.grid, G.THREADS, G.smem_bytes(256), 0x77)
+    assert launch.node_params()[:4] == (4242, launch.grid, G.THREADS, G.smem_bytes(256))
+
+
+@pytest.mark.parametrize("m,n,want", [(8192, 6144, 256), (2048, 6144, 256), (1024, 6144, 128), (256, 6144, 128),
+                                      (1536, 6144, 128), (8192, 1536, 256)])
+def test_pair_config_fills_the_last_wave(m, n, want):
+    """choose_pair_config: 128 x 256 unless 128 x 128 fills the last wave better by more than 2%; never
+    ping-pong (measured 1.5-2.2x slower for the pair)."""
+    assert G.choose_pair_config(m, n, 132) == (want, False)
