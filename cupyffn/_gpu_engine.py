@@ -81,14 +81,21 @@ CONVERT_AB_TOKENS = {P.FMT_F16S: (1, 512)}
 SM90_PAIR_GEMMS = ("gemm1",)
 
 
-def switch_wanted(variable, windows, fmt, tokens):
-    """Whether the engine switch `variable` (an environment variable read when a plan is built: auto, the default,
-    1 or 0) asks for its mechanism in a plan of format `fmt` at `tokens`: 1 always, 0 never, auto where `windows`
-    ({format: (first, last)}: FUSED_GEMM1_TOKENS, CALL_GRAPH_TOKENS, CONVERT_AB_TOKENS) has first <= tokens <= last.
-    The caller adds what the mechanism itself needs."""
+def switch_choice(variable):
+    """The value of the engine switch `variable` (an environment variable read when a plan is built): "auto" (the
+    default), "1" or "0"."""
     choice = os.environ.get(variable, "auto")
     if choice not in ("0", "1", "auto"):
         raise ValueError(f"{variable} must be 0, 1 or auto, got {choice!r}")
+    return choice
+
+
+def switch_wanted(variable, windows, fmt, tokens):
+    """Whether the engine switch `variable` (switch_choice) asks for its mechanism in a plan of format `fmt` at
+    `tokens`: 1 always, 0 never, auto where `windows` ({format: (first, last)}: FUSED_GEMM1_TOKENS,
+    CALL_GRAPH_TOKENS, CONVERT_AB_TOKENS) has first <= tokens <= last. The caller adds what the mechanism itself
+    needs."""
+    choice = switch_choice(variable)
     window = windows.get(fmt)
     return choice == "1" or (choice == "auto" and window is not None and window[0] <= tokens <= window[1])
 
@@ -253,18 +260,19 @@ class GpuEngine:
         operands, a compute capability 9.0 GPU, rows of 16-byte multiples for the TMA unit (D, H multiples of 8)."""
         # a format FUSED_GEMM1_TOKENS does not list fuses only when asked to ("1")
         wanted = switch_wanted("CUPYFFN_SM90_GEMM1", FUSED_GEMM1_TOKENS, self.fmt, self.T)
-        return (wanted and self.fmt in FUSABLE_FORMATS and self.T > 0 and self.D % 8 == 0 and self.H % 8 == 0
-                and self.T < 2 ** 31 and _sm90_gemm.device_supported(self.device_id))
+        return wanted and self.fmt in FUSABLE_FORMATS and self.T > 0 and self._sm90_fits()
+
+    def _sm90_fits(self):
+        """Whether the sm90 kernels can run this plan's GEMMs: a compute capability 9.0 GPU, 16-bit rows of 16-byte
+        multiples for the TMA unit (D, H multiples of 8; the e4m3 pairs' rows always are), T below 2^31."""
+        return (self.D % 8 == 0 and self.H % 8 == 0 and self.T < 2 ** 31
+                and _sm90_gemm.device_supported(self.device_id))
 
     def _sm90_pair_gemms(self):
         """The GEMMs whose f16+e4m3 form runs as one sm90 pair kernel (SM90_PAIR_GEMMS; CUPYFFN_SM90_PAIR, read here:
-        auto, 1 every pair GEMM (comparisons), 0 none), where the kernel can run: a compute capability 9.0 GPU and
-        fp16 rows of 16-byte multiples for the TMA unit (D, H multiples of 8; the e4m3 pairs' rows always are)."""
-        choice = os.environ.get("CUPYFFN_SM90_PAIR", "auto")
-        if choice not in ("0", "1", "auto"):
-            raise ValueError(f"CUPYFFN_SM90_PAIR must be 0, 1 or auto, got {choice!r}")
-        if choice == "0" or self.D % 8 or self.H % 8 or self.T >= 2 ** 31 or \
-                not _sm90_gemm.device_supported(self.device_id):
+        auto, 1 every pair GEMM (comparisons), 0 none), where the kernel can run (_sm90_fits)."""
+        choice = switch_choice("CUPYFFN_SM90_PAIR")
+        if choice == "0" or not self._sm90_fits():
             return set()
         return set(P.GEMMS) if choice == "1" else set(SM90_PAIR_GEMMS)
 
@@ -664,12 +672,12 @@ class GpuEngine:
         """GEMM g's f16+e4m3 form as one sm90 pair launch over the scratch operands: the fp16 A ([T, cols] read
         MN-major for the weight gradients) and B ([K, N] as stored) and the e4m3 pairs (_E4M3_USES)."""
         m, n, k = self._mnk(g)
-        oa, ob = self.ops[a], self.ops[b]
-        a8, b8 = self.ops[f"{a}.e4{a_or}"], self.ops[f"{b}.e4{b_or}"]
+        a8, b8 = f"{a}.e4{a_or}", f"{b}.e4{b_or}"
+        k8 = self.ops[a8].dst_ld  # bytes per row of a pair: 2 * K padded to 16, the same for both
         block_n, pingpong = _sm90_gemm.choose_pair_config(m, n, _kernels.sm_count(self.device_id))
         launch = _sm90_gemm.PairLaunch(
-            self._addr(a), oa.dst_ld, "km" if g in ("gemm2", "gemm4") else "mk", self._addr(b), ob.dst_ld, "kn",
-            self._addr(f"{a}.e4{a_or}"), a8.dst_ld, self._addr(f"{b}.e4{b_or}"), b8.dst_ld, m, n, k, a8.dst_ld,
+            self._addr(a), self.ops[a].dst_ld, "km" if g in ("gemm2", "gemm4") else "mk", self._addr(b),
+            self.ops[b].dst_ld, "kn", self._addr(a8), k8, self._addr(b8), self.ops[b8].dst_ld, m, n, k, k8,
             device_id=self.device_id, alpha_ptr=alpha_ptr, pair_scale=P.E4M3_PAIR_SCALE, block_n=block_n,
             pingpong=pingpong, ldc=n)
         return _gemm.Sm90PairGemm(launch, f"{g} f16+e4m3 (sm90 pair kernel)")

@@ -548,15 +548,20 @@ def choose_config(m, n, sms, tanh_inner=True):
     if not tanh_inner:
         return (128, False)
 
-    def tiles(block_n):
-        return -(-m // BLOCK_M) * -(-n // block_n)
-
-    def fill(block_n):
-        return tiles(block_n) / (-(-tiles(block_n) // sms) * sms)
-
-    if fill(128) > fill(256) + 0.02:
-        return (128, sms < tiles(128) <= 3 * sms)
+    if _wave_fill(m, n, 128, sms) > _wave_fill(m, n, 256, sms) + 0.02:
+        return (128, sms < _tiles(m, n, 128) <= 3 * sms)
     return (256, False)
+
+
+def _tiles(m, n, block_n):
+    """Output tiles of BLOCK_M x block_n over an [m, n] output."""
+    return -(-m // BLOCK_M) * -(-n // block_n)
+
+
+def _wave_fill(m, n, block_n, sms):
+    """How full the waves of those tiles keep `sms` multiprocessors (1.0: the last wave is full too)."""
+    tiles = _tiles(m, n, block_n)
+    return tiles / (-(-tiles // sms) * sms)
 
 
 def choose_pair_config(m, n, sms):
@@ -565,13 +570,7 @@ def choose_pair_config(m, n, sms):
     Measured on the H200, GEMM1 at T = 256 ... 8192 (results/history/gemm-forms-pair-s8a.json): the rule's choice
     is the fastest schedule at every T; ping-pong is 1.5-2.2x slower everywhere (the pair's e4m3 stages bring
     the same bytes per stage in half the MMA time, so delivery, which ping-pong's tiles need more of, rules)."""
-    def tiles(block_n):
-        return -(-m // BLOCK_M) * -(-n // block_n)
-
-    def fill(block_n):
-        return tiles(block_n) / (-(-tiles(block_n) // sms) * sms)
-
-    return (128, False) if fill(128) > fill(256) + 0.02 else (256, False)
+    return (128, False) if _wave_fill(m, n, 128, sms) > _wave_fill(m, n, 256, sms) + 0.02 else (256, False)
 
 
 #: CTAs per cluster of the engine's fused launch (DgeluLaunch). 1 until clusters are measured faster there
@@ -758,9 +757,9 @@ def gemm_pair(a, b, a8, b8, out, *, alpha=1.0, pair_scale=8.0, accumulate=False,
     lda = _check_matrix(a, "a", a.shape, row_multiple=8)
     n, ldb = _check_b(b, b_layout, k, f"a's K ({a_layout!r})")
     k8, lda8 = _check_pair_8bit(a8, "a8", m)
-    if b8 is not None and getattr(b8, "ndim", 0) == 2 and b8.shape[1] != k8:
+    k8_b, ldb8 = _check_pair_8bit(b8, "b8", n)
+    if k8_b != k8:
         raise ValueError(f"b8 must have the k8 = {k8} columns of a8, got shape {b8.shape}")
-    _, ldb8 = _check_pair_8bit(b8, "b8", n)
     ldc = _check_matrix(out, "out", (m, n), numpy.float32)
     for name, v in (("alpha", alpha), ("pair_scale", pair_scale)):
         if not isinstance(v, (int, float)) or not math.isfinite(v):

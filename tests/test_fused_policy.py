@@ -9,10 +9,37 @@ from cupyffn import _gpu_engine as E
 from cupyffn import _precision as P
 
 
-def ok(fmt, tokens, dim=1536, hidden=6144, hopper=True, monkeypatch=None):
+def stand_in(fmt, tokens, dim, hidden, hopper, monkeypatch):
+    """An engine's fields the sm90 choices read, with GpuEngine._sm90_fits bound to them."""
     monkeypatch.setattr(E._sm90_gemm, "device_supported", lambda device_id: hopper)
     engine = types.SimpleNamespace(fmt=fmt, T=tokens, D=dim, H=hidden, device_id=0)
-    return E.GpuEngine._fused_gemm1_ok(engine)
+    engine._sm90_fits = lambda: E.GpuEngine._sm90_fits(engine)
+    return engine
+
+
+def ok(fmt, tokens, dim=1536, hidden=6144, hopper=True, monkeypatch=None):
+    return E.GpuEngine._fused_gemm1_ok(stand_in(fmt, tokens, dim, hidden, hopper, monkeypatch))
+
+
+def pair_gemms(tokens=8192, dim=1536, hidden=6144, hopper=True, monkeypatch=None):
+    return E.GpuEngine._sm90_pair_gemms(stand_in(P.FMT_F16E4M3, tokens, dim, hidden, hopper, monkeypatch))
+
+
+def test_sm90_pair_gemms(monkeypatch):
+    """fp16+fp8: which pair GEMMs run as the sm90 pair kernel (CUPYFFN_SM90_PAIR) and where the kernel cannot run."""
+    monkeypatch.delenv("CUPYFFN_SM90_PAIR", raising=False)
+    assert pair_gemms(monkeypatch=monkeypatch) == {"gemm1"} == set(E.SM90_PAIR_GEMMS)
+    assert pair_gemms(dim=1532, monkeypatch=monkeypatch) == set()     # rows not 16-byte multiples for TMA
+    assert pair_gemms(hidden=6140, monkeypatch=monkeypatch) == set()
+    assert pair_gemms(hopper=False, monkeypatch=monkeypatch) == set()  # sm_90a code runs on cc 9.0 only
+    monkeypatch.setenv("CUPYFFN_SM90_PAIR", "1")
+    assert pair_gemms(monkeypatch=monkeypatch) == set(P.GEMMS)
+    assert pair_gemms(hopper=False, monkeypatch=monkeypatch) == set()
+    monkeypatch.setenv("CUPYFFN_SM90_PAIR", "0")
+    assert pair_gemms(monkeypatch=monkeypatch) == set()
+    monkeypatch.setenv("CUPYFFN_SM90_PAIR", "yes")
+    with pytest.raises(ValueError, match="CUPYFFN_SM90_PAIR must be 0, 1 or auto"):
+        pair_gemms(monkeypatch=monkeypatch)
 
 
 def test_default_windows(monkeypatch):

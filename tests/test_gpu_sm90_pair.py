@@ -18,6 +18,8 @@ pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy")
 from cupyffn import _numpy_backend as nb, _precision as P, _sm90_gemm as G  # noqa: E402
+from test_gpu_sm90_gemm import padded  # noqa: E402  (tests/ is on sys.path under pytest's rootdir conftest)
+from test_numpy_backend import rel_l2  # noqa: E402
 
 F64 = numpy.float64
 CONFIGS = [pytest.param(bn, pp, id=f"bn{bn}{'pp' if pp else ''}") for bn, pp in G.CONFIGS]
@@ -53,21 +55,9 @@ def e4m3_bits(values):
     return numpy.where((v < 0), code | 0x80, code).astype(numpy.uint8)
 
 
-def rel_l2(got, want):
-    got, want = numpy.asarray(got, dtype=F64), numpy.asarray(want, dtype=F64)
-    return float(numpy.linalg.norm(got - want) / numpy.linalg.norm(want))
-
-
-def padded(rows, cols, dtype, ld_multiple, fill, extra_rows=1, extra_cols=8):
-    """A [rows, cols] view into a bigger buffer filled with `fill` (row stride a multiple of ld_multiple, margins
-    right and below). Returns (view, buffer)."""
-    ld = -(-(cols + extra_cols) // ld_multiple) * ld_multiple
-    buf = cupy.full((rows + extra_rows, ld), fill, dtype=dtype)
-    return buf[:rows, :cols], buf
-
-
 def device_copy(host, ld_multiple, fill):
-    view, buf = padded(*host.shape, host.dtype, ld_multiple, fill)
+    """host on the device as a view with margins right and below filled with `fill`."""
+    view, buf = padded(*host.shape, host.dtype, ld_multiple, fill, extra_rows=1, extra_cols=8)
     view[...] = cupy.asarray(host)
     return view, buf
 
@@ -102,7 +92,7 @@ SHAPES = [(200, 136, 200, 48), (1, 24, 8, 16), (300, 520, 1000, 2016), (1100, 21
 def test_pair_against_float64(m, n, k, k8, a_layout, b_layout, block_n, pingpong):
     rng = numpy.random.default_rng([m, n, k, k8, block_n, pingpong, len(a_layout + b_layout)])
     (a, b, a8, b8), (a64, b64, a864, b864) = operands(rng, m, n, k, k8, a_layout, b_layout)
-    out, buf = padded(m, n, numpy.float32, 4, numpy.nan)
+    out, buf = padded(m, n, numpy.float32, 4, numpy.nan, extra_rows=1, extra_cols=8)
     got = G.gemm_pair(a, b, a8, b8, out, alpha=0.5, pair_scale=8.0, a_layout=a_layout, b_layout=b_layout,
                       block_n=block_n, pingpong=pingpong)
     assert got is out
