@@ -23,6 +23,16 @@ epilogue (whole calls 0.90-0.975 of the cuBLAS route on 15 of the 16 workloads, 
 27f16b9; before it, at T >= 2048 the cuBLAS route's dgelu pass overlapping GEMM2 on the side stream had been
 worth more than the fusion, docs/perf-notes.md). The environment variable CUPYFFN_SM90_GEMM1 (read when a
 plan is built) overrides: 0 never, 1 at every T (comparisons).
+With `gelu_in_gemm1` (tf32, fused, weight gradients wanted; GELU_EPILOGUE_TOKENS) the fused epilogue also writes
+GEMM2's operand gelu_out = 0.5 x (1 + t) as scaled fp16 codes, from the linear1_out and tanh_inner it holds
+anyway (EPI_DGELU_F16G), so convert B does not read the caller's gelu_out (T x H fp32, the largest input after
+linear1_out and tanh_inner) and GEMM2 runs after GEMM1's rescue launch instead of beside GEMM1:
+
+    S : convert A ──► GEMM1 + dgelu + gelu_out ──► decide, rescue ──┬─► GEMM3 ──────────────────► join
+    S2: convert B (hidden_states, weight1) ──────────────(B)─┘      └─► GEMM2 ──► GEMM4 ─────────┘
+
+gelu_out is defined as that product (the backward's docstring), and 0.5 * x * (1 + t) in fp32 is what the
+forward computes, so the codes are those the conversion would have written.
 The same kernel can serve the bf16x3 plan (epilogue writing grad_linear1's three bf16 planes; one launch, no
 scale to decide), but measured slower over the whole call at every T, so only CUPYFFN_SM90_GEMM1=1 turns it on.
 
@@ -71,6 +81,11 @@ CALL_GRAPH_TOKENS = {P.FMT_F16S: (1, 512)}
 #: (results/history/ab-convert-ab-s7i.json): 0.928-0.930 at T = 256, 0.983 at 512, 1.00-1.03 from T = 1024 on
 #: (there GEMM1 + dgelu, started after convert A, gains more from convert B filling its last wave).
 CONVERT_AB_TOKENS = {P.FMT_F16S: (1, 512)}
+
+
+#: Per format, T at which the fused GEMM1 also writes gelu_out's fp16 codes for GEMM2 (module docstring;
+#: CUPYFFN_GELU_EPILOGUE=auto; 1 wherever the fused tf32 GEMM1 runs, 0 never).
+GELU_EPILOGUE_TOKENS = {P.FMT_F16S: (1, 2 ** 31 - 1)}
 
 
 #: fp16+fp8: the GEMMs whose f16+e4m3 form runs as one launch of the sm90 pair kernel (kernels_cu/gemm_sm90.cu
@@ -183,6 +198,7 @@ class GpuEngine:
             self._allocate_state()
             self._choose_forms()
             self.fused_gemm1 = self._fused_gemm1_ok()
+            self.gelu_in_gemm1 = self._gelu_in_gemm1_ok()
             self._layout()
             self._allocate()
             self._side = cupy.cuda.Stream(non_blocking=True)
@@ -261,6 +277,12 @@ class GpuEngine:
         # a format FUSED_GEMM1_TOKENS does not list fuses only when asked to ("1")
         wanted = switch_wanted("CUPYFFN_SM90_GEMM1", FUSED_GEMM1_TOKENS, self.fmt, self.T)
         return wanted and self.fmt in FUSABLE_FORMATS and self.T > 0 and self._sm90_fits()
+
+    def _gelu_in_gemm1_ok(self):
+        """Whether the fused GEMM1 writes gelu_out's codes for GEMM2 (GELU_EPILOGUE_TOKENS; CUPYFFN_GELU_EPILOGUE,
+        read here: auto, 1, 0): the tf32 plan's fused GEMM1, in a plan that computes the weight gradients."""
+        wanted = switch_wanted("CUPYFFN_GELU_EPILOGUE", GELU_EPILOGUE_TOKENS, self.fmt, self.T)
+        return wanted and self.fused_gemm1 and self.fmt == P.FMT_F16S and self.need_weight_grads
 
     def _sm90_fits(self):
         """Whether the sm90 kernels can run this plan's GEMMs: a compute capability 9.0 GPU, 16-bit rows of 16-byte
@@ -352,6 +374,8 @@ class GpuEngine:
         present = lambda names: [n for n in names if n in ops]  # noqa: E731
         self.cvt_a = present(("grad_output", "weight2"))
         self.cvt_b = present(("gelu_out",) if self.lean else ("gelu_out", "hidden_states", "weight1"))
+        if self.gelu_in_gemm1:  # GEMM1's epilogue writes gelu_out's codes
+            self.cvt_b.remove("gelu_out")
         self.convert_ab = self._convert_ab_ok()
         if self.convert_ab:
             self.cvt_a, self.cvt_b = self.cvt_a + self.cvt_b, []
@@ -513,9 +537,11 @@ class GpuEngine:
         self._consts_ptr = vp(self._consts.data.ptr)
         sms = _kernels.sm_count(dev)
         # stage -> (names, alpha mask of its rescue pass, arrival counter)
-        # (convert_ab: one launch for both, whose rescue pass writes GEMM1's and GEMM2's alphas)
-        stages = {"convert A": (self.cvt_a, 0b0011 if self.convert_ab else 0b0001, 0),
-                  "convert B": (self.cvt_b, 0b0010, 1),
+        # (convert_ab: one launch for both, whose rescue pass writes GEMM1's and GEMM2's alphas; gelu_in_gemm1:
+        # GEMM2's alpha is the fused rescue launch's, once gelu_out's exponent is decided)
+        gemm2_alpha = 0 if self.gelu_in_gemm1 else 0b0010
+        stages = {"convert A": (self.cvt_a, 0b0001 | (gemm2_alpha if self.convert_ab else 0), 0),
+                  "convert B": (self.cvt_b, gemm2_alpha, 1),
                   "convert late": (self.cvt_late, 0, 3)}
         self._convert = {}
         for stage, (names, alpha_mask, counter) in stages.items():
@@ -558,10 +584,15 @@ class GpuEngine:
         slot = P.SLOT["grad_linear1"]
         common = dict(state_ptr=self._state.data.ptr, consts_ptr=self._consts.data.ptr,
                       acc_scale_ptr=self._consts.data.ptr + 4 * 2, slot=slot, device_id=self.device_id)
+        decided, alphas = 1 << slot, 0b1100  # grad_linear1's exponent; GEMM3's and GEMM4's alphas
+        if self.gelu_in_gemm1:  # and gelu_out's (its partner, grad_output, is final); GEMM2's alpha
+            g = self.ops["gelu_out"]
+            common.update(gelu_ptr=self._addr("gelu_out"), ldg=g.dst_ld, gelu_slot=P.SLOT["gelu_out"])
+            decided, alphas = decided | 1 << P.SLOT["gelu_out"], alphas | 0b0010
         self._fused = _sm90_gemm.DgeluLaunch(*where, rescue=False, alpha_mask=0, **common)
-        self._fused_rescue = _sm90_gemm.DgeluLaunch(*where, rescue=True, alpha_mask=0b1100, **common)
+        self._fused_rescue = _sm90_gemm.DgeluLaunch(*where, rescue=True, alpha_mask=alphas, **common)
         decide = _kernels.get_function("dgelu", "f16_decide_kernel", self.device_id)
-        self._decide = _kernels.KernelLaunch(decide, ctypes.c_void_p(self._state.data.ptr), ctypes.c_int(slot))
+        self._decide = _kernels.KernelLaunch(decide, ctypes.c_void_p(self._state.data.ptr), ctypes.c_int(decided))
         self._decide.block = 32
 
     def _ensure_ieee_gelu(self):
@@ -807,7 +838,9 @@ class GpuEngine:
             record(self._ev_a, S)
             s2_after_a = self.fmt in (P.FMT_F16S, P.FMT_F16E4M3) and bool(self.cvt_b)
             if s2_after_a:
-                wait(S2, self._ev_a)  # convert B's rescue writes alpha2, which needs grad_output's scale
+                # convert B's rescue writes alpha2, which needs grad_output's scale (with gelu_in_gemm1 it writes no
+                # alpha; convert B still follows A, which GEMM1 waits for, rather than halve A's bandwidth)
+                wait(S2, self._ev_a)
             self._convert_stage("convert B", S2, mark)
             if self._recompute_g and self._ieee_gelu is not None:
                 self._launch(self._ieee_gelu[1], S2)
@@ -819,7 +852,7 @@ class GpuEngine:
             else:
                 self._gemm(0, self.gemm1, self._main)
                 mark("GEMM1 grad_gelu")
-            if self.gemm2 is not None:
+            if self.gemm2 is not None and not self.gelu_in_gemm1:
                 if not s2_after_a:  # grad_output converted (S2 already waits for it where convert B did)
                     wait(S2, self._ev_a)
                 self._gemm(1, self.gemm2, side)
@@ -841,6 +874,10 @@ class GpuEngine:
                     mark("f16 rescue")
             self._convert_stage("convert late", S, mark)
             record(self._ev_d, S)
+            if self.gemm2 is not None and self.gelu_in_gemm1:  # gelu_out's codes and GEMM2's alpha are final
+                wait(S2, self._ev_d)
+                self._gemm(1, self.gemm2, side)
+                mark("GEMM2 grad_weight2")
             if self.gemm3 is not None:
                 self._gemm(2, self.gemm3, self._main)
                 if grad_hidden_ready:

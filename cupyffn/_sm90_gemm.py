@@ -98,6 +98,7 @@ EPI_F32 = 0
 EPI_DGELU_BF16 = 1
 EPI_DGELU_F16 = 2
 EPI_DGELU_BF16X3 = 3  # three bf16 planes (hi, lo, hi) side by side in a row: the bf16x3 plan's grad_linear1
+EPI_DGELU_F16G = 4  # EPI_DGELU_F16 and gelu_out = 0.5 x (1 + t) as fp16 codes too: GEMM2's operand, from GEMM1's epilogue
 
 #: (block_n, pingpong) schedules: cooperative 128x128 and 128x256 tiles, ping-pong 128x128 (see gemm_sm90.cu).
 CONFIGS = ((128, False), (256, False), (128, True))
@@ -116,15 +117,24 @@ CLUSTERS = (1, 2)
 _KERNEL_NAMES = {1: "gemm_sm90_kernel", 2: "gemm_sm90_cluster2_kernel"}
 
 
+#: The one (epilogue, block_n, pingpong) without a staged variant: EPI_DGELU_F16G on the 128 x 256 cooperative tile
+#: spills there (128 accumulators per thread and two outputs; tests/test_kernels_compile.py fails on spills). The
+#: engine takes the 128 x 128 ping-pong tile instead (choose_config), gemm_tn_dgelu the direct epilogue.
+GELU_NO_STAGED = (EPI_DGELU_F16G, 256, False)
+#: Dgelu epilogues that exist for one operand type only.
+_OWN_EPILOGUES = {OP_F16: (EPI_DGELU_F16G,), OP_BF16: (EPI_DGELU_BF16X3,)}
+
+
 def _variants():
     for cl in CLUSTERS:
         for bt in (0, 1):
             for op in (OP_F16, OP_BF16):
                 for bn, pp in CONFIGS:
                     yield op, bn, EPI_F32, pp, False, bt, cl
-                    for epi in (EPI_DGELU_BF16, EPI_DGELU_F16) + ((EPI_DGELU_BF16X3,) if op == OP_BF16 else ()):
+                    for epi in (EPI_DGELU_BF16, EPI_DGELU_F16) + _OWN_EPILOGUES[op]:
                         for staged in (False, True):
-                            yield op, bn, epi, pp, staged, bt, cl
+                            if not (staged and (epi, bn, pp) == GELU_NO_STAGED):
+                                yield op, bn, epi, pp, staged, bt, cl
 
 
 #: How the pair kernel's fp16 A is laid out: "mk" ([M, K], K contiguous) or "km" ([K, M], M contiguous: grad_output /
@@ -190,7 +200,7 @@ class TmaDesc(ctypes.Structure):
 
 
 class GemmArgs(ctypes.Structure):
-    """Mirror of ``struct GemmArgs`` in gemm_sm90.cu (128 bytes)."""
+    """Mirror of ``struct GemmArgs`` in gemm_sm90.cu (160 bytes)."""
 
     _fields_ = [
         ("c", ctypes.c_void_p),
@@ -215,6 +225,11 @@ class GemmArgs(ctypes.Structure):
         ("pair_scale", ctypes.c_float),
         ("k8", ctypes.c_int),
         ("accumulate", ctypes.c_int),
+        ("g", ctypes.c_void_p),
+        ("ldg", ctypes.c_longlong),
+        ("g_amax", ctypes.c_void_p),
+        ("g_slot", ctypes.c_int),
+        ("g_alpha", ctypes.c_float),
     ]
 
 
@@ -414,7 +429,7 @@ def _span(x, ld):
     return x.data.ptr, x.data.ptr + ((x.shape[0] - 1) * ld + x.shape[1]) * item
 
 
-def _check_no_overlap(out, out_ld, inputs):
+def _check_no_overlap(out, out_ld, inputs, out_name="out"):
     if out.size == 0:
         return
     lo, hi = _span(out, out_ld)
@@ -423,7 +438,7 @@ def _check_no_overlap(out, out_ld, inputs):
             continue
         a, b = _span(x, ld)
         if a < hi and lo < b:
-            raise ValueError(f"out must not overlap {name}")
+            raise ValueError(f"{out_name} must not overlap {name}")
 
 
 def _check_device(arrays):
@@ -535,7 +550,7 @@ def _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream, staged=Fal
                         ctypes.addressof(argv), 0)
 
 
-def choose_config(m, n, sms, tanh_inner=True):
+def choose_config(m, n, sms, tanh_inner=True, gelu_out=False):
     """The (block_n, pingpong) of a fused GEMM1 + dgelu of an [m, n] output on `sms` multiprocessors.
 
     With tanh_inner given: the 128 x 128 tile if it fills the last wave better than 128 x 256 by more than 2%,
@@ -544,13 +559,16 @@ def choose_config(m, n, sms, tanh_inner=True):
     Memory mode (tanh_inner recomputed): the 128 x 128 cooperative tile everywhere (64 accumulators per thread
     leave ptxas the registers for tanhf's temporaries; the 128-accumulator variants must serialize it).
     Measured, every schedule at T = 256 ... 8192, H = 6144 on the H200 (results/history/sweep-t-schedules-s6d.json,
-    docs/perf-notes.md session 6): the rule's choice is the fastest or within 3.1% of it at every T."""
+    docs/perf-notes.md session 6): the rule's choice is the fastest or within 3.1% of it at every T.
+    gelu_out (EPI_DGELU_F16G, which has no staged 128 x 256 cooperative variant: GELU_NO_STAGED): 128 x 128
+    ping-pong where the rule says 128 x 256 (in the same sweep, dgelu alone, 1.003x of 128 x 256 at T = 8192 and
+    1.04x at T = 4096; 128 x 128 cooperative 1.008x and 1.07x)."""
     if not tanh_inner:
         return (128, False)
 
     if _wave_fill(m, n, 128, sms) > _wave_fill(m, n, 256, sms) + 0.02:
         return (128, sms < _tiles(m, n, 128) <= 3 * sms)
-    return (256, False)
+    return (128, True) if gelu_out else (256, False)
 
 
 def _tiles(m, n, block_n):
@@ -592,12 +610,20 @@ class DgeluLaunch:
     2^state[slot], max |g| gathered into the state unless ``rescue``, the rescue launch of gemm_sm90.cu)
     or EPI_DGELU_BF16X3 (the bf16x3 plan: bf16 operands with K tripled, the three bf16 planes of the
     output side by side in each row; no scale: pass state_ptr, consts_ptr, acc_scale_ptr None).
+    ``gelu_ptr``, ``ldg``, ``gelu_slot`` (EPI_DGELU_F16 only): also write gelu_out = 0.5 x (1 + t) there as fp16
+    codes scaled by 2^state[gelu_slot], gathering its max into that slot unless ``rescue`` (EPI_DGELU_F16G: GEMM2's
+    operand, formed in this epilogue instead of converted from the caller's gelu_out; the rescue launch then
+    runs when either slot's exponent moved).
     ``cluster``: CTAs per cluster (CLUSTERS), default FUSED_CLUSTER."""
 
     def __init__(self, a_ptr, lda, b_ptr, ldb, b_layout, out_ptr, ldc, m, n, k, *, state_ptr, consts_ptr,
-                 acc_scale_ptr, slot, rescue, alpha_mask, device_id, epi=EPI_DGELU_F16, cluster=None):
+                 acc_scale_ptr, slot, rescue, alpha_mask, device_id, epi=EPI_DGELU_F16, cluster=None,
+                 gelu_ptr=None, ldg=0, gelu_slot=None):
         if epi not in (EPI_DGELU_F16, EPI_DGELU_BF16X3):
             raise ValueError(f"epi must be EPI_DGELU_F16 or EPI_DGELU_BF16X3, got {epi!r}")
+        if gelu_ptr is not None and (epi != EPI_DGELU_F16 or not state_ptr or gelu_slot is None or ldg != ldc):
+            raise ValueError("gelu_ptr needs epi=EPI_DGELU_F16, a state_ptr, a gelu_slot and ldg == ldc (the staged "
+                             "epilogue addresses both outputs' rows with ldc)")
         self.cluster = FUSED_CLUSTER if cluster is None else cluster
         _check_cluster(self.cluster)
         op = OP_F16 if epi == EPI_DGELU_F16 else OP_BF16
@@ -605,9 +631,15 @@ class DgeluLaunch:
         gather = state_ptr + 4 * (_kernels.STATE_SLOTS + slot) if state_ptr and not rescue else None
         self.args = GemmArgs(out_ptr, None, None, ldc, 0, 0, m, n, k, 1.0, gather, acc_scale_ptr, state_ptr,
                              consts_ptr, slot, int(rescue), alpha_mask, 1, FUSED_RASTER)
+        if gelu_ptr is not None:
+            epi = EPI_DGELU_F16G
+            self.args.g, self.args.ldg, self.args.g_slot, self.args.g_alpha = gelu_ptr, ldg, gelu_slot, 1.0
+            self.args.g_amax = None if rescue else state_ptr + 4 * (_kernels.STATE_SLOTS + gelu_slot)
+        self.epi = epi
         # per (tanh_inner given, staged epilogue): the schedule (choose_config: memory mode has its own), the
         # function, its dynamic shared memory and grid, and the kernel arguments (tensor maps of its block_n)
-        self.configs = {has_t: choose_config(m, n, sms, tanh_inner=has_t) for has_t in (True, False)}
+        self.configs = {has_t: choose_config(m, n, sms, tanh_inner=has_t, gelu_out=gelu_ptr is not None)
+                        for has_t in (True, False)}
         self._variants = {}
         for has_t, (block_n, pingpong) in self.configs.items():
             map_a, map_b = _operand_maps(op, a_ptr, lda, b_ptr, ldb, b_layout, m, n, k, block_n, self.cluster)
@@ -780,8 +812,25 @@ def gemm_pair(a, b, a8, b8, out, *, alpha=1.0, pair_scale=8.0, accumulate=False,
     return out
 
 
+def _check_amax(amax, name):
+    import cupy
+    import numpy
+
+    if amax is not None and (not isinstance(amax, cupy.ndarray) or amax.dtype != numpy.uint32 or amax.size != 1):
+        raise ValueError(f"{name} must be None or a 1-element uint32 cupy.ndarray, got "
+                         f"{getattr(amax, 'dtype', type(amax).__name__)} {getattr(amax, 'shape', '')}")
+
+
+def _check_power_of_two(alpha, name):
+    alpha = float(alpha)
+    if not (math.isfinite(alpha) and alpha > 0 and math.frexp(alpha)[0] == 0.5 and -126 <= math.frexp(alpha)[1] - 1 <= 127):
+        raise ValueError(f"{name} must be a power of two 2^e with -126 <= e <= 127 (a normal float), got {alpha}")
+    return alpha
+
+
 def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, block_n=256, pingpong=False,
-                  epilogue=None, b_layout="nk", planes=1, cluster=1, raster=0, stream=None):
+                  epilogue=None, b_layout="nk", planes=1, cluster=1, raster=0, stream=None, gelu_out=None,
+                  gelu_alpha=1.0, gelu_amax=None):
     """GEMM1 with the GELU derivative fused: g = (a @ b^T) * gelu'(linear1_out, tanh_inner) in fp32,
     stored as bf16 bits (out uint16 [M, N]), as three bf16 planes (planes=3: out uint16 [M, 3N], columns
     [0, N) hi = bf16(g), [N, 2N) lo = bf16(g - hi), [2N, 3N) hi), or as fp16(alpha * g) (out float16);
@@ -794,7 +843,10 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, b
     epilogue, one of EPILOGUES ("staged": cp.async into shared memory during the mainloop, which needs
     every row of linear1_out and tanh_inner on a 16-byte boundary (row strides multiples of 4);
     "direct": global loads in the epilogue), or None: staged where the rows allow it, else direct.
-    Both give bitwise the same out and amax, and so do both cluster sizes and every raster (as in gemm_tn)."""
+    Both give bitwise the same out and amax, and so do both cluster sizes and every raster (as in gemm_tn).
+    gelu_out (float16 out only): a float16 [M, N] array that also receives fp16(gelu_alpha * 0.5 x (1 + t)), x =
+    linear1_out, t = tanh_inner (or recomputed), the forward's GELU output as GEMM2's operand; gelu_alpha a power of
+    two; gelu_amax as amax, for max |0.5 x (1 + t)|."""
     import numpy
 
     _check_config(block_n, pingpong)
@@ -819,25 +871,27 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, b
         if alpha != 1.0:
             raise ValueError(f"alpha applies to a float16 out only; with bf16 (uint16) out it must be 1.0, got {alpha}")
     elif out_dtype == numpy.float16:
-        epi = EPI_DGELU_F16
+        epi = EPI_DGELU_F16 if gelu_out is None else EPI_DGELU_F16G
     else:
         raise ValueError(f"out must be uint16 (bf16 bit patterns) or float16, got {out_dtype}")
-    alpha = float(alpha)
-    if not (math.isfinite(alpha) and alpha > 0 and math.frexp(alpha)[0] == 0.5 and -126 <= math.frexp(alpha)[1] - 1 <= 127):
-        raise ValueError(f"alpha must be a power of two 2^e with -126 <= e <= 127 (a normal float), got {alpha}")
+    if gelu_out is None and (gelu_alpha != 1.0 or gelu_amax is not None):
+        raise ValueError("gelu_alpha and gelu_amax apply only with a gelu_out array")
+    if gelu_out is not None and epi != EPI_DGELU_F16G:
+        raise ValueError(f"gelu_out is written only beside a float16 out, got out {out_dtype}")
+    alpha = _check_power_of_two(alpha, "alpha")
+    gelu_alpha = _check_power_of_two(gelu_alpha, "gelu_alpha")
     ldc = _check_matrix(out, "out", (m, planes * n))
-    if amax is not None:
-        import cupy
-
-        if not isinstance(amax, cupy.ndarray) or amax.dtype != numpy.uint32 or amax.size != 1:
-            raise ValueError(f"amax must be None or a 1-element uint32 cupy.ndarray, got "
-                             f"{getattr(amax, 'dtype', type(amax).__name__)} {getattr(amax, 'shape', '')}")
+    ldg = _check_matrix(gelu_out, "gelu_out", (m, n), numpy.float16) if gelu_out is not None else 0
+    _check_amax(amax, "amax")
+    _check_amax(gelu_amax, "gelu_amax")
     _check_device((("a", a), ("b", b), ("linear1_out", linear1_out), ("tanh_inner", tanh_inner), ("out", out),
-                   ("amax", amax)))
+                   ("amax", amax), ("gelu_out", gelu_out), ("gelu_amax", gelu_amax)))
     _check_size(m, n, k)
-    _check_no_overlap(out, ldc, (("a", a, lda), ("b", b, ldb), ("linear1_out", linear1_out, ldx),
-                                 ("tanh_inner", tanh_inner, ldt)))
-    for name, ld in (("out", ldc), ("linear1_out", ldx), ("tanh_inner", ldt)):
+    inputs = (("a", a, lda), ("b", b, ldb), ("linear1_out", linear1_out, ldx), ("tanh_inner", tanh_inner, ldt))
+    _check_no_overlap(out, ldc, inputs)
+    if gelu_out is not None:
+        _check_no_overlap(gelu_out, ldg, inputs + (("out", out, ldc),), out_name="gelu_out")
+    for name, ld in (("out", ldc), ("linear1_out", ldx), ("tanh_inner", ldt), ("gelu_out", ldg)):
         if ld >= 2 ** 31:  # the epilogue forms row offsets as 32 x 32-bit products
             raise ValueError(f"{name} must have a row stride below 2^31 elements, got {ld}")
     if m == 0 or n == 0:
@@ -845,8 +899,15 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, b
     # the staged epilogue copies 16-byte chunks of rows
     off_16b = [(name, ld) for name, x, ld in (("linear1_out", linear1_out, ldx), ("tanh_inner", tanh_inner, ldt))
                if x is not None and not _rows_aligned(x.data.ptr, ld, x.shape[0], 16)]
+    no_staged = (epi, block_n, bool(pingpong)) == GELU_NO_STAGED
     if epilogue is None:
-        epilogue = "direct" if off_16b else "staged"
+        epilogue = "direct" if off_16b or no_staged or ldg not in (0, ldc) else "staged"
+    elif epilogue == "staged" and no_staged:
+        raise ValueError("gelu_out with block_n=256 cooperative has no staged epilogue (that variant would spill "
+                         "registers); pass epilogue='direct' or None, or another schedule")
+    elif epilogue == "staged" and ldg not in (0, ldc):
+        raise ValueError(f"epilogue='staged' with gelu_out needs gelu_out's row stride equal to out's ({ldc}), got "
+                         f"{ldg}; epilogue=None falls back to 'direct'")
     elif epilogue == "staged" and off_16b:
         name, ld = off_16b[0]
         raise ValueError(f"epilogue='staged' needs {name} rows on 16-byte boundaries (a row stride that is a "
@@ -854,6 +915,9 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, b
     args = GemmArgs(out.data.ptr, linear1_out.data.ptr, tanh_inner.data.ptr if tanh_inner is not None else None,
                     ldc, ldx, ldt, m, n, k, alpha, amax.data.ptr if amax is not None else None,
                     xt_pairs=1, raster=raster)  # xt_pairs: even row strides and 16-byte aligned data, checked above
+    if gelu_out is not None:
+        args.g, args.ldg, args.g_alpha = gelu_out.data.ptr, ldg, gelu_alpha
+        args.g_amax = gelu_amax.data.ptr if gelu_amax is not None else None
     _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream, staged=epilogue == "staged", b_layout=b_layout,
             cluster=cluster)
     return out

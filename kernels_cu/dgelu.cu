@@ -92,8 +92,12 @@ __global__ void __launch_bounds__(256, 6) dgelu_kernel(const __grid_constant__ D
 }
 
 // The decision after a fused GEMM1 + dgelu gathering launch (kernels_cu/gemm_sm90.cu gathers max |g| of
-// grad_linear1 into the state, as dgelu_kernel's gathering pass does): one thread decides `slot`, launched
-// once the exponents of its GEMM partners (weight1, hidden_states) are final; the fused rescue launch follows.
-extern "C" __global__ void f16_decide_kernel(int* state, int slot) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) cupyffn::f16_decide_slot(state, slot);
+// grad_linear1 into the state, as dgelu_kernel's gathering pass does, and with kEpiDgeluF16G max |gelu_out|):
+// one thread decides the slots in slot_mask, launched once the exponents of their GEMM partners (weight1,
+// hidden_states; grad_output) are final; the fused rescue launch follows.
+extern "C" __global__ void f16_decide_kernel(int* state, int slot_mask) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  for (int s = 0; s < kSlots; ++s) {
+    if ((slot_mask >> s) & 1) cupyffn::f16_decide_slot(state, s);
+  }
 }

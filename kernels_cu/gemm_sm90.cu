@@ -35,6 +35,10 @@
 //                   (fp32 [M, N]); t == nullptr recomputes t from x (memory mode)
 //   kEpiDgeluF16    C = fp16(alpha * acc * gelu'(x, t)), alpha a power of two chosen by the caller, or
 //                   2^state[slot] from the engine's fp16 scale state (the "tf32" plan)
+//   kEpiDgeluF16G   kEpiDgeluF16, and GEMM2's operand as a second output: gelu_out = 0.5 x (1 + t) (the
+//                   forward's formula, in its order) as fp16 codes of gelu_out * 2^state[g_slot] (or g_alpha) in
+//                   g [M, N] (leading dimension ldg), max |gelu_out| folded into g_amax: the "tf32" plan forms
+//                   gelu_out from the x and t it holds anyway instead of converting the caller's copy
 //   kEpiDgeluBf16x3 g = acc * gelu'(x, t) as three bf16 planes side by side in each row of C: columns
 //                   [0, N) hi = bf16(g), [N, 2N) lo = bf16(g - hi), [2N, 3N) hi again (ldc >= 3N): the
 //                   bf16x3 plan's grad_linear1, the A operand (hi, lo, hi) of GEMM3 and GEMM4 (K tripled)
@@ -57,7 +61,8 @@
 //
 // Constraints (checked by cupyffn/_sm90_gemm.py): K >= 1; lda, ldb multiples of 8 elements and A, B
 // 16-byte aligned (TMA; the pair's e4m3 rows: multiples of 16 bytes, k8 a positive multiple of 16); ldc, ldx, ldt even (pairs of columns are stored/loaded together) and C, x, t
-// 16-byte aligned; the staged epilogue also needs ldx, ldt multiples of 4 (16-byte row starts). Compile for sm_90a (wgmma, setmaxnreg): cupyffn/_sm90_gemm.py does.
+// 16-byte aligned; the staged epilogue also needs ldx, ldt multiples of 4 (16-byte row starts), and with
+// kEpiDgeluF16G ldg == ldc (it addresses gelu_out's rows with ldc). Compile for sm_90a (wgmma, setmaxnreg): cupyffn/_sm90_gemm.py does.
 
 #include "common.cuh"
 
@@ -65,6 +70,7 @@
 #define kEpiDgeluBf16 1
 #define kEpiDgeluF16 2
 #define kEpiDgeluBf16x3 3
+#define kEpiDgeluF16G 4
 #define kOpF16 0
 #define kOpBf16 1
 #define kOpF16E4M3 2
@@ -114,8 +120,14 @@ struct GemmArgs {
   float pair_scale;  // the e4m3 product's weight against the fp16 one (a power of two: exact)
   int k8;            // K of the e4m3 operands (bytes per row in use; 0: no e4m3 stages)
   int accumulate;    // kEpiF32: 1 adds to C (the weight gradients' beta = 1), 0 overwrites it
+  // kEpiDgeluF16G: the second output, gelu_out as fp16 codes (GEMM2's B operand)
+  unsigned short* g;
+  long long ldg;
+  unsigned* g_amax;  // if not nullptr: max |gelu_out| (finite, unscaled) folded in as amax is
+  int g_slot;        // with state: gelu_out's scale slot (scale 2^state[g_slot]); without: scale g_alpha
+  float g_alpha;
 };
-static_assert(sizeof(GemmArgs) == 128, "GemmArgs layout is mirrored in cupyffn/_sm90_gemm.py");
+static_assert(sizeof(GemmArgs) == 160, "GemmArgs layout is mirrored in cupyffn/_sm90_gemm.py");
 static_assert(sizeof(TmaDesc) == 128, "a CUtensorMap is 128 bytes");
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
@@ -411,8 +423,14 @@ static_assert(xs_stages_for(256) >= 2 && xs_stages_for(128) >= 2 && xt_slots_for
 // through the mainloop (the ping-pong variants have none to spare).
 template <int EPI>
 __device__ __forceinline__ void epilogue_scales(const GemmArgs& args, float& acc_scale, float& out_scale) {
+  constexpr bool kF16 = EPI == kEpiDgeluF16 || EPI == kEpiDgeluF16G;
   acc_scale = args.acc_scale != nullptr ? *args.acc_scale : 1.0f;
-  out_scale = EPI == kEpiDgeluF16 ? (args.state != nullptr ? ldexpf(1.0f, args.state[args.slot]) : args.alpha) : 1.0f;
+  out_scale = kF16 ? (args.state != nullptr ? ldexpf(1.0f, args.state[args.slot]) : args.alpha) : 1.0f;
+}
+
+// kEpiDgeluF16G: the scale of the gelu_out codes.
+__device__ __forceinline__ float gelu_scale(const GemmArgs& args) {
+  return args.state != nullptr ? ldexpf(1.0f, args.state[args.g_slot]) : args.g_alpha;
 }
 
 // |v| for finite v, NaN for Inf and NaN (v * 0 + v: exact for finite v), so that one max, which ignores a NaN
@@ -461,6 +479,28 @@ __device__ __forceinline__ void store_dgelu_pair(unsigned short* p, int n, float
   if (one) p[0] = (unsigned short)codes;
 }
 
+// kEpiDgeluF16G's second output: gelu_out = 0.5 x (1 + t) of the pair (x0, t0), (x1, t1), written 0.5 * x * (1 + t)
+// as the forward (and convert.cu's gelu_out_of) writes it, folded into gamax (finite values only), rounded to fp16
+// after g_scale and stored at p as store_dgelu_pair stores (the same rounding and amax as convert.cu's FMT_F16S).
+// Both values go into gamax unpredicated: an element outside the matrix has x = t = 0 (zero-filled slots, or the
+// direct epilogue's zeros), so gelu_out = 0 there. (The 128 x 256 cooperative staged variant spills with this
+// epilogue, 52 bytes, with or without the predicates: the launcher has no such variant, cupyffn/_sm90_gemm.py.)
+__device__ __forceinline__ void store_gelu_pair(unsigned short* p, float x0, float t0, float x1, float t1, bool both,
+                                                bool one, float g_scale, float& gamax) {
+  const float g0 = 0.5f * x0 * (1.0f + t0), g1 = 0.5f * x1 * (1.0f + t1);
+  gamax = fmaxf(gamax, fmaxf(finite_or_nan(g0), finite_or_nan(g1)));
+  const __half2 h = __floats2half2_rn(g0 * g_scale, g1 * g_scale);
+  const unsigned codes = *reinterpret_cast<const unsigned*>(&h);
+  if (both) *reinterpret_cast<unsigned*>(p) = codes;
+  if (one) p[0] = (unsigned short)codes;
+}
+
+// The warp's maximum of `v`, folded into *dst by one atomicMax of lane 0 (non-negative floats order like their bits).
+__device__ __forceinline__ void warp_amax_to(unsigned* dst, float v, int lane) {
+  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  if (lane == 0 && v > 0.0f) atomicMax(dst, __float_as_uint(v));
+}
+
 // Stores a consumer's 64 x BN block of the tile whose top-left output element is (row0, col0).
 // wgmma's accumulator layout: thread `lane` of warp w holds, for each 8-column group j, columns
 // 8j + 2(lane % 4) + {0, 1} of rows 16w + lane / 4 (d[4j], d[4j+1]) and 16w + lane / 4 + 8 (d[4j+2], d[4j+3]).
@@ -468,7 +508,8 @@ template <int EPI, int BN>
 __device__ __forceinline__ void store_block(const float (&acc)[BN / 2], const GemmArgs& args, int row0, int col0,
                                             int tid) {
   const int warp = tid >> 5, lane = tid & 31;
-  float amax = 0.0f, acc_scale = 1.0f, out_scale = 1.0f;
+  float amax = 0.0f, acc_scale = 1.0f, out_scale = 1.0f, gamax = 0.0f, g_scale = 1.0f;
+  if constexpr (EPI == kEpiDgeluF16G) g_scale = gelu_scale(args);
   if constexpr (EPI != kEpiF32) {
     epilogue_scales<EPI>(args, acc_scale, out_scale);
   } else {  // fp32 out: the GEMM's alpha, from the device (the engine's consts) or the launch
@@ -528,14 +569,17 @@ __device__ __forceinline__ void store_block(const float (&acc)[BN / 2], const Ge
         v1 = (acc_scale * v1) * cupyffn::gelu_grad(x1, t1);
         unsigned short* p = static_cast<unsigned short*>(args.c) + (r * args.ldc + col);
         store_dgelu_pair<EPI>(p, args.n, v0, v1, pair, !pair, out_scale, amax);
+        if constexpr (EPI == kEpiDgeluF16G) {
+          store_gelu_pair(args.g + (r * args.ldg + col), x0, t0, x1, t1, pair, !pair, g_scale, gamax);
+        }
       }
     }
   }
   if constexpr (EPI != kEpiF32) {
-    if (args.amax != nullptr) {  // uniform: every thread of the warpgroup gets here
-      for (int offset = 16; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-      if (lane == 0 && amax > 0.0f) atomicMax(args.amax, __float_as_uint(amax));
-    }
+    if (args.amax != nullptr) warp_amax_to(args.amax, amax, lane);  // uniform: every thread gets here
+  }
+  if constexpr (EPI == kEpiDgeluF16G) {
+    if (args.g_amax != nullptr) warp_amax_to(args.g_amax, gamax, lane);
   }
 }
 
@@ -658,7 +702,7 @@ __device__ __forceinline__ void stage_xt_prologue(unsigned slots, const GemmArgs
 // this code: one call per half, alpha read once, the prologue loop not unrolled.)
 template <int EPI, int BN, int HALVES, int SLOTS, int H, bool HAS_T>
 __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], const GemmArgs& args, int row0, int col0,
-                                                  int tid, unsigned slots, float& amax) {
+                                                  int tid, unsigned slots, float& amax, float& gamax) {
   constexpr int kGroupsPerHalf = BN / kXtCols;
   constexpr int kGroups = HALVES * kGroupsPerHalf;
   static_assert(EPI != kEpiF32 && SLOTS >= 1 && SLOTS <= kGroups, "staged: dgelu epilogues, 1..groups slots");
@@ -672,6 +716,10 @@ __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], co
   const int cbase = col0 + 2 * (lane & 3);
   const int r_top = row0 + 64 * H + 16 * warp + (lane >> 2);
   unsigned short* const top_ptr = static_cast<unsigned short*>(args.c) + ((long long)r_top * (int)args.ldc + cbase);
+  // kEpiDgeluF16G: gelu_out's codes have C's leading dimension (the launcher checks), so each one's address is
+  // C's plus one distance, a kernel parameter (no register held for a second pointer through the half)
+  const long long g_delta = EPI == kEpiDgeluF16G ? args.g - static_cast<unsigned short*>(args.c) : 0;
+  const float g_scale = EPI == kEpiDgeluF16G ? gelu_scale(args) : 1.0f;
   const int left[2] = {r_top < args.m ? args.n - cbase : 0, r_top + 8 < args.m ? args.n - cbase : 0};
 #pragma unroll
   for (int jg = 0; jg < kGroupsPerHalf; ++jg) {
@@ -701,6 +749,10 @@ __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], co
         // columns 8j, 8j + 1 from cbase: both inside N, or only the first
         store_dgelu_pair<EPI>(top_ptr + (hh * 8 * (int)args.ldc + 8 * j), args.n, v0, v1, left[hh] > 8 * j + 1,
                               left[hh] == 8 * j + 1, out_scale, amax);
+        if constexpr (EPI == kEpiDgeluF16G) {
+          store_gelu_pair(top_ptr + (g_delta + hh * 8 * (int)args.ldc + 8 * j), xv.x, t0, xv.y, t1,
+                          left[hh] > 8 * j + 1, left[hh] == 8 * j + 1, g_scale, gamax);
+        }
         // Memory mode with 128 accumulators per thread: tanh_inner recomputed is ~20 instructions per element
         // with enough independent work in one pair; without this fence ptxas overlaps pairs until the 128 x 256
         // variant spills. (It costs those variants ~half their memory-mode speed; the engine runs memory mode
@@ -723,19 +775,23 @@ __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], co
 template <int EPI, int BN, int HALVES, int SLOTS>
 __device__ __forceinline__ void store_block_staged(const float (&acc)[HALVES][BN / 2], const GemmArgs& args, int row0,
                                                    int col0, int tid, unsigned slots) {
-  float amax = 0.0f;
+  float amax = 0.0f, gamax = 0.0f;
   // tanh_inner given or not (memory mode) decided once, not per element: a branch per element splits the
   // epilogue into one small block per element (session 5 of docs/perf-notes.md)
   if (args.t != nullptr) {
-    store_half_staged<EPI, BN, HALVES, SLOTS, 0, true>(acc[0], args, row0, col0, tid, slots, amax);
-    if constexpr (HALVES == 2) store_half_staged<EPI, BN, HALVES, SLOTS, 1, true>(acc[1], args, row0, col0, tid, slots, amax);
+    store_half_staged<EPI, BN, HALVES, SLOTS, 0, true>(acc[0], args, row0, col0, tid, slots, amax, gamax);
+    if constexpr (HALVES == 2) {
+      store_half_staged<EPI, BN, HALVES, SLOTS, 1, true>(acc[1], args, row0, col0, tid, slots, amax, gamax);
+    }
   } else {
-    store_half_staged<EPI, BN, HALVES, SLOTS, 0, false>(acc[0], args, row0, col0, tid, slots, amax);
-    if constexpr (HALVES == 2) store_half_staged<EPI, BN, HALVES, SLOTS, 1, false>(acc[1], args, row0, col0, tid, slots, amax);
+    store_half_staged<EPI, BN, HALVES, SLOTS, 0, false>(acc[0], args, row0, col0, tid, slots, amax, gamax);
+    if constexpr (HALVES == 2) {
+      store_half_staged<EPI, BN, HALVES, SLOTS, 1, false>(acc[1], args, row0, col0, tid, slots, amax, gamax);
+    }
   }
-  if (args.amax != nullptr) {  // uniform: every thread of the warpgroup gets here
-    for (int offset = 16; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    if ((tid & 31) == 0 && amax > 0.0f) atomicMax(args.amax, __float_as_uint(amax));
+  if (args.amax != nullptr) sm90::warp_amax_to(args.amax, amax, tid & 31);  // uniform: every thread gets here
+  if constexpr (EPI == kEpiDgeluF16G) {
+    if (args.g_amax != nullptr) sm90::warp_amax_to(args.g_amax, gamax, tid & 31);
   }
 }
 
@@ -852,7 +908,10 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
     // The rescue launch (as dgelu.cu's): block 0 writes the alphas of the GEMMs that read this output; the
     // whole launch runs only if the decision after the gathering launch moved this output's exponent.
     cupyffn::write_alphas(args.state, args.consts, args.alpha_mask);
-    if (args.state[2 * kSlots + args.slot] == 0) return;  // uniform across the grid, before any barrier
+    // kEpiDgeluF16G writes two outputs: rerun if either exponent moved (the other's codes come out the same)
+    const bool again = args.state[2 * kSlots + args.slot] != 0 ||
+                       (EPI == kEpiDgeluF16G && args.state[2 * kSlots + args.g_slot] != 0);
+    if (!again) return;  // uniform across the grid, before any barrier
   }
   if (threadIdx.x == 0) {
     // a launch with less shared memory than this variant's layout would write past it: fail loudly

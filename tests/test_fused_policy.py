@@ -76,3 +76,28 @@ def test_a_bad_override_names_the_variable(value, monkeypatch):
     monkeypatch.setenv("CUPYFFN_SM90_GEMM1", value)
     with pytest.raises(ValueError, match="CUPYFFN_SM90_GEMM1 must be 0, 1 or auto"):
         ok(P.FMT_F16S, 1024, monkeypatch=monkeypatch)
+
+
+def gelu_ok(fmt=P.FMT_F16S, tokens=4096, fused=True, weight_grads=True, monkeypatch=None):
+    engine = stand_in(fmt, tokens, 1536, 6144, True, monkeypatch)
+    engine.fused_gemm1, engine.need_weight_grads = fused, weight_grads
+    return E.GpuEngine._gelu_in_gemm1_ok(engine)
+
+
+def test_gelu_out_from_gemm1s_epilogue(monkeypatch):
+    """tf32's fused GEMM1 writes gelu_out's codes for GEMM2 (GELU_EPILOGUE_TOKENS, CUPYFFN_GELU_EPILOGUE), only where
+    the fp16 fused GEMM1 runs and GEMM2 exists."""
+    monkeypatch.delenv("CUPYFFN_GELU_EPILOGUE", raising=False)
+    first, last = E.GELU_EPILOGUE_TOKENS[P.FMT_F16S]
+    assert gelu_ok(tokens=first, monkeypatch=monkeypatch) and gelu_ok(tokens=last, monkeypatch=monkeypatch)
+    assert first == 1 or not gelu_ok(tokens=first - 1, monkeypatch=monkeypatch)
+    assert not gelu_ok(fused=False, monkeypatch=monkeypatch)          # the cuBLAS route converts gelu_out
+    assert not gelu_ok(weight_grads=False, monkeypatch=monkeypatch)   # no GEMM2: nothing reads gelu_out
+    monkeypatch.setenv("CUPYFFN_GELU_EPILOGUE", "1")
+    assert not gelu_ok(fmt=P.FMT_BF16X3, monkeypatch=monkeypatch)     # bf16x3 planes: no such epilogue
+    assert gelu_ok(tokens=1, monkeypatch=monkeypatch)
+    monkeypatch.setenv("CUPYFFN_GELU_EPILOGUE", "0")
+    assert not gelu_ok(monkeypatch=monkeypatch)
+    monkeypatch.setenv("CUPYFFN_GELU_EPILOGUE", "on")
+    with pytest.raises(ValueError, match="CUPYFFN_GELU_EPILOGUE must be 0, 1 or auto"):
+        gelu_ok(monkeypatch=monkeypatch)

@@ -10,6 +10,8 @@ the scale decision and the rescue launch (a call whose grad_linear1 needs anothe
 must run GEMM1 again with it), and the shapes the kernel does not take (the cuBLAS route instead).
 """
 
+import math
+
 import numpy
 import pytest
 
@@ -22,6 +24,7 @@ cupy = pytest.importorskip("cupy")
 from gpu_inputs import make, poisoned  # noqa: E402  (tests/gpu_inputs.py)
 
 CONTRACT = cupyffn.PRECISIONS["tf32"].contract
+SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 FUSING = ("tf32", "bf16x3")  # the plans whose GEMM1 + dgelu the sm90 kernel runs
 
 
@@ -119,6 +122,76 @@ def test_rescue_reruns_gemm1_when_the_scale_moves(monkeypatch):
         cupy.cuda.Device().synchronize()
         if scale != 1.0:
             assert int(state[slot].get()) != e_before, "the exponent of grad_linear1 should have moved"
+        for label, g, r in zip(W.OUTPUT_NAMES, grads, W.reference(inputs, xp=cupy)):
+            assert bool(cupy.isfinite(g).all()), (scale, label)
+            assert W.relative_l2(g, r, xp=cupy) <= CONTRACT, (scale, label, W.relative_l2(g, r, xp=cupy))
+
+
+def consistent(args):
+    """args with gelu_out = 0.5 * z * (1 + t) evaluated in float32 (the forward's order), the definition the
+    backward's docstring gives; make() rounds it from float64, which can differ in the last bit."""
+    args = list(args)
+    args[6] = numpy.float32(0.5) * args[4] * (numpy.float32(1.0) + args[5])
+    return args
+
+
+@pytest.mark.parametrize("tokens,dim,hidden", [(77, 64, 264), (3142, 1536, 6144)])
+def test_gelu_out_from_the_epilogue_is_the_converted_one(tokens, dim, hidden, monkeypatch):
+    """tf32 with gelu_in_gemm1 (GEMM1's epilogue writes GEMM2's gelu_out codes) against the same plan converting
+    the caller's gelu_out (CUPYFFN_GELU_EPILOGUE=0): bit-identical gradients and scale state when gelu_out is
+    0.5 z (1 + t) in float32; and the caller's gelu_out is not read (NaN there changes nothing), where the
+    converting plan's grad_weight2 turns NaN."""
+    args, inputs = make(tokens, dim, hidden, seed=tokens + 11)
+    args = consistent(args)
+    ref64 = W.reference(inputs, xp=cupy)
+    results = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("CUPYFFN_GELU_EPILOGUE", switch)
+        plan, grads = run(args, tokens, dim, hidden, fused=True, monkeypatch=monkeypatch)
+        assert plan._engine.gelu_in_gemm1 == (switch == "1")
+        assert ("gelu_out" in plan._engine.cvt_b + plan._engine.cvt_a) == (switch == "0")
+        results[switch] = ([g.copy() for g in grads], plan._engine._state.get(), plan)
+    for label, a, b, r in zip(W.OUTPUT_NAMES, results["1"][0], results["0"][0], ref64):
+        assert bool(cupy.isfinite(a).all()), label
+        assert int((a != b).sum()) == 0, f"{label}: {int((a != b).sum())} elements differ"
+        assert W.relative_l2(a, r, xp=cupy) <= CONTRACT, label
+    assert (results["1"][1] == results["0"][1]).all(), "the scale state differs"
+    nan_gelu = list(args)
+    nan_gelu[6] = cupy.full_like(args[6], numpy.nan)
+    for switch, plan_result in results.items():
+        grads = plan_result[2](*nan_gelu, out=poisoned(tokens, dim, hidden))
+        cupy.cuda.Device().synchronize()
+        if switch == "1":
+            for label, g, want in zip(W.OUTPUT_NAMES, grads, results["1"][0]):
+                assert int((g != want).sum()) == 0, f"{label}: the caller's gelu_out was read"
+        else:
+            assert bool(cupy.isnan(grads[2]).any()), "the converting plan should read gelu_out"
+
+
+def test_rescue_reruns_gemm1_when_gelu_outs_scale_moves(monkeypatch):
+    """Calls whose gelu_out is 2^10 larger, then 2^-10 smaller, than the call before (weight1 scaled: linear1_out
+    and gelu_out with it, grad_linear1 barely): gelu_out's exponent, decided after GEMM1 now, must move and the
+    rescue launch must write gelu_out's codes again (else grad_weight2 comes out 2^10 off or overflows)."""
+    tokens, dim, hidden = 512, 128, 512
+    monkeypatch.setenv("CUPYFFN_SM90_GEMM1", "1")
+    monkeypatch.setenv("CUPYFFN_GELU_EPILOGUE", "1")
+    plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision="tf32")
+    assert plan._engine.gelu_in_gemm1
+    state, slot = plan._engine._state, _precision.SLOT["gelu_out"]
+    for scale in (1.0, 2.0 ** 10, 2.0 ** -10):
+        inputs = W.make_inputs((tokens,), dim, hidden, xp=cupy, seed=int(scale * 1024) % 89)
+        w1 = inputs["weight1"] * numpy.float32(scale)
+        z = inputs["hidden_states"] @ w1.T
+        z64 = z.astype(cupy.float64)
+        t = cupy.tanh(SQRT_2_OVER_PI * (z64 + 0.044715 * z64 ** 3)).astype(cupy.float32)
+        inputs = dict(inputs, weight1=w1, linear1_out=z, tanh_inner=t,
+                      gelu_out=numpy.float32(0.5) * z * (numpy.float32(1.0) + t))
+        args = [inputs[n] for n in W.INPUT_NAMES]
+        e_before = int(state[slot].get())
+        grads = plan(*args, out=poisoned(tokens, dim, hidden))
+        cupy.cuda.Device().synchronize()
+        if scale != 1.0:
+            assert int(state[slot].get()) != e_before, "the exponent of gelu_out should have moved"
         for label, g, r in zip(W.OUTPUT_NAMES, grads, W.reference(inputs, xp=cupy)):
             assert bool(cupy.isfinite(g).all()), (scale, label)
             assert W.relative_l2(g, r, xp=cupy) <= CONTRACT, (scale, label, W.relative_l2(g, r, xp=cupy))

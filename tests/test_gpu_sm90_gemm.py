@@ -418,6 +418,103 @@ def test_dgelu_epilogues_agree_bitwise(rng, m, n, k, config, out_format, memory_
     assert worst <= 1.0, worst
 
 
+def gelu_codes32(x, t, alpha):
+    """fp16 codes of alpha * 0.5 * x * (1 + t), evaluated in float32 in that order (the forward's, the kernel's),
+    and max |0.5 * x * (1 + t)| (its bits as a uint32)."""
+    g = numpy.float32(0.5) * x * (numpy.float32(1.0) + t)
+    return (g * numpy.float32(alpha)).astype(cupy.float16).view(cupy.uint16), int(cupy.abs(g).max().view(cupy.uint32))
+
+
+# (4100, 3000, 256): several tiles per CTA, N ending inside a group, rows padded; (77, 302, 64): partial tiles;
+# bn256 cooperative takes the direct epilogue only (GELU_NO_STAGED)
+GELU_CASES = [pytest.param(m, n, k, config, memory, epilogue, id=f"{m}-{n}-{k}-{cid}-{memory}-{epilogue}",
+                           marks=[QUICK] if (m, cid, epilogue) in ((4100, "bn128pp", "staged"), (77, "bn256", "direct"),
+                                                                  (4100, "bn128", "staged")) else [])
+              for m, n, k in ((77, 302, 64), (4100, 3000, 256))
+              for config, cid in zip(_sm90_gemm.CONFIGS, CONFIG_IDS) for memory in (False, True)
+              for epilogue in _sm90_gemm.EPILOGUES
+              if not (epilogue == "staged" and (_sm90_gemm.EPI_DGELU_F16G,) + config == _sm90_gemm.GELU_NO_STAGED)]
+
+
+@pytest.mark.parametrize("m,n,k,config,memory_mode,epilogue", GELU_CASES)
+def test_dgelu_writes_gelu_out_too(rng, m, n, k, config, memory_mode, epilogue):
+    """gelu_out beside the fp16 dgelu output (EPI_DGELU_F16G, the tf32 plan's GEMM1): grad_linear1 and its amax
+    bit-identical to the plain fp16 epilogue's on the same inputs, gelu_out's codes those of alpha * 0.5 x (1 + t)
+    rounded once from float32 (t given; memory mode recomputes t: within one fp16 step), its amax exact, and
+    nothing stored outside either [M, N] (NaN-poisoned margins)."""
+    block_n, pingpong = config
+    a, _ = operand(rng, m, k, "fp16")
+    b, _ = operand(rng, n, k, "fp16")
+    x, t = activations(rng, m, n)
+    x_before, t_before = x.copy(), t.copy()
+    alpha, gelu_alpha = 2.0 ** -2, 2.0 ** 5
+    tanh_inner = None if memory_mode else t
+    ref_out, _ = padded(m, n, numpy.float16, 2, numpy.nan)
+    ref_amax = cupy.zeros(1, cupy.uint32)
+    _sm90_gemm.gemm_tn_dgelu(a, b, x, tanh_inner, ref_out, alpha=alpha, amax=ref_amax, block_n=block_n,
+                             pingpong=pingpong, epilogue=epilogue)
+    out, out_buf = padded(m, n, numpy.float16, 2, numpy.nan, extra_rows=1, extra_cols=6)
+    gelu, gelu_buf = padded(m, n, numpy.float16, 2, numpy.nan, extra_rows=1, extra_cols=6)  # ldg == ldc: staged
+    amax, gelu_amax = cupy.zeros(1, cupy.uint32), cupy.zeros(1, cupy.uint32)
+    _sm90_gemm.gemm_tn_dgelu(a, b, x, tanh_inner, out, alpha=alpha, amax=amax, block_n=block_n, pingpong=pingpong,
+                             epilogue=epilogue, gelu_out=gelu, gelu_alpha=gelu_alpha, gelu_amax=gelu_amax)
+    cupy.cuda.get_current_stream().synchronize()
+    assert int((out.view(cupy.uint16) != ref_out.view(cupy.uint16)).sum()) == 0, "grad_linear1 changed"
+    assert int(amax[0]) == int(ref_amax[0])
+    for buf in (out_buf, gelu_buf):
+        assert bool(cupy.isnan(buf[:m, n:]).all()) and bool(cupy.isnan(buf[m:]).all()), "stores outside [M, N]"
+    assert bool(cupy.isfinite(gelu).all()), "gelu_out not written everywhere"
+    if memory_mode:
+        x64 = x.astype(cupy.float64)
+        t32 = cupy.tanh(SQRT_2_OVER_PI * (x64 + 0.044715 * x64 ** 3)).astype(cupy.float32)
+        codes, bits = gelu_codes32(x, t32, gelu_alpha)
+        got, want = gelu.astype(cupy.float64), codes.view(cupy.float16).astype(cupy.float64)
+        step = 2.0 ** -10 * cupy.maximum(cupy.abs(want), 2.0 ** -14)
+        assert float((cupy.abs(got - want) / step).max()) <= 1.0  # tanhf against a rounded float64 tanh
+        assert float((gelu.view(cupy.uint16) == codes).mean()) >= 0.99
+        ref_max = float(cupy.asarray(bits, dtype=cupy.uint32).view(cupy.float32))
+        assert abs(float(gelu_amax.view(cupy.float32)[0]) - ref_max) <= 1e-6 * ref_max
+    else:
+        codes, bits = gelu_codes32(x, t, gelu_alpha)
+        differ = int((gelu.view(cupy.uint16) != codes).sum())
+        assert differ == 0, f"{differ} of {m * n} gelu_out codes differ from fp16(alpha * 0.5 x (1 + t))"
+        assert int(gelu_amax[0]) == bits
+    assert bool((x == x_before).all()) and bool((t == t_before).all())
+
+
+@QUICK
+def test_gelu_out_is_checked(rng):
+    m, n, k = 64, 128, 64
+    a, _ = operand(rng, m, k, "fp16")
+    b, _ = operand(rng, n, k, "fp16")
+    x, t = activations(rng, m, n)
+    out = cupy.full((m, n), cupy.nan, cupy.float16)
+    call = lambda **kw: _sm90_gemm.gemm_tn_dgelu(a, b, x, t, out, block_n=128, **kw)  # noqa: E731
+    with pytest.raises(ValueError, match="gelu_out must have shape"):
+        call(gelu_out=cupy.zeros((m, n + 1), cupy.float16))
+    with pytest.raises(ValueError, match="gelu_out must be float16"):
+        call(gelu_out=cupy.zeros((m, n), cupy.float32))
+    with pytest.raises(ValueError, match="gelu_out must not overlap out"):
+        call(gelu_out=out)
+    with pytest.raises(ValueError, match="gelu_alpha must be a power of two"):
+        call(gelu_out=cupy.zeros((m, n), cupy.float16), gelu_alpha=3.0)
+    with pytest.raises(ValueError, match="gelu_amax must be None or a 1-element uint32"):
+        call(gelu_out=cupy.zeros((m, n), cupy.float16), gelu_amax=cupy.zeros(2, cupy.uint32))
+    with pytest.raises(ValueError, match="apply only with a gelu_out"):
+        call(gelu_alpha=2.0)
+    with pytest.raises(ValueError, match="no staged epilogue"):
+        _sm90_gemm.gemm_tn_dgelu(a, b, x, t, out, block_n=256, epilogue="staged",
+                                 gelu_out=cupy.zeros((m, n), cupy.float16))
+    wide = cupy.zeros((m, n + 8), cupy.float16)[:, :n]
+    with pytest.raises(ValueError, match="row stride equal to out's"):
+        call(epilogue="staged", gelu_out=wide)
+    bf16_out = cupy.zeros((m, n), cupy.uint16)
+    with pytest.raises(ValueError, match="only beside a float16 out"):
+        _sm90_gemm.gemm_tn_dgelu(a.view(cupy.uint16), b.view(cupy.uint16), x, t, bf16_out, block_n=128,
+                                 gelu_out=cupy.zeros((m, n), cupy.float16))
+    assert bool(cupy.isnan(out).all()), "a refused call wrote out"
+
+
 @QUICK
 @pytest.mark.parametrize("memory_mode", [False, True])
 def test_dgelu_rows_off_16_bytes_take_the_direct_epilogue(rng, memory_mode):

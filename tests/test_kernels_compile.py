@@ -422,11 +422,13 @@ def test_sm90_gemm_args_mirror():
     mirror = [(name, kinds[t]) for name, t in _sm90_gemm.GemmArgs._fields_]
     assert mirror == cuda
     m = re.search(r"static_assert\(sizeof\(GemmArgs\) == (\d+),", source)
-    assert m and int(m.group(1)) == ctypes.sizeof(_sm90_gemm.GemmArgs) == 128
+    assert m and int(m.group(1)) == ctypes.sizeof(_sm90_gemm.GemmArgs) == 160
     assert ctypes.sizeof(_sm90_gemm.TmaDesc) == 128
     assert define(source, "kEpiF32") == _sm90_gemm.EPI_F32
     assert define(source, "kEpiDgeluBf16") == _sm90_gemm.EPI_DGELU_BF16
     assert define(source, "kEpiDgeluF16") == _sm90_gemm.EPI_DGELU_F16
+    assert define(source, "kEpiDgeluBf16x3") == _sm90_gemm.EPI_DGELU_BF16X3
+    assert define(source, "kEpiDgeluF16G") == _sm90_gemm.EPI_DGELU_F16G
     assert define(source, "kOpF16") == _sm90_gemm.OP_F16
     assert define(source, "kOpBf16") == _sm90_gemm.OP_BF16
     assert define(source, "kOpF16E4M3") == _sm90_gemm.OP_F16E4M3

@@ -17,7 +17,7 @@ def _parse(expression):
 
 def test_variants_cover_each_schedule_layout_and_epilogue_once():
     parsed = [_parse(e) for e in G.EXPRESSIONS if "pair" not in e]
-    assert len(parsed) == len(set(parsed)) == 2 * 72
+    assert len(parsed) == len(set(parsed)) == 2 * 82
     # the cluster-2 kernels are exactly the single-CTA ones again
     assert sorted(p[:-1] for p in parsed if p[-1] == 2) == sorted(p[:-1] for p in parsed if p[-1] == 1)
     for op, bn, epi, pp, xs, bt, cl in parsed:
@@ -25,15 +25,17 @@ def test_variants_cover_each_schedule_layout_and_epilogue_once():
         assert G.expression(op, bn, epi, pp, xs, G.B_LAYOUTS[bt], cl) == G.EXPRESSIONS[parsed.index((op, bn, epi, pp, xs, bt, cl))]
         assert (bn, bool(pp)) in G.CONFIGS and bt in (0, 1)
         assert epi != G.EPI_DGELU_BF16X3 or op == G.OP_BF16, "the three bf16 planes take bf16 operands"
+        assert epi != G.EPI_DGELU_F16G or op == G.OP_F16, "gelu_out's fp16 codes beside fp16 operands"
         assert not xs or epi != G.EPI_F32, "the staged epilogue is a dgelu epilogue"
-    # every dgelu epilogue exists staged and direct for every schedule and layout
-    for op, epis in ((G.OP_F16, (G.EPI_DGELU_BF16, G.EPI_DGELU_F16)),
+    # every dgelu epilogue exists staged and direct for every schedule and layout (but GELU_NO_STAGED)
+    for op, epis in ((G.OP_F16, (G.EPI_DGELU_BF16, G.EPI_DGELU_F16, G.EPI_DGELU_F16G)),
                      (G.OP_BF16, (G.EPI_DGELU_BF16, G.EPI_DGELU_F16, G.EPI_DGELU_BF16X3))):
         for epi in epis:
             for bn, pp in G.CONFIGS:
                 for bt in (0, 1):
                     for xs in (0, 1):
-                        assert (op, bn, epi, int(pp), xs, bt, 1) in parsed
+                        missing = xs and (epi, bn, pp) == G.GELU_NO_STAGED
+                        assert ((op, bn, epi, int(pp), xs, bt, 1) in parsed) != missing
 
 
 def test_pair_variants_cover_each_schedule_and_layout_once():
@@ -80,8 +82,8 @@ class _Recorded(list):
     pass
 
 
-def _launch(**kw):
-    T, D, H = 1024, 1536, 6144
+def _launch(m=1024, **kw):
+    T, D, H = m, 1536, 6144
     where = (0x10000, D, 0x20000, H, "kn", 0x30000, H, T, H, D)
     common = dict(state_ptr=0x40000, consts_ptr=0x50000, acc_scale_ptr=0x50008, slot=5, rescue=False,
                   alpha_mask=0, device_id=0)
@@ -104,6 +106,35 @@ def test_tf32_launch_gathers_into_the_state_and_its_rescue_does_not(stand_ins):
     assert len(launch._variants) == 4
     rescue = _launch(rescue=True, alpha_mask=0b1100)
     assert rescue.args.amax is None and rescue.args.rescue == 1 and rescue.args.alpha_mask == 0b1100
+
+
+def test_gelu_launch_writes_gelu_out_and_gathers_its_maximum(stand_ins):
+    """The tf32 plan's GEMM1 with gelu_out (EPI_DGELU_F16G): its codes at the given address with C's leading
+    dimension, their maximum gathered into gelu_out's slot (not by the rescue launch), the 128 x 128 ping-pong
+    tile where the rule says 128 x 256 (no staged 128 x 256 cooperative variant), memory mode unchanged."""
+    gelu = dict(gelu_ptr=0x60000, ldg=6144, gelu_slot=2)
+    T = 8192  # where the rule says 128 x 256
+    launch = _launch(m=T, **gelu)
+    assert G.choose_config(T, 6144, 132) == (256, False) and G.GELU_NO_STAGED == (G.EPI_DGELU_F16G, 256, False)
+    assert launch.configs == {True: (128, True), False: G.choose_config(T, 6144, 132, False)}
+    assert {v[2] for v in stand_ins} == {G.EPI_DGELU_F16G} and launch.epi == G.EPI_DGELU_F16G
+    assert launch.args.g == 0x60000 and launch.args.ldg == 6144 and launch.args.g_slot == 2
+    assert launch.args.g_amax == 0x40000 + 4 * (_kernels.STATE_SLOTS + 2)
+    assert launch.args.amax == 0x40000 + 4 * (_kernels.STATE_SLOTS + 5)
+    rescue = _launch(m=T, rescue=True, alpha_mask=0b1110, **gelu)
+    assert rescue.args.g_amax is None and rescue.args.amax is None and rescue.args.g == 0x60000
+    assert G.choose_config(1024, 6144, 132, gelu_out=True) == G.choose_config(1024, 6144, 132)  # 128 x 128 there
+    with pytest.raises(ValueError, match="ldg == ldc"):
+        _launch(gelu_ptr=0x60000, ldg=6152, gelu_slot=2)
+    with pytest.raises(ValueError, match="EPI_DGELU_F16"):
+        _launch(epi=G.EPI_DGELU_BF16X3, state_ptr=None, consts_ptr=None, acc_scale_ptr=None, slot=0, **gelu)
+
+
+def test_the_variant_that_would_spill_is_not_built():
+    staged_gelu = {_parse(e)[1:3] + (_parse(e)[3],) for e in G.EXPRESSIONS
+                   if "pair" not in e and _parse(e)[2] == G.EPI_DGELU_F16G and _parse(e)[4]}
+    assert (256, G.EPI_DGELU_F16G, 0) not in staged_gelu
+    assert {(128, G.EPI_DGELU_F16G, 0), (128, G.EPI_DGELU_F16G, 1)} <= staged_gelu
 
 
 def test_bf16x3_launch_takes_bf16_operands_and_no_scale(stand_ins):
@@ -136,7 +167,7 @@ def test_set_activations_picks_the_epilogue_by_alignment(stand_ins, x_ptr, ldx, 
     assert launched == [launch._variants[bool(t_ptr), staged][0]]
     assert launch.args.x == x_ptr and launch.args.ldx == ldx
     assert launch.args.t == (t_ptr or None) and launch.args.ldt == (ldt if t_ptr else 0)
-    assert ctypes.sizeof(launch.args) == 128
+    assert ctypes.sizeof(launch.args) == 160
 
 
 @pytest.mark.parametrize("T,b_layout", [(1024, "kn"), (1152, "nk"), (8192, "kn")])
