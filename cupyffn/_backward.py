@@ -569,9 +569,12 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
         Second linear layer.
     linear1_out, tanh_inner, gelu_out : arrays [..., H]
         Saved forward tensors: ``z = x @ weight1.T``, ``t = tanh(sqrt(2/pi) * (z + 0.044715 z^3))``
-        and ``0.5 * z * (1 + t)``. ``tanh_inner`` is used as given, not recomputed. Memory mode: pass
-        None for tanh_inner and/or gelu_out and they are recomputed from linear1_out inside the
-        kernels (same results within the precision's contract).
+        and ``0.5 * z * (1 + t)``. ``tanh_inner`` is used as given, not recomputed. gelu_out must be
+        that product: the "tf32" plan on an H100/H200 does not read it but forms GEMM2's operand as
+        ``0.5 * z * (1 + t)`` in float32 inside GEMM1's epilogue (CUPYFFN_GELU_EPILOGUE=0, read when a
+        plan is built, reads it instead; ``check_activations`` compares it with linear1_out). Memory
+        mode: pass None for tanh_inner and/or gelu_out and they are recomputed from linear1_out inside
+        the kernels (same results within the precision's contract).
     precision : {"bf16x3", "fp16+fp8", "ieee", "tf32", "bf16"}
         GEMM operand treatment; accuracy contracts in ``cupyffn.PRECISIONS``. Default "fp16+fp8".
     out : sequence of 3 arrays, optional

@@ -616,6 +616,12 @@ __device__ __forceinline__ float2 ld_shared_f2(unsigned addr) {
   return v;
 }
 
+__device__ __forceinline__ float4 ld_shared_f4(unsigned addr) {
+  float4 v;
+  asm("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr));
+  return v;
+}
+
 // Waits until at most N of this thread's cp.async groups are pending and the warp has synchronized (so every
 // lane's copies of the oldest group have landed), then returns `addr`: routed through both asm statements, so
 // that loads from the result cannot be scheduled before them.
@@ -697,6 +703,50 @@ __device__ __forceinline__ void stage_xt_prologue(unsigned slots, const GemmArgs
   }
 }
 
+// kEpiDgeluF16G with t given, staged: gelu_out of a warp's group (16 rows x kXtCols columns from row r_top - lane / 4
+// and column c_group) straight from its slot in whole row segments, independent of the accumulator layout: lane l
+// takes rows l / 4 and l / 4 + 8 and the 8 columns 8 (l % 4) ..., so that each row gets one 16-byte store of 8 codes
+// (4 lanes: 64 contiguous bytes per row), where the fragment layout gives 4-byte stores 8 columns apart (measured: the
+// fragment-layout stores made this epilogue ~30% slower at T = 8192, docs/perf-notes.md session 9). Arithmetic,
+// rounding and amax as store_gelu_pair; 16-byte stores need ldc a multiple of 8 and a whole octet inside N (else
+// one code at a time). Reads only its own lanes' slot bytes, before the caller's __syncwarp and refill.
+__device__ __forceinline__ void store_gelu_rows(unsigned slot, const GemmArgs& args, int r_top, int c_group, int lane,
+                                                float g_scale, float& gamax) {
+  static_assert(kXtCols == 32, "4 lanes x 8 columns per row of a group");
+  const int oct = lane & 3;
+  const int col = c_group + 8 * oct;
+  const bool vec = (args.ldc & 7) == 0 && col + 8 <= args.n;
+#pragma unroll 1  // one row at a time: unrolled, the ping-pong variant spills
+  for (int hh = 0; hh < 2; ++hh) {
+    const int rr = (lane >> 2) + 8 * hh, row = r_top + 8 * hh;
+    unsigned codes[4];
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {  // two 16-byte chunks of x and of t: 4 columns each
+      const float4 x = ld_shared_f4(slot + xt_offset(0, rr, 2 * oct + q));
+      const float4 t = ld_shared_f4(slot + xt_offset(1, rr, 2 * oct + q));
+      const float g0 = 0.5f * x.x * (1.0f + t.x), g1 = 0.5f * x.y * (1.0f + t.y);
+      const float g2 = 0.5f * x.z * (1.0f + t.z), g3 = 0.5f * x.w * (1.0f + t.w);
+      // out of the matrix the slot holds zeros (zero-filled copies): gelu_out = 0 there, so no predicate
+      gamax = fmaxf(gamax, fmaxf(fmaxf(finite_or_nan(g0), finite_or_nan(g1)), fmaxf(finite_or_nan(g2), finite_or_nan(g3))));
+      const __half2 h01 = __floats2half2_rn(g0 * g_scale, g1 * g_scale);
+      const __half2 h23 = __floats2half2_rn(g2 * g_scale, g3 * g_scale);
+      codes[2 * q] = *reinterpret_cast<const unsigned*>(&h01);
+      codes[2 * q + 1] = *reinterpret_cast<const unsigned*>(&h23);
+    }
+    if (row >= args.m) continue;
+    // (32 x 32 -> 64-bit product: the launcher keeps row strides below 2^31)
+    unsigned short* p = args.g + ((long long)row * (int)args.ldc + col);
+    if (vec) {
+      __stcg(reinterpret_cast<uint4*>(p), make_uint4(codes[0], codes[1], codes[2], codes[3]));
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if (col + i < args.n) p[i] = (unsigned short)(codes[i / 2] >> (16 * (i % 2)));
+      }
+    }
+  }
+}
+
 // One 64-row half H (groups H * BN / kXtCols ...) of store_block_staged, folding into amax. (Register
 // pressure of the 128-accumulator variants, at setmaxnreg's 232 per consumer thread, decided the shape of
 // this code: one call per half, alpha read once, the prologue loop not unrolled.)
@@ -749,7 +799,7 @@ __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], co
         // columns 8j, 8j + 1 from cbase: both inside N, or only the first
         store_dgelu_pair<EPI>(top_ptr + (hh * 8 * (int)args.ldc + 8 * j), args.n, v0, v1, left[hh] > 8 * j + 1,
                               left[hh] == 8 * j + 1, out_scale, amax);
-        if constexpr (EPI == kEpiDgeluF16G) {
+        if constexpr (EPI == kEpiDgeluF16G && !HAS_T) {  // memory mode: t is at hand only here
           store_gelu_pair(top_ptr + (g_delta + hh * 8 * (int)args.ldc + 8 * j), xv.x, t0, xv.y, t1,
                           left[hh] > 8 * j + 1, left[hh] == 8 * j + 1, g_scale, gamax);
         }
@@ -759,6 +809,9 @@ __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], co
         // on the 64-accumulator 128 x 128 cooperative tile, choose_config.)
         if constexpr (!HAS_T && HALVES * BN / 2 >= 128) __syncwarp();
       }
+    }
+    if constexpr (EPI == kEpiDgeluF16G && HAS_T) {
+      store_gelu_rows(slot, args, r_top, col0 + jg * kXtCols, lane, g_scale, gamax);
     }
     // Refill the slot just read with group g + SLOTS, once every lane of the warp has read it: each loaded
     // value feeds a store or amax above (so its load has completed before they issue, and they stay before
