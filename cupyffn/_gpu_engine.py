@@ -84,8 +84,11 @@ CONVERT_AB_TOKENS = {P.FMT_F16S: (1, 512)}
 
 
 #: Per format, T at which the fused GEMM1 also writes gelu_out's fp16 codes for GEMM2 (module docstring;
-#: CUPYFFN_GELU_EPILOGUE=auto; 1 wherever the fused tf32 GEMM1 runs, 0 never).
-GELU_EPILOGUE_TOKENS = {P.FMT_F16S: (1, 2 ** 31 - 1)}
+#: CUPYFFN_GELU_EPILOGUE=auto; 1 wherever the fused tf32 GEMM1 runs, 0 never). Measured on the H200, whole calls
+#: against the same plan converting gelu_out, same run (results/history/ab-gelu-rows-s9c.json): 0.973-0.995 at
+#: T = 4096-8192; 1.02-1.07 at T = 256-3142, where the saved conversion is smaller than what the epilogue's second
+#: output costs and GEMM2 no longer overlaps GEMM1's last wave (docs/perf-notes.md, session 9).
+GELU_EPILOGUE_TOKENS = {P.FMT_F16S: (4096, 2 ** 31 - 1)}
 
 
 #: fp16+fp8: the GEMMs whose f16+e4m3 form runs as one launch of the sm90 pair kernel (kernels_cu/gemm_sm90.cu

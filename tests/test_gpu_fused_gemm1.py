@@ -135,14 +135,18 @@ def consistent(args):
     return args
 
 
-@pytest.mark.parametrize("tokens,dim,hidden", [(77, 64, 264), (3142, 1536, 6144)])
-def test_gelu_out_from_the_epilogue_is_the_converted_one(tokens, dim, hidden, monkeypatch):
+@pytest.mark.parametrize("memory_mode", [False, True])
+@pytest.mark.parametrize("tokens,dim,hidden", [(77, 64, 264), (4904, 1536, 6144)])
+def test_gelu_out_from_the_epilogue_is_the_converted_one(tokens, dim, hidden, memory_mode, monkeypatch):
     """tf32 with gelu_in_gemm1 (GEMM1's epilogue writes GEMM2's gelu_out codes) against the same plan converting
     the caller's gelu_out (CUPYFFN_GELU_EPILOGUE=0): bit-identical gradients and scale state when gelu_out is
     0.5 z (1 + t) in float32; and the caller's gelu_out is not read (NaN there changes nothing), where the
-    converting plan's grad_weight2 turns NaN."""
+    converting plan's grad_weight2 turns NaN. Memory mode (tanh_inner and gelu_out None): both recompute t with
+    the same device tanh, in different kernels (at most a rounding apart, counted)."""
     args, inputs = make(tokens, dim, hidden, seed=tokens + 11)
     args = consistent(args)
+    if memory_mode:
+        args[5] = args[6] = None
     ref64 = W.reference(inputs, xp=cupy)
     results = {}
     for switch in ("1", "0"):
@@ -153,9 +157,14 @@ def test_gelu_out_from_the_epilogue_is_the_converted_one(tokens, dim, hidden, mo
         results[switch] = ([g.copy() for g in grads], plan._engine._state.get(), plan)
     for label, a, b, r in zip(W.OUTPUT_NAMES, results["1"][0], results["0"][0], ref64):
         assert bool(cupy.isfinite(a).all()), label
-        assert int((a != b).sum()) == 0, f"{label}: {int((a != b).sum())} elements differ"
         assert W.relative_l2(a, r, xp=cupy) <= CONTRACT, label
+        if memory_mode:
+            assert float((a == b).mean()) >= 0.999 and W.relative_l2(a, b, xp=cupy) <= 1e-6, label
+        else:
+            assert int((a != b).sum()) == 0, f"{label}: {int((a != b).sum())} elements differ"
     assert (results["1"][1] == results["0"][1]).all(), "the scale state differs"
+    if memory_mode:
+        return
     nan_gelu = list(args)
     nan_gelu[6] = cupy.full_like(args[6], numpy.nan)
     for switch, plan_result in results.items():
