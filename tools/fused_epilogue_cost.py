@@ -1,13 +1,16 @@
 """What the dgelu epilogue of the sm90 GEMM costs on top of its mainloop (GPU only):
 
     PYTHONPATH=. python3 tools/fused_epilogue_cost.py [--tokens 1024,8192] [--reps 10] [--sweep] [--forms fp16,bf16x3]
-        [--clusters 1,2] [--rasters 0] [--staging COLS,DROP] [--memory-mode] [--against DIR[,DIR...] --rounds N] [--out PATH]
+        [--clusters 1,2] [--rasters 0] [--staging COLS,DROP] [--memory-mode] [--gelu-out] [--against DIR[,DIR...] --rounds N]
+        [--out PATH]
 
 GEMM1 of the backward (M = T, N = H = 6144, B = weight2 as stored, "kn") in the two forms the engine fuses:
 fp16 with K = D = 1536 (the tf32 plan) and bf16 with K = 3D = 4608 (the bf16x3 plan's three planes stacked
 along K). For each: cuBLAS (gemmEx, fp32 out) alone, our kernel with the fp32 epilogue (the mainloop and a
 plain store), and our kernel with the dgelu epilogue writing one 16-bit plane and (bf16) three planes, each
 at the engine's tile config (choose_config), with clusters of one and of two CTAs (TMA multicast of B);
+--gelu-out adds (fp16) the epilogue that also writes gelu_out's codes (EPI_DGELU_F16G, the tf32 plan's
+GEMM1 from T = 4096 on) at its choose_config(gelu_out=True) schedule;
 --sweep times every (block_n, pingpong) schedule instead of choose_config's alone, --rasters each tile order
 (GemmArgs::raster: 0 down each column of tiles, R bands of R tile rows). Protocol: random operands, L2 flushed (256 MiB written) before
 each sample, CUDA events around the call, median of --reps after 2 warm-ups. --against DIRS times each of our
@@ -38,6 +41,7 @@ def main(argv=None):
     parser.add_argument("--clusters", default="1,2")
     parser.add_argument("--rasters", default="0")
     parser.add_argument("--memory-mode", action="store_true", help="also the dgelu epilogue without tanh_inner (recomputed)")
+    parser.add_argument("--gelu-out", action="store_true", help="also the fp16 dgelu epilogue writing gelu_out's codes")
     parser.add_argument("--staging", default=None, help="the staged epilogue's shape, _sm90_gemm.set_staging(cols, drop); "
                         "default: the launcher's")
     parser.add_argument("--against", default=None, help="other kernels_cu folders, comma-separated (e.g. an older "
@@ -99,6 +103,13 @@ def main(argv=None):
             out1 = cupy.empty((T, H), cupy.float16 if dtype == numpy.float16 else cupy.uint16)
             out3 = cupy.empty((T, 3 * H), cupy.uint16)
             cases = [("cublas fp32 out", None, 1, lambda: g(handle))]
+            if args.gelu_out and form == "fp16":
+                outg = cupy.empty((T, H), cupy.float16)
+                block_n, pp = _sm90_gemm.choose_config(T, H, _kernels.sm_count(cupy.cuda.Device().id), gelu_out=True)
+                cfg = dict(block_n=block_n, pingpong=pp, b_layout="kn", cluster=1, raster=_sm90_gemm.FUSED_RASTER,
+                           stream=stream)
+                cases.append(("ours dgelu + gelu_out", cfg, 1, lambda cfg=cfg: _sm90_gemm.gemm_tn_dgelu(
+                    a, b, x, t, out1, gelu_out=outg, **cfg)))
             for block_n, pp in (_sm90_gemm.CONFIGS if args.sweep else (chosen,)):
                 for cluster, raster in ((int(c), int(r)) for c in args.clusters.split(",") for r in args.rasters.split(",")):
                     cfg = dict(block_n=block_n, pingpong=pp, b_layout="kn", cluster=cluster, raster=raster, stream=stream)
