@@ -64,7 +64,7 @@ def main(argv=None):
         keyed by the source text, makes a switch back cheap)."""
         _sm90_gemm.module_source = lambda: sources[which]
         _sm90_gemm._module.cache_clear()
-        _sm90_gemm._kernel.cache_clear()
+        _sm90_gemm._function.cache_clear()
 
     if args.staging:
         _sm90_gemm.set_staging(*(int(v) for v in args.staging.split(",")))
