@@ -47,9 +47,19 @@ __device__ __forceinline__ float tanh_inner_of(float z) {
   return tanhf(kSqrt2OverPi * (z + 0.044715f * z * z * z));
 }
 
+// gelu_out = 0.5 z (1 + t) of z and its tanh_inner t, in the forward's order: every kernel that forms gelu_out
+// (the conversion in memory mode, GEMM1's epilogue for GEMM2) uses this one expression, so they agree bit for bit.
+__device__ __forceinline__ float gelu_of(float z, float t) { return 0.5f * z * (1.0f + t); }
+
 __device__ __forceinline__ void gelu(float z, float& t, float& g) {
   t = tanh_inner_of(z);
-  g = 0.5f * z * (1.0f + t);
+  g = gelu_of(z, t);
+}
+
+// The fp16 codes of (a * scale, b * scale), a in the low half: one cvt.rn.f16x2.f32, the rounding of f16_bits.
+__device__ __forceinline__ unsigned f16x2_bits(float a, float b, float scale) {
+  const __half2 h = __floats2half2_rn(a * scale, b * scale);
+  return *reinterpret_cast<const unsigned*>(&h);
 }
 
 // bf16(x) rounded to nearest even, except that a finite x beyond bf16's largest finite value is

@@ -40,7 +40,7 @@ __device__ __forceinline__ float gelu_out_of(const ConvertJob& job, const float*
   float t, g;
   if (job.src2 != nullptr) {
     t = __ldcs(job.src2 + r * job.src2_ld + c);
-    g = 0.5f * z * (1.0f + t);
+    g = cupyffn::gelu_of(z, t);
   } else {
     cupyffn::gelu(z, t, g);
   }

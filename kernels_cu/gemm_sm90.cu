@@ -471,9 +471,7 @@ __device__ __forceinline__ void store_dgelu_pair(unsigned short* p, int n, float
   if constexpr (EPI == kEpiDgeluBf16) {
     codes = cupyffn::pack2(cupyffn::bf16_bits(v0), cupyffn::bf16_bits(v1));  // the engine's dgelu rounding
   } else {
-    // one cvt.rn.f16x2.f32 for the pair: the same rounding as f16_bits of each
-    const __half2 h = __floats2half2_rn(v0 * out_scale, v1 * out_scale);
-    codes = *reinterpret_cast<const unsigned*>(&h);
+    codes = cupyffn::f16x2_bits(v0, v1, out_scale);  // the same rounding as f16_bits of each
   }
   if (both) *reinterpret_cast<unsigned*>(p) = codes;
   if (one) p[0] = (unsigned short)codes;
@@ -487,10 +485,9 @@ __device__ __forceinline__ void store_dgelu_pair(unsigned short* p, int n, float
 // epilogue, 52 bytes, with or without the predicates: the launcher has no such variant, cupyffn/_sm90_gemm.py.)
 __device__ __forceinline__ void store_gelu_pair(unsigned short* p, float x0, float t0, float x1, float t1, bool both,
                                                 bool one, float g_scale, float& gamax) {
-  const float g0 = 0.5f * x0 * (1.0f + t0), g1 = 0.5f * x1 * (1.0f + t1);
+  const float g0 = cupyffn::gelu_of(x0, t0), g1 = cupyffn::gelu_of(x1, t1);
   gamax = fmaxf(gamax, fmaxf(finite_or_nan(g0), finite_or_nan(g1)));
-  const __half2 h = __floats2half2_rn(g0 * g_scale, g1 * g_scale);
-  const unsigned codes = *reinterpret_cast<const unsigned*>(&h);
+  const unsigned codes = cupyffn::f16x2_bits(g0, g1, g_scale);
   if (both) *reinterpret_cast<unsigned*>(p) = codes;
   if (one) p[0] = (unsigned short)codes;
 }
@@ -724,14 +721,12 @@ __device__ __forceinline__ void store_gelu_rows(unsigned slot, const GemmArgs& a
     for (int q = 0; q < 2; ++q) {  // two 16-byte chunks of x and of t: 4 columns each
       const float4 x = ld_shared_f4(slot + xt_offset(0, rr, 2 * oct + q));
       const float4 t = ld_shared_f4(slot + xt_offset(1, rr, 2 * oct + q));
-      const float g0 = 0.5f * x.x * (1.0f + t.x), g1 = 0.5f * x.y * (1.0f + t.y);
-      const float g2 = 0.5f * x.z * (1.0f + t.z), g3 = 0.5f * x.w * (1.0f + t.w);
+      const float g0 = cupyffn::gelu_of(x.x, t.x), g1 = cupyffn::gelu_of(x.y, t.y);
+      const float g2 = cupyffn::gelu_of(x.z, t.z), g3 = cupyffn::gelu_of(x.w, t.w);
       // out of the matrix the slot holds zeros (zero-filled copies): gelu_out = 0 there, so no predicate
       gamax = fmaxf(gamax, fmaxf(fmaxf(finite_or_nan(g0), finite_or_nan(g1)), fmaxf(finite_or_nan(g2), finite_or_nan(g3))));
-      const __half2 h01 = __floats2half2_rn(g0 * g_scale, g1 * g_scale);
-      const __half2 h23 = __floats2half2_rn(g2 * g_scale, g3 * g_scale);
-      codes[2 * q] = *reinterpret_cast<const unsigned*>(&h01);
-      codes[2 * q + 1] = *reinterpret_cast<const unsigned*>(&h23);
+      codes[2 * q] = cupyffn::f16x2_bits(g0, g1, g_scale);
+      codes[2 * q + 1] = cupyffn::f16x2_bits(g2, g3, g_scale);
     }
     if (row >= args.m) continue;
     // (32 x 32 -> 64-bit product: the launcher keeps row strides below 2^31)

@@ -104,6 +104,21 @@ def test_rows_off_16_bytes_take_the_direct_epilogue(extra, offset, pairs, precis
         assert W.relative_l2(g, r, xp=cupy) <= contract(precision), label
 
 
+def call_and_check(plan, args, inputs, slot, moved, what):
+    """One tf32 call into poisoned outputs: scale slot `slot`'s exponent moved if `moved` (the rescue's case), every
+    gradient finite and within the contract against float64."""
+    state = plan._engine._state
+    tokens, dim, hidden = plan.tokens, plan.dim, plan.hidden_dim
+    e_before = int(state[slot].get())
+    grads = plan(*args, out=poisoned(tokens, dim, hidden))
+    cupy.cuda.Device().synchronize()
+    if moved:
+        assert int(state[slot].get()) != e_before, f"{what}: the exponent should have moved"
+    for label, g, r in zip(W.OUTPUT_NAMES, grads, W.reference(inputs, xp=cupy)):
+        assert bool(cupy.isfinite(g).all()), (what, label)
+        assert W.relative_l2(g, r, xp=cupy) <= CONTRACT, (what, label, W.relative_l2(g, r, xp=cupy))
+
+
 def test_rescue_reruns_gemm1_when_the_scale_moves(monkeypatch):
     """Second call with grad_output 2^12 larger: grad_linear1's delayed exponent no longer fits, the
     decision moves it and the rescue launch must write grad_linear1 again (else grad_hidden and
@@ -112,19 +127,12 @@ def test_rescue_reruns_gemm1_when_the_scale_moves(monkeypatch):
     monkeypatch.setenv("CUPYFFN_SM90_GEMM1", "1")
     plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision="tf32")
     assert plan.fused_gemm1
-    state, slot = plan._engine._state, _precision.SLOT["grad_linear1"]
+    slot = _precision.SLOT["grad_linear1"]
     for scale in (1.0, 2.0 ** 12, 2.0 ** -12):
         args, inputs = make(tokens, dim, hidden, seed=int(scale * 4096) % 97)
         args[0] = args[0] * numpy.float32(scale)
         inputs = dict(inputs, grad_output=args[0])
-        e_before = int(state[slot].get())
-        grads = plan(*args, out=poisoned(tokens, dim, hidden))
-        cupy.cuda.Device().synchronize()
-        if scale != 1.0:
-            assert int(state[slot].get()) != e_before, "the exponent of grad_linear1 should have moved"
-        for label, g, r in zip(W.OUTPUT_NAMES, grads, W.reference(inputs, xp=cupy)):
-            assert bool(cupy.isfinite(g).all()), (scale, label)
-            assert W.relative_l2(g, r, xp=cupy) <= CONTRACT, (scale, label, W.relative_l2(g, r, xp=cupy))
+        call_and_check(plan, args, inputs, slot, moved=scale != 1.0, what=f"grad_linear1 at scale {scale}")
 
 
 def consistent(args):
@@ -186,7 +194,7 @@ def test_rescue_reruns_gemm1_when_gelu_outs_scale_moves(monkeypatch):
     monkeypatch.setenv("CUPYFFN_GELU_EPILOGUE", "1")
     plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision="tf32")
     assert plan._engine.gelu_in_gemm1
-    state, slot = plan._engine._state, _precision.SLOT["gelu_out"]
+    slot = _precision.SLOT["gelu_out"]
     for scale in (1.0, 2.0 ** 10, 2.0 ** -10):
         inputs = W.make_inputs((tokens,), dim, hidden, xp=cupy, seed=int(scale * 1024) % 89)
         w1 = inputs["weight1"] * numpy.float32(scale)
@@ -196,14 +204,7 @@ def test_rescue_reruns_gemm1_when_gelu_outs_scale_moves(monkeypatch):
         inputs = dict(inputs, weight1=w1, linear1_out=z, tanh_inner=t,
                       gelu_out=numpy.float32(0.5) * z * (numpy.float32(1.0) + t))
         args = [inputs[n] for n in W.INPUT_NAMES]
-        e_before = int(state[slot].get())
-        grads = plan(*args, out=poisoned(tokens, dim, hidden))
-        cupy.cuda.Device().synchronize()
-        if scale != 1.0:
-            assert int(state[slot].get()) != e_before, "the exponent of gelu_out should have moved"
-        for label, g, r in zip(W.OUTPUT_NAMES, grads, W.reference(inputs, xp=cupy)):
-            assert bool(cupy.isfinite(g).all()), (scale, label)
-            assert W.relative_l2(g, r, xp=cupy) <= CONTRACT, (scale, label, W.relative_l2(g, r, xp=cupy))
+        call_and_check(plan, args, inputs, slot, moved=scale != 1.0, what=f"gelu_out at scale {scale}")
 
 
 @pytest.mark.parametrize("precision", FUSING)
