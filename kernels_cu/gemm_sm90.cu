@@ -442,6 +442,16 @@ __device__ __forceinline__ float finite_or_nan(float v) {
   return fabsf(r);
 }
 
+// The two 16-bit codes of one pair of a one-plane dgelu epilogue, v0 in the low half.
+template <int EPI>
+__device__ __forceinline__ unsigned pair_codes(float v0, float v1, float out_scale) {
+  if constexpr (EPI == kEpiDgeluBf16) {
+    return cupyffn::pack2(cupyffn::bf16_bits(v0), cupyffn::bf16_bits(v1));  // the engine's dgelu rounding
+  } else {
+    return cupyffn::f16x2_bits(v0, v1, out_scale);  // the same rounding as f16_bits of each
+  }
+}
+
 // Both dgelu epilogues: fold g = (v0, v1) into amax (finite values only; v1 only if `both`, nothing unless
 // `both` or `one`), round (bf16, or fp16 after out_scale) and store the codes at p: a 4-byte pair if `both`,
 // the 2-byte code of v0 if `one`. Selects and predicated stores, no branches: the staged epilogue's elements
@@ -467,12 +477,7 @@ __device__ __forceinline__ void store_dgelu_pair(unsigned short* p, int n, float
 #if defined(CUPYFFN_SM90_TRACE) && CUPYFFN_SM90_EPI_PROBE == 1
   return;  // measurement only (tools/sm90_trace.py --probe 1): the epilogue without its global stores
 #endif
-  unsigned codes;
-  if constexpr (EPI == kEpiDgeluBf16) {
-    codes = cupyffn::pack2(cupyffn::bf16_bits(v0), cupyffn::bf16_bits(v1));  // the engine's dgelu rounding
-  } else {
-    codes = cupyffn::f16x2_bits(v0, v1, out_scale);  // the same rounding as f16_bits of each
-  }
+  const unsigned codes = pair_codes<EPI>(v0, v1, out_scale);
   if (both) *reinterpret_cast<unsigned*>(p) = codes;
   if (one) p[0] = (unsigned short)codes;
 }
@@ -700,6 +705,56 @@ __device__ __forceinline__ void stage_xt_prologue(unsigned slots, const GemmArgs
   }
 }
 
+// The staged one-plane epilogues store C in whole row segments, as store_gelu_rows does, not in the accumulator's
+// fragment layout (4-byte pairs 8 columns apart: 16 bytes per row and warp instruction). A warp's codes of one
+// group (16 rows x kXtCols columns, 64 bytes per row) go through the x half of its slot once every lane has read
+// x: code row r at r * 128 bytes (x's row), its 16-byte chunk c (8 columns) at (c ^ (r % 4)) * 16 + 64 * (r / 4 % 2),
+// so that a fragment write (8 rows, one chunk) and a row read (8 rows x 4 chunks) fall on distinct bank groups.
+__device__ __forceinline__ unsigned code_offset(int r, int chunk) {
+  return (unsigned)(r * (kXtCols * 4) + 64 * ((r >> 2) & 1) + ((chunk ^ (r & 3)) * 16));
+}
+
+// Volatile, with memory clobbers: they stay in order with each other and with the warp barriers between them.
+__device__ __forceinline__ void st_shared_u32(unsigned addr, unsigned v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint4 ld_shared_u4(unsigned addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr)
+               : "memory");
+  return v;
+}
+
+// Lane l's two rows (l / 4 and l / 4 + 8 of the warp's 16, from row r_top - l / 4) of the codes a warp put into
+// its slot (code_offset), 8 columns from c_group + 8 (l % 4): one 16-byte store per row (a whole octet inside N
+// and ldc a multiple of 8), else one code at a time up to N.
+__device__ __forceinline__ void store_code_rows(unsigned slot, const GemmArgs& args, int r_top, int c_group, int lane) {
+  static_assert(kXtCols == 32, "4 lanes x 8 columns per row of a group");
+#if defined(CUPYFFN_SM90_TRACE) && CUPYFFN_SM90_EPI_PROBE == 1
+  return;  // measurement only (tools/sm90_trace.py --probe 1): the epilogue without its global stores
+#endif
+  const int oct = lane & 3, col = c_group + 8 * oct;
+  const bool vec = (args.ldc & 7) == 0 && col + 8 <= args.n;
+#pragma unroll 1  // one row at a time: unrolled, the ping-pong gelu_out variant spills
+  for (int hh = 0; hh < 2; ++hh) {
+    const int rr = (lane >> 2) + 8 * hh, row = r_top + 8 * hh;
+    if (row >= args.m) continue;  // (before the read: every read's value feeds a store, see the slot's refill)
+    const uint4 w = ld_shared_u4(slot + code_offset(rr, oct));
+    // (32 x 32 -> 64-bit product: the launcher keeps row strides below 2^31)
+    unsigned short* p = static_cast<unsigned short*>(args.c) + ((long long)row * (int)args.ldc + col);
+    if (vec) {
+      __stcg(reinterpret_cast<uint4*>(p), w);
+    } else {
+      const unsigned c[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if (col + i < args.n) p[i] = (unsigned short)(c[i / 2] >> (16 * (i % 2)));
+      }
+    }
+  }
+}
+
 // kEpiDgeluF16G with t given, staged: gelu_out of a warp's group (16 rows x kXtCols columns from row r_top - lane / 4
 // and column c_group) straight from its slot in whole row segments, independent of the accumulator layout: lane l
 // takes rows l / 4 and l / 4 + 8 and the 8 columns 8 (l % 4) ..., so that each row gets one 16-byte store of 8 codes
@@ -766,11 +821,15 @@ __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], co
   const long long g_delta = EPI == kEpiDgeluF16G ? args.g - static_cast<unsigned short*>(args.c) : 0;
   const float g_scale = EPI == kEpiDgeluF16G ? gelu_scale(args) : 1.0f;
   const int left[2] = {r_top < args.m ? args.n - cbase : 0, r_top + 8 < args.m ? args.n - cbase : 0};
+  constexpr bool kRowStores = EPI != kEpiDgeluBf16x3;  // one plane: C in row segments (store_code_rows)
 #pragma unroll
   for (int jg = 0; jg < kGroupsPerHalf; ++jg) {
     const int g = H * kGroupsPerHalf + jg;
+    unsigned codes[kXtCols / 8][2];  // kRowStores: the group's codes, in the fragment layout
     // this lane's copies of group g (the oldest of the SLOTS in flight) landed, and every other lane's
     const unsigned slot = slot_ready<SLOTS - 1>(slots + (g % SLOTS) * kXtSlotBytes + warp * kWarpSlotBytes);
+    // kEpiDgeluF16G, t given: gelu_out first (no codes held meanwhile: the ping-pong variant spills otherwise)
+    if constexpr (EPI == kEpiDgeluF16G && HAS_T) store_gelu_rows(slot, args, r_top, col0 + jg * kXtCols, lane, g_scale, gamax);
 #pragma unroll
     for (int jj = 0; jj < kXtCols / 8; ++jj) {
       const int j = jg * (kXtCols / 8) + jj;  // the accumulator's 8-column group
@@ -792,8 +851,15 @@ __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], co
         const float v0 = (acc_scale * acc[4 * j + 2 * hh]) * cupyffn::gelu_grad(xv.x, t0);
         const float v1 = (acc_scale * acc[4 * j + 2 * hh + 1]) * cupyffn::gelu_grad(xv.y, t1);
         // columns 8j, 8j + 1 from cbase: both inside N, or only the first
-        store_dgelu_pair<EPI>(top_ptr + (hh * 8 * (int)args.ldc + 8 * j), args.n, v0, v1, left[hh] > 8 * j + 1,
-                              left[hh] == 8 * j + 1, out_scale, amax);
+        const bool both = left[hh] > 8 * j + 1, one = left[hh] == 8 * j + 1;
+        if constexpr (kRowStores) {
+          const float m = fmaxf(finite_or_nan(v0), both ? finite_or_nan(v1) : 0.0f);  // as store_dgelu_pair
+          amax = both || one ? fmaxf(amax, m) : amax;
+          codes[jj][hh] = pair_codes<EPI>(v0, v1, out_scale);
+        } else {
+          store_dgelu_pair<EPI>(top_ptr + (hh * 8 * (int)args.ldc + 8 * j), args.n, v0, v1, both, one, out_scale,
+                                amax);
+        }
         if constexpr (EPI == kEpiDgeluF16G && !HAS_T) {  // memory mode: t is at hand only here
           store_gelu_pair(top_ptr + (g_delta + hh * 8 * (int)args.ldc + 8 * j), xv.x, t0, xv.y, t1,
                           left[hh] > 8 * j + 1, left[hh] == 8 * j + 1, g_scale, gamax);
@@ -805,8 +871,23 @@ __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], co
         if constexpr (!HAS_T && HALVES * BN / 2 >= 128) __syncwarp();
       }
     }
-    if constexpr (EPI == kEpiDgeluF16G && HAS_T) {
-      store_gelu_rows(slot, args, r_top, col0 + jg * kXtCols, lane, g_scale, gamax);
+    if constexpr (kRowStores) {
+      // every lane's codes formed (so its reads of x are done: the asm takes each code as an operand) before the
+      // barrier after which the codes overwrite x; written, then read back in rows after a second barrier
+#pragma unroll
+      for (int jj = 0; jj < kXtCols / 8; ++jj) {
+        asm volatile("" : "+r"(codes[jj][0]), "+r"(codes[jj][1]) : : "memory");
+      }
+      asm volatile("bar.warp.sync 0xffffffff;\n" ::: "memory");
+#pragma unroll
+      for (int jj = 0; jj < kXtCols / 8; ++jj) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          st_shared_u32(slot + code_offset((lane >> 2) + 8 * hh, jj) + 4 * (lane & 3), codes[jj][hh]);
+        }
+      }
+      asm volatile("bar.warp.sync 0xffffffff;\n" ::: "memory");
+      store_code_rows(slot, args, r_top, col0 + jg * kXtCols, lane);
     }
     // Refill the slot just read with group g + SLOTS, once every lane of the warp has read it: each loaded
     // value feeds a store or amax above (so its load has completed before they issue, and they stay before
