@@ -821,15 +821,20 @@ __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], co
   const long long g_delta = EPI == kEpiDgeluF16G ? args.g - static_cast<unsigned short*>(args.c) : 0;
   const float g_scale = EPI == kEpiDgeluF16G ? gelu_scale(args) : 1.0f;
   const int left[2] = {r_top < args.m ? args.n - cbase : 0, r_top + 8 < args.m ? args.n - cbase : 0};
-  constexpr bool kRowStores = EPI != kEpiDgeluBf16x3;  // one plane: C in row segments (store_code_rows)
+  // One plane, cooperative: C in row segments (store_code_rows). Measured against the fragment-layout stores
+  // (docs/perf-notes.md session 10): 0.93-0.97 for 128 x 256 at T = 2048-8192, but 1.01-1.03 for the ping-pong
+  // variants, whose other consumer's mainloop hides their stores anyway.
+  constexpr bool kRowStores = EPI != kEpiDgeluBf16x3 && HALVES == 1;
 #pragma unroll
   for (int jg = 0; jg < kGroupsPerHalf; ++jg) {
     const int g = H * kGroupsPerHalf + jg;
     unsigned codes[kXtCols / 8][2];  // kRowStores: the group's codes, in the fragment layout
     // this lane's copies of group g (the oldest of the SLOTS in flight) landed, and every other lane's
     const unsigned slot = slot_ready<SLOTS - 1>(slots + (g % SLOTS) * kXtSlotBytes + warp * kWarpSlotBytes);
-    // kEpiDgeluF16G, t given: gelu_out first (no codes held meanwhile: the ping-pong variant spills otherwise)
-    if constexpr (EPI == kEpiDgeluF16G && HAS_T) store_gelu_rows(slot, args, r_top, col0 + jg * kXtCols, lane, g_scale, gamax);
+    // kEpiDgeluF16G, t given, with row stores: gelu_out first, while no codes are held (else after them, as measured)
+    if constexpr (EPI == kEpiDgeluF16G && HAS_T && kRowStores) {
+      store_gelu_rows(slot, args, r_top, col0 + jg * kXtCols, lane, g_scale, gamax);
+    }
 #pragma unroll
     for (int jj = 0; jj < kXtCols / 8; ++jj) {
       const int j = jg * (kXtCols / 8) + jj;  // the accumulator's 8-column group
@@ -888,6 +893,8 @@ __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], co
       }
       asm volatile("bar.warp.sync 0xffffffff;\n" ::: "memory");
       store_code_rows(slot, args, r_top, col0 + jg * kXtCols, lane);
+    } else if constexpr (EPI == kEpiDgeluF16G && HAS_T) {
+      store_gelu_rows(slot, args, r_top, col0 + jg * kXtCols, lane, g_scale, gamax);
     }
     // Refill the slot just read with group g + SLOTS, once every lane of the warp has read it: each loaded
     // value feeds a store or amax above (so its load has completed before they issue, and they stay before
