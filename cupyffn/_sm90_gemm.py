@@ -94,6 +94,7 @@ OP_F16 = 0
 OP_BF16 = 1
 OP_F16E4M3 = 2  # the fp16+fp8 pair in one kernel (gemm_sm90_pair_kernel); its tensor maps of e4m3 bytes: OP_E4M3
 OP_E4M3 = 100   # not a kernel operand code: the tensor-map kind of the pair's 8-bit operands (encode_tensor_map)
+OP_F32 = 101    # not a kernel operand code: the tensor-map kind of a "kn32" b (fp32, unswizzled, encode_tensor_map)
 EPI_F32 = 0
 EPI_DGELU_BF16 = 1
 EPI_DGELU_F16 = 2
@@ -108,9 +109,15 @@ CONFIGS = ((128, False), (256, False), (128, True))
 EPILOGUES = ("staged", "direct")
 
 
-#: How b is laid out: "nk" ([N, K], K contiguous: both operands K-major) or "kn" ([K, N], N contiguous:
+#: How a 16-bit b is laid out: "nk" ([N, K], K contiguous: both operands K-major) or "kn" ([K, N], N contiguous:
 #: a weight as stored, read MN-major by wgmma; template parameter BT in gemm_sm90.cu).
 B_LAYOUTS = ("nk", "kn")
+#: gemm_tn / gemm_tn_dgelu also take b_layout KN32: b float32 [K, N], converted to fp16 inside the kernel (fp16 a
+#: only; the codes of b * b_scale as convert.cu rounds them, never written to global memory; BT = 2).
+KN32 = "kn32"
+_BT = {"nk": 0, "kn": 1, KN32: 2}
+#: The schedules with b_layout "kn32" (its fp32 tiles need the room of a 128 x 256 tile's stages).
+KN32_CONFIGS = ((128, False), (128, True))
 #: CTAs per cluster: 1 (gemm_sm90_kernel) or 2 (gemm_sm90_cluster2_kernel: two vertically adjacent tiles share
 #: their B tile through TMA multicast, see gemm_sm90.cu).
 CLUSTERS = (1, 2)
@@ -135,6 +142,10 @@ def _variants():
                         for staged in (False, True):
                             if not (staged and (epi, bn, pp) == GELU_NO_STAGED):
                                 yield op, bn, epi, pp, staged, bt, cl
+    for bn, pp in KN32_CONFIGS:  # b converted in the kernel: fp32 out, and the tf32 plan's GEMM1 epilogue
+        yield OP_F16, bn, EPI_F32, pp, False, 2, 1
+        for staged in (False, True):
+            yield OP_F16, bn, EPI_DGELU_F16, pp, staged, 2, 1
 
 
 #: How the pair kernel's fp16 A is laid out: "mk" ([M, K], K contiguous) or "km" ([K, M], M contiguous: grad_output /
@@ -154,15 +165,26 @@ EXPRESSIONS = (tuple(f"{_KERNEL_NAMES[cl]}<{op}, {bn}, {epi}, {int(pp)}, {int(xs
 # every variant; each compiled on first use
 
 
-def stages_for(block_n):
+def stage_bytes(block_n, bt=0):
+    """Bytes of one pipeline stage (stage_bytes_for in gemm_sm90.cu): the 16-bit tiles, and with bt = 2 ("kn32")
+    the fp32 tile of B they are converted from."""
+    return (BLOCK_M + block_n) * BLOCK_K * 2 + (block_n * BLOCK_K * 4 if bt == 2 else 0)
+
+
+def _bars(bt):
+    """mbarriers per stage (bars_for)."""
+    return 3 if bt == 2 else 2
+
+
+def stages_for(block_n, bt=0):
     """Pipeline stages (stages_for in gemm_sm90.cu): as many as fit in 192 KiB."""
-    return (192 * 1024) // ((BLOCK_M + block_n) * BLOCK_K * 2)
+    return (192 * 1024) // stage_bytes(block_n, bt)
 
 
-def smem_bytes(block_n):
+def smem_bytes(block_n, bt=0):
     """Dynamic shared memory of one CTA (smem_bytes_for in gemm_sm90.cu)."""
-    s = stages_for(block_n)
-    return s * (BLOCK_M + block_n) * BLOCK_K * 2 + 1024 + 2 * 8 * s
+    s = stages_for(block_n, bt)
+    return s * stage_bytes(block_n, bt) + 1024 + _bars(bt) * 8 * s
 
 
 def xt_slot_bytes():
@@ -171,26 +193,27 @@ def xt_slot_bytes():
     return 2 * 64 * XT_COLS * 4
 
 
-def xs_stages_for(block_n):
+def xs_stages_for(block_n, bt=0):
     """Pipeline stages with the staged epilogue (xs_stages_for): XS_STAGE_DROP fewer, to make room for the slots."""
-    return stages_for(block_n) - XS_STAGE_DROP
+    return stages_for(block_n, bt) - XS_STAGE_DROP
 
 
-def xt_slots_for(block_n):
+def xt_slots_for(block_n, bt=0):
     """x/t slots per consumer of the staged epilogue (xt_slots_for): what is left of 224 KiB, halved."""
-    return (224 * 1024 - xs_stages_for(block_n) * (BLOCK_M + block_n) * BLOCK_K * 2) // (2 * xt_slot_bytes())
+    return (224 * 1024 - xs_stages_for(block_n, bt) * stage_bytes(block_n, bt)) // (2 * xt_slot_bytes())
 
 
-def xs_smem_bytes(block_n):
+def xs_smem_bytes(block_n, bt=0):
     """Dynamic shared memory of one CTA with the staged epilogue (xs_smem_bytes_for in gemm_sm90.cu)."""
-    s = xs_stages_for(block_n)
-    return s * (BLOCK_M + block_n) * BLOCK_K * 2 + 2 * xt_slots_for(block_n) * xt_slot_bytes() + 1024 + 2 * 8 * s
+    s = xs_stages_for(block_n, bt)
+    return s * stage_bytes(block_n, bt) + 2 * xt_slots_for(block_n, bt) * xt_slot_bytes() + 1024 + _bars(bt) * 8 * s
 
 
-def launch_smem_bytes(block_n, staged):
+def launch_smem_bytes(block_n, staged, b_layout="nk"):
     """Dynamic shared memory a launch of that variant needs (the kernel traps if given less; the same
     for both schedules)."""
-    return xs_smem_bytes(block_n) if staged else smem_bytes(block_n)
+    bt = _BT[b_layout]
+    return xs_smem_bytes(block_n, bt) if staged else smem_bytes(block_n, bt)
 
 
 class TmaDesc(ctypes.Structure):
@@ -200,7 +223,7 @@ class TmaDesc(ctypes.Structure):
 
 
 class GemmArgs(ctypes.Structure):
-    """Mirror of ``struct GemmArgs`` in gemm_sm90.cu (160 bytes)."""
+    """Mirror of ``struct GemmArgs`` in gemm_sm90.cu (176 bytes)."""
 
     _fields_ = [
         ("c", ctypes.c_void_p),
@@ -230,7 +253,16 @@ class GemmArgs(ctypes.Structure):
         ("g_amax", ctypes.c_void_p),
         ("g_slot", ctypes.c_int),
         ("g_alpha", ctypes.c_float),
+        ("b_amax", ctypes.c_void_p),
+        ("b_slot", ctypes.c_int),
+        ("b_alpha", ctypes.c_float),
     ]
+
+    def __init__(self, *args, **kwargs):
+        # b_layout "kn32": b's scale is b_alpha unless a b_slot >= 0 names a slot of the state
+        kwargs.setdefault("b_slot", -1)
+        kwargs.setdefault("b_alpha", 1.0)
+        super().__init__(*args, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -248,8 +280,7 @@ def device_supported(device_id):
 
 def expression(op, block_n, epi, pingpong, staged=False, b_layout="nk", cluster=1):
     """The name expression of one kernel variant (one of EXPRESSIONS)."""
-    return (f"{_KERNEL_NAMES[cluster]}<{op}, {block_n}, {epi}, {int(pingpong)}, {int(staged)}, "
-            f"{B_LAYOUTS.index(b_layout)}>")
+    return f"{_KERNEL_NAMES[cluster]}<{op}, {block_n}, {epi}, {int(pingpong)}, {int(staged)}, {_BT[b_layout]}>"
 
 
 @functools.lru_cache(maxsize=None)
@@ -285,7 +316,7 @@ def _function(name, device_id, smem):
 
 def _kernel(op, block_n, epi, pingpong, device_id, staged=False, b_layout="nk", cluster=1):
     return _function(expression(op, block_n, epi, pingpong, staged, b_layout, cluster), device_id,
-                     launch_smem_bytes(block_n, staged))
+                     launch_smem_bytes(block_n, staged, b_layout))
 
 
 def _pair_kernel(block_n, pingpong, a_layout, b_layout, device_id):
@@ -295,8 +326,10 @@ def _pair_kernel(block_n, pingpong, a_layout, b_layout, device_id):
 # ---- tensor maps --------------------------------------------------------------------------------
 _CU_TENSOR_MAP_DATA_TYPE_UINT8 = 0
 _CU_TENSOR_MAP_DATA_TYPE_FLOAT16 = 6
+_CU_TENSOR_MAP_DATA_TYPE_FLOAT32 = 7
 _CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 = 9
 _CU_TENSOR_MAP_INTERLEAVE_NONE = 0
+_CU_TENSOR_MAP_SWIZZLE_NONE = 0
 _CU_TENSOR_MAP_SWIZZLE_128B = 3
 _CU_TENSOR_MAP_L2_PROMOTION_L2_256B = 3
 _CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE = 0  # out-of-bounds elements read as zeros
@@ -335,9 +368,10 @@ class _AlignedDesc:
         self.desc = TmaDesc.from_buffer(self._buffer, offset)
 
 
-def encode_tensor_map(ptr, rows, cols, row_stride_bytes, op, box_rows):
+def encode_tensor_map(ptr, rows, cols, row_stride_bytes, op, box_rows, box_cols=None):
     """CUtensorMap of a [rows, cols] row-major matrix at `ptr`, 128-byte swizzle, boxes of box_rows rows x 128
-    bytes: 64 16-bit elements (op OP_F16, OP_BF16) or 128 bytes (OP_E4M3)."""
+    bytes: 64 16-bit elements (op OP_F16, OP_BF16) or 128 bytes (OP_E4M3); or (op OP_F32) float32 elements,
+    unswizzled, in boxes of box_rows x box_cols (a "kn32" b's stage: 64 K-rows x block_n, converted in the kernel)."""
     encode = _libcuda.function("cuTensorMapEncodeTiled", [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
         ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
@@ -345,12 +379,17 @@ def encode_tensor_map(ptr, rows, cols, row_stride_bytes, op, box_rows):
     holder = _AlignedDesc()
     dims = (ctypes.c_uint64 * 2)(cols, rows)
     strides = (ctypes.c_uint64 * 1)(row_stride_bytes)
-    box = (ctypes.c_uint32 * 2)(2 * BLOCK_K if op == OP_E4M3 else BLOCK_K, box_rows)
+    if op == OP_F32:
+        box_inner = box_cols
+    else:
+        box_inner = 2 * BLOCK_K if op == OP_E4M3 else BLOCK_K
+    box = (ctypes.c_uint32 * 2)(box_inner, box_rows)
     elem = (ctypes.c_uint32 * 2)(1, 1)
     dtype = {OP_F16: _CU_TENSOR_MAP_DATA_TYPE_FLOAT16, OP_BF16: _CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-             OP_E4M3: _CU_TENSOR_MAP_DATA_TYPE_UINT8}[op]
+             OP_E4M3: _CU_TENSOR_MAP_DATA_TYPE_UINT8, OP_F32: _CU_TENSOR_MAP_DATA_TYPE_FLOAT32}[op]
+    swizzle = _CU_TENSOR_MAP_SWIZZLE_NONE if op == OP_F32 else _CU_TENSOR_MAP_SWIZZLE_128B
     status = encode(ctypes.addressof(holder.desc), dtype, 2, ctypes.c_void_p(ptr), dims, strides, box, elem,
-                    _CU_TENSOR_MAP_INTERLEAVE_NONE, _CU_TENSOR_MAP_SWIZZLE_128B, _CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                    _CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, _CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                     _CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     _libcuda.check(status, "cuTensorMapEncodeTiled",
                    f" for a [{rows}, {cols}] matrix, row stride {row_stride_bytes} bytes, box [{box_rows}, {box[0]}]")
@@ -452,18 +491,23 @@ def _check_device(arrays):
 
 
 def _check_operands(a, b, b_layout):
-    """(operand code, M, N, K, lda, ldb) of a [M, K] and b ([N, K] for b_layout "nk", [K, N] for "kn")."""
+    """(operand code, M, N, K, lda, ldb) of a [M, K] and b ([N, K] for b_layout "nk", [K, N] for "kn", "kn32")."""
     import cupy
+    import numpy
 
-    if b_layout not in B_LAYOUTS:
-        raise ValueError(f"b_layout must be one of {B_LAYOUTS}, got {b_layout!r}")
+    if b_layout not in _BT:
+        raise ValueError(f"b_layout must be one of {tuple(_BT)}, got {b_layout!r}")
     b_shape = "[N, K]" if b_layout == "nk" else "[K, N]"
     for name, x in (("a", a), ("b", b)):
         if not isinstance(x, cupy.ndarray) or x.ndim != 2:
             raise ValueError(f"{name} must be a 2-D cupy.ndarray (a [M, K], b {b_shape}), got "
                              f"{getattr(x, 'shape', type(x).__name__)}")
     op = _operand_code(a.dtype, "a")
-    if b.dtype != a.dtype:
+    if b_layout == KN32:
+        if op != OP_F16 or b.dtype != numpy.float32:
+            raise ValueError(f"b_layout='kn32' (b converted to fp16 in the kernel) needs a float16 a and a float32 b, "
+                             f"got a {a.dtype} and b {b.dtype}")
+    elif b.dtype != a.dtype:
         raise ValueError(f"b must have the dtype of a ({a.dtype}), got {b.dtype}")
     m, k = a.shape
     lda = _check_matrix(a, "a", (m, k), row_multiple=8)
@@ -472,17 +516,33 @@ def _check_operands(a, b, b_layout):
 
 
 def _check_b(b, b_layout, k, k_source):
-    """(N, row stride) of b, [N, K] ("nk") or [K, N] ("kn"), K given by `k_source`."""
+    """(N, row stride) of b, [N, K] ("nk") or [K, N] ("kn", "kn32"), K given by `k_source`."""
     b_shape = "[N, K]" if b_layout == "nk" else "[K, N]"
     n = b.shape[0] if b_layout == "nk" else b.shape[1]
     if (b.shape[1] if b_layout == "nk" else b.shape[0]) != k:
         raise ValueError(f"b must be {b_shape} with K = {k_source} = {k} (b_layout={b_layout!r}), got shape {b.shape}")
-    return n, _check_matrix(b, "b", (n, k) if b_layout == "nk" else (k, n), row_multiple=8)
+    # TMA: 16-byte row strides (8 16-bit or 4 fp32 elements)
+    return n, _check_matrix(b, "b", (n, k) if b_layout == "nk" else (k, n), row_multiple=4 if b_layout == KN32 else 8)
 
 
-def _check_config(block_n, pingpong):
+def _check_config(block_n, pingpong, b_layout="nk"):
     if (block_n, bool(pingpong)) not in CONFIGS:
         raise ValueError(f"(block_n, pingpong) must be one of {CONFIGS}, got ({block_n!r}, {pingpong!r})")
+    if b_layout == KN32 and (block_n, bool(pingpong)) not in KN32_CONFIGS:
+        raise ValueError(f"b_layout='kn32' runs the schedules {KN32_CONFIGS} (block_n, pingpong), got "
+                         f"({block_n!r}, {pingpong!r})")
+
+
+def _b_scale_fields(b_layout, b_scale, b_amax):
+    """GemmArgs fields of b_layout "kn32": b's codes are fp16(b * b_scale), max |b| over the finite b folded into
+    b_amax (optional)."""
+    if b_layout != KN32:
+        if b_scale != 1.0 or b_amax is not None:
+            raise ValueError(f"b_scale and b_amax apply only with b_layout='kn32' (b converted in the kernel), "
+                             f"got b_layout={b_layout!r}")
+        return {}
+    _check_amax(b_amax, "b_amax")
+    return {"b_alpha": _check_power_of_two(b_scale, "b_scale"), "b_amax": b_amax.data.ptr if b_amax is not None else None}
 
 
 def _check_size(m, n, k):
@@ -509,6 +569,8 @@ def _b_map(op, b_ptr, ldb, b_layout, n, k, block_n, cluster=1):
     """The tensor map of B (_operand_maps)."""
     if b_layout == "nk":
         return _maps.get(b_ptr, n, k, ldb * 2, op, block_n // cluster)
+    if b_layout == KN32:  # one fp32 box of 64 K-rows x block_n per stage, for the kernel to convert
+        return _maps.get(b_ptr, k, n, ldb * 4, OP_F32, BLOCK_K, block_n)
     return _maps.get(b_ptr, k, n, ldb * 2, op, 64)
 
 
@@ -541,13 +603,12 @@ def _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream, staged=Fal
     device = cupy.cuda.Device().id
     kernel = _kernel(op, block_n, epi, bool(pingpong), device, bool(staged), b_layout, cluster)
     map_a, map_b = _operand_maps(op, a.data.ptr, lda, b.data.ptr, ldb, b_layout, m, n, args.k, block_n, cluster)
-    grid = _grid(m, n, block_n, device, cluster, kernel.kernel.ptr, launch_smem_bytes(block_n, staged))
+    smem = launch_smem_bytes(block_n, staged, b_layout)
+    grid = _grid(m, n, block_n, device, cluster, kernel.kernel.ptr, smem)
     argv = (ctypes.c_void_p * 3)(ctypes.addressof(map_a.desc), ctypes.addressof(map_b.desc), ctypes.addressof(args))
     stream_ptr = (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
     # The driver copies the parameters at launch: map_a/map_b/args may be reused as soon as this returns.
-    driver.launchKernel(kernel.kernel.ptr, grid, 1, 1, THREADS, 1, 1, launch_smem_bytes(block_n, staged),
-                        stream_ptr,
-                        ctypes.addressof(argv), 0)
+    driver.launchKernel(kernel.kernel.ptr, grid, 1, 1, THREADS, 1, 1, smem, stream_ptr, ctypes.addressof(argv), 0)
 
 
 def choose_config(m, n, sms, tanh_inner=True, gelu_out=False):
@@ -647,7 +708,7 @@ class DgeluLaunch:
                                          ctypes.addressof(self.args))
             for staged in (True, False):
                 function = _kernel(op, block_n, epi, pingpong, device_id, staged, b_layout, self.cluster).kernel.ptr
-                smem = launch_smem_bytes(block_n, staged)
+                smem = launch_smem_bytes(block_n, staged, b_layout)
                 grid = _grid(m, n, block_n, device_id, self.cluster, function, smem)
                 # (map_a, map_b kept: argv points into them)
                 self._variants[has_t, staged] = (function, smem, grid, argv, (map_a, map_b))
@@ -676,7 +737,8 @@ class DgeluLaunch:
         return function, grid, THREADS, smem, ctypes.addressof(argv)
 
 
-def gemm_tn(a, b, out, *, block_n=256, pingpong=False, b_layout="nk", cluster=1, raster=0, stream=None):
+def gemm_tn(a, b, out, *, block_n=256, pingpong=False, b_layout="nk", cluster=1, raster=0, stream=None,
+            b_scale=1.0, b_amax=None):
     """out[M, N] (float32) = a[M, K] @ b[N, K]^T (b_layout "nk") or a[M, K] @ b[K, N] ("kn") on the
     sm_90a kernel; returns out.
 
@@ -684,20 +746,26 @@ def gemm_tn(a, b, out, *, block_n=256, pingpong=False, b_layout="nk", cluster=1,
     schedule, one of CONFIGS. cluster: CTAs per cluster, one of CLUSTERS (2: vertically adjacent tiles share B
     through TMA multicast). raster: the order of the output tiles (0: down each column of tiles; R > 0: bands of R
     tile rows (of R clusters' rows), column by column). Neither changes a single bit of out.
-    stream: a cupy Stream (default: the current one)."""
+    b_layout "kn32": a float16, b float32 [K, N] converted to fp16 inside the kernel: out = a @ fp16(b * b_scale),
+    b_scale a power of two, bit for bit what "kn" gives on the fp16 codes of convert.cu; b_amax (None, or a
+    1-element uint32 array, as gemm_tn_dgelu's amax) receives max |b| over the finite b. Schedules KN32_CONFIGS,
+    no clusters. stream: a cupy Stream (default: the current one)."""
     import numpy
 
-    _check_config(block_n, pingpong)
+    _check_config(block_n, pingpong, b_layout)
     _check_cluster(cluster)
     _check_raster(raster)
     op, m, n, k, lda, ldb = _check_operands(a, b, b_layout)
+    if b_layout == KN32 and cluster != 1:
+        raise ValueError(f"b_layout='kn32' runs without clusters (cluster=1), got cluster={cluster!r}")
+    b_fields = _b_scale_fields(b_layout, b_scale, b_amax)
     ldc = _check_matrix(out, "out", (m, n), numpy.float32)
-    _check_device((("a", a), ("b", b), ("out", out)))
+    _check_device((("a", a), ("b", b), ("out", out), ("b_amax", b_amax)))
     _check_size(m, n, k)
     _check_no_overlap(out, ldc, (("a", a, lda), ("b", b, ldb)))
     if m == 0 or n == 0:
         return out
-    args = GemmArgs(out.data.ptr, None, None, ldc, 0, 0, m, n, k, 1.0, None, xt_pairs=1, raster=raster)
+    args = GemmArgs(out.data.ptr, None, None, ldc, 0, 0, m, n, k, 1.0, None, xt_pairs=1, raster=raster, **b_fields)
     _launch(op, block_n, pingpong, EPI_F32, a, lda, b, ldb, args, stream, b_layout=b_layout, cluster=cluster)
     return out
 
@@ -830,7 +898,7 @@ def _check_power_of_two(alpha, name):
 
 def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, block_n=256, pingpong=False,
                   epilogue=None, b_layout="nk", planes=1, cluster=1, raster=0, stream=None, gelu_out=None,
-                  gelu_alpha=1.0, gelu_amax=None):
+                  gelu_alpha=1.0, gelu_amax=None, b_scale=1.0, b_amax=None):
     """GEMM1 with the GELU derivative fused: g = (a @ b^T) * gelu'(linear1_out, tanh_inner) in fp32,
     stored as bf16 bits (out uint16 [M, N]), as three bf16 planes (planes=3: out uint16 [M, 3N], columns
     [0, N) hi = bf16(g), [N, 2N) lo = bf16(g - hi), [2N, 3N) hi), or as fp16(alpha * g) (out float16);
@@ -846,15 +914,22 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, b
     Both give bitwise the same out and amax, and so do both cluster sizes and every raster (as in gemm_tn).
     gelu_out (float16 out only): a float16 [M, N] array that also receives fp16(gelu_alpha * 0.5 x (1 + t)), x =
     linear1_out, t = tanh_inner (or recomputed), the forward's GELU output as GEMM2's operand; gelu_alpha a power of
-    two; gelu_amax as amax, for max |0.5 x (1 + t)|."""
+    two; gelu_amax as amax, for max |0.5 x (1 + t)|.
+    b_layout "kn32", b_scale, b_amax: as in gemm_tn (a float16 a, a float32 b converted in the kernel; one-plane
+    float16 out without gelu_out)."""
     import numpy
 
-    _check_config(block_n, pingpong)
+    _check_config(block_n, pingpong, b_layout)
     _check_cluster(cluster)
     _check_raster(raster)
     if epilogue is not None and epilogue not in EPILOGUES:
         raise ValueError(f"epilogue must be None or one of {EPILOGUES}, got {epilogue!r}")
     op, m, n, k, lda, ldb = _check_operands(a, b, b_layout)
+    if b_layout == KN32 and (cluster != 1 or getattr(out, "dtype", None) != numpy.float16 or gelu_out is not None):
+        raise ValueError("b_layout='kn32' runs the float16 dgelu epilogue (out float16, no gelu_out) without "
+                         f"clusters, got out {getattr(out, 'dtype', type(out).__name__)}, "
+                         f"gelu_out {'given' if gelu_out is not None else 'None'}, cluster={cluster!r}")
+    b_fields = _b_scale_fields(b_layout, b_scale, b_amax)
     if planes == 3 and op != OP_BF16:
         raise ValueError(f"planes=3 (bf16x3 planes) needs bf16 operands (uint16 a and b), got {a.dtype}")
     if planes == 3 and n % 2:  # the planes start N columns apart and are stored as 4-byte column pairs
@@ -885,7 +960,7 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, b
     _check_amax(amax, "amax")
     _check_amax(gelu_amax, "gelu_amax")
     _check_device((("a", a), ("b", b), ("linear1_out", linear1_out), ("tanh_inner", tanh_inner), ("out", out),
-                   ("amax", amax), ("gelu_out", gelu_out), ("gelu_amax", gelu_amax)))
+                   ("amax", amax), ("gelu_out", gelu_out), ("gelu_amax", gelu_amax), ("b_amax", b_amax)))
     _check_size(m, n, k)
     inputs = (("a", a, lda), ("b", b, ldb), ("linear1_out", linear1_out, ldx), ("tanh_inner", tanh_inner, ldt))
     _check_no_overlap(out, ldc, inputs)
@@ -914,7 +989,7 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, b
                          f"multiple of 4 elements), got {ld}; epilogue=None falls back to 'direct'")
     args = GemmArgs(out.data.ptr, linear1_out.data.ptr, tanh_inner.data.ptr if tanh_inner is not None else None,
                     ldc, ldx, ldt, m, n, k, alpha, amax.data.ptr if amax is not None else None,
-                    xt_pairs=1, raster=raster)  # xt_pairs: even row strides and 16-byte aligned data, checked above
+                    xt_pairs=1, raster=raster, **b_fields)  # xt_pairs: even row strides, 16-byte aligned data
     if gelu_out is not None:
         args.g, args.ldg, args.g_alpha = gelu_out.data.ptr, ldg, gelu_alpha
         args.g_amax = gelu_amax.data.ptr if gelu_amax is not None else None

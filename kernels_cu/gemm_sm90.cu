@@ -126,8 +126,13 @@ struct GemmArgs {
   unsigned* g_amax;  // if not nullptr: max |gelu_out| (finite, unscaled) folded in as amax is
   int g_slot;        // with state: gelu_out's scale slot (scale 2^state[g_slot]); without: scale g_alpha
   float g_alpha;
+  // BT = 2 (B fp32 [K, N], converted to fp16 in the kernel): B's codes are fp16(b * 2^state[b_slot]) with state
+  // (b_slot >= 0), else fp16(b * b_alpha); max |b| over the finite b folded into b_amax if not nullptr
+  unsigned* b_amax;
+  int b_slot;
+  float b_alpha;
 };
-static_assert(sizeof(GemmArgs) == 160, "GemmArgs layout is mirrored in cupyffn/_sm90_gemm.py");
+static_assert(sizeof(GemmArgs) == 176, "GemmArgs layout is mirrored in cupyffn/_sm90_gemm.py");
 static_assert(sizeof(TmaDesc) == 128, "a CUtensorMap is 128 bytes");
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
@@ -384,12 +389,19 @@ __device__ __forceinline__ void wgmma_e4m3_k32(float (&d)[BN / 2], unsigned long
   }
 }
 
-// Pipeline depth: as many (128 + BN) x 64 stages as fit in 192 KiB of the 227 KiB of shared memory.
-__host__ __device__ constexpr int stages_for(int bn) { return (192 * 1024) / ((kBM + bn) * kBK * 2); }
+// Bytes of one pipeline stage: the 16-bit A and B tiles, and with BT = 2 the fp32 B tile they are converted from.
+__host__ __device__ constexpr int stage_bytes_for(int bn, int bt) { return (kBM + bn) * kBK * 2 + (bt == 2 ? bn * kBK * 4 : 0); }
+// mbarriers per stage: full and empty, and with BT = 2 the fp32 tile's
+__host__ __device__ constexpr int bars_for(int bt) { return bt == 2 ? 3 : 2; }
+
+// Pipeline depth: as many stages as fit in 192 KiB of the 227 KiB of shared memory.
+__host__ __device__ constexpr int stages_for(int bn, int bt = 0) { return (192 * 1024) / stage_bytes_for(bn, bt); }
 
 // Shared memory a launch needs: the stages, 1 KiB of slack to align them to 1024 bytes, and the
-// 2 * stages mbarriers (8 bytes each). cupyffn/_sm90_gemm.py computes the same number.
-__host__ __device__ constexpr int smem_bytes_for(int bn) { return stages_for(bn) * (kBM + bn) * kBK * 2 + 1024 + 2 * 8 * stages_for(bn); }
+// mbarriers (8 bytes each). cupyffn/_sm90_gemm.py computes the same number.
+__host__ __device__ constexpr int smem_bytes_for(int bn, int bt = 0) {
+  return stages_for(bn, bt) * stage_bytes_for(bn, bt) + 1024 + bars_for(bt) * 8 * stages_for(bn, bt);
+}
 
 // The staged dgelu epilogue (XS = 1): CUPYFFN_XS_STAGE_DROP pipeline stages fewer, and per consumer a
 // ring of x/t slots. A slot holds one "group": a 64-row x kXtCols-column block of x and of t, each of the
@@ -406,16 +418,18 @@ constexpr int kXtChunks = kXtCols / 4;            // 16-byte chunks per row of a
 constexpr int kWarpSlotBytes = 2 * 16 * kXtCols * 4;  // x and t, 16 rows each
 constexpr int kXtSlotBytes = 4 * kWarpSlotBytes;
 static_assert(kXtCols == 8 || kXtCols == 16 || kXtCols == 32, "a group is 8, 16 or 32 columns (2-8 chunks per row)");
-__host__ __device__ constexpr int xs_stages_for(int bn) { return stages_for(bn) - CUPYFFN_XS_STAGE_DROP; }
-__host__ __device__ constexpr int xt_slots_for(int bn) {
-  return (224 * 1024 - xs_stages_for(bn) * (kBM + bn) * kBK * 2) / (2 * kXtSlotBytes);
+__host__ __device__ constexpr int xs_stages_for(int bn, int bt = 0) { return stages_for(bn, bt) - CUPYFFN_XS_STAGE_DROP; }
+__host__ __device__ constexpr int xt_slots_for(int bn, int bt = 0) {
+  return (224 * 1024 - xs_stages_for(bn, bt) * stage_bytes_for(bn, bt)) / (2 * kXtSlotBytes);
 }
-__host__ __device__ constexpr int xs_smem_bytes_for(int bn) {
-  return xs_stages_for(bn) * (kBM + bn) * kBK * 2 + 2 * xt_slots_for(bn) * kXtSlotBytes + 1024 + 2 * 8 * xs_stages_for(bn);
+__host__ __device__ constexpr int xs_smem_bytes_for(int bn, int bt = 0) {
+  return xs_stages_for(bn, bt) * stage_bytes_for(bn, bt) + 2 * xt_slots_for(bn, bt) * kXtSlotBytes + 1024 +
+         bars_for(bt) * 8 * xs_stages_for(bn, bt);
 }
-static_assert(xs_smem_bytes_for(256) <= 232448 && xs_smem_bytes_for(128) <= 232448,
+static_assert(xs_smem_bytes_for(256) <= 232448 && xs_smem_bytes_for(128) <= 232448 && xs_smem_bytes_for(128, 2) <= 232448,
               "227 KiB of dynamic shared memory per CTA at most");
-static_assert(xs_stages_for(256) >= 2 && xs_stages_for(128) >= 2 && xt_slots_for(256) >= 1 && xt_slots_for(128) >= 1,
+static_assert(xs_stages_for(256) >= 2 && xs_stages_for(128) >= 2 && xt_slots_for(256) >= 1 && xt_slots_for(128) >= 1 &&
+              xs_stages_for(128, 2) >= 2 && xt_slots_for(128, 2) >= 1,
               "at least two stages and one slot");
 
 // The dgelu epilogues' two scales: acc_scale multiplies the accumulator (GEMM1's alpha), out_scale the
@@ -931,6 +945,53 @@ __device__ __forceinline__ void store_block_staged(const float (&acc)[HALVES][BN
   }
 }
 
+// ---- B converted in the kernel (BT = 2) -----------------------------------------------------------
+__device__ __forceinline__ void st_shared_u4(unsigned addr, uint4 v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+// The fp32 B tile of a stage (64 K-rows x BN N-elements, row-major: TMA lands it unswizzled) into the fp16 tile
+// that BT = 1 gets from TMA (BN / 64 boxes of 64 K-rows x 128 bytes, 128-byte swizzled: 16-byte chunk c of row r
+// at chunk c ^ (r % 8)), by converter warp cw (of 3). Per step a warp converts rows r and r + 4 of 128 columns:
+// lane l reads 4 floats of each (columns 4 l ...: a warp reads 512 contiguous bytes per row, no bank conflict),
+// rounds them as convert.cu does (fp16(b * scale), f16x2_bits), and trades one row's codes with lane l ^ 1, so
+// that it holds 8 consecutive codes of one row: one 16-byte store. (Rows r and r + 4: in each quarter-warp the
+// 8 stores then fall on 8 distinct 16-byte bank groups, since c ^ r and c ^ (r + 4) differ in bit 2.)
+template <int BN>
+__device__ __forceinline__ void convert_b_stage(unsigned raw, unsigned dst, int cw, int lane, float scale,
+                                                float& amax) {
+  constexpr int kSteps = 32 * (BN / 128);  // (row pair, 128-column part) steps of a stage
+  const bool odd = lane & 1;
+#pragma unroll 1
+  for (int step = cw; step < kSteps; step += 3) {
+    const int part = step >> 5, pair = step & 31;
+    const int r0 = (pair >> 2) * 8 + (pair & 3), r1 = r0 + 4;
+    const unsigned col_bytes = (unsigned)(part * 128 + 4 * lane) * 4u;
+    const uint4 u0 = ld_shared_u4(raw + (unsigned)r0 * (BN * 4) + col_bytes);
+    const uint4 u1 = ld_shared_u4(raw + (unsigned)r1 * (BN * 4) + col_bytes);
+    const float v[8] = {__uint_as_float(u0.x), __uint_as_float(u0.y), __uint_as_float(u0.z), __uint_as_float(u0.w),
+                        __uint_as_float(u1.x), __uint_as_float(u1.y), __uint_as_float(u1.z), __uint_as_float(u1.w)};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax = cupyffn::finite_absmax(amax, v[i]);
+    const unsigned a0 = cupyffn::f16x2_bits(v[0], v[1], scale), a1 = cupyffn::f16x2_bits(v[2], v[3], scale);
+    const unsigned b0 = cupyffn::f16x2_bits(v[4], v[5], scale), b1 = cupyffn::f16x2_bits(v[6], v[7], scale);
+    // even lane 2m keeps row r0 (its columns 8m ..., then its neighbour's 8m + 4 ...), odd lane 2m + 1 row r1
+    const unsigned q0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : b0, 1);
+    const unsigned q1 = __shfl_xor_sync(0xffffffffu, odd ? a1 : b1, 1);
+    const uint4 w = odd ? make_uint4(q0, q1, b0, b1) : make_uint4(a0, a1, q0, q1);
+    const int r = odd ? r1 : r0;
+    const int j = part * 16 + (lane >> 1);  // the 8-column chunk of the tile's row
+    st_shared_u4(dst + (unsigned)((j >> 3) * 8192 + r * 128 + (((j & 7) ^ (r & 7)) << 4)), w);
+  }
+}
+
+// Makes this thread's generic-proxy accesses to shared memory (the converted tile, and its reads of the fp32 tile
+// that TMA overwrites next) ordered with the async proxy's (wgmma reads, TMA writes).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 // The tile group (cluster-sized stack of vertically adjacent tiles) at position `group` of the walk:
 // raster = 0 goes down each column (M fastest, then N); raster = R > 0 cuts the rows into bands of R and
 // walks each band column by column, so that the CTAs running at one time touch R rows' worth of A and a
@@ -986,6 +1047,10 @@ __device__ __forceinline__ unsigned dynamic_smem_size() {
 //
 // XS = 1: the staged dgelu epilogue (see the top of the file); XS = 0: x and t straight from global memory.
 // BT = 1: B is [K, N] (N contiguous), see the top of the file.
+// BT = 2 (fp16 only, no clusters): B is fp32 [K, N] (a weight as the caller holds it), converted in the kernel: TMA
+// lands each stage's fp32 tile in a ring of its own (raw_full barrier), warps 1-3 of the producer warpgroup convert
+// it into the fp16 tile BT = 1 reads (convert_b_stage) and arrive on the stage's full barrier with the TMA of A, so
+// the weight's fp16 copy is never written to global memory. A stage's fp32 tile is free again when the stage is.
 //
 // CL = 2 (gemm_sm90_cluster2_kernel): clusters of two CTAs on vertically adjacent tiles (rows mb, mb + 1 of
 // tiles, the same column nb) share the B tile: each CTA loads its A tile and one half of B, multicast to both,
@@ -1015,19 +1080,24 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
   constexpr bool kPair = OP == kOpF16E4M3;
   static_assert(PP == 0 || BN == 128, "ping-pong keeps a whole 128 x BN tile per warpgroup: BN = 128 only");
   static_assert(XS == 0 || EPI != kEpiF32, "the staged epilogue is a dgelu epilogue");
-  constexpr int kStages = XS ? xs_stages_for(BN) : stages_for(BN);
+  static_assert(BT != 2 || (OP == kOpF16 && CL == 1 && TA == 0), "B converted in the kernel: fp16, no clusters");
+  constexpr int kStages = XS ? xs_stages_for(BN, BT) : stages_for(BN, BT);
   constexpr int kHalves = PP ? 2 : 1;  // 64-row halves of a tile that one consumer computes
-  constexpr int kXtSlots = XS ? xt_slots_for(BN) : 0;  // per consumer
-  constexpr unsigned kSmemBytes = XS ? xs_smem_bytes_for(BN) : smem_bytes_for(BN);
+  constexpr int kXtSlots = XS ? xt_slots_for(BN, BT) : 0;  // per consumer
+  constexpr unsigned kSmemBytes = XS ? xs_smem_bytes_for(BN, BT) : smem_bytes_for(BN, BT);
   constexpr unsigned kABytes = kBM * kBK * 2;
   constexpr unsigned kBBytes = BN * kBK * 2;
+  constexpr unsigned kRawBytes = BT == 2 ? BN * kBK * 4 : 0;  // the fp32 tile of B a stage is converted from
+  constexpr int kConverters = BT == 2 ? 3 : 0;                // warps 1-3 of the producer warpgroup
   extern __shared__ unsigned char smem_raw[];
   const unsigned raw = smem_addr(smem_raw);
   const unsigned a_smem = (raw + 1023u) & ~1023u;  // 128-byte swizzle atoms sit on 1024-byte boundaries
   const unsigned b_smem = a_smem + kStages * kABytes;
-  const unsigned xt_smem = b_smem + kStages * kBBytes;  // consumer c's slots: xt_smem + c * kXtSlots * slot bytes
+  const unsigned b32_smem = b_smem + kStages * kBBytes;  // BT = 2: stage s's fp32 tile at b32_smem + s * kRawBytes
+  const unsigned xt_smem = b32_smem + kStages * kRawBytes;  // consumer c's slots: xt_smem + c * kXtSlots * slot bytes
   const unsigned full_bar = xt_smem + 2 * kXtSlots * kXtSlotBytes;  // stage s: full_bar + 8 s; empty: empty_bar + 8 s
   const unsigned empty_bar = full_bar + 8 * kStages;
+  const unsigned b32_bar = empty_bar + 8 * kStages;  // BT = 2: stage s's fp32 tile landed (b32_bar + 8 s)
 
   const int m_tiles = (args.m + kBM - 1) / kBM;
   const int n_tiles = (args.n + BN - 1) / BN;
@@ -1046,15 +1116,18 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
     cupyffn::write_alphas(args.state, args.consts, args.alpha_mask);
     // kEpiDgeluF16G writes two outputs: rerun if either exponent moved (the other's codes come out the same)
     const bool again = args.state[2 * kSlots + args.slot] != 0 ||
-                       (EPI == kEpiDgeluF16G && args.state[2 * kSlots + args.g_slot] != 0);
+                       (EPI == kEpiDgeluF16G && args.state[2 * kSlots + args.g_slot] != 0) ||
+                       (BT == 2 && args.b_slot >= 0 && args.state[2 * kSlots + args.b_slot] != 0);
     if (!again) return;  // uniform across the grid, before any barrier
   }
   if (threadIdx.x == 0) {
     // a launch with less shared memory than this variant's layout would write past it: fail loudly
     if (dynamic_smem_size() < kSmemBytes) __trap();
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(full_bar + 8 * s, 1);   // the producer's arrive_expect_tx (+ the TMA bytes)
+      // the producer's arrive_expect_tx (+ the TMA bytes), and with BT = 2 one arrival per converter warp
+      mbar_init(full_bar + 8 * s, 1 + kConverters);
       mbar_init(empty_bar + 8 * s, CL * 4 * (2 / kHalves));  // one arrival per warp of the stage's consumers
+      if constexpr (BT == 2) mbar_init(b32_bar + 8 * s, 1);  // the producer's arrive_expect_tx + the TMA bytes
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
     tma_prefetch_desc(&map_a);
@@ -1084,7 +1157,7 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
           mbar_wait(empty_bar + 8 * s, phase ^ 1u);  // the consumers are done with this stage
           // TMA counts the whole box, out-of-bounds (zero-filled) elements included; with CL = 2 the peer's
           // half of B completes on this barrier too.
-          mbar_arrive_expect_tx(full_bar + 8 * s, kABytes + kBBytes);
+          mbar_arrive_expect_tx(full_bar + 8 * s, kABytes + (BT == 2 ? 0 : kBBytes));
           if (kPair && kt < k8_tiles) {  // an e4m3 stage: boxes of 128 bytes of K (map_b8's box is BN rows)
             tma_load_2d(a_smem + s * kABytes, &map_a8, full_bar + 8 * s, kt * 2 * kBK, mb * kBM);
             tma_load_2d(b_smem + s * kBBytes, &map_b8, full_bar + 8 * s, kt * 2 * kBK, nb * BN);
@@ -1099,7 +1172,10 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
           }
           // This CTA's part of B: all of it, or with CL = 2 one half (whole 1024-byte swizzle atoms: the layout
           // one box would give), delivered to both CTAs.
-          if constexpr (BT) {  // B [K, N]: BN / 64 boxes of 64 K-rows x 64 N-elements, BN / 64 / CL of them here
+          if constexpr (BT == 2) {  // fp32 B [K, N]: one box of 64 K-rows x BN N-elements, for the converters
+            mbar_arrive_expect_tx(b32_bar + 8 * s, kRawBytes);
+            tma_load_2d(b32_smem + s * kRawBytes, &map_b, b32_bar + 8 * s, nb * BN, kf * kBK);
+          } else if constexpr (BT) {  // B [K, N]: BN / 64 boxes of 64 K-rows x 64 N-elements, BN / 64 / CL of them here
             constexpr int kBoxes = BN / 64 / CL;
 #pragma unroll
             for (int q = (int)rank * kBoxes; q < ((int)rank + 1) * kBoxes; ++q) {
@@ -1111,6 +1187,24 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
           }
         }
       }
+    } else if (BT == 2 && threadIdx.x >= 32) {
+      // Converter warps: the producer's walk, stage by stage. The fp16 tile of stage s is free once its fp32
+      // tile has landed (the producer issued that copy after the consumers released the stage).
+      const int cw = (threadIdx.x >> 5) - 1, lane = threadIdx.x & 31;
+      const float scale = args.b_slot >= 0 ? ldexpf(1.0f, args.state[args.b_slot]) : args.b_alpha;
+      float amax = 0.0f;
+      unsigned it = 0;
+      for (int group = cluster; group < groups; group += clusters) {
+        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+          const unsigned s = it % kStages, phase = (it / kStages) & 1u;
+          mbar_wait(b32_bar + 8 * s, phase);
+          convert_b_stage<BN>(b32_smem + s * kRawBytes, b_smem + s * kBBytes, cw, lane, scale, amax);
+          fence_proxy_async_shared();  // the codes before wgmma reads them, the fp32 reads before TMA rewrites them
+          __syncwarp();
+          if (lane == 0) mbar_arrive(full_bar + 8 * s);
+        }
+      }
+      if (args.b_amax != nullptr) warp_amax_to(args.b_amax, amax, lane);
     }
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
@@ -1178,7 +1272,7 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
               const unsigned long long desc_b = BT ? smem_desc_mn(b_stage + 2048 * kk) : smem_desc(b_stage + 32 * kk);
               const unsigned a_half = a_stage + h * (64 * 128);
               const unsigned long long desc_a = TA ? smem_desc_mn(a_half + 2048 * kk) : smem_desc(a_half + 32 * kk);
-              wgmma_k16<OP, BN, TA, BT>(acc[h], desc_a, desc_b);
+              wgmma_k16<OP, BN, TA, (BT != 0)>(acc[h], desc_a, desc_b);
             }
           }
         }

@@ -353,6 +353,10 @@ class CompiledSm90:
                           f"{g.xt_slots_for(bn)} && sm90::xs_smem_bytes_for({bn}) == {g.xs_smem_bytes(bn)}, \"staged\");\n"
                           for bn in g.BLOCK_NS)
         checks += f"static_assert(sm90::kXtSlotBytes == {g.xt_slot_bytes()}, \"slot\");\n"
+        # b_layout "kn32" (BT = 2): stages that also hold the fp32 tile of B
+        checks += "".join(f"static_assert(sm90::smem_bytes_for({bn}, 2) == {g.smem_bytes(bn, 2)} && "
+                          f"sm90::xs_smem_bytes_for({bn}, 2) == {g.xs_smem_bytes(bn, 2)} && sm90::xt_slots_for({bn}, 2) == "
+                          f"{g.xt_slots_for(bn, 2)}, \"kn32\");\n" for bn, _ in g.KN32_CONFIGS)
         self.source = g.module_source() + "\n" + checks
         prog = nvrtc.createProgram(self.source, g.SOURCE, (), ())
         try:
@@ -422,7 +426,7 @@ def test_sm90_gemm_args_mirror():
     mirror = [(name, kinds[t]) for name, t in _sm90_gemm.GemmArgs._fields_]
     assert mirror == cuda
     m = re.search(r"static_assert\(sizeof\(GemmArgs\) == (\d+),", source)
-    assert m and int(m.group(1)) == ctypes.sizeof(_sm90_gemm.GemmArgs) == 160
+    assert m and int(m.group(1)) == ctypes.sizeof(_sm90_gemm.GemmArgs) == 176
     assert ctypes.sizeof(_sm90_gemm.TmaDesc) == 128
     assert define(source, "kEpiF32") == _sm90_gemm.EPI_F32
     assert define(source, "kEpiDgeluBf16") == _sm90_gemm.EPI_DGELU_BF16

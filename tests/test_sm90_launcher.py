@@ -15,14 +15,19 @@ def _parse(expression):
     return tuple(int(v) for v in m.groups()[1:]) + ({"kernel": 1, "cluster2_kernel": 2}[m.group(1)],)
 
 
+LAYOUT_OF_BT = {0: "nk", 1: "kn", 2: G.KN32}
+
+
 def test_variants_cover_each_schedule_layout_and_epilogue_once():
-    parsed = [_parse(e) for e in G.EXPRESSIONS if "pair" not in e]
-    assert len(parsed) == len(set(parsed)) == 2 * 82
+    everything = [_parse(e) for e in G.EXPRESSIONS if "pair" not in e]
+    parsed = [p for p in everything if p[5] != 2]  # b converted in the kernel: test_kn32_variants
+    assert len(everything) == len(set(everything)) == 2 * 82 + 6
     # the cluster-2 kernels are exactly the single-CTA ones again
     assert sorted(p[:-1] for p in parsed if p[-1] == 2) == sorted(p[:-1] for p in parsed if p[-1] == 1)
+    for op, bn, epi, pp, xs, bt, cl in everything:
+        assert G.expression(op, bn, epi, pp, xs, LAYOUT_OF_BT[bt], cl) == G.EXPRESSIONS[everything.index((op, bn, epi, pp, xs, bt, cl))]
     for op, bn, epi, pp, xs, bt, cl in parsed:
         assert cl in G.CLUSTERS
-        assert G.expression(op, bn, epi, pp, xs, G.B_LAYOUTS[bt], cl) == G.EXPRESSIONS[parsed.index((op, bn, epi, pp, xs, bt, cl))]
         assert (bn, bool(pp)) in G.CONFIGS and bt in (0, 1)
         assert epi != G.EPI_DGELU_BF16X3 or op == G.OP_BF16, "the three bf16 planes take bf16 operands"
         assert epi != G.EPI_DGELU_F16G or op == G.OP_F16, "gelu_out's fp16 codes beside fp16 operands"
@@ -36,6 +41,21 @@ def test_variants_cover_each_schedule_layout_and_epilogue_once():
                     for xs in (0, 1):
                         missing = xs and (epi, bn, pp) == G.GELU_NO_STAGED
                         assert ((op, bn, epi, int(pp), xs, bt, 1) in parsed) != missing
+
+
+def test_kn32_variants():
+    """b converted in the kernel (BT = 2): fp16 operands, no clusters, the two 128 x 128 schedules, fp32 out and the
+    fp16 dgelu epilogue staged and direct; more shared memory per stage, fewer stages."""
+    kn32 = {_parse(e) for e in G.EXPRESSIONS if "pair" not in e and _parse(e)[5] == 2}
+    want = {(G.OP_F16, bn, G.EPI_F32, int(pp), 0, 2, 1) for bn, pp in G.KN32_CONFIGS}
+    want |= {(G.OP_F16, bn, G.EPI_DGELU_F16, int(pp), xs, 2, 1) for bn, pp in G.KN32_CONFIGS for xs in (0, 1)}
+    assert kn32 == want
+    assert G.stage_bytes(128, 2) == G.stage_bytes(128) + 128 * 64 * 4 and G.stages_for(128, 2) == 3
+    assert G.launch_smem_bytes(128, False, G.KN32) == G.smem_bytes(128, 2) == 3 * 65536 + 1024 + 3 * 8 * 3
+    assert G.launch_smem_bytes(128, True, G.KN32) == G.xs_smem_bytes(128, 2) <= 232448
+    assert G.launch_smem_bytes(128, True, "kn") == G.xs_smem_bytes(128)  # the 16-bit layouts keep their sizes
+    args = G.GemmArgs(0, None, None, 1, 0, 0, 1, 1, 1, 1.0, None)
+    assert (args.b_slot, args.b_alpha, args.b_amax) == (-1, 1.0, None)  # no state slot unless given
 
 
 def test_pair_variants_cover_each_schedule_and_layout_once():
@@ -167,7 +187,7 @@ def test_set_activations_picks_the_epilogue_by_alignment(stand_ins, x_ptr, ldx, 
     assert launched == [launch._variants[bool(t_ptr), staged][0]]
     assert launch.args.x == x_ptr and launch.args.ldx == ldx
     assert launch.args.t == (t_ptr or None) and launch.args.ldt == (ldt if t_ptr else 0)
-    assert ctypes.sizeof(launch.args) == 160
+    assert ctypes.sizeof(launch.args) == 176
 
 
 @pytest.mark.parametrize("T,b_layout", [(1024, "kn"), (1152, "nk"), (8192, "kn")])
