@@ -958,31 +958,66 @@ __device__ __forceinline__ void st_shared_u4(unsigned addr, uint4 v) {
 // rounds them as convert.cu does (fp16(b * scale), f16x2_bits), and trades one row's codes with lane l ^ 1, so
 // that it holds 8 consecutive codes of one row: one 16-byte store. (Rows r and r + 4: in each quarter-warp the
 // 8 stores then fall on 8 distinct 16-byte bank groups, since c ^ r and c ^ (r + 4) differ in bit 2.)
+// One step of convert_b_stage: rows r0 = 8 (pair / 4) + pair % 4 and r0 + 4 of one 128-column part.
+struct ConvertStep {
+  uint4 u0, u1;  // the 4 floats of each row at this lane's columns
+  int r0;
+  int part;
+};
+
+template <int BN>
+__device__ __forceinline__ ConvertStep load_convert_step(unsigned raw, int step, int lane) {
+  ConvertStep c;
+  c.part = step >> 5;
+  const int pair = step & 31;
+  c.r0 = (pair >> 2) * 8 + (pair & 3);
+  const unsigned col_bytes = (unsigned)(c.part * 128 + 4 * lane) * 4u;
+  c.u0 = ld_shared_u4(raw + (unsigned)c.r0 * (BN * 4) + col_bytes);
+  c.u1 = ld_shared_u4(raw + (unsigned)(c.r0 + 4) * (BN * 4) + col_bytes);
+  return c;
+}
+
+__device__ __forceinline__ void store_convert_step(const ConvertStep& c, unsigned dst, int lane, float scale,
+                                                   float& amax) {
+  const bool odd = lane & 1;
+  const float v[8] = {__uint_as_float(c.u0.x), __uint_as_float(c.u0.y), __uint_as_float(c.u0.z), __uint_as_float(c.u0.w),
+                      __uint_as_float(c.u1.x), __uint_as_float(c.u1.y), __uint_as_float(c.u1.z), __uint_as_float(c.u1.w)};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, finite_or_nan(v[i]));  // finite_absmax in two instructions
+  const unsigned a0 = cupyffn::f16x2_bits(v[0], v[1], scale), a1 = cupyffn::f16x2_bits(v[2], v[3], scale);
+  const unsigned b0 = cupyffn::f16x2_bits(v[4], v[5], scale), b1 = cupyffn::f16x2_bits(v[6], v[7], scale);
+  // even lane 2m keeps row r0 (its columns 8m ..., then its neighbour's 8m + 4 ...), odd lane 2m + 1 row r0 + 4
+  const unsigned q0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : b0, 1);
+  const unsigned q1 = __shfl_xor_sync(0xffffffffu, odd ? a1 : b1, 1);
+  const uint4 w = odd ? make_uint4(q0, q1, b0, b1) : make_uint4(a0, a1, q0, q1);
+  const int r = odd ? c.r0 + 4 : c.r0;
+  const int j = c.part * 16 + (lane >> 1);  // the 8-column chunk of the tile's row
+  st_shared_u4(dst + (unsigned)((j >> 3) * 8192 + r * 128 + (((j & 7) ^ (r & 7)) << 4)), w);
+}
+
+// The fp32 B tile of a stage (64 K-rows x BN N-elements, row-major: TMA lands it unswizzled) into the fp16 tile
+// that BT = 1 gets from TMA (BN / 64 boxes of 64 K-rows x 128 bytes, 128-byte swizzled: 16-byte chunk c of row r
+// at chunk c ^ (r % 8)), by converter warp cw (of 3). Per step a warp converts rows r and r + 4 of 128 columns:
+// lane l reads 4 floats of each (columns 4 l ...: a warp reads 512 contiguous bytes per row, no bank conflict),
+// rounds them as convert.cu does (fp16(b * scale), f16x2_bits), and trades one row's codes with lane l ^ 1, so
+// that it holds 8 consecutive codes of one row: one 16-byte store. (Rows r and r + 4: in each quarter-warp the
+// 8 stores then fall on 8 distinct 16-byte bank groups, since c ^ r and c ^ (r + 4) differ in bit 2.) Three
+// steps at a time, all loaded first: the later ones' loads are in flight while the first is converted. (Run with
+// setmaxnreg 56 for the producer warpgroup: at 40 any unrolling spills, and one step at a time measured ~470 cycles
+// per step, 3.5x slower than the converted-weight GEMM; docs/perf-notes.md session 10.)
 template <int BN>
 __device__ __forceinline__ void convert_b_stage(unsigned raw, unsigned dst, int cw, int lane, float scale,
                                                 float& amax) {
   constexpr int kSteps = 32 * (BN / 128);  // (row pair, 128-column part) steps of a stage
-  const bool odd = lane & 1;
 #pragma unroll 1
-  for (int step = cw; step < kSteps; step += 3) {
-    const int part = step >> 5, pair = step & 31;
-    const int r0 = (pair >> 2) * 8 + (pair & 3), r1 = r0 + 4;
-    const unsigned col_bytes = (unsigned)(part * 128 + 4 * lane) * 4u;
-    const uint4 u0 = ld_shared_u4(raw + (unsigned)r0 * (BN * 4) + col_bytes);
-    const uint4 u1 = ld_shared_u4(raw + (unsigned)r1 * (BN * 4) + col_bytes);
-    const float v[8] = {__uint_as_float(u0.x), __uint_as_float(u0.y), __uint_as_float(u0.z), __uint_as_float(u0.w),
-                        __uint_as_float(u1.x), __uint_as_float(u1.y), __uint_as_float(u1.z), __uint_as_float(u1.w)};
-#pragma unroll
-    for (int i = 0; i < 8; ++i) amax = cupyffn::finite_absmax(amax, v[i]);
-    const unsigned a0 = cupyffn::f16x2_bits(v[0], v[1], scale), a1 = cupyffn::f16x2_bits(v[2], v[3], scale);
-    const unsigned b0 = cupyffn::f16x2_bits(v[4], v[5], scale), b1 = cupyffn::f16x2_bits(v[6], v[7], scale);
-    // even lane 2m keeps row r0 (its columns 8m ..., then its neighbour's 8m + 4 ...), odd lane 2m + 1 row r1
-    const unsigned q0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : b0, 1);
-    const unsigned q1 = __shfl_xor_sync(0xffffffffu, odd ? a1 : b1, 1);
-    const uint4 w = odd ? make_uint4(q0, q1, b0, b1) : make_uint4(a0, a1, q0, q1);
-    const int r = odd ? r1 : r0;
-    const int j = part * 16 + (lane >> 1);  // the 8-column chunk of the tile's row
-    st_shared_u4(dst + (unsigned)((j >> 3) * 8192 + r * 128 + (((j & 7) ^ (r & 7)) << 4)), w);
+  for (int step = cw; step < kSteps; step += 9) {
+    const bool second = step + 3 < kSteps, third = step + 6 < kSteps;  // uniform across the warp
+    const ConvertStep s0 = load_convert_step<BN>(raw, step, lane);
+    const ConvertStep s1 = load_convert_step<BN>(raw, second ? step + 3 : step, lane);
+    const ConvertStep s2 = load_convert_step<BN>(raw, third ? step + 6 : step, lane);
+    store_convert_step(s0, dst, lane, scale, amax);
+    if (second) store_convert_step(s1, dst, lane, scale, amax);
+    if (third) store_convert_step(s2, dst, lane, scale, amax);
   }
 }
 
@@ -1145,7 +1180,12 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
 
   if (wg == 0) {
     // Producer warpgroup: every thread gives up registers; one thread issues the copies.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    // (BT = 2: 56, for the converter warps' loop; the consumers keep 224: 128 x 56 + 256 x 224 <= 64 K)
+    if constexpr (BT == 2) {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+    } else {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    }
     if (threadIdx.x == 0) {
       unsigned it = 0;
       for (int group = cluster; group < groups; group += clusters) {
@@ -1207,7 +1247,11 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
       if (args.b_amax != nullptr) warp_amax_to(args.b_amax, amax, lane);
     }
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    if constexpr (BT == 2) {
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+    } else {
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    }
     const int consumer = wg - 1;
     const int tid = threadIdx.x & 127;
     float acc[kHalves][BN / 2];

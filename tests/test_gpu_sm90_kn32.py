@@ -77,8 +77,8 @@ def test_kn32_fp32_out_is_kn_on_the_converted_codes(rng, m, n, k, config, b_scal
     got = G.gemm_tn(a, b, out, block_n=block_n, pingpong=pingpong, b_layout=G.KN32, b_scale=b_scale, b_amax=b_amax)
     assert got is out
     b16 = codes_of(b, b_scale)
-    want = G.gemm_tn(a, b16, cupy.full((m, n), cupy.nan, cupy.float32), block_n=block_n, pingpong=pingpong,
-                     b_layout="kn")
+    want, _ = padded(m, n, numpy.float32, 2, numpy.nan)
+    G.gemm_tn(a, b16, want, block_n=block_n, pingpong=pingpong, b_layout="kn")
     cupy.cuda.get_current_stream().synchronize()
     assert bool(cupy.isfinite(out).all()), "some outputs were not written"
     assert same_bits(out, want), float(cupy.abs(out - want).max())
@@ -128,8 +128,10 @@ def test_kn32_non_finite_weights_propagate_and_stay_out_of_b_amax(rng):
     a, b = fp16_a(rng, m, k), weight(rng, k, n)
     b[3, 5], b[150, 256], b[7, 100] = numpy.inf, numpy.nan, -numpy.inf
     b_amax = cupy.zeros(1, cupy.uint32)
-    out = G.gemm_tn(a, b, cupy.zeros((m, n), cupy.float32), block_n=128, b_layout=G.KN32, b_amax=b_amax)
-    want = G.gemm_tn(a, codes_of(b, 1.0), cupy.zeros((m, n), cupy.float32), block_n=128, b_layout="kn")
+    out, _ = padded(m, n, numpy.float32, 2, numpy.nan)
+    want, _ = padded(m, n, numpy.float32, 2, numpy.nan)
+    G.gemm_tn(a, b, out, block_n=128, b_layout=G.KN32, b_amax=b_amax)
+    G.gemm_tn(a, codes_of(b, 1.0), want, block_n=128, b_layout="kn")
     cupy.cuda.get_current_stream().synchronize()
     assert int(b_amax[0]) == amax_bits(b) and numpy.isfinite(b_amax.view(cupy.float32).get()[0])
     assert same_bits(out, want)
