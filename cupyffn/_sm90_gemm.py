@@ -47,7 +47,9 @@ XS_STAGE_DROP = 1
 #: Measurement hook (tools/sm90_trace.py, set_trace): compile with CUPYFFN_SM90_TRACE, the per-tile timestamps.
 TRACE = False
 #: With TRACE, what the kernel leaves out (CUPYFFN_SM90_EPI_PROBE): 0 nothing, 1 the epilogue's global stores, 2 its
-#: x/t copies, 3 the mainloop's wgmma (the stages still flow: data movement alone).
+#: x/t copies, 3 the mainloop's wgmma (the stages still flow: data movement alone); b_layout "kn32": 4 the converter
+#: warps' conversion (they only pass each stage on), 5 their proxy fence; 6 gives the 16-bit layouts' 128 x 128 tiles
+#: kn32's (shallower) pipeline.
 PROBE = 0
 
 
@@ -67,12 +69,14 @@ def set_trace(enabled, probe=0):
     """Measurement hook: compile every variant with the per-tile timestamps of gemm_sm90.cu (CUPYFFN_SM90_TRACE;
     the kernels then store them wherever the module's global ``cupyffn_sm90_trace`` points, nowhere if null), and
     with `probe` 1 or 2 a dgelu epilogue without its global stores or without its x/t copies, with 3 a mainloop
-    that waits for and releases every stage but issues no wgmma: WRONG RESULTS, for timing parts of the kernel
-    only. Only before the first kernel of this process is compiled."""
+    that waits for and releases every stage but issues no wgmma, with 4 or 5 (b_layout "kn32") converter warps that
+    convert nothing or skip their proxy fence: WRONG RESULTS, for timing parts of the kernel only; with 6 the 16-bit
+    layouts' 128 x 128 tiles run with kn32's pipeline depth (right results). Only before the first kernel of this
+    process is compiled."""
     global TRACE, PROBE
     _before_first_compile("set_trace")
-    if probe not in (0, 1, 2, 3) or (probe and not enabled):
-        raise ValueError(f"probe must be 0, 1, 2 or 3, and only with the trace enabled; got {probe!r}, {enabled!r}")
+    if probe not in (0, 1, 2, 3, 4, 5, 6) or (probe and not enabled):
+        raise ValueError(f"probe must be 0 ... 6, and only with the trace enabled; got {probe!r}, {enabled!r}")
     TRACE, PROBE = bool(enabled), probe
 
 

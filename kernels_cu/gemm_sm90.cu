@@ -1116,7 +1116,14 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
   static_assert(PP == 0 || BN == 128, "ping-pong keeps a whole 128 x BN tile per warpgroup: BN = 128 only");
   static_assert(XS == 0 || EPI != kEpiF32, "the staged epilogue is a dgelu epilogue");
   static_assert(BT != 2 || (OP == kOpF16 && CL == 1 && TA == 0), "B converted in the kernel: fp16, no clusters");
-  constexpr int kStages = XS ? xs_stages_for(BN, BT) : stages_for(BN, BT);
+#if defined(CUPYFFN_SM90_TRACE) && CUPYFFN_SM90_EPI_PROBE == 6
+  // probe 6 (timing only): the 16-bit layouts' 128 x 128 tiles with kn32's pipeline depth (the launch's shared
+  // memory is then more than the layout needs)
+  constexpr int kDepthBT = BN == 128 ? 2 : BT;
+#else
+  constexpr int kDepthBT = BT;
+#endif
+  constexpr int kStages = XS ? xs_stages_for(BN, kDepthBT) : stages_for(BN, kDepthBT);
   constexpr int kHalves = PP ? 2 : 1;  // 64-row halves of a tile that one consumer computes
   constexpr int kXtSlots = XS ? xt_slots_for(BN, BT) : 0;  // per consumer
   constexpr unsigned kSmemBytes = XS ? xs_smem_bytes_for(BN, BT) : smem_bytes_for(BN, BT);
@@ -1238,8 +1245,14 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
           const unsigned s = it % kStages, phase = (it / kStages) & 1u;
           mbar_wait(b32_bar + 8 * s, phase);
+#if defined(CUPYFFN_SM90_TRACE) && CUPYFFN_SM90_EPI_PROBE == 4  // probe 4: nothing converted (timing only)
+          (void)cw;
+#else
           convert_b_stage<BN>(b32_smem + s * kRawBytes, b_smem + s * kBBytes, cw, lane, scale, amax);
+#endif
+#if !(defined(CUPYFFN_SM90_TRACE) && CUPYFFN_SM90_EPI_PROBE == 5)  // probe 5: no proxy fence (timing only)
           fence_proxy_async_shared();  // the codes before wgmma reads them, the fp32 reads before TMA rewrites them
+#endif
           __syncwarp();
           if (lane == 0) mbar_arrive(full_bar + 8 * s);
         }
