@@ -512,7 +512,8 @@ def _check_operands(a, b, b_layout):
             raise ValueError(f"b_layout='kn32' (b converted to fp16 in the kernel) needs a float16 a and a float32 b, "
                              f"got a {a.dtype} and b {b.dtype}")
     elif b.dtype != a.dtype:
-        raise ValueError(f"b must have the dtype of a ({a.dtype}), got {b.dtype}")
+        hint = " (a float32 b [K, N] with a float16 a: b_layout='kn32')" if b.dtype == numpy.float32 else ""
+        raise ValueError(f"b must have the dtype of a ({a.dtype}), got {b.dtype}{hint}")
     m, k = a.shape
     lda = _check_matrix(a, "a", (m, k), row_multiple=8)
     n, ldb = _check_b(b, b_layout, k, "a.shape[1]")
@@ -686,6 +687,8 @@ class DgeluLaunch:
                  gelu_ptr=None, ldg=0, gelu_slot=None):
         if epi not in (EPI_DGELU_F16, EPI_DGELU_BF16X3):
             raise ValueError(f"epi must be EPI_DGELU_F16 or EPI_DGELU_BF16X3, got {epi!r}")
+        if b_layout not in B_LAYOUTS:  # (kn32 is not the engine's: its scale would need the state's b_slot)
+            raise ValueError(f"b_layout must be one of {B_LAYOUTS} for the engine's fused launch, got {b_layout!r}")
         if gelu_ptr is not None and (epi != EPI_DGELU_F16 or not state_ptr or gelu_slot is None or ldg != ldc):
             raise ValueError("gelu_ptr needs epi=EPI_DGELU_F16, a state_ptr, a gelu_slot and ldg == ldc (the staged "
                              "epilogue addresses both outputs' rows with ldc)")
@@ -752,8 +755,10 @@ def gemm_tn(a, b, out, *, block_n=256, pingpong=False, b_layout="nk", cluster=1,
     tile rows (of R clusters' rows), column by column). Neither changes a single bit of out.
     b_layout "kn32": a float16, b float32 [K, N] converted to fp16 inside the kernel: out = a @ fp16(b * b_scale),
     b_scale a power of two, bit for bit what "kn" gives on the fp16 codes of convert.cu; b_amax (None, or a
-    1-element uint32 array, as gemm_tn_dgelu's amax) receives max |b| over the finite b. Schedules KN32_CONFIGS,
-    no clusters. stream: a cupy Stream (default: the current one)."""
+    1-element uint32 array, as gemm_tn_dgelu's amax) receives max |b| over the finite b (subnormals count as 0, as in
+    convert.cu; untouched when M or N is 0: then nothing runs). Schedules KN32_CONFIGS (pass block_n=128), no
+    clusters. Measured slower than converting b first (docs/perf-notes.md session 10): no plan uses it.
+    stream: a cupy Stream (default: the current one)."""
     import numpy
 
     _check_config(block_n, pingpong, b_layout)

@@ -32,9 +32,7 @@ CONFIG_IDS = {(128, False): "bn128", (128, True): "bn128pp"}
 
 
 def weight(rng, k, n, scale=0.02):
-    """b: float32 [K, N] in a buffer whose row padding is NaN (which the kernel must not read), its fp16 codes at
-    b_scale (as convert.cu rounds them: the product in fp32, then round to nearest even), and a 16-byte aligned
-    fp16 [K, N] copy of them for b_layout "kn"."""
+    """b: float32 [K, N] (scale * N(0, 1)) in a buffer whose row padding is NaN, which the kernel must not read."""
     b32 = (scale * rng.standard_normal((k, n))).astype(numpy.float32)
     b, _ = padded(k, n, numpy.float32, 4, numpy.nan, extra_cols=4)
     b[...] = cupy.asarray(b32)
@@ -42,7 +40,9 @@ def weight(rng, k, n, scale=0.02):
 
 
 def codes_of(b, b_scale):
-    """fp16(b * b_scale) as convert.cu writes it (kn layout, row stride a multiple of 8)."""
+    """fp16(b * b_scale), the product in fp32, then round to nearest even (CuPy's astype: __float2half_rn, the
+    rounding of convert.cu's f16_bits and of the kernel's cvt.rn.f16x2.f32), as a 16-byte aligned fp16 [K, N] for
+    b_layout "kn" (row stride a multiple of 8). tools/kn32_cost.py checks against convert.cu's own codes too."""
     k, n = b.shape
     b16, _ = padded(k, n, numpy.float16, 8, numpy.nan)
     b16[...] = (b * numpy.float32(b_scale)).astype(cupy.float16)
@@ -179,6 +179,8 @@ def _bad(case):
     if case == "row-stride":
         return lambda: G.gemm_tn(a, cupy.zeros((32, 130), cupy.float32)[:, :129], cupy.zeros((64, 129), cupy.float32),
                                  **kw)
+    if case == "fp32-b-kn":
+        return lambda: G.gemm_tn(a, b, out, block_n=128, b_layout="kn")
     if case == "bf16-out":
         return lambda: G.gemm_tn_dgelu(a, b, x, x, o16.view(cupy.uint16), **kw)
     if case == "gelu-out":
@@ -191,7 +193,7 @@ def _bad(case):
     ("block-n-256", "b_layout='kn32' runs the schedules"), ("cluster-2", "without clusters"),
     ("scale-not-pow2", "b_scale must be a power of two"), ("scale-with-kn", "apply only with b_layout='kn32'"),
     ("amax-dtype", "b_amax must be None or a 1-element uint32"), ("row-stride", "multiple of 4 elements"),
-    ("bf16-out", "float16 dgelu epilogue"), ("gelu-out", "float16 dgelu epilogue")])
+    ("fp32-b-kn", "b_layout='kn32'"), ("bf16-out", "float16 dgelu epilogue"), ("gelu-out", "float16 dgelu epilogue")])
 def test_kn32_rejects_bad_input(case, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         _bad(case)()

@@ -356,7 +356,7 @@ class CompiledSm90:
         # b_layout "kn32" (BT = 2): stages that also hold the fp32 tile of B
         checks += "".join(f"static_assert(sm90::smem_bytes_for({bn}, 2) == {g.smem_bytes(bn, 2)} && "
                           f"sm90::xs_smem_bytes_for({bn}, 2) == {g.xs_smem_bytes(bn, 2)} && sm90::xt_slots_for({bn}, 2) == "
-                          f"{g.xt_slots_for(bn, 2)}, \"kn32\");\n" for bn, _ in g.KN32_CONFIGS)
+                          f"{g.xt_slots_for(bn, 2)}, \"kn32\");\n" for bn in sorted({bn for bn, _ in g.KN32_CONFIGS}))
         self.source = g.module_source() + "\n" + checks
         prog = nvrtc.createProgram(self.source, g.SOURCE, (), ())
         try:

@@ -269,3 +269,10 @@ def test_pair_config_fills_the_last_wave(m, n, want):
     """choose_pair_config: 128 x 256 unless 128 x 128 fills the last wave better by more than 2%; never
     ping-pong (measured 1.5-2.2x slower for the pair)."""
     assert G.choose_pair_config(m, n, 132) == (want, False)
+
+
+def test_fused_launch_takes_only_the_16_bit_layouts(stand_ins):
+    """The engine's prebuilt launch has no b_scale / b_slot to give a converted weight: kn32 is refused."""
+    with pytest.raises(ValueError, match="b_layout must be one of"):
+        G.DgeluLaunch(16, 1536, 32, 6144, G.KN32, 48, 6144, 256, 6144, 1536, state_ptr=64, consts_ptr=128,
+                      acc_scale_ptr=136, slot=5, rescue=False, alpha_mask=0, device_id=0)
