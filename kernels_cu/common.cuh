@@ -147,6 +147,13 @@ __device__ __forceinline__ void f16_decide_slot(int* state, int s) {
   state[2 * kSlots + s] = flag;
 }
 
+// f16_decide_slot for each slot in slot_mask, in slot order.
+__device__ __forceinline__ void f16_decide_slots(int* state, int slot_mask) {
+  for (int s = 0; s < kSlots; ++s) {
+    if ((slot_mask >> s) & 1) f16_decide_slot(state, s);
+  }
+}
+
 // Called by every block at the end of a first (gathering) pass: the last block to arrive decides
 // the slots in slot_mask (all maxima are in by then) and resets the counter for the next call.
 __device__ __forceinline__ void last_block_decides(int* state, int counter, int slot_mask) {
@@ -155,9 +162,7 @@ __device__ __forceinline__ void last_block_decides(int* state, int counter, int 
   __threadfence();
   if (atomicAdd(reinterpret_cast<unsigned int*>(state + 3 * kSlots + counter), 1u) != gridDim.x - 1) return;
   __threadfence();
-  for (int s = 0; s < kSlots; ++s) {
-    if ((slot_mask >> s) & 1) f16_decide_slot(state, s);
-  }
+  f16_decide_slots(state, slot_mask);
   state[3 * kSlots + counter] = 0;
 }
 

@@ -97,7 +97,5 @@ __global__ void __launch_bounds__(256, 6) dgelu_kernel(const __grid_constant__ D
 // hidden_states; grad_output) are final; the fused rescue launch follows.
 extern "C" __global__ void f16_decide_kernel(int* state, int slot_mask) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
-  for (int s = 0; s < kSlots; ++s) {
-    if ((slot_mask >> s) & 1) cupyffn::f16_decide_slot(state, s);
-  }
+  cupyffn::f16_decide_slots(state, slot_mask);
 }

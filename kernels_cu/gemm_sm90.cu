@@ -740,6 +740,21 @@ __device__ __forceinline__ uint4 ld_shared_u4(unsigned addr) {
   return v;
 }
 
+// 8 consecutive 16-bit codes (w, the first in the low half of w.x) at p, columns col ... of a row of n: one 16-byte
+// store if vec (a whole octet inside N, 16-byte aligned), else one code at a time up to N. The row-segment writers'
+// common tail (store_code_rows, store_gelu_rows).
+__device__ __forceinline__ void store_octet(unsigned short* p, uint4 w, int col, int n, bool vec) {
+  if (vec) {
+    __stcg(reinterpret_cast<uint4*>(p), w);
+  } else {
+    const unsigned c[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if (col + i < n) p[i] = (unsigned short)(c[i / 2] >> (16 * (i % 2)));
+    }
+  }
+}
+
 // Lane l's two rows (l / 4 and l / 4 + 8 of the warp's 16, from row r_top - l / 4) of the codes a warp put into
 // its slot (code_offset), 8 columns from c_group + 8 (l % 4): one 16-byte store per row (a whole octet inside N
 // and ldc a multiple of 8), else one code at a time up to N.
@@ -756,16 +771,7 @@ __device__ __forceinline__ void store_code_rows(unsigned slot, const GemmArgs& a
     if (row >= args.m) continue;  // (before the read: every read's value feeds a store, see the slot's refill)
     const uint4 w = ld_shared_u4(slot + code_offset(rr, oct));
     // (32 x 32 -> 64-bit product: the launcher keeps row strides below 2^31)
-    unsigned short* p = static_cast<unsigned short*>(args.c) + ((long long)row * (int)args.ldc + col);
-    if (vec) {
-      __stcg(reinterpret_cast<uint4*>(p), w);
-    } else {
-      const unsigned c[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        if (col + i < args.n) p[i] = (unsigned short)(c[i / 2] >> (16 * (i % 2)));
-      }
-    }
+    store_octet(static_cast<unsigned short*>(args.c) + ((long long)row * (int)args.ldc + col), w, col, args.n, vec);
   }
 }
 
@@ -799,15 +805,8 @@ __device__ __forceinline__ void store_gelu_rows(unsigned slot, const GemmArgs& a
     }
     if (row >= args.m) continue;
     // (32 x 32 -> 64-bit product: the launcher keeps row strides below 2^31)
-    unsigned short* p = args.g + ((long long)row * (int)args.ldc + col);
-    if (vec) {
-      __stcg(reinterpret_cast<uint4*>(p), make_uint4(codes[0], codes[1], codes[2], codes[3]));
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        if (col + i < args.n) p[i] = (unsigned short)(codes[i / 2] >> (16 * (i % 2)));
-      }
-    }
+    store_octet(args.g + ((long long)row * (int)args.ldc + col), make_uint4(codes[0], codes[1], codes[2], codes[3]), col,
+                args.n, vec);
   }
 }
 
@@ -951,13 +950,6 @@ __device__ __forceinline__ void st_shared_u4(unsigned addr, uint4 v) {
                : "memory");
 }
 
-// The fp32 B tile of a stage (64 K-rows x BN N-elements, row-major: TMA lands it unswizzled) into the fp16 tile
-// that BT = 1 gets from TMA (BN / 64 boxes of 64 K-rows x 128 bytes, 128-byte swizzled: 16-byte chunk c of row r
-// at chunk c ^ (r % 8)), by converter warp cw (of 3). Per step a warp converts rows r and r + 4 of 128 columns:
-// lane l reads 4 floats of each (columns 4 l ...: a warp reads 512 contiguous bytes per row, no bank conflict),
-// rounds them as convert.cu does (fp16(b * scale), f16x2_bits), and trades one row's codes with lane l ^ 1, so
-// that it holds 8 consecutive codes of one row: one 16-byte store. (Rows r and r + 4: in each quarter-warp the
-// 8 stores then fall on 8 distinct 16-byte bank groups, since c ^ r and c ^ (r + 4) differ in bit 2.)
 // One step of convert_b_stage: rows r0 = 8 (pair / 4) + pair % 4 and r0 + 4 of one 128-column part.
 struct ConvertStep {
   uint4 u0, u1;  // the 4 floats of each row at this lane's columns
@@ -1131,6 +1123,9 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
   constexpr unsigned kBBytes = BN * kBK * 2;
   constexpr unsigned kRawBytes = BT == 2 ? BN * kBK * 4 : 0;  // the fp32 tile of B a stage is converted from
   constexpr int kConverters = BT == 2 ? 3 : 0;                // warps 1-3 of the producer warpgroup
+  // setmaxnreg per thread: 40 for the producer warpgroup, 232 for the consumers; BT = 2 gives the converter warps'
+  // loop 56 and keeps 224 for the consumers (128 x 56 + 256 x 224 <= 64 K)
+  constexpr unsigned kProducerRegs = BT == 2 ? 56 : 40, kConsumerRegs = BT == 2 ? 224 : 232;
   extern __shared__ unsigned char smem_raw[];
   const unsigned raw = smem_addr(smem_raw);
   const unsigned a_smem = (raw + 1023u) & ~1023u;  // 128-byte swizzle atoms sit on 1024-byte boundaries
@@ -1187,12 +1182,7 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
 
   if (wg == 0) {
     // Producer warpgroup: every thread gives up registers; one thread issues the copies.
-    // (BT = 2: 56, for the converter warps' loop; the consumers keep 224: 128 x 56 + 256 x 224 <= 64 K)
-    if constexpr (BT == 2) {
-      asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
-    } else {
-      asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-    }
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs) : "memory");
     if (threadIdx.x == 0) {
       unsigned it = 0;
       for (int group = cluster; group < groups; group += clusters) {
@@ -1260,11 +1250,7 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
       if (args.b_amax != nullptr) warp_amax_to(args.b_amax, amax, lane);
     }
   } else {
-    if constexpr (BT == 2) {
-      asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
-    } else {
-      asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs) : "memory");
     const int consumer = wg - 1;
     const int tid = threadIdx.x & 127;
     float acc[kHalves][BN / 2];
