@@ -530,12 +530,15 @@ def _check_b(b, b_layout, k, k_source):
     return n, _check_matrix(b, "b", (n, k) if b_layout == "nk" else (k, n), row_multiple=4 if b_layout == KN32 else 8)
 
 
-def _check_config(block_n, pingpong, b_layout="nk"):
+def _check_config(block_n, pingpong, b_layout="nk", cluster=1):
+    """The schedule (block_n, pingpong) is one of CONFIGS; with b_layout "kn32" one of KN32_CONFIGS, without clusters."""
     if (block_n, bool(pingpong)) not in CONFIGS:
         raise ValueError(f"(block_n, pingpong) must be one of {CONFIGS}, got ({block_n!r}, {pingpong!r})")
     if b_layout == KN32 and (block_n, bool(pingpong)) not in KN32_CONFIGS:
         raise ValueError(f"b_layout='kn32' runs the schedules {KN32_CONFIGS} (block_n, pingpong), got "
                          f"({block_n!r}, {pingpong!r})")
+    if b_layout == KN32 and cluster != 1:
+        raise ValueError(f"b_layout='kn32' runs without clusters (cluster=1), got cluster={cluster!r}")
 
 
 def _b_scale_fields(b_layout, b_scale, b_amax):
@@ -761,12 +764,10 @@ def gemm_tn(a, b, out, *, block_n=256, pingpong=False, b_layout="nk", cluster=1,
     stream: a cupy Stream (default: the current one)."""
     import numpy
 
-    _check_config(block_n, pingpong, b_layout)
+    _check_config(block_n, pingpong, b_layout, cluster)
     _check_cluster(cluster)
     _check_raster(raster)
     op, m, n, k, lda, ldb = _check_operands(a, b, b_layout)
-    if b_layout == KN32 and cluster != 1:
-        raise ValueError(f"b_layout='kn32' runs without clusters (cluster=1), got cluster={cluster!r}")
     b_fields = _b_scale_fields(b_layout, b_scale, b_amax)
     ldc = _check_matrix(out, "out", (m, n), numpy.float32)
     _check_device((("a", a), ("b", b), ("out", out), ("b_amax", b_amax)))
@@ -928,16 +929,15 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, b
     float16 out without gelu_out)."""
     import numpy
 
-    _check_config(block_n, pingpong, b_layout)
+    _check_config(block_n, pingpong, b_layout, cluster)
     _check_cluster(cluster)
     _check_raster(raster)
     if epilogue is not None and epilogue not in EPILOGUES:
         raise ValueError(f"epilogue must be None or one of {EPILOGUES}, got {epilogue!r}")
     op, m, n, k, lda, ldb = _check_operands(a, b, b_layout)
-    if b_layout == KN32 and (cluster != 1 or getattr(out, "dtype", None) != numpy.float16 or gelu_out is not None):
-        raise ValueError("b_layout='kn32' runs the float16 dgelu epilogue (out float16, no gelu_out) without "
-                         f"clusters, got out {getattr(out, 'dtype', type(out).__name__)}, "
-                         f"gelu_out {'given' if gelu_out is not None else 'None'}, cluster={cluster!r}")
+    if b_layout == KN32 and (getattr(out, "dtype", None) != numpy.float16 or gelu_out is not None):
+        raise ValueError("b_layout='kn32' runs the float16 dgelu epilogue (out float16, no gelu_out), got out "
+                         f"{getattr(out, 'dtype', type(out).__name__)}, gelu_out {'given' if gelu_out is not None else 'None'}")
     b_fields = _b_scale_fields(b_layout, b_scale, b_amax)
     if planes == 3 and op != OP_BF16:
         raise ValueError(f"planes=3 (bf16x3 planes) needs bf16 operands (uint16 a and b), got {a.dtype}")

@@ -389,8 +389,10 @@ __device__ __forceinline__ void wgmma_e4m3_k32(float (&d)[BN / 2], unsigned long
   }
 }
 
+// Bytes of a stage's fp32 B tile (BT = 2: the tile its 16-bit B is converted from; none otherwise).
+__host__ __device__ constexpr int raw_bytes_for(int bn, int bt) { return bt == 2 ? bn * kBK * 4 : 0; }
 // Bytes of one pipeline stage: the 16-bit A and B tiles, and with BT = 2 the fp32 B tile they are converted from.
-__host__ __device__ constexpr int stage_bytes_for(int bn, int bt) { return (kBM + bn) * kBK * 2 + (bt == 2 ? bn * kBK * 4 : 0); }
+__host__ __device__ constexpr int stage_bytes_for(int bn, int bt) { return (kBM + bn) * kBK * 2 + raw_bytes_for(bn, bt); }
 // mbarriers per stage: full and empty, and with BT = 2 the fp32 tile's
 __host__ __device__ constexpr int bars_for(int bt) { return bt == 2 ? 3 : 2; }
 
@@ -1121,7 +1123,7 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
   constexpr unsigned kSmemBytes = XS ? xs_smem_bytes_for(BN, BT) : smem_bytes_for(BN, BT);
   constexpr unsigned kABytes = kBM * kBK * 2;
   constexpr unsigned kBBytes = BN * kBK * 2;
-  constexpr unsigned kRawBytes = BT == 2 ? BN * kBK * 4 : 0;  // the fp32 tile of B a stage is converted from
+  constexpr unsigned kRawBytes = raw_bytes_for(BN, BT);  // the fp32 tile of B a stage is converted from
   constexpr int kConverters = BT == 2 ? 3 : 0;                // warps 1-3 of the producer warpgroup
   // setmaxnreg per thread: 40 for the producer warpgroup, 232 for the consumers; BT = 2 gives the converter warps'
   // loop 56 and keeps 224 for the consumers (128 x 56 + 256 x 224 <= 64 K)

@@ -183,6 +183,8 @@ def _bad(case):
         return lambda: G.gemm_tn(a, b, out, block_n=128, b_layout="kn")
     if case == "bf16-out":
         return lambda: G.gemm_tn_dgelu(a, b, x, x, o16.view(cupy.uint16), **kw)
+    if case == "dgelu-cluster-2":
+        return lambda: G.gemm_tn_dgelu(a, b, x, x, o16, cluster=2, **kw)
     if case == "gelu-out":
         return lambda: G.gemm_tn_dgelu(a, b, x, x, o16, gelu_out=cupy.zeros_like(o16), **kw)
     raise AssertionError(case)
@@ -193,7 +195,8 @@ def _bad(case):
     ("block-n-256", "b_layout='kn32' runs the schedules"), ("cluster-2", "without clusters"),
     ("scale-not-pow2", "b_scale must be a power of two"), ("scale-with-kn", "apply only with b_layout='kn32'"),
     ("amax-dtype", "b_amax must be None or a 1-element uint32"), ("row-stride", "multiple of 4 elements"),
-    ("fp32-b-kn", "b_layout='kn32'"), ("bf16-out", "float16 dgelu epilogue"), ("gelu-out", "float16 dgelu epilogue")])
+    ("fp32-b-kn", "b_layout='kn32'"), ("bf16-out", "float16 dgelu epilogue"), ("gelu-out", "float16 dgelu epilogue"),
+    ("dgelu-cluster-2", "without clusters")])
 def test_kn32_rejects_bad_input(case, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         _bad(case)()
