@@ -39,20 +39,23 @@ def _compiled_tf32(dy, x, w1, w2, z, t, g):
 #: GEMM1 + dgelu pass route instead of the fused sm90 kernel (H100/H200 only, CUPYFFN_SM90_GEMM1=0), every launch
 #: from the host instead of the re-pointed call graph (CUPYFFN_CALL_GRAPH=0), convert A and B as two launches on
 #: two streams instead of one (CUPYFFN_CONVERT_AB=0), the caller's gelu_out converted for GEMM2 instead of written by
-#: the fused GEMM1's epilogue (H100/H200 only, CUPYFFN_GELU_EPILOGUE=0). For fp16+fp8: GEMM1 as cuBLAS bf16x3 instead of the sm90 pair
+#: the fused GEMM1's epilogue (H100/H200 only, CUPYFFN_GELU_EPILOGUE=0), the fused GEMM1's staged epilogue instead of
+#: its epilogue warps (H100/H200 only, CUPYFFN_EPILOGUE_WARPS=0). For fp16+fp8: GEMM1 as cuBLAS bf16x3 instead of the sm90 pair
 #: kernel (H100/H200 only, CUPYFFN_SM90_PAIR=0).
 TF32_CUBLAS_GEMM1 = "cupyffn-tf32-cublas-gemm1"
 TF32_LAUNCHES = "cupyffn-tf32-launches"
 TF32_CONVERT_APART = "cupyffn-tf32-convert-apart"
 TF32_GELU_CONVERTED = "cupyffn-tf32-gelu-converted"
+TF32_STAGED_EPILOGUE = "cupyffn-tf32-staged-epilogue"
 FP16FP8_CUBLAS_GEMM1 = "cupyffn-fp16+fp8-cublas-gemm1"
 TWIN_SWITCHES = {TF32_CUBLAS_GEMM1: ("CUPYFFN_SM90_GEMM1", "0", "tf32"),
                  TF32_LAUNCHES: ("CUPYFFN_CALL_GRAPH", "0", "tf32"),
                  TF32_CONVERT_APART: ("CUPYFFN_CONVERT_AB", "0", "tf32"),
                  TF32_GELU_CONVERTED: ("CUPYFFN_GELU_EPILOGUE", "0", "tf32"),
+                 TF32_STAGED_EPILOGUE: ("CUPYFFN_EPILOGUE_WARPS", "0", "tf32"),
                  FP16FP8_CUBLAS_GEMM1: ("CUPYFFN_SM90_PAIR", "0", "fp16+fp8")}
 #: The twins that differ from their plan only on an H100/H200 (a switch of an sm90 kernel).
-SM90_TWINS = (TF32_CUBLAS_GEMM1, TF32_GELU_CONVERTED, FP16FP8_CUBLAS_GEMM1)
+SM90_TWINS = (TF32_CUBLAS_GEMM1, TF32_GELU_CONVERTED, TF32_STAGED_EPILOGUE, FP16FP8_CUBLAS_GEMM1)
 
 
 def _with_switch(key, value, build):

@@ -91,6 +91,16 @@ CONVERT_AB_TOKENS = {P.FMT_F16S: (1, 512)}
 GELU_EPILOGUE_TOKENS = {P.FMT_F16S: (4096, 2 ** 31 - 1)}
 
 
+#: Per format, T at which the fused GEMM1's epilogue runs in warps of its own (kernels_cu/gemm_sm90.cu, XS = 2: the
+#: accumulator tile handed through shared memory, the epilogue overlapping the next tile's mainloop) instead of the
+#: staged epilogue of choose_config's schedule (CUPYFFN_EPILOGUE_WARPS=auto; 1 wherever the fused tf32 GEMM1 runs, 0
+#: never). Bit for bit the same outputs. Measured on the H200, the fused kernel alone with gelu_out, against the
+#: engine's schedule, two runs (results/history/ew-probe-s12c.json, ew-probe-s12d.json): 0.91-0.97 at T = 512-8192,
+#: 0.98-1.07 at T = 256, where the 96 tiles leave nothing to overlap (one tile per CTA); from T = 513 on a CTA has
+#: more than one 128 x 128 tile (H = 6144: more tiles than SMs).
+EPILOGUE_WARPS_TOKENS = {P.FMT_F16S: (513, 2 ** 31 - 1)}
+
+
 #: fp16+fp8: the GEMMs whose f16+e4m3 form runs as one launch of the sm90 pair kernel (kernels_cu/gemm_sm90.cu
 #: gemm_sm90_pair_kernel: no fp32 output written and read again between the two products) instead of cuBLAS's
 #: e4m3 + fp16 pair. Measured on the H200, GEMMs alone (results/history/gemm-forms-pair-s8a.json): GEMM1 0.74x of
@@ -111,7 +121,7 @@ def switch_choice(variable):
 def switch_wanted(variable, windows, fmt, tokens):
     """Whether the engine switch `variable` (switch_choice) asks for its mechanism in a plan of format `fmt` at
     `tokens`: 1 always, 0 never, auto where `windows` ({format: (first, last)}: FUSED_GEMM1_TOKENS,
-    CALL_GRAPH_TOKENS, CONVERT_AB_TOKENS) has first <= tokens <= last. The caller adds what the mechanism itself
+    CALL_GRAPH_TOKENS, CONVERT_AB_TOKENS, EPILOGUE_WARPS_TOKENS) has first <= tokens <= last. The caller adds what the mechanism itself
     needs."""
     choice = switch_choice(variable)
     window = windows.get(fmt)
@@ -202,6 +212,7 @@ class GpuEngine:
             self._choose_forms()
             self.fused_gemm1 = self._fused_gemm1_ok()
             self.gelu_in_gemm1 = self._gelu_in_gemm1_ok()
+            self.epilogue_warps = self._epilogue_warps_ok()
             self._layout()
             self._allocate()
             self._side = cupy.cuda.Stream(non_blocking=True)
@@ -286,6 +297,12 @@ class GpuEngine:
         read here: auto, 1, 0): the tf32 plan's fused GEMM1, in a plan that computes the weight gradients."""
         wanted = switch_wanted("CUPYFFN_GELU_EPILOGUE", GELU_EPILOGUE_TOKENS, self.fmt, self.T)
         return wanted and self.fused_gemm1 and self.fmt == P.FMT_F16S and self.need_weight_grads
+
+    def _epilogue_warps_ok(self):
+        """Whether the tf32 plan's fused GEMM1 runs its epilogue in warps of its own (EPILOGUE_WARPS_TOKENS;
+        CUPYFFN_EPILOGUE_WARPS, read here: auto, 1, 0)."""
+        wanted = switch_wanted("CUPYFFN_EPILOGUE_WARPS", EPILOGUE_WARPS_TOKENS, self.fmt, self.T)
+        return wanted and self.fused_gemm1 and self.fmt == P.FMT_F16S
 
     def _sm90_fits(self):
         """Whether the sm90 kernels can run this plan's GEMMs: a compute capability 9.0 GPU, 16-bit rows of 16-byte
@@ -586,7 +603,8 @@ class GpuEngine:
             return
         slot = P.SLOT["grad_linear1"]
         common = dict(state_ptr=self._state.data.ptr, consts_ptr=self._consts.data.ptr,
-                      acc_scale_ptr=self._consts.data.ptr + 4 * 2, slot=slot, device_id=self.device_id)
+                      acc_scale_ptr=self._consts.data.ptr + 4 * 2, slot=slot, device_id=self.device_id,
+                      warps=self.epilogue_warps)
         decided, alphas = 1 << slot, 0b1100  # grad_linear1's exponent; GEMM3's and GEMM4's alphas
         if self.gelu_in_gemm1:  # and gelu_out's (its partner, grad_output, is final); GEMM2's alpha
             g = self.ops["gelu_out"]

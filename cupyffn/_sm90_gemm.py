@@ -51,11 +51,16 @@ TRACE = False
 #: warps' conversion (they only pass each stage on), 5 their proxy fence; 6 gives the 16-bit layouts' 128 x 128 tiles
 #: kn32's (shallower) pipeline.
 PROBE = 0
+#: The epilogue warps' pipeline stages and x/t items per warp (CUPYFFN_EW_STAGES, CUPYFFN_EW_RING in gemm_sm90.cu);
+#: set_ew() can try others before anything is compiled.
+EW_STAGES = 4
+EW_RING = 2
 
 
 def nvrtc_options():
     """NVRTC options; CuPy adds its include paths and its own -arch (see the module docstring)."""
-    return (("-arch=sm_90a", "--std=c++17", f"-DCUPYFFN_XT_COLS={XT_COLS}", f"-DCUPYFFN_XS_STAGE_DROP={XS_STAGE_DROP}")
+    return (("-arch=sm_90a", "--std=c++17", f"-DCUPYFFN_XT_COLS={XT_COLS}", f"-DCUPYFFN_XS_STAGE_DROP={XS_STAGE_DROP}",
+             f"-DCUPYFFN_EW_STAGES={EW_STAGES}", f"-DCUPYFFN_EW_RING={EW_RING}")
             + (("-DCUPYFFN_SM90_TRACE=1", f"-DCUPYFFN_SM90_EPI_PROBE={PROBE}") if TRACE else ()))
 
 
@@ -89,8 +94,25 @@ def set_staging(xt_cols, stage_drop):
         raise ValueError(f"xt_cols must be 8, 16 or 32 and stage_drop 1 or 2, got {xt_cols}, {stage_drop}")
     XT_COLS, XS_STAGE_DROP = xt_cols, stage_drop
 
+
+def set_ew(stages, ring):
+    """Measurement hook: compile the epilogue warps (epilogue WARPS) with `stages` pipeline stages and `ring` x/t
+    items per warp (the shared memory must hold them: ew_smem_bytes). Only before the first kernel is compiled."""
+    global EW_STAGES, EW_RING
+    _before_first_compile("set_ew")
+    if not (2 <= stages <= 4 and ring >= 1 and ew_smem_bytes(stages, ring) <= 232448):
+        raise ValueError(f"stages 2-4 and a ring that fits in 227 KiB, got {stages}, {ring}")
+    EW_STAGES, EW_RING = stages, ring
+
 # Must match gemm_sm90.cu.
 THREADS = 384
+#: Threads of a block with the epilogue warps (staged = 2): a fourth warpgroup of epilogue warps (kEwThreads).
+EW_THREADS = 512
+
+
+def threads_for(staged):
+    """Threads per block of a variant (its XS: 0 direct, 1 staged, 2 the epilogue warps)."""
+    return EW_THREADS if int(staged) == 2 else THREADS
 BLOCK_M = 128
 BLOCK_K = 64
 BLOCK_NS = (128, 256)
@@ -111,6 +133,13 @@ CONFIGS = ((128, False), (256, False), (128, True))
 #: "staged" (cp.async into shared memory, requested during the mainloop) or "direct" (global loads in
 #: the epilogue, the first version; kept to compare and as a fallback).
 EPILOGUES = ("staged", "direct")
+#: A third epilogue for one schedule: "warps" (XS = 2 in gemm_sm90.cu) hands each accumulator tile through shared
+#: memory to warps 1-3 of the producer warpgroup, which run the dgelu epilogue while the consumers compute the next
+#: tile: one-plane dgelu epilogues on the cooperative 128 x 128 tile (WARPS_CONFIG), b_layout "nk" or "kn", either
+#: cluster size, rows of linear1_out / tanh_inner on 16-byte boundaries as "staged" needs.
+WARPS = "warps"
+WARPS_CONFIG = (128, False)
+_XS = {"direct": 0, "staged": 1, WARPS: 2}
 
 
 #: How a 16-bit b is laid out: "nk" ([N, K], K contiguous: both operands K-major) or "kn" ([K, N], N contiguous:
@@ -146,6 +175,11 @@ def _variants():
                         for staged in (False, True):
                             if not (staged and (epi, bn, pp) == GELU_NO_STAGED):
                                 yield op, bn, epi, pp, staged, bt, cl
+    for cl in CLUSTERS:  # the epilogue warps (XS = 2)
+        for bt in (0, 1):
+            for op in (OP_F16, OP_BF16):
+                for epi in (EPI_DGELU_BF16, EPI_DGELU_F16) + tuple(e for e in _OWN_EPILOGUES[op] if e != EPI_DGELU_BF16X3):
+                    yield op, WARPS_CONFIG[0], epi, WARPS_CONFIG[1], 2, bt, cl
     for bn, pp in KN32_CONFIGS:  # b converted in the kernel: fp32 out, and the tf32 plan's GEMM1 epilogue
         yield OP_F16, bn, EPI_F32, pp, False, 2, 1
         for staged in (False, True):
@@ -213,10 +247,19 @@ def xs_smem_bytes(block_n, bt=0):
     return s * stage_bytes(block_n, bt) + 2 * xt_slots_for(block_n, bt) * xt_slot_bytes() + 1024 + _bars(bt) * 8 * s
 
 
+def ew_smem_bytes(stages=None, ring=None):
+    """Dynamic shared memory of one CTA with the epilogue warps (ew_smem_bytes_for in gemm_sm90.cu): EW_STAGES stages
+    of the 128 x 128 tile, the fp32 accumulator tile and 7 warps' rings of EW_RING items of 2 KiB."""
+    stages, ring = stages or EW_STAGES, ring or EW_RING
+    return stages * stage_bytes(128) + BLOCK_M * 128 * 4 + 7 * ring * 2048 + 1024 + 8 * (2 * stages + 2)
+
+
 def launch_smem_bytes(block_n, staged, b_layout="nk"):
     """Dynamic shared memory a launch of that variant needs (the kernel traps if given less; the same
-    for both schedules)."""
+    for both schedules). staged: the XS of the variant (False/0 direct, True/1 staged, 2 the epilogue warps)."""
     bt = _BT[b_layout]
+    if int(staged) == 2:
+        return ew_smem_bytes()
     return xs_smem_bytes(block_n, bt) if staged else smem_bytes(block_n, bt)
 
 
@@ -347,13 +390,13 @@ class _LaunchConfig(ctypes.Structure):
 
 
 @functools.lru_cache(maxsize=None)
-def max_active_clusters(function_ptr, smem, cluster):
+def max_active_clusters(function_ptr, smem, cluster, threads=THREADS):
     """How many clusters of `cluster` CTAs of the kernel `function_ptr` (CUfunction) with `smem` bytes of dynamic
     shared memory the GPU runs at once (cuOccupancyMaxActiveClusters: a cluster's CTAs must share a GPC, so this
     can be below sm_count / cluster)."""
     occupancy = _libcuda.function("cuOccupancyMaxActiveClusters", [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
                                                                    ctypes.POINTER(_LaunchConfig)])
-    config = _LaunchConfig((cluster, 1, 1), (THREADS, 1, 1), smem, None, None, 0)
+    config = _LaunchConfig((cluster, 1, 1), (threads, 1, 1), smem, None, None, 0)
     count = ctypes.c_int()
     status = occupancy(ctypes.byref(count), ctypes.c_void_p(function_ptr), ctypes.byref(config))
     detail = f", count {count.value}, for clusters of {cluster} with {smem} bytes of shared memory"
@@ -582,14 +625,14 @@ def _b_map(op, b_ptr, ldb, b_layout, n, k, block_n, cluster=1):
     return _maps.get(b_ptr, k, n, ldb * 2, op, 64)
 
 
-def _grid(m, n, block_n, device_id, cluster=1, function_ptr=None, smem=0):
+def _grid(m, n, block_n, device_id, cluster=1, function_ptr=None, smem=0, threads=THREADS):
     """Persistent grid: one CTA per output tile, at most one per multiprocessor; with clusters, one cluster per
     group of `cluster` vertically adjacent tiles, at most as many clusters as run at once (max_active_clusters
     of the kernel `function_ptr`)."""
     if cluster == 1:
         return min(-(-m // BLOCK_M) * -(-n // block_n), _kernels.sm_count(device_id))
     groups = -(-(-(-m // BLOCK_M)) // cluster) * -(-n // block_n)
-    return cluster * min(groups, max_active_clusters(function_ptr, smem, cluster))
+    return cluster * min(groups, max_active_clusters(function_ptr, smem, cluster, threads))
 
 
 def _check_cluster(cluster):
@@ -609,14 +652,15 @@ def _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream, staged=Fal
 
     m, n = args.m, args.n
     device = cupy.cuda.Device().id
-    kernel = _kernel(op, block_n, epi, bool(pingpong), device, bool(staged), b_layout, cluster)
+    kernel = _kernel(op, block_n, epi, bool(pingpong), device, int(staged), b_layout, cluster)
     map_a, map_b = _operand_maps(op, a.data.ptr, lda, b.data.ptr, ldb, b_layout, m, n, args.k, block_n, cluster)
     smem = launch_smem_bytes(block_n, staged, b_layout)
-    grid = _grid(m, n, block_n, device, cluster, kernel.kernel.ptr, smem)
+    grid = _grid(m, n, block_n, device, cluster, kernel.kernel.ptr, smem, threads_for(staged))
     argv = (ctypes.c_void_p * 3)(ctypes.addressof(map_a.desc), ctypes.addressof(map_b.desc), ctypes.addressof(args))
     stream_ptr = (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
     # The driver copies the parameters at launch: map_a/map_b/args may be reused as soon as this returns.
-    driver.launchKernel(kernel.kernel.ptr, grid, 1, 1, THREADS, 1, 1, smem, stream_ptr, ctypes.addressof(argv), 0)
+    driver.launchKernel(kernel.kernel.ptr, grid, 1, 1, threads_for(staged), 1, 1, smem, stream_ptr,
+                        ctypes.addressof(argv), 0)
 
 
 def choose_config(m, n, sms, tanh_inner=True, gelu_out=False):
@@ -683,11 +727,13 @@ class DgeluLaunch:
     codes scaled by 2^state[gelu_slot], gathering its max into that slot unless ``rescue`` (EPI_DGELU_F16G: GEMM2's
     operand, formed in this epilogue instead of converted from the caller's gelu_out; the rescue launch then
     runs when either slot's exponent moved).
-    ``cluster``: CTAs per cluster (CLUSTERS), default FUSED_CLUSTER."""
+    ``cluster``: CTAs per cluster (CLUSTERS), default FUSED_CLUSTER.
+    ``warps``: with tanh_inner given and rows on 16-byte boundaries, the epilogue warps (WARPS: the cooperative
+    128 x 128 tile) instead of choose_config's staged schedule, for a one-plane epilogue (bit for bit the same out)."""
 
     def __init__(self, a_ptr, lda, b_ptr, ldb, b_layout, out_ptr, ldc, m, n, k, *, state_ptr, consts_ptr,
                  acc_scale_ptr, slot, rescue, alpha_mask, device_id, epi=EPI_DGELU_F16, cluster=None,
-                 gelu_ptr=None, ldg=0, gelu_slot=None):
+                 gelu_ptr=None, ldg=0, gelu_slot=None, warps=False):
         if epi not in (EPI_DGELU_F16, EPI_DGELU_BF16X3):
             raise ValueError(f"epi must be EPI_DGELU_F16 or EPI_DGELU_BF16X3, got {epi!r}")
         if b_layout not in B_LAYOUTS:  # (kn32 is not the engine's: its scale would need the state's b_slot)
@@ -709,7 +755,9 @@ class DgeluLaunch:
         self.epi = epi
         # per (tanh_inner given, staged epilogue): the schedule (choose_config: memory mode has its own), the
         # function, its dynamic shared memory and grid, and the kernel arguments (tensor maps of its block_n)
-        self.configs = {has_t: choose_config(m, n, sms, tanh_inner=has_t, gelu_out=gelu_ptr is not None)
+        self.warps = bool(warps) and epi != EPI_DGELU_BF16X3
+        self.configs = {has_t: WARPS_CONFIG if has_t and self.warps else
+                        choose_config(m, n, sms, tanh_inner=has_t, gelu_out=gelu_ptr is not None)
                         for has_t in (True, False)}
         self._variants = {}
         for has_t, (block_n, pingpong) in self.configs.items():
@@ -717,11 +765,12 @@ class DgeluLaunch:
             argv = (ctypes.c_void_p * 3)(ctypes.addressof(map_a.desc), ctypes.addressof(map_b.desc),
                                          ctypes.addressof(self.args))
             for staged in (True, False):
-                function = _kernel(op, block_n, epi, pingpong, device_id, staged, b_layout, self.cluster).kernel.ptr
-                smem = launch_smem_bytes(block_n, staged, b_layout)
-                grid = _grid(m, n, block_n, device_id, self.cluster, function, smem)
+                xs = 2 if staged and has_t and self.warps else int(staged)  # rows off 16 bytes: direct, as before
+                function = _kernel(op, block_n, epi, pingpong, device_id, xs, b_layout, self.cluster).kernel.ptr
+                smem = launch_smem_bytes(block_n, xs, b_layout)
+                grid = _grid(m, n, block_n, device_id, self.cluster, function, smem, threads_for(xs))
                 # (map_a, map_b kept: argv points into them)
-                self._variants[has_t, staged] = (function, smem, grid, argv, (map_a, map_b))
+                self._variants[has_t, staged] = (function, smem, grid, argv, (map_a, map_b), threads_for(xs))
         self.staged = True
 
     def set_activations(self, x_ptr, ldx, t_ptr, ldt):
@@ -737,14 +786,14 @@ class DgeluLaunch:
     def __call__(self, stream_ptr):
         from cupy_backends.cuda.api import driver
 
-        function, smem, grid, argv, _ = self._variants[self.args.t is not None, self.staged]
-        driver.launchKernel(function, grid, 1, 1, THREADS, 1, 1, smem, stream_ptr, ctypes.addressof(argv), 0)
+        function, smem, grid, argv, _, threads = self._variants[self.args.t is not None, self.staged]
+        driver.launchKernel(function, grid, 1, 1, threads, 1, 1, smem, stream_ptr, ctypes.addressof(argv), 0)
 
     def node_params(self):
         """(function, grid, block, dynamic shared memory, argument pointer array) of this call's variant, as
         KernelLaunch.node_params (a call graph's node follows the variant set_activations chose)."""
-        function, smem, grid, argv, _ = self._variants[self.args.t is not None, self.staged]
-        return function, grid, THREADS, smem, ctypes.addressof(argv)
+        function, smem, grid, argv, _, threads = self._variants[self.args.t is not None, self.staged]
+        return function, grid, threads, smem, ctypes.addressof(argv)
 
 
 def gemm_tn(a, b, out, *, block_n=256, pingpong=False, b_layout="nk", cluster=1, raster=0, stream=None,
@@ -920,7 +969,9 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, b
     the caller initializes it (0, or a running maximum's bits). epilogue: how x and t reach the
     epilogue, one of EPILOGUES ("staged": cp.async into shared memory during the mainloop, which needs
     every row of linear1_out and tanh_inner on a 16-byte boundary (row strides multiples of 4);
-    "direct": global loads in the epilogue), or None: staged where the rows allow it, else direct.
+    "direct": global loads in the epilogue), or None: staged where the rows allow it, else direct; or WARPS
+    ("warps": the epilogue in warps of its own, overlapping the next tile's mainloop, with the rows of "staged",
+    block_n=128, pingpong=False, planes=1, b_layout "nk" or "kn"; either cluster size).
     Both give bitwise the same out and amax, and so do both cluster sizes and every raster (as in gemm_tn).
     gelu_out (float16 out only): a float16 [M, N] array that also receives fp16(gelu_alpha * 0.5 x (1 + t)), x =
     linear1_out, t = tanh_inner (or recomputed), the forward's GELU output as GEMM2's operand; gelu_alpha a power of
@@ -932,8 +983,12 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, b
     _check_config(block_n, pingpong, b_layout, cluster)
     _check_cluster(cluster)
     _check_raster(raster)
-    if epilogue is not None and epilogue not in EPILOGUES:
-        raise ValueError(f"epilogue must be None or one of {EPILOGUES}, got {epilogue!r}")
+    if epilogue is not None and epilogue not in EPILOGUES + (WARPS,):
+        raise ValueError(f"epilogue must be None or one of {EPILOGUES + (WARPS,)}, got {epilogue!r}")
+    if epilogue == WARPS and ((block_n, pingpong) != WARPS_CONFIG or b_layout not in B_LAYOUTS or planes != 1):
+        raise ValueError(f"epilogue={WARPS!r} runs the cooperative 128 x 128 tile (block_n=128, pingpong=False), "
+                         f"b_layout one of {B_LAYOUTS}, planes=1; got block_n={block_n!r}, pingpong={pingpong!r}, "
+                         f"b_layout={b_layout!r}, planes={planes!r}")
     op, m, n, k, lda, ldb = _check_operands(a, b, b_layout)
     if b_layout == KN32 and (getattr(out, "dtype", None) != numpy.float16 or gelu_out is not None):
         raise ValueError("b_layout='kn32' runs the float16 dgelu epilogue (out float16, no gelu_out), got out "
@@ -989,12 +1044,12 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, b
     elif epilogue == "staged" and no_staged:
         raise ValueError("gelu_out with block_n=256 cooperative has no staged epilogue (that variant would spill "
                          "registers); pass epilogue='direct' or None, or another schedule")
-    elif epilogue == "staged" and ldg not in (0, ldc):
-        raise ValueError(f"epilogue='staged' with gelu_out needs gelu_out's row stride equal to out's ({ldc}), got "
-                         f"{ldg}; epilogue=None falls back to 'direct'")
-    elif epilogue == "staged" and off_16b:
+    elif epilogue in ("staged", WARPS) and ldg not in (0, ldc):
+        raise ValueError(f"epilogue={epilogue!r} with gelu_out needs gelu_out's row stride equal to out's ({ldc}), "
+                         f"got {ldg}; epilogue=None falls back to 'direct'")
+    elif epilogue in ("staged", WARPS) and off_16b:
         name, ld = off_16b[0]
-        raise ValueError(f"epilogue='staged' needs {name} rows on 16-byte boundaries (a row stride that is a "
+        raise ValueError(f"epilogue={epilogue!r} needs {name} rows on 16-byte boundaries (a row stride that is a "
                          f"multiple of 4 elements), got {ld}; epilogue=None falls back to 'direct'")
     args = GemmArgs(out.data.ptr, linear1_out.data.ptr, tanh_inner.data.ptr if tanh_inner is not None else None,
                     ldc, ldx, ldt, m, n, k, alpha, amax.data.ptr if amax is not None else None,
@@ -1002,6 +1057,6 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, b
     if gelu_out is not None:
         args.g, args.ldg, args.g_alpha = gelu_out.data.ptr, ldg, gelu_alpha
         args.g_amax = gelu_amax.data.ptr if gelu_amax is not None else None
-    _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream, staged=epilogue == "staged", b_layout=b_layout,
+    _launch(op, block_n, pingpong, epi, a, lda, b, ldb, args, stream, staged=_XS[epilogue], b_layout=b_layout,
             cluster=cluster)
     return out

@@ -58,6 +58,9 @@
 //          and only that warp reads them back (swizzled: no bank conflicts), so a warp waits for its
 //          own copies (cp.async.wait_group + __syncwarp): no block barrier, no cross-warp hand-off,
 //          nothing that can deadlock. It costs CUPYFFN_XS_STAGE_DROP pipeline stages to make room.
+//   XS = 2 ("warps": cooperative 128 x 128 tiles only) hands each accumulator tile to warps 1-3 of the producer
+//          warpgroup through shared memory; they run the epilogue (x and t through rings of their own) while the
+//          consumers compute the next tile. 4 stages. See ew_epilogue.
 //
 // Constraints (checked by cupyffn/_sm90_gemm.py): K >= 1; lda, ldb multiples of 8 elements and A, B
 // 16-byte aligned (TMA; the pair's e4m3 rows: multiples of 16 bytes, k8 a positive multiple of 16); ldc, ldx, ldt even (pairs of columns are stored/loaded together) and C, x, t
@@ -1038,6 +1041,242 @@ __device__ __forceinline__ void group_coords(int group, int m_groups, int n_tile
   nb = within / rows;
 }
 
+// ---- the dgelu epilogue in warps of its own (XS = 2) --------------------------------------------
+// The consumers hand each finished 128 x 128 accumulator tile to shared memory (fp32, 64 KiB) and go on with the
+// next tile's mainloop at once; seven epilogue warps (warps 1-3 of the producer warpgroup, idle otherwise, and a
+// fourth warpgroup: 512 threads) run the dgelu epilogue from there, streaming x and t through rings of their own.
+// So the epilogue's DRAM traffic and instructions overlap the next tile's MMAs instead of following them. A tile's
+// rows go to the warps in pairs (pair p to warp p % 7): lane l takes columns 4l ... 4l + 3 of both rows, so every
+// load and store of a warp is one whole 512-byte (x, t, accumulator) or 256-byte (codes) row segment. Handshake, one
+// mbarrier each way: acc_full (the 256 consumer threads arrive once their accumulators are in shared memory),
+// acc_empty (the epilogue threads arrive once they have read theirs). Arithmetic, rounding and amax are those of the
+// staged epilogue (bit for bit the same outputs).
+#ifndef CUPYFFN_EW_STAGES
+#define CUPYFFN_EW_STAGES 4
+#endif
+#ifndef CUPYFFN_EW_RING
+#define CUPYFFN_EW_RING 2
+#endif
+constexpr int kEwThreads = 512;                // kThreads + the epilogue warpgroup
+constexpr int kEwStages = CUPYFFN_EW_STAGES;   // pipeline stages (32 KiB each at BN = 128)
+constexpr int kEwWarps = 7;                    // warps 1-3 of the producer warpgroup, the 4 of warpgroup 3
+constexpr int kEwRing = CUPYFFN_EW_RING;       // x/t items in flight per epilogue warp
+constexpr int kEwItemBytes = 2 * 2 * 128 * 4;  // an item: x and t of two 128-column rows (2 KiB)
+constexpr int kEwAccBytes = kBM * 128 * 4;     // the fp32 accumulator tile (64 KiB)
+constexpr int kEwRingBytes = kEwWarps * kEwRing * kEwItemBytes;
+__host__ __device__ constexpr int ew_smem_bytes_for() {
+  return kEwStages * stage_bytes_for(128, 0) + kEwAccBytes + kEwRingBytes + 1024 + 8 * (2 * kEwStages + 2);
+}
+static_assert(ew_smem_bytes_for() <= 232448, "227 KiB of dynamic shared memory per CTA at most");
+
+// Byte offset of 16-byte chunk c (columns 4c ... 4c + 3) of row r in the accumulator tile: rows of 512 bytes, chunks
+// XOR-swizzled by r % 8, so that a consumer's fragment store (8 rows x 2 chunks) takes the minimum 2 wavefronts and
+// an epilogue warp's row read (32 chunks) the minimum 4.
+__device__ __forceinline__ unsigned ew_acc_offset(int r, int c) { return (unsigned)(r * 512 + ((c ^ (r & 7)) * 16)); }
+
+// A consumer thread's 64 accumulators (64 x 128 block of consumer `consumer`, wgmma's fragment layout) into the tile.
+__device__ __forceinline__ void ew_store_acc(const float (&acc)[64], unsigned acc_smem, int consumer, int tid) {
+  const int warp = tid >> 5, lane = tid & 31;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = 64 * consumer + 16 * warp + (lane >> 2) + 8 * hh;
+      const unsigned addr = acc_smem + ew_acc_offset(r, 2 * j + ((lane & 3) >> 1)) + (lane & 1) * 8;
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(acc[4 * j + 2 * hh]),
+                   "f"(acc[4 * j + 2 * hh + 1])
+                   : "memory");
+    }
+  }
+}
+
+// Where an epilogue warp's walk is: tile `group` of the CTA's sequence (at tile row mg, column nb) and its row pair;
+// the pairs of a warp are ew, ew + 7, ... of each tile, the tiles those of the CTA.
+// With clusters of CL CTAs the walk is the cluster's (groups of CL vertically adjacent tiles), this CTA's tile of
+// each group the one at its rank, as the consumers walk it.
+struct EwCursor {
+  int group, pair, mb, nb;
+};
+
+template <int CL>
+__device__ __forceinline__ void ew_locate(EwCursor& c, const GemmArgs& args, int groups, int m_groups, int n_tiles) {
+  if (c.group < groups) {
+    int mg;
+    group_coords(c.group, m_groups, n_tiles, args.raster, mg, c.nb);
+    c.mb = CL * mg + (CL > 1 ? (int)cluster_rank() : 0);
+  }
+}
+
+template <int CL>
+__device__ __forceinline__ void ew_advance(EwCursor& c, const GemmArgs& args, int groups, int m_groups, int n_tiles,
+                                           int ew) {
+  c.pair += kEwWarps;
+  if (c.pair >= kBM / 2) {  // the next tile: its coordinates once per tile, not per item
+    c.pair = ew;
+    c.group += gridDim.x / CL;
+    ew_locate<CL>(c, args, groups, m_groups, n_tiles);
+  }
+}
+
+// Requests the item at c into `slot` (x and t of its two rows, this lane's 16-byte chunk of each) and commits one
+// cp.async group; past the CTA's last tile it commits an empty group (the count stays one per item).
+template <bool HAS_T>
+__device__ __forceinline__ void ew_request(unsigned slot, const GemmArgs& args, const EwCursor& c, int groups,
+                                           int lane) {
+  bool live = c.group < groups;
+#if defined(CUPYFFN_SM90_TRACE) && CUPYFFN_SM90_EPI_PROBE == 2
+  live = false;  // measurement only (probe 2): no x/t copies (the epilogue reads stale slots)
+#endif
+  if (live) {
+    const unsigned long long policy = evict_first_policy();
+    const int col = c.nb * 128 + 4 * lane, left = args.n - col;
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int r = c.mb * kBM + 2 * c.pair + q;
+      const unsigned bytes = r < args.m && left > 0 ? (left >= 4 ? 16u : 4u * left) : 0u;
+      // nothing is read when bytes == 0; the address stays inside the matrix anyway (row strides < 2^31)
+      const int r_ok = bytes ? r : 0, c_ok = bytes ? col : 0;
+      cp_async_16(slot + (2 * q) * 512 + lane * 16, args.x + ((long long)r_ok * (int)args.ldx + c_ok), bytes, policy);
+      if constexpr (HAS_T) {
+        cp_async_16(slot + (2 * q + 1) * 512 + lane * 16, args.t + ((long long)r_ok * (int)args.ldt + c_ok), bytes,
+                    policy);
+      }
+    }
+  }
+  cp_async_commit();
+}
+
+// 4 consecutive 16-bit codes (c0: the first two) at p, columns col ... of a row with `left` columns from col on: one
+// 8-byte store if vec (all four inside N, 8-byte aligned), else one code at a time up to N.
+__device__ __forceinline__ void ew_store_quad(unsigned short* p, unsigned c0, unsigned c1, int left, bool vec) {
+#if defined(CUPYFFN_SM90_TRACE) && CUPYFFN_SM90_EPI_PROBE == 1
+  return;  // measurement only (probe 1): no global stores
+#endif
+  if (vec) {
+    __stcg(reinterpret_cast<uint2*>(p), make_uint2(c0, c1));
+  } else {
+    const unsigned c[2] = {c0, c1};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (i < left) p[i] = (unsigned short)(c[i / 2] >> (16 * (i % 2)));
+    }
+  }
+}
+
+// Epilogue warp ew (0-6) of the CTA: every tile of the CTA's walk, from the accumulator tile the consumers hand over.
+// Elements outside the matrix: their accumulators are zeros (TMA zero-fills A and B) and so are x and t (zero-filled
+// copies), so g = 0 and gelu_out = 0 there and amax needs no predicate; only the stores are bounded.
+template <int EPI, bool HAS_T, int CL>
+__device__ __forceinline__ void ew_epilogue(const GemmArgs& args, unsigned acc_smem, unsigned ring, unsigned acc_full,
+                                            unsigned acc_empty, int groups, int m_groups, int n_tiles, int ew,
+                                            int lane) {
+  static_assert(EPI == kEpiDgeluF16 || EPI == kEpiDgeluF16G || EPI == kEpiDgeluBf16, "one-plane dgelu epilogues");
+  const unsigned my_ring = ring + ew * (kEwRing * kEwItemBytes);
+  EwCursor rq{(int)blockIdx.x / CL, ew, 0, 0};  // the next item to request
+  ew_locate<CL>(rq, args, groups, m_groups, n_tiles);
+#pragma unroll 1
+  for (int i = 0; i < kEwRing; ++i) {
+    ew_request<HAS_T>(my_ring + i * kEwItemBytes, args, rq, groups, lane);
+    ew_advance<CL>(rq, args, groups, m_groups, n_tiles, ew);
+  }
+  unsigned slot_index = 0;
+  int local = 0;
+#pragma unroll 1
+  for (int group = blockIdx.x / CL; group < groups; group += gridDim.x / CL, ++local) {
+    int mg, nb;
+    group_coords(group, m_groups, n_tiles, args.raster, mg, nb);
+    const int mb = CL * mg + (CL > 1 ? (int)cluster_rank() : 0);
+    float acc_scale, out_scale;
+    epilogue_scales<EPI>(args, acc_scale, out_scale);
+    const float g_scale = EPI == kEpiDgeluF16G ? gelu_scale(args) : 1.0f;
+    const int col = nb * 128 + 4 * lane, left = args.n - col;
+    const bool vec = (args.ldc & 3) == 0 && left >= 4;
+    // this lane's element (row 2 pair, column col) of C; gelu_out's has the same offset from g (ldg == ldc)
+    unsigned short* c_ptr = static_cast<unsigned short*>(args.c) + ((long long)(mb * kBM + 2 * ew) * (int)args.ldc + col);
+    const long long g_delta = EPI == kEpiDgeluF16G ? args.g - static_cast<unsigned short*>(args.c) : 0;
+    int row = mb * kBM + 2 * ew;
+    float amax = 0.0f, gamax = 0.0f;
+    unsigned tile = acc_smem;
+    mbar_wait(acc_full, (unsigned)local & 1u);
+    asm volatile("mov.b32 %0, %0;\n" : "+r"(tile) : : "memory");  // the tile's reads stay after the wait
+#pragma unroll 1
+    for (int pair = ew; pair < kBM / 2; pair += kEwWarps) {
+      unsigned slot = my_ring + slot_index * kEwItemBytes;
+      slot_index = slot_index + 1 == kEwRing ? 0 : slot_index + 1;
+      // this lane's copies of the item have landed (it reads only its own chunks: no warp barrier)
+      asm volatile("cp.async.wait_group %1;\n" : "+r"(slot) : "n"(kEwRing - 1) : "memory");
+      unsigned codes[2][2], gcodes[2][2];
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int r = 2 * pair + q;
+        const float4 a = ld_shared_f4(tile + ew_acc_offset(r, lane));
+        const float4 x = ld_shared_f4(slot + (2 * q) * 512 + lane * 16);
+        float4 t;
+        if constexpr (HAS_T) {
+          t = ld_shared_f4(slot + (2 * q + 1) * 512 + lane * 16);
+        } else {
+          t = make_float4(cupyffn::tanh_inner_of(x.x), cupyffn::tanh_inner_of(x.y), cupyffn::tanh_inner_of(x.z),
+                          cupyffn::tanh_inner_of(x.w));
+        }
+        const float v0 = (acc_scale * a.x) * cupyffn::gelu_grad(x.x, t.x);
+        const float v1 = (acc_scale * a.y) * cupyffn::gelu_grad(x.y, t.y);
+        const float v2 = (acc_scale * a.z) * cupyffn::gelu_grad(x.z, t.z);
+        const float v3 = (acc_scale * a.w) * cupyffn::gelu_grad(x.w, t.w);
+        amax = fmaxf(amax, fmaxf(fmaxf(finite_or_nan(v0), finite_or_nan(v1)), fmaxf(finite_or_nan(v2), finite_or_nan(v3))));
+        codes[q][0] = pair_codes<EPI>(v0, v1, out_scale);
+        codes[q][1] = pair_codes<EPI>(v2, v3, out_scale);
+        if constexpr (EPI == kEpiDgeluF16G) {
+          const float g0 = cupyffn::gelu_of(x.x, t.x), g1 = cupyffn::gelu_of(x.y, t.y);
+          const float g2 = cupyffn::gelu_of(x.z, t.z), g3 = cupyffn::gelu_of(x.w, t.w);
+          gamax = fmaxf(gamax, fmaxf(fmaxf(finite_or_nan(g0), finite_or_nan(g1)), fmaxf(finite_or_nan(g2), finite_or_nan(g3))));
+          gcodes[q][0] = cupyffn::f16x2_bits(g0, g1, g_scale);
+          gcodes[q][1] = cupyffn::f16x2_bits(g2, g3, g_scale);
+        } else {
+          gcodes[q][0] = gcodes[q][1] = 0u;
+        }
+      }
+      // every value read from the slot and the tile is consumed (the codes are operands here) before the slot is
+      // refilled and, after the tile's last pair, before the tile is released to the consumers
+      asm volatile("" : "+r"(codes[0][0]), "+r"(codes[0][1]), "+r"(codes[1][0]), "+r"(codes[1][1]),
+                   "+r"(gcodes[0][0]), "+r"(gcodes[0][1]), "+r"(gcodes[1][0]), "+r"(gcodes[1][1])
+                   : : "memory");
+      if (pair + kEwWarps >= kBM / 2) mbar_arrive(acc_empty);
+      ew_request<HAS_T>(slot, args, rq, groups, lane);
+      ew_advance<CL>(rq, args, groups, m_groups, n_tiles, ew);
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        // (32 x 32 -> 64-bit products: the launcher keeps row strides below 2^31)
+        unsigned short* const p = c_ptr + q * (int)args.ldc;
+        if (row + q < args.m) {
+          ew_store_quad(p, codes[q][0], codes[q][1], left, vec);
+          if constexpr (EPI == kEpiDgeluF16G) ew_store_quad(p + g_delta, gcodes[q][0], gcodes[q][1], left, vec);
+        }
+      }
+      c_ptr += 2 * kEwWarps * (int)args.ldc;
+      row += 2 * kEwWarps;
+    }
+    if (args.amax != nullptr) warp_amax_to(args.amax, amax, lane);
+    if constexpr (EPI == kEpiDgeluF16G) {
+      if (args.g_amax != nullptr) warp_amax_to(args.g_amax, gamax, lane);
+    }
+  }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");  // (the requests past the last tile are empty groups)
+}
+
+// Epilogue warp ew: tanh_inner given or recomputed (memory mode), decided once.
+template <int EPI, int CL>
+__device__ __forceinline__ void ew_run(const GemmArgs& args, unsigned xt_smem, unsigned acc_full, unsigned acc_empty,
+                                       int groups, int m_groups, int n_tiles, int ew) {
+  if constexpr (EPI == kEpiDgeluF16 || EPI == kEpiDgeluF16G || EPI == kEpiDgeluBf16) {
+    const unsigned ring = xt_smem + kEwAccBytes;
+    if (args.t != nullptr) {
+      ew_epilogue<EPI, true, CL>(args, xt_smem, ring, acc_full, acc_empty, groups, m_groups, n_tiles, ew, threadIdx.x & 31);
+    } else {
+      ew_epilogue<EPI, false, CL>(args, xt_smem, ring, acc_full, acc_empty, groups, m_groups, n_tiles, ew, threadIdx.x & 31);
+    }
+  }
+}
+
 // Measurement only (tools/sm90_trace.py compiles with CUPYFFN_SM90_TRACE): per consumer and tile, the global
 // timer when the tile's loop iteration starts, when the consumer has its turn on the tensor cores (ping-pong),
 // when its mainloop has finished and when its epilogue has. The launcher never defines the macro.
@@ -1109,6 +1348,8 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
   constexpr bool kPair = OP == kOpF16E4M3;
   static_assert(PP == 0 || BN == 128, "ping-pong keeps a whole 128 x BN tile per warpgroup: BN = 128 only");
   static_assert(XS == 0 || EPI != kEpiF32, "the staged epilogue is a dgelu epilogue");
+  static_assert(XS != 2 || (BN == 128 && PP == 0 && BT != 2 && !kPair && EPI != kEpiDgeluBf16x3),
+                "the epilogue warps: cooperative 128 x 128 tiles, 16-bit B, one-plane dgelu");
   static_assert(BT != 2 || (OP == kOpF16 && CL == 1 && TA == 0), "B converted in the kernel: fp16, no clusters");
 #if defined(CUPYFFN_SM90_TRACE) && CUPYFFN_SM90_EPI_PROBE == 6
   // probe 6 (timing only): the 16-bit layouts' 128 x 128 tiles with kn32's pipeline depth (the launch's shared
@@ -1117,10 +1358,12 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
 #else
   constexpr int kDepthBT = BT;
 #endif
-  constexpr int kStages = XS ? xs_stages_for(BN, kDepthBT) : stages_for(BN, kDepthBT);
+  constexpr int kStages = XS == 2 ? kEwStages : XS ? xs_stages_for(BN, kDepthBT) : stages_for(BN, kDepthBT);
   constexpr int kHalves = PP ? 2 : 1;  // 64-row halves of a tile that one consumer computes
-  constexpr int kXtSlots = XS ? xt_slots_for(BN, BT) : 0;  // per consumer
-  constexpr unsigned kSmemBytes = XS ? xs_smem_bytes_for(BN, BT) : smem_bytes_for(BN, BT);
+  constexpr int kXtSlots = XS == 1 ? xt_slots_for(BN, BT) : 0;  // per consumer
+  // XS = 2: the accumulator tile and the epilogue warps' rings take the slots' place
+  constexpr unsigned kXtBytes = XS == 2 ? kEwAccBytes + kEwRingBytes : 2 * kXtSlots * kXtSlotBytes;
+  constexpr unsigned kSmemBytes = XS == 2 ? ew_smem_bytes_for() : XS ? xs_smem_bytes_for(BN, BT) : smem_bytes_for(BN, BT);
   constexpr unsigned kABytes = kBM * kBK * 2;
   constexpr unsigned kBBytes = BN * kBK * 2;
   constexpr unsigned kRawBytes = raw_bytes_for(BN, BT);  // the fp32 tile of B a stage is converted from
@@ -1134,9 +1377,10 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
   const unsigned b_smem = a_smem + kStages * kABytes;
   const unsigned b32_smem = b_smem + kStages * kBBytes;  // BT = 2: stage s's fp32 tile at b32_smem + s * kRawBytes
   const unsigned xt_smem = b32_smem + kStages * kRawBytes;  // consumer c's slots: xt_smem + c * kXtSlots * slot bytes
-  const unsigned full_bar = xt_smem + 2 * kXtSlots * kXtSlotBytes;  // stage s: full_bar + 8 s; empty: empty_bar + 8 s
+  const unsigned full_bar = xt_smem + kXtBytes;  // stage s: full_bar + 8 s; empty: empty_bar + 8 s
   const unsigned empty_bar = full_bar + 8 * kStages;
   const unsigned b32_bar = empty_bar + 8 * kStages;  // BT = 2: stage s's fp32 tile landed (b32_bar + 8 s)
+  const unsigned acc_full = empty_bar + 8 * kStages, acc_empty = acc_full + 8;  // XS = 2 (no BT = 2 there)
 
   const int m_tiles = (args.m + kBM - 1) / kBM;
   const int n_tiles = (args.n + BN - 1) / BN;
@@ -1168,6 +1412,10 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
       mbar_init(empty_bar + 8 * s, CL * 4 * (2 / kHalves));  // one arrival per warp of the stage's consumers
       if constexpr (BT == 2) mbar_init(b32_bar + 8 * s, 1);  // the producer's arrive_expect_tx + the TMA bytes
     }
+    if constexpr (XS == 2) {
+      mbar_init(acc_full, 256);                 // every consumer thread, its accumulators stored
+      mbar_init(acc_empty, 32 * kEwWarps);      // every epilogue thread, its accumulators read
+    }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
     tma_prefetch_desc(&map_a);
     tma_prefetch_desc(&map_b);
@@ -1182,9 +1430,14 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
     __syncthreads();
   }
 
-  if (wg == 0) {
-    // Producer warpgroup: every thread gives up registers; one thread issues the copies.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs) : "memory");
+  // XS = 2: the epilogue warps 0-6 (warps 1-3 of warpgroup 0, then warpgroup 3), one call site (compact code)
+  const int ew = XS != 2 ? -1 : wg == 3 ? (int)(threadIdx.x >> 5) - 9 : wg == 0 && threadIdx.x >= 32 ? (int)(threadIdx.x >> 5) - 1 : -1;
+  if (ew >= 0) {
+    ew_run<EPI, CL>(args, xt_smem, acc_full, acc_empty, groups, m_groups, n_tiles, ew);
+  } else if (wg == 0) {
+    // Producer warpgroup: every thread gives up registers (XS = 2: not, its epilogue warps need them); one thread
+    // issues the copies.
+    if constexpr (XS != 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs) : "memory");
     if (threadIdx.x == 0) {
       unsigned it = 0;
       for (int group = cluster; group < groups; group += clusters) {
@@ -1252,7 +1505,7 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
       if (args.b_amax != nullptr) warp_amax_to(args.b_amax, amax, lane);
     }
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs) : "memory");
+    if constexpr (XS != 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs) : "memory");
     const int consumer = wg - 1;
     const int tid = threadIdx.x & 127;
     float acc[kHalves][BN / 2];
@@ -1270,7 +1523,7 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
       const int row0 = mb * kBM + 64 * (PP ? 0 : consumer);  // this consumer's block of the tile
       // staged: x and t of the first kXtSlots groups are on their way while the mainloop runs (the ring
       // is free: this thread's previous epilogue has read all of it)
-      if constexpr (XS) {
+      if constexpr (XS == 1) {
         stage_xt_prologue<BN, kXtSlots>(xt_smem + consumer * kXtSlots * kXtSlotBytes, args, row0, nb * BN, tid);
       }
       // ping-pong: my turn once the other consumer has passed every stage of the tile before this one
@@ -1334,7 +1587,12 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
       // arrival: every bar.arrive is matched by one bar.sync, none is left pending at exit)
       if (PP && group + clusters < groups) named_bar_arrive(1 + (consumer ^ 1), 256);
       CUPYFFN_TRACE(2);
-      if constexpr (XS) {
+      if constexpr (XS == 2) {
+        // the epilogue warps have read the previous tile (parity: one phase per tile; the first wait passes)
+        mbar_wait(acc_empty, ((unsigned)local & 1u) ^ 1u);
+        ew_store_acc(acc[0], xt_smem, consumer, tid);
+        mbar_arrive(acc_full);
+      } else if constexpr (XS) {
         const unsigned xt_slots = xt_smem + consumer * kXtSlots * kXtSlotBytes;
         store_block_staged<EPI, BN, kHalves, kXtSlots>(acc, args, row0, nb * BN, tid, xt_slots);
       } else {
@@ -1348,7 +1606,7 @@ __device__ __forceinline__ void gemm_sm90_body(const sm90::TmaDesc& map_a, const
 }
 
 template <int OP, int BN, int EPI, int PP, int XS, int BT>
-__global__ void __launch_bounds__(sm90::kThreads, 1)
+__global__ void __launch_bounds__(XS == 2 ? sm90::kEwThreads : sm90::kThreads, 1)
     gemm_sm90_kernel(const __grid_constant__ sm90::TmaDesc map_a, const __grid_constant__ sm90::TmaDesc map_b,
                      const __grid_constant__ sm90::GemmArgs args) {
   gemm_sm90_body<OP, BN, EPI, PP, XS, BT, 1>(map_a, map_b, map_a, map_b, args);
@@ -1365,7 +1623,7 @@ __global__ void __launch_bounds__(sm90::kThreads, 1)
 
 // The same with clusters of two CTAs (CL = 2 above; the grid is a multiple of 2).
 template <int OP, int BN, int EPI, int PP, int XS, int BT>
-__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(sm90::kThreads, 1)
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(XS == 2 ? sm90::kEwThreads : sm90::kThreads, 1)
     gemm_sm90_cluster2_kernel(const __grid_constant__ sm90::TmaDesc map_a, const __grid_constant__ sm90::TmaDesc map_b,
                               const __grid_constant__ sm90::GemmArgs args) {
   gemm_sm90_body<OP, BN, EPI, PP, XS, BT, 2>(map_a, map_b, map_a, map_b, args);

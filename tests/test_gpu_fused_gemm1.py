@@ -143,6 +143,34 @@ def consistent(args):
     return args
 
 
+@pytest.mark.parametrize("gelu", ["0", "1"])
+@pytest.mark.parametrize("tokens,dim,hidden", [(77, 64, 264), (1000, 128, 1032), (3142, 1536, 6144)])
+def test_epilogue_warps_give_the_staged_plans_bits(tokens, dim, hidden, gelu, monkeypatch):
+    """The tf32 plan with its fused GEMM1's epilogue in warps of its own (CUPYFFN_EPILOGUE_WARPS=1; the default from
+    T = 513 on) against the same plan with the staged epilogue (=0): bit-identical gradients and scale state, with
+    and without gelu_out written by the epilogue, on fresh inputs with poisoned outputs, two calls each."""
+    monkeypatch.setenv("CUPYFFN_GELU_EPILOGUE", gelu)
+    results = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("CUPYFFN_EPILOGUE_WARPS", switch)
+        plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision="tf32")
+        assert plan._engine.epilogue_warps == (switch == "1") and plan._engine.gelu_in_gemm1 == (gelu == "1")
+        calls = []
+        for seed in (tokens + 3, tokens + 4):
+            args, inputs = make(tokens, dim, hidden, seed=seed)
+            grads = plan(*args, out=poisoned(tokens, dim, hidden))
+            cupy.cuda.Device().synchronize()
+            calls.append(([g.copy() for g in grads], inputs))
+        results[switch] = (calls, plan._engine._state.get())
+    for (warps, inputs), (staged, _) in zip(results["1"][0], results["0"][0]):
+        ref64 = W.reference(inputs, xp=cupy)
+        for label, a, b, r in zip(W.OUTPUT_NAMES, warps, staged, ref64):
+            assert bool(cupy.isfinite(a).all()), label
+            assert int((a != b).sum()) == 0, f"{label}: {int((a != b).sum())} elements differ"
+            assert W.relative_l2(a, r, xp=cupy) <= CONTRACT, label
+    assert (results["1"][1] == results["0"][1]).all(), "the scale state differs"
+
+
 @pytest.mark.parametrize("memory_mode", [False, True])
 @pytest.mark.parametrize("tokens,dim,hidden", [(77, 64, 264), (4904, 1536, 6144)])
 def test_gelu_out_from_the_epilogue_is_the_converted_one(tokens, dim, hidden, memory_mode, monkeypatch):
@@ -185,15 +213,18 @@ def test_gelu_out_from_the_epilogue_is_the_converted_one(tokens, dim, hidden, me
             assert bool(cupy.isnan(grads[2]).any()), "the converting plan should read gelu_out"
 
 
-def test_rescue_reruns_gemm1_when_gelu_outs_scale_moves(monkeypatch):
+@pytest.mark.parametrize("warps", ["0", "1"])
+def test_rescue_reruns_gemm1_when_gelu_outs_scale_moves(monkeypatch, warps):
     """Calls whose gelu_out is 2^10 larger, then 2^-10 smaller, than the call before (weight1 scaled: linear1_out
     and gelu_out with it, grad_linear1 barely): gelu_out's exponent, decided after GEMM1 now, must move and the
-    rescue launch must write gelu_out's codes again (else grad_weight2 comes out 2^10 off or overflows)."""
+    rescue launch must write gelu_out's codes again (else grad_weight2 comes out 2^10 off or overflows); with the
+    staged epilogue and with the epilogue warps (CUPYFFN_EPILOGUE_WARPS)."""
     tokens, dim, hidden = 512, 128, 512
     monkeypatch.setenv("CUPYFFN_SM90_GEMM1", "1")
     monkeypatch.setenv("CUPYFFN_GELU_EPILOGUE", "1")
+    monkeypatch.setenv("CUPYFFN_EPILOGUE_WARPS", warps)
     plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision="tf32")
-    assert plan._engine.gelu_in_gemm1
+    assert plan._engine.gelu_in_gemm1 and plan._engine.epilogue_warps == (warps == "1")
     slot = _precision.SLOT["gelu_out"]
     for scale in (1.0, 2.0 ** 10, 2.0 ** -10):
         inputs = W.make_inputs((tokens,), dim, hidden, xp=cupy, seed=int(scale * 1024) % 89)

@@ -20,8 +20,9 @@ LAYOUT_OF_BT = {0: "nk", 1: "kn", 2: G.KN32}
 
 def test_variants_cover_each_schedule_layout_and_epilogue_once():
     everything = [_parse(e) for e in G.EXPRESSIONS if "pair" not in e]
-    parsed = [p for p in everything if p[5] != 2]  # b converted in the kernel: test_kn32_variants
-    assert len(everything) == len(set(everything)) == 2 * 82 + 6
+    # b converted in the kernel: test_kn32_variants; the epilogue warps: test_epilogue_warps_variants
+    parsed = [p for p in everything if p[5] != 2 and p[4] != 2]
+    assert len(everything) == len(set(everything)) == 2 * 82 + 6 + 20
     # the cluster-2 kernels are exactly the single-CTA ones again
     assert sorted(p[:-1] for p in parsed if p[-1] == 2) == sorted(p[:-1] for p in parsed if p[-1] == 1)
     for op, bn, epi, pp, xs, bt, cl in everything:
@@ -56,6 +57,21 @@ def test_kn32_variants():
     assert G.launch_smem_bytes(128, True, "kn") == G.xs_smem_bytes(128)  # the 16-bit layouts keep their sizes
     args = G.GemmArgs(0, None, None, 1, 0, 0, 1, 1, 1, 1.0, None)
     assert (args.b_slot, args.b_alpha, args.b_amax) == (-1, 1.0, None)  # no state slot unless given
+
+
+def test_epilogue_warps_variants():
+    """XS = 2 (epilogue WARPS): the one-plane dgelu epilogues of either operand type (gelu_out's with fp16 operands),
+    the cooperative 128 x 128 tile, both 16-bit B layouts and both cluster sizes; 512 threads and its own shared
+    memory (4 stages, the fp32 accumulator tile, 7 warps' rings of 2 items of 2 KiB)."""
+    warps = {_parse(e) for e in G.EXPRESSIONS if "pair" not in e and _parse(e)[4] == 2}
+    want = {(op, 128, epi, 0, 2, bt, cl) for op, epis in ((G.OP_F16, (1, 2, 4)), (G.OP_BF16, (1, 2)))
+            for epi in epis for bt in (0, 1) for cl in G.CLUSTERS}
+    assert warps == want and G.WARPS_CONFIG == (128, False)
+    assert G.threads_for(2) == G.EW_THREADS == 512 and G.threads_for(True) == G.threads_for(0) == G.THREADS
+    assert G.launch_smem_bytes(128, 2, "kn") == G.ew_smem_bytes() == 4 * 32768 + 65536 + 7 * 2 * 2048 + 1024 + 80
+    assert G.ew_smem_bytes() <= 232448
+    with pytest.raises(ValueError, match="stages 2-4"):
+        G.set_ew(4, 3)  # 7 rings of 3 items do not fit beside 4 stages
 
 
 def test_pair_variants_cover_each_schedule_and_layout_once():
@@ -93,7 +109,7 @@ def stand_ins(monkeypatch):
     monkeypatch.setattr(G, "_kernel", kernel)
     monkeypatch.setattr(_kernels, "sm_count", lambda device_id: 132)
     monkeypatch.setattr(G._maps, "get", get)
-    monkeypatch.setattr(G, "max_active_clusters", lambda function_ptr, smem, cluster: 60)  # fewer than 132 / 2
+    monkeypatch.setattr(G, "max_active_clusters", lambda function_ptr, smem, cluster, threads: 60)  # < 132 / 2
     looked_up.maps = maps
     return looked_up
 
@@ -148,6 +164,28 @@ def test_gelu_launch_writes_gelu_out_and_gathers_its_maximum(stand_ins):
         _launch(gelu_ptr=0x60000, ldg=6152, gelu_slot=2)
     with pytest.raises(ValueError, match="EPI_DGELU_F16"):
         _launch(epi=G.EPI_DGELU_BF16X3, state_ptr=None, consts_ptr=None, acc_scale_ptr=None, slot=0, **gelu)
+
+
+def test_warps_launch_takes_the_epilogue_warps_with_tanh_inner_given(stand_ins, monkeypatch):
+    """warps=True: with tanh_inner given and 16-byte rows the XS = 2 variant of the cooperative 128 x 128 tile (512
+    threads, its own shared memory); rows off 16 bytes the direct epilogue of that tile; memory mode unchanged."""
+    launch = _launch(m=8192, gelu_ptr=0x60000, ldg=6144, gelu_slot=2, warps=True)
+    assert launch.warps and launch.configs == {True: G.WARPS_CONFIG, False: G.choose_config(8192, 6144, 132, False)}
+    assert (G.OP_F16, 128, G.EPI_DGELU_F16G, False, 2, "kn", 1) in stand_ins
+    assert (G.OP_F16, 128, G.EPI_DGELU_F16G, False, 0, "kn", 1) in stand_ins
+    function, smem, grid, _, _, threads = launch._variants[True, True]
+    assert (smem, grid, threads) == (G.ew_smem_bytes(), 132, 512)
+    assert launch._variants[True, False][1:3] == (G.smem_bytes(128), 132) and launch._variants[True, False][5] == 384
+    assert launch._variants[False, True][5] == 384  # memory mode: its own schedule, staged
+    launched = []
+    driver = pytest.importorskip("cupy_backends.cuda.api.driver")
+    monkeypatch.setattr(driver, "launchKernel", lambda *argv: launched.append(argv))
+    launch.set_activations(0x1000, 6144, 0x9000, 6144)
+    launch(0x77)
+    assert launched[-1][0] == function and launched[-1][4] == 512 and launched[-1][7] == G.ew_smem_bytes()
+    assert launch.node_params()[:4] == (function, 132, 512, G.ew_smem_bytes())
+    bf16x3 = _launch(epi=G.EPI_DGELU_BF16X3, state_ptr=None, consts_ptr=None, acc_scale_ptr=None, slot=0, warps=True)
+    assert not bf16x3.warps  # three planes: no epilogue warps variant
 
 
 def test_the_variant_that_would_spill_is_not_built():
