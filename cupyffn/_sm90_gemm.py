@@ -99,9 +99,9 @@ def set_ew(stages, ring):
     """Measurement hook: compile the epilogue warps (epilogue WARPS) with `stages` pipeline stages and `ring` x/t
     items per warp (the shared memory must hold them: ew_smem_bytes). Only before the first kernel is compiled."""
     global EW_STAGES, EW_RING
-    _before_first_compile("set_ew")
     if not (2 <= stages <= 4 and ring >= 1 and ew_smem_bytes(stages, ring) <= 232448):
         raise ValueError(f"stages 2-4 and a ring that fits in 227 KiB, got {stages}, {ring}")
+    _before_first_compile("set_ew")
     EW_STAGES, EW_RING = stages, ring
 
 # Must match gemm_sm90.cu.
