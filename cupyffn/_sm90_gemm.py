@@ -250,7 +250,8 @@ def xs_smem_bytes(block_n, bt=0):
 def ew_smem_bytes(stages=None, ring=None):
     """Dynamic shared memory of one CTA with the epilogue warps (ew_smem_bytes_for in gemm_sm90.cu): EW_STAGES stages
     of the 128 x 128 tile, the fp32 accumulator tile and 7 warps' rings of EW_RING items of 2 KiB."""
-    stages, ring = stages or EW_STAGES, ring or EW_RING
+    stages = EW_STAGES if stages is None else stages
+    ring = EW_RING if ring is None else ring
     return stages * stage_bytes(128) + BLOCK_M * 128 * 4 + 7 * ring * 2048 + 1024 + 8 * (2 * stages + 2)
 
 
