@@ -58,9 +58,10 @@
 //          and only that warp reads them back (swizzled: no bank conflicts), so a warp waits for its
 //          own copies (cp.async.wait_group + __syncwarp): no block barrier, no cross-warp hand-off,
 //          nothing that can deadlock. It costs CUPYFFN_XS_STAGE_DROP pipeline stages to make room.
-//   XS = 2 ("warps": cooperative 128 x 128 tiles only) hands each accumulator tile to warps 1-3 of the producer
-//          warpgroup through shared memory; they run the epilogue (x and t through rings of their own) while the
-//          consumers compute the next tile. 4 stages. See ew_epilogue.
+//   XS = 2 ("warps": cooperative 128 x 128 tiles only) hands each accumulator tile through shared memory to seven
+//          epilogue warps (warps 1-3 of the producer warpgroup and a fourth warpgroup: 512 threads), which run the
+//          epilogue (x and t through rings of their own) while the consumers compute the next tile. 4 stages; no
+//          setmaxnreg (every warp keeps the launch's 128 registers). See ew_epilogue.
 //
 // Constraints (checked by cupyffn/_sm90_gemm.py): K >= 1; lda, ldb multiples of 8 elements and A, B
 // 16-byte aligned (TMA; the pair's e4m3 rows: multiples of 16 bytes, k8 a positive multiple of 16); ldc, ldx, ldt even (pairs of columns are stored/loaded together) and C, x, t
