@@ -357,6 +357,9 @@ class CompiledSm90:
         checks += "".join(f"static_assert(sm90::smem_bytes_for({bn}, 2) == {g.smem_bytes(bn, 2)} && "
                           f"sm90::xs_smem_bytes_for({bn}, 2) == {g.xs_smem_bytes(bn, 2)} && sm90::xt_slots_for({bn}, 2) == "
                           f"{g.xt_slots_for(bn, 2)}, \"kn32\");\n" for bn in sorted({bn for bn, _ in g.KN32_CONFIGS}))
+        # the epilogue warps (XS = 2): their block size and shared memory
+        checks += (f"static_assert(sm90::kEwThreads == {g.EW_THREADS} && sm90::ew_smem_bytes_for() == "
+                   f"{g.ew_smem_bytes()}, \"epilogue warps\");\n")
         self.source = g.module_source() + "\n" + checks
         prog = nvrtc.createProgram(self.source, g.SOURCE, (), ())
         try:
