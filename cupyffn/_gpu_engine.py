@@ -33,6 +33,8 @@ linear1_out and tanh_inner) and GEMM2 runs after GEMM1's rescue launch instead o
 
 gelu_out is defined as that product (the backward's docstring), and 0.5 * x * (1 + t) in fp32 is what the
 forward computes, so the codes are those the conversion would have written.
+With `epilogue_warps` (tf32, fused; EPILOGUE_WARPS_TOKENS: T >= 513) that epilogue runs in seven warps of its own,
+fed each accumulator tile through shared memory while the consumer warps compute the next tile (the same bits).
 The same kernel can serve the bf16x3 plan (epilogue writing grad_linear1's three bf16 planes; one launch, no
 scale to decide), but measured slower over the whole call at every T, so only CUPYFFN_SM90_GEMM1=1 turns it on.
 
