@@ -108,11 +108,6 @@ def set_ew(stages, ring):
 THREADS = 384
 #: Threads of a block with the epilogue warps (staged = 2): a fourth warpgroup of epilogue warps (kEwThreads).
 EW_THREADS = 512
-
-
-def threads_for(staged):
-    """Threads per block of a variant (its XS: 0 direct, 1 staged, 2 the epilogue warps)."""
-    return EW_THREADS if int(staged) == 2 else THREADS
 BLOCK_M = 128
 BLOCK_K = 64
 BLOCK_NS = (128, 256)
@@ -134,8 +129,8 @@ CONFIGS = ((128, False), (256, False), (128, True))
 #: the epilogue, the first version; kept to compare and as a fallback).
 EPILOGUES = ("staged", "direct")
 #: A third epilogue for one schedule: "warps" (XS = 2 in gemm_sm90.cu) hands each accumulator tile through shared
-#: memory to warps 1-3 of the producer warpgroup, which run the dgelu epilogue while the consumers compute the next
-#: tile: one-plane dgelu epilogues on the cooperative 128 x 128 tile (WARPS_CONFIG), b_layout "nk" or "kn", either
+#: memory to seven epilogue warps (512 threads: EW_THREADS), which run the dgelu epilogue while the consumers compute
+#: the next tile: one-plane dgelu epilogues on the cooperative 128 x 128 tile (WARPS_CONFIG), b_layout "nk" or "kn", either
 #: cluster size, rows of linear1_out / tanh_inner on 16-byte boundaries as "staged" needs.
 WARPS = "warps"
 WARPS_CONFIG = (128, False)
@@ -253,6 +248,11 @@ def ew_smem_bytes(stages=None, ring=None):
     stages = EW_STAGES if stages is None else stages
     ring = EW_RING if ring is None else ring
     return stages * stage_bytes(128) + BLOCK_M * 128 * 4 + 7 * ring * 2048 + 1024 + 8 * (2 * stages + 2)
+
+
+def threads_for(staged):
+    """Threads per block of a variant (its XS: 0 direct, 1 staged, 2 the epilogue warps)."""
+    return EW_THREADS if int(staged) == 2 else THREADS
 
 
 def launch_smem_bytes(block_n, staged, b_layout="nk"):
