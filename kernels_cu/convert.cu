@@ -4,7 +4,10 @@
 // common.cuh). Job k owns blocks [block_begin, block_begin + block_count), which take items
 // b - block_begin, + block_count, ...
 // Each thread moves 8 floats per item (two 16-byte loads, one 16-byte store per plane) when the
-// job allows it, else one float.
+// job allows it, else one float. A dense job (kind 0, rows contiguous in source and destination, the
+// usual case) is one flat array instead: consecutive threads take consecutive groups of 8 floats and
+// each thread issues the loads of CUPYFFN_CONVERT_UNROLL groups before their stores, so that more
+// bytes are in flight per thread and no item needs a 64-bit division to find its row.
 // kind 1 computes gelu_out from linear1_out on the fly (the backward's memory mode, where the caller
 // kept only the pre-activation). FMT_F32 writes plain floats (gelu_out for the "ieee" plan).
 //
@@ -47,6 +50,52 @@ __device__ __forceinline__ float gelu_out_of(const ConvertJob& job, const float*
   return g;
 }
 
+// Groups of 8 floats whose loads a thread issues before their stores on the dense path. A macro, not a
+// template parameter, so that tools/convert_bench.py can compile other values with -D for an A/B. 2: on the
+// H200 the gathering passes of every T summed 0.964x the (row, chunk) kernel's time (1, 4, 8: 0.975, 0.989,
+// 1.018; engine grid of 2 waves; results/history/convert-bench-s13a.json). All builds write the same bits.
+#ifndef CUPYFFN_CONVERT_UNROLL
+#define CUPYFFN_CONVERT_UNROLL 2
+#endif
+// 0: every job takes the (row, chunk) path (the dense path off: tools/convert_bench.py's A/B).
+#ifndef CUPYFFN_CONVERT_DENSE
+#define CUPYFFN_CONVERT_DENSE 1
+#endif
+
+// The codes of 8 consecutive floats x at element offset `at` of the job's destination (FMT_F32: the floats).
+template <int FMT>
+__device__ __forceinline__ void put8(const ConvertJob& job, const float (&x)[8], long long at, float scale,
+                                     float& amax) {
+  if constexpr (FMT == FMT_F32) {
+    float4* out = reinterpret_cast<float4*>(reinterpret_cast<float*>(job.dst) + at);
+    __stcg(out, make_float4(x[0], x[1], x[2], x[3]));
+    __stcg(out + 1, make_float4(x[4], x[5], x[6], x[7]));
+  } else {
+    cupyffn::write_operand<FMT, 8>(x, job.dst + at, job.part_stride, job.pattern, scale, amax);
+  }
+}
+
+// A dense job: rows * cols floats (cols % 8 == 0, 16-byte aligned) as rows * cols / 8 groups; this block's
+// threads take groups g, g + step, ... (step = the job's threads), U at a time: U loads, then U stores.
+template <int FMT>
+__device__ __forceinline__ void convert_dense(const ConvertJob& job, float scale, float& amax) {
+  constexpr int U = CUPYFFN_CONVERT_UNROLL;
+  const long long groups = job.rows * job.cols / 8;
+  const long long step = (long long)job.block_count * blockDim.x;
+  long long g = (long long)((int)blockIdx.x - job.block_begin) * blockDim.x + threadIdx.x;
+  for (; g + (U - 1) * step < groups; g += U * step) {
+    cupyffn::F8 x[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) x[u] = cupyffn::load8_stream(job.src + 8 * (g + u * step));
+#pragma unroll
+    for (int u = 0; u < U; ++u) put8<FMT>(job, x[u].v, 8 * (g + u * step), scale, amax);
+  }
+  for (; g < groups; g += step) {
+    const cupyffn::F8 x = cupyffn::load8_stream(job.src + 8 * g);
+    put8<FMT>(job, x.v, 8 * g, scale, amax);
+  }
+}
+
 #define kMaxJobs 5
 struct ConvertJobs {
   ConvertJob job[kMaxJobs];
@@ -76,8 +125,10 @@ __global__ void __launch_bounds__(256) convert_kernel(const __grid_constant__ Co
   }
   float amax = 0.0f;
   const int cols = job.cols;
+  const bool dense = CUPYFFN_CONVERT_DENSE && job.vec && job.kind == 0 && job.src_ld == cols && job.dst_ld == cols;
   const cupyffn::RowChunks items(job.rows, cols, job.vec);
-  for (long long w = (int)blockIdx.x - job.block_begin; w < items.count; w += job.block_count) {
+  if (dense) convert_dense<FMT>(job, scale, amax);
+  for (long long w = (int)blockIdx.x - job.block_begin; !dense && w < items.count; w += job.block_count) {
     long long r;
     int c;
     items.locate(w, r, c);
@@ -91,13 +142,7 @@ __global__ void __launch_bounds__(256) convert_kernel(const __grid_constant__ Co
       } else {
         x = cupyffn::load8_stream(src);
       }
-      if constexpr (FMT == FMT_F32) {
-        float4* out = reinterpret_cast<float4*>(reinterpret_cast<float*>(job.dst) + r * job.dst_ld + c);
-        __stcg(out, make_float4(x.v[0], x.v[1], x.v[2], x.v[3]));
-        __stcg(out + 1, make_float4(x.v[4], x.v[5], x.v[6], x.v[7]));
-      } else {
-        cupyffn::write_operand<FMT, 8>(x.v, job.dst + r * job.dst_ld + c, job.part_stride, job.pattern, scale, amax);
-      }
+      put8<FMT>(job, x.v, r * job.dst_ld + c, scale, amax);
     } else {
       const float x[1] = {job.kind == 1 ? gelu_out_of(job, src, r, c) : __ldcs(src)};
       if constexpr (FMT == FMT_F32) {
