@@ -26,28 +26,17 @@ The JSON (--out) is rewritten after each (T, stage); when --budget-s is spent th
 
 import argparse
 import ctypes
-import datetime
 import os
-import statistics
 import sys
 import time
 
-from _json_out import save_json  # tools/_json_out.py (the script's folder is on sys.path)
+from _gpu_bench import GpuBench, int_list  # tools/ (the script's folder is on sys.path)
+from _json_out import save_json
 
 D, H = 1536, 6144
 TOKENS = (256, 512, 1024, 2048, 4096, 8192)
 COUNTER = {"convert A": 0, "convert B": 1}  # the engine's arrival counters
 ENGINE_WAVES = 2  # _gpu_engine._build_launches: sms * blocks_per_sm * 2
-
-
-def _int_list(text, name, p):
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        p.error(f"{name} must be comma-separated integers, got {text!r}")
-    if not values or min(values) < 1:
-        p.error(f"{name} must list positive integers, got {text!r}")
-    return values
 
 
 def parse_args(argv):
@@ -63,9 +52,9 @@ def parse_args(argv):
     p.add_argument("--budget-s", type=float, default=120.0,
                    help="wall-clock seconds after which no new (T, stage) starts (default 120)")
     args = p.parse_args(argv)
-    args.tokens = _int_list(args.tokens, "--tokens", p)
-    args.unroll = _int_list(args.unroll, "--unroll", p)
-    args.waves = _int_list(args.waves, "--waves", p)
+    args.tokens = int_list(args.tokens, "--tokens", p)
+    args.unroll = int_list(args.unroll, "--unroll", p)
+    args.waves = int_list(args.waves, "--waves", p)
     if args.reps < 1 or args.warmup < 0:
         p.error(f"--reps must be >= 1 and --warmup >= 0, got {args.reps}, {args.warmup}")
     if not args.budget_s > 0:
@@ -77,21 +66,13 @@ def parse_args(argv):
     return args
 
 
-class Bench:
+class Bench(GpuBench):
     def __init__(self, args):
-        import cupy
-
+        super().__init__(args)
         from cupyffn import _kernels, _precision
 
-        self.cupy, self.K, self.P = cupy, _kernels, _precision
-        self.args = args
-        self.device = cupy.cuda.Device()
-        self.stream = cupy.cuda.Stream(non_blocking=True)
-        self.props = cupy.cuda.runtime.getDeviceProperties(self.device.id)
-        self.flush_bytes = 2 * int(self.props["l2CacheSize"])
-        with self.stream:
-            self.flush_buf = cupy.empty(self.flush_bytes, dtype=cupy.uint8)
-        self.rng = cupy.random.RandomState(4321)
+        self.K, self.P = _kernels, _precision
+        self.rng = self.cupy.random.RandomState(4321)
         self.sms = _kernels.sm_count(self.device.id)
         self.expr = f"convert_kernel<{_precision.FMT_F16S}>"
         self.builds = {"baseline": self._compile(args.against, ())}
@@ -113,29 +94,12 @@ class Bench:
         return kernel, bps, kernel.num_regs
 
     def info(self):
-        cupy = self.cupy
-        name = self.props["name"]
-        return dict(device=name.decode() if isinstance(name, bytes) else str(name),
-                    cc=f"{self.props['major']}.{self.props['minor']}", driver=cupy.cuda.runtime.driverGetVersion(),
-                    runtime=cupy.cuda.runtime.runtimeGetVersion(), cupy_version=cupy.__version__,
-                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    l2_flush_bytes=self.flush_bytes, reps=self.args.reps, warmup=self.args.warmup, D=D, H=H,
-                    sms=self.sms, against=self.args.against,
-                    builds={k: dict(blocks_per_sm=b, registers=r) for k, (_, b, r) in self.builds.items()})
+        return self.device_info(D=D, H=H, sms=self.sms, against=self.args.against,
+                                builds={k: dict(blocks_per_sm=b, registers=r) for k, (_, b, r) in self.builds.items()})
 
     def time(self, launch):
-        cupy = self.cupy
-        runtime = cupy.cuda.runtime
-        for _ in range(self.args.warmup):
-            launch(self.stream.ptr)
-        events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(self.args.reps)]
-        for start, end in events:
-            runtime.memsetAsync(self.flush_buf.data.ptr, 0, self.flush_bytes, self.stream.ptr)
-            start.record(self.stream)
-            launch(self.stream.ptr)
-            end.record(self.stream)
-        self.stream.synchronize()
-        return 1000.0 * statistics.median(cupy.cuda.get_elapsed_time(s, e) for s, e in events)
+        """Median us of one launch (GpuBench.median_ms)."""
+        return 1000.0 * self.median_ms(lambda: launch(self.stream.ptr))
 
     def measure_stage(self, eng, t, stage, names):
         """Records of every candidate of one convert stage of engine `eng`."""
@@ -169,13 +133,7 @@ class Bench:
 
         kernel, bps, _ = self.builds["baseline"]
         base = build(kernel, bps, ENGINE_WAVES)
-        with self.stream:
-            zero = state.copy()
-        run_once(base, zero)  # decides the exponents
-        base(self.stream.ptr)  # settles them (nothing moves now)
-        self.stream.synchronize()
-        with self.stream:
-            snapshot = state.copy()
+        snapshot = self.settled_state(state, base, run_once)
         run_once(base, snapshot)
         with self.stream:
             ref = {n: b.copy() for n, b in dst.items()}

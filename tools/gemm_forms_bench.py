@@ -36,13 +36,12 @@ items) the rest are listed as skipped. A table is printed at the end.
 """
 
 import argparse
-import datetime
 import os
-import statistics
 import sys
 import time
 
-from _json_out import save_json  # tools/_json_out.py (the script's folder is on sys.path)
+from _gpu_bench import GpuBench  # tools/ (the script's folder is on sys.path)
+from _json_out import save_json
 
 D, H = 1536, 6144
 TOKENS = (256, 512, 1024, 2048, 3142, 4096, 4904, 8192)
@@ -161,38 +160,24 @@ def save(result, path):
 
 
 # ------------------------------------------------------------------ GPU part (cupy imported here only)
-class Bench:
+class Bench(GpuBench):
     def __init__(self, args):
-        import cupy
-
+        super().__init__(args)
+        cupy = self.cupy
         from cupyffn import _cublas, _cublaslt
 
-        self.cupy, self._cublas, self._cublaslt = cupy, _cublas, _cublaslt
-        self.args = args
-        self.device = cupy.cuda.Device()
-        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._cublas, self._cublaslt = _cublas, _cublaslt
         self.handle = _cublas.acquire(self.device.id)
         self.handle.bind(self.stream.ptr)
-        props = cupy.cuda.runtime.getDeviceProperties(self.device.id)
-        self.props = props
-        self.flush_bytes = 2 * int(props["l2CacheSize"])
         with self.stream:
-            self.flush_buf = cupy.empty(self.flush_bytes, dtype=cupy.uint8)
             # beta 0, alpha = beta 1, then a_scale on a 16-byte boundary (cuBLASLt needs it there)
             self.consts = cupy.asarray([0.0, 1.0, 0.0, 0.0, A_SCALE], dtype=cupy.float32)
         self.zero, self.one, self.scale8 = (self.consts.data.ptr + 4 * i for i in (0, 1, 4))
         self.rng = cupy.random.RandomState(1234)
 
     def info(self):
-        cupy = self.cupy
-        name = self.props["name"]
-        return dict(device=name.decode() if isinstance(name, bytes) else str(name),
-                    cc=f"{self.props['major']}.{self.props['minor']}",
-                    driver=cupy.cuda.runtime.driverGetVersion(), runtime=cupy.cuda.runtime.runtimeGetVersion(),
-                    cublas_version=self.handle.version(), cublaslt_version=self._cublaslt.version(),
-                    cupy_version=cupy.__version__,
-                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    l2_flush_bytes=self.flush_bytes, reps=self.args.reps, warmup=self.args.warmup, D=D, H=H)
+        return self.device_info(cublas_version=self.handle.version(), cublaslt_version=self._cublaslt.version(),
+                                D=D, H=H)
 
     def operand(self, shape, dtype):
         """Random, never-zero contents of a 16-bit (normal values) or e4m3 (codes 0x20..0x5F, random sign) matrix."""
@@ -219,19 +204,8 @@ class Bench:
                                   device_id=self.device.id, name=name, **kw)
 
     def time(self, calls):
-        """Median ms of `calls()` (L2 flushed before each sample, events around the calls only)."""
-        cupy = self.cupy
-        runtime = cupy.cuda.runtime
-        for _ in range(self.args.warmup):
-            calls()
-        events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(self.args.reps)]
-        for start, end in events:
-            runtime.memsetAsync(self.flush_buf.data.ptr, 0, self.flush_bytes, self.stream.ptr)
-            start.record(self.stream)
-            calls()
-            end.record(self.stream)
-        self.stream.synchronize()
-        return statistics.median(cupy.cuda.get_elapsed_time(s, e) for s, e in events)
+        """Median ms of `calls()` (GpuBench.median_ms)."""
+        return self.median_ms(calls)
 
     def measure(self, t, gemm):
         """{ms, unsupported, shape, ...} of every form of one GEMM at T tokens; errors are raised per form into
