@@ -4,7 +4,8 @@ device description their JSON starts with, and the median time of a call by CUDA
 imported only when a Bench is made (a tool must import without it)."""
 
 import datetime
-import statistics
+
+from _event_timing import flushed_median_ms_batched  # tools/ (the script's folder is on sys.path)
 
 
 def int_list(text, name, parser):
@@ -44,9 +45,9 @@ class GpuBench:
                     l2_flush_bytes=self.flush_bytes, reps=self.args.reps, warmup=self.args.warmup, **extra)
 
     def settled_state(self, state, launch, run_once):
-        """A snapshot of the fp16 scale `state` (a device array) once a first gathering pass of `launch` has decided
-        the exponents (run_once(launch, snapshot): from the state as it is) and a second has settled them (nothing
-        moves any more): what every candidate then starts from."""
+        """A copy of the fp16 scale `state` (a device array) after two gathering passes of `launch`: the first
+        (run_once(launch, state as it is now)) decides the exponents, the second settles them, so that nothing moves
+        any more. Every candidate then starts from that copy."""
         with self.stream:
             start = state.copy()
         run_once(launch, start)
@@ -57,16 +58,10 @@ class GpuBench:
 
     def median_ms(self, run):
         """Median ms of `run()` (enqueued on self.stream) over args.reps samples after args.warmup unflushed calls,
-        the L2 flushed before each sample, events around the call only."""
-        cupy = self.cupy
-        runtime = cupy.cuda.runtime
-        for _ in range(self.args.warmup):
-            run()
-        events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(self.args.reps)]
-        for start, end in events:
+        the L2 flushed (a memset of flush_buf) before each sample, events around the call only
+        (_event_timing.flushed_median_ms_batched)."""
+        runtime = self.cupy.cuda.runtime
+
+        def flush():
             runtime.memsetAsync(self.flush_buf.data.ptr, 0, self.flush_bytes, self.stream.ptr)
-            start.record(self.stream)
-            run()
-            end.record(self.stream)
-        self.stream.synchronize()
-        return statistics.median(cupy.cuda.get_elapsed_time(s, e) for s, e in events)
+        return flushed_median_ms_batched(self.cupy, self.stream, run, flush, self.args.reps, self.args.warmup)
