@@ -184,7 +184,8 @@ def run_gpu(args, cupy):
                 res["scratch_bytes"] = plan.scratch_bytes
                 res["workspace_bytes"] = plan.workspace_bytes
                 res["peak_temp_ratio"] = (plan.scratch_bytes + plan.workspace_bytes) / (4 * T * W.HIDDEN_DIM)
-                stages = plan.profile_stages(*pool[0], out=outs[n][0], stream=stream, reps=5, before_each=flush)
+                stages = plan.profile_stages(*impl.call_args(pool[0]), out=outs[n][0], stream=stream, reps=5,
+                                             before_each=flush)
                 planes = plan.precision.planes
                 res["stages"] = R.stage_rates(stages, T, W.DIM, W.HIDDEN_DIM, planes)
                 res["gemm_sum_ms"] = sum(s["ms"] for s in res["stages"] if s["stage"].startswith("GEMM"))

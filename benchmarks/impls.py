@@ -38,24 +38,25 @@ def _compiled_tf32(dy, x, w1, w2, z, t, g):
 #: switch of cupyffn/_gpu_engine.py (read when a plan is built): (variable, value, precision). For tf32: the cuBLAS
 #: GEMM1 + dgelu pass route instead of the fused sm90 kernel (H100/H200 only, CUPYFFN_SM90_GEMM1=0), every launch
 #: from the host instead of the re-pointed call graph (CUPYFFN_CALL_GRAPH=0), convert A and B as two launches on
-#: two streams instead of one (CUPYFFN_CONVERT_AB=0), the caller's gelu_out converted for GEMM2 instead of written by
-#: the fused GEMM1's epilogue (H100/H200 only, CUPYFFN_GELU_EPILOGUE=0), the fused GEMM1's staged epilogue instead of
+#: two streams instead of one (CUPYFFN_CONVERT_AB=0), the fused GEMM1's staged epilogue instead of
 #: its epilogue warps (H100/H200 only, CUPYFFN_EPILOGUE_WARPS=0). For fp16+fp8: GEMM1 as cuBLAS bf16x3 instead of the sm90 pair
 #: kernel (H100/H200 only, CUPYFFN_SM90_PAIR=0).
 TF32_CUBLAS_GEMM1 = "cupyffn-tf32-cublas-gemm1"
 TF32_LAUNCHES = "cupyffn-tf32-launches"
 TF32_CONVERT_APART = "cupyffn-tf32-convert-apart"
-TF32_GELU_CONVERTED = "cupyffn-tf32-gelu-converted"
 TF32_STAGED_EPILOGUE = "cupyffn-tf32-staged-epilogue"
 FP16FP8_CUBLAS_GEMM1 = "cupyffn-fp16+fp8-cublas-gemm1"
 TWIN_SWITCHES = {TF32_CUBLAS_GEMM1: ("CUPYFFN_SM90_GEMM1", "0", "tf32"),
                  TF32_LAUNCHES: ("CUPYFFN_CALL_GRAPH", "0", "tf32"),
                  TF32_CONVERT_APART: ("CUPYFFN_CONVERT_AB", "0", "tf32"),
-                 TF32_GELU_CONVERTED: ("CUPYFFN_GELU_EPILOGUE", "0", "tf32"),
                  TF32_STAGED_EPILOGUE: ("CUPYFFN_EPILOGUE_WARPS", "0", "tf32"),
                  FP16FP8_CUBLAS_GEMM1: ("CUPYFFN_SM90_PAIR", "0", "fp16+fp8")}
 #: The twins that differ from their plan only on an H100/H200 (a switch of an sm90 kernel).
-SM90_TWINS = (TF32_CUBLAS_GEMM1, TF32_GELU_CONVERTED, TF32_STAGED_EPILOGUE, FP16FP8_CUBLAS_GEMM1)
+SM90_TWINS = (TF32_CUBLAS_GEMM1, TF32_STAGED_EPILOGUE, FP16FP8_CUBLAS_GEMM1)
+#: Memory mode beside the headline (labelled, never the headline): the tf32 plan called without gelu_out, which it
+#: then forms in the fused GEMM1's epilogue from T = 4096 on (GELU_EPILOGUE_TOKENS) instead of converting the
+#: caller's; every other implementation uses the inputs as given (docs/decisions/002-honour-every-input.md).
+TF32_MEMORY_MODE = "cupyffn-tf32-memory-mode"
 
 
 def _with_switch(key, value, build):
@@ -85,8 +86,13 @@ def torch_or_none(in_process_compile=False):
 
 
 class Impl:
-    def __init__(self, name, bind, takes_out=False, plan=None):
+    def __init__(self, name, bind, takes_out=False, plan=None, memory_mode=False):
         self.name, self.bind, self.takes_out, self.plan = name, bind, takes_out, plan
+        self.memory_mode = memory_mode
+
+    def call_args(self, args):
+        """The seven inputs as this implementation passes them (memory mode: gelu_out left out)."""
+        return tuple(args[:6]) + (None,) if self.memory_mode else tuple(args)
 
     def close(self):
         if self.plan is not None:
@@ -111,7 +117,7 @@ class Implementations:
         names = [f"cupyffn-{p}" for p in cupyffn.PRECISIONS]
         if self.cupy.cuda.Device().compute_capability == "90":  # where the twins' sm90 kernels run
             names += list(SM90_TWINS)
-        names += [TF32_LAUNCHES, TF32_CONVERT_APART]
+        names += [TF32_LAUNCHES, TF32_CONVERT_APART, TF32_MEMORY_MODE]
         names += ["cupy-naive-fp32", "cupy-naive-tf32"]
         if self.torch is not None:
             names += ["torch-fp32", "torch-tf32"] + list(self.compiled)
@@ -124,15 +130,20 @@ class Implementations:
     def _build(self, name, T, D, H):
         torch = self.torch
         if name.startswith("cupyffn-"):
+            memory_mode = name == TF32_MEMORY_MODE
             if name in TWIN_SWITCHES:
                 variable, value, precision = TWIN_SWITCHES[name]
                 plan = _with_switch(variable, value, lambda: cupyffn.GeluFFNBackward(T, D, H, precision=precision))
             else:
-                plan = cupyffn.GeluFFNBackward(T, D, H, precision=name[len("cupyffn-"):])
+                plan = cupyffn.GeluFFNBackward(T, D, H, precision="tf32" if memory_mode else name[len("cupyffn-"):])
+
+            impl = Impl(name, None, takes_out=True, plan=plan, memory_mode=memory_mode)
 
             def bind(args, out, plan=plan):
+                args = impl.call_args(args)  # memory mode: gelu_out formed in GEMM1's epilogue where the plan can
                 return lambda: plan(*args, out=out)  # the current stream: the bench's
-            return Impl(name, bind, takes_out=True, plan=plan)
+            impl.bind = bind
+            return impl
         if name.startswith("cupy-naive-"):
             tf32 = name.endswith("tf32")
             return Impl(name, lambda args, out: (lambda: self._naive(args, tf32)))

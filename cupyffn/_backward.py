@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 
 import numpy
 
-from . import _arrays, _checks, _forward, _numpy_backend, _plan_cache, _precision, _validate
+from . import _arrays, _checks, _forward, _ksplit, _numpy_backend, _plan_cache, _precision, _validate
 from ._plan_cache import PlanCache, release_captured_plans  # noqa: F401 (re-exported by the package)
 
 
@@ -80,7 +80,7 @@ class GeluFFNBackward:
     """
 
     def __init__(self, tokens, dim, hidden_dim, *, precision=_precision.DEFAULT, device=None, graph=False,
-                 need_grad_hidden=True, need_weight_grads=True):
+                 need_grad_hidden=True, need_weight_grads=True, _max_k=_ksplit.MAX_K):
         self.tokens = _check_size("tokens", tokens, 0)
         self.dim = _check_size("dim", dim, 1)
         self.hidden_dim = _check_size("hidden_dim", hidden_dim, 1)
@@ -106,8 +106,9 @@ class GeluFFNBackward:
         if self.device != "cpu":
             from ._gpu_engine import GpuEngine
 
+            # _max_k (private, for measuring the mechanism): the longest K one tensor-core accumulator sums
             self._engine = GpuEngine(self.tokens, self.dim, self.hidden_dim, self.precision, self.device,
-                                     self.need_grad_hidden, self.need_weight_grads)
+                                     self.need_grad_hidden, self.need_weight_grads, max_k=_max_k)
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -569,14 +570,16 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
         Second linear layer.
     linear1_out, tanh_inner, gelu_out : arrays [..., H]
         Saved forward tensors: ``z = x @ weight1.T``, ``t = tanh(sqrt(2/pi) * (z + 0.044715 z^3))``
-        and ``0.5 * z * (1 + t)``. ``tanh_inner`` is used as given, not recomputed. gelu_out must be
-        that product: the "tf32" plan on an H100/H200 does not read it but forms GEMM2's operand as
-        ``0.5 * z * (1 + t)`` in float32 inside GEMM1's epilogue (CUPYFFN_GELU_EPILOGUE=0, read when a
-        plan is built, reads it instead; ``check_activations`` compares it with linear1_out). Memory
-        mode: pass None for tanh_inner and/or gelu_out and they are recomputed from linear1_out inside
-        the kernels (same results within the precision's contract).
+        and ``0.5 * z * (1 + t)``. Every tensor given is used as given, in every precision: the
+        gradients are the formula's on these very values, whether or not they agree with each other
+        (``check_activations`` checks that they do). Memory mode: pass None for tanh_inner and/or
+        gelu_out and they are recomputed from linear1_out (and tanh_inner, where given) inside the
+        kernels (same results within the precision's contract).
     precision : {"bf16x3", "fp16+fp8", "ieee", "tf32", "bf16"}
         GEMM operand treatment; accuracy contracts in ``cupyffn.PRECISIONS``. Default "fp16+fp8".
+        The contracts hold for any T, D and H: a tensor-core GEMM whose contraction length K (planes
+        included) exceeds ``cupyffn._ksplit.MAX_K`` = 24576 sums it in chunks added in fp32 (a few
+        percent of the GEMM's time at T = 352,000; none of the benchmark's shapes is chunked).
     out : sequence of 3 arrays, optional
         Where to write (grad_hidden_states, grad_weight1, grad_weight2): float32, C-contiguous, the
         shapes of hidden_states, weight1 and weight2, not overlapping any input or each other. An entry

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy
 
-from . import _arrays, _cublas, _gemm, _kernels, _numpy_backend, _plan_cache, _precision
+from . import _arrays, _cublas, _gemm, _kernels, _ksplit, _numpy_backend, _plan_cache, _precision
 from . import _precision as P
 from ._gpu_engine import _align, _items, _Operand, _vec_ok, convert_launch
 from ._plan_cache import PlanCache
@@ -169,9 +169,13 @@ class GpuForward:
         dtype = _gemm.OPERAND_TYPE[form.fmt]
         kp = max(p, 1)
 
+        # tensor-core forms sum K in chunks of at most _ksplit.MAX_K (fp32 SGEMM adds like IEEE fp32)
+        max_k = None if form.fmt == P.FMT_F32 else _ksplit.MAX_K
+
         def gemm(m, n, k, name):  # described once, built by the cuBLAS backend (cupyffn/_gemm.py)
             desc = _gemm.GemmDesc(name, m, n, k, dtype, dtype, b_trans=True)
-            return _gemm.build(desc, self.device_id, backends=(_gemm.CUBLAS,))[0]
+            return _gemm.build(desc, self.device_id, backends=(_gemm.CUBLAS,), max_k=max_k,
+                               one_ptr=self._consts.data.ptr + 4)[0]
 
         self.gemm_z = gemm(self.T, self.H, kp * self.D, "linear1_out = hidden_states @ weight1^T")
         self.gemm_y = gemm(self.T, self.D, kp * self.H, "output = gelu_out @ weight2^T")

@@ -16,12 +16,17 @@ Backends, in the order :func:`build` tries them:
 A precision's form decides the descriptions (cupyffn/_precision.py); :class:`PairGemm` is the
 f16+e4m3 form's two products into one output, :class:`Sm90PairGemm` the same form as one launch of our sm90
 kernel (cupyffn/_sm90_gemm.py PairLaunch) where the engine takes it (_gpu_engine.SM90_PAIR_GEMMS).
+:func:`build` with ``max_k`` runs a GEMM whose K exceeds it as :class:`KChunked` (cupyffn/_ksplit.py).
 """
 
-from dataclasses import dataclass
+import ctypes
+from dataclasses import dataclass, replace
 
-from . import _cublas
+from . import _cublas, _ksplit
 from . import _precision as P
+
+#: Bytes per element of each operand type.
+ITEMSIZE = {_cublas.R_32F: 4, _cublas.R_16F: 2, _cublas.R_16BF: 2, _cublas.R_8F_E4M3: 1}
 
 
 @dataclass(frozen=True)
@@ -96,19 +101,85 @@ CUBLASLT = _CublasLtBackend()
 BACKENDS = (CUBLAS, CUBLASLT)
 
 
-def build(desc, device_id, backends=BACKENDS):
+def build(desc, device_id, backends=BACKENDS, max_k=None, one_ptr=None):
     """(plan, backend name) from the first backend that supports `desc` and builds it. A backend refuses by
-    `supports()` or, at build, by raising Unsupported (cuBLASLt's heuristic); other errors propagate."""
+    `supports()` or, at build, by raising Unsupported (cuBLASLt's heuristic); other errors propagate.
+
+    `max_k`: run a GEMM whose K exceeds it as K-chunks (KChunked; `one_ptr`, a device pointer to 1.0f, is the beta
+    of every chunk after the first). Every chunk length is built by the same backend."""
+    pieces = _ksplit.chunks(desc.k, max_k)
+    if len(pieces) > 1:  # the chunks' operands keep the whole GEMM's rows: explicit leading dimensions
+        desc = replace(desc, lda=desc.lda or (desc.m if desc.a_trans else desc.k),
+                       ldb=desc.ldb or (desc.k if desc.b_trans else desc.n), ldc=desc.ldc or desc.n)
     reasons = []
     for backend in backends:
-        ok, why = backend.supports(desc)
-        if ok:
+        lengths = sorted({length for _, length in pieces}) if len(pieces) > 1 else [desc.k]
+        parts = {}
+        for length in lengths:
+            part = replace(desc, k=length)
+            ok, why = backend.supports(part)
+            if not ok:
+                break
             try:
-                return backend.build(desc, device_id), backend.name
+                parts[length] = backend.build(part, device_id)
             except Unsupported as e:
                 why = str(e)
+                break
+        else:
+            if len(pieces) == 1:
+                return parts[desc.k], backend.name
+            if not one_ptr:
+                raise ValueError(f"{desc.name}: a K-chunked GEMM needs one_ptr (a device pointer to 1.0f)")
+            return KChunked(desc, parts, pieces, one_ptr), backend.name
         reasons.append(f"{backend.name}: {why}")
     raise Unsupported(f"no GEMM backend for {desc.name} (M={desc.m} N={desc.n} K={desc.k}): " + "; ".join(reasons))
+
+
+class KChunked:
+    """One GEMM summed over K in consecutive chunks (cupyffn/_ksplit.py): a plan per chunk length, each chunk's
+    operands offset along K, the first chunk with the caller's beta and the rest adding with beta = 1.
+
+    It has the fields of the plans it wraps (``a b c alpha beta`` pointers, ``lda ldb ldc``), which the engine
+    rewrites per call as for a single plan; each call hands them to the chunks' plans. No call graph
+    (``indirect``): an engine with a chunked GEMM enqueues its launches one by one."""
+
+    def __init__(self, desc, parts, pieces, one_ptr):
+        vp, i32 = ctypes.c_void_p, ctypes.c_int
+        self.name, self.m, self.n, self.k = desc.name, desc.m, desc.n, desc.k
+        self.chunks = tuple(pieces)
+        self._parts = parts
+        self._one = one_ptr
+        first = parts[pieces[0][1]]
+        self.a, self.b, self.c, self.alpha, self.beta = vp(), vp(), vp(), vp(), vp()
+        self.lda, self.ldb, self.ldc = (i32(_value(getattr(first, f))) for f in ("lda", "ldb", "ldc"))
+        # bytes from one K index to the next: along a row where K is contiguous, a row's stride where it is not
+        self._a_item, self._a_by_row = ITEMSIZE[desc.a_type], desc.a_trans
+        self._b_item, self._b_by_row = ITEMSIZE[desc.b_type], not desc.b_trans
+
+    def offsets(self, k0):
+        """Byte offsets of K index `k0` in A and B at the current leading dimensions."""
+        a = k0 * self._a_item * (self.lda.value if self._a_by_row else 1)
+        b = k0 * self._b_item * (self.ldb.value if self._b_by_row else 1)
+        return a, b
+
+    def __call__(self, handle):
+        for k0, length in self.chunks:
+            part = self._parts[length]
+            da, db = self.offsets(k0)
+            part.a.value, part.b.value, part.c.value = self.a.value + da, self.b.value + db, self.c.value
+            part.alpha.value = self.alpha.value
+            part.beta.value = self.beta.value if k0 == 0 else self._one
+            for field in ("lda", "ldb", "ldc"):  # cuBLAS plans take them per call; cuBLASLt's are fixed at build
+                mine, theirs = getattr(self, field), getattr(part, field)
+                if isinstance(theirs, ctypes.c_int):
+                    theirs.value = mine.value
+                elif theirs != mine.value:
+                    raise ValueError(f"{self.name}: {field} is fixed at {theirs} by its cuBLASLt plan, got {mine.value}")
+            part(handle)
+
+
+def _value(field):
+    return field.value if isinstance(field, ctypes.c_int) else int(field)
 
 
 class PairGemm:
@@ -140,6 +211,12 @@ class Sm90PairGemm:
 
     def __call__(self, handle):
         self.launch(handle.stream_ptr)
+
+
+def chunk_count(plan):
+    """How many K-chunks a GEMM plan runs (the most of its products': a PairGemm has two)."""
+    parts = (plan.fp8, plan.f16) if isinstance(plan, PairGemm) else (plan,)
+    return max(len(p.chunks) if isinstance(p, KChunked) else 1 for p in parts)
 
 
 def set_output(plan, ptr):

@@ -23,16 +23,19 @@ epilogue (whole calls 0.90-0.975 of the cuBLAS route on 15 of the 16 workloads, 
 27f16b9; before it, at T >= 2048 the cuBLAS route's dgelu pass overlapping GEMM2 on the side stream had been
 worth more than the fusion, docs/perf-notes.md). The environment variable CUPYFFN_SM90_GEMM1 (read when a
 plan is built) overrides: 0 never, 1 at every T (comparisons).
-With `gelu_in_gemm1` (tf32, fused, weight gradients wanted; GELU_EPILOGUE_TOKENS) the fused epilogue also writes
-GEMM2's operand gelu_out = 0.5 x (1 + t) as scaled fp16 codes, from the linear1_out and tanh_inner it holds
-anyway (EPI_DGELU_F16G), so convert B does not read the caller's gelu_out (T x H fp32, the largest input after
-linear1_out and tanh_inner) and GEMM2 runs after GEMM1's rescue launch instead of beside GEMM1:
+Memory mode without gelu_out (tf32, fused, weight gradients wanted; GELU_EPILOGUE_TOKENS; `gelu_in_gemm1` for
+such a call, `gelu_epilogue_ok` for the plan): the fused epilogue also writes GEMM2's operand gelu_out =
+0.5 x (1 + t) as scaled fp16 codes, from the linear1_out and tanh_inner it holds anyway (EPI_DGELU_F16G), instead
+of convert B recomputing it, and GEMM2 runs after GEMM1's rescue launch instead of beside GEMM1:
 
     S : convert A ──► GEMM1 + dgelu + gelu_out ──► decide, rescue ──┬─► GEMM3 ──────────────────► join
     S2: convert B (hidden_states, weight1) ──────────────(B)─┘      └─► GEMM2 ──► GEMM4 ─────────┘
 
-gelu_out is defined as that product (the backward's docstring), and 0.5 * x * (1 + t) in fp32 is what the
-forward computes, so the codes are those the conversion would have written.
+A gelu_out the caller gives is always converted and used as given (docs/decisions/002-honour-every-input.md):
+the plan holds the launches of both ways and each call takes the one its inputs need (set_io).
+
+Every tensor-core GEMM whose K exceeds _ksplit.MAX_K runs in K-chunks added in fp32 (cupyffn/_ksplit.py); the
+sm90 kernels sum the whole K in one accumulator, so a plan whose GEMM1 K exceeds it runs GEMM1 on cuBLAS.
 With `epilogue_warps` (tf32, fused; EPILOGUE_WARPS_TOKENS: T >= 513) that epilogue runs in seven warps of its own,
 fed each accumulator tile through shared memory while the consumer warps compute the next tile (the same bits).
 The same kernel can serve the bf16x3 plan (epilogue writing grad_linear1's three bf16 planes; one launch, no
@@ -48,7 +51,7 @@ import ctypes
 import math
 import os
 
-from . import _call_graph, _cublas, _gemm, _kernels, _plan_cache, _sm90_gemm
+from . import _call_graph, _cublas, _gemm, _kernels, _ksplit, _plan_cache, _sm90_gemm
 from . import _precision as P
 
 _ALIGN = 256
@@ -195,10 +198,11 @@ class GpuEngine:
     """Everything one (T, D, H, precision, device) backward needs on the GPU, built once."""
 
     def __init__(self, tokens, dim, hidden_dim, precision, device_id, need_grad_hidden=True,
-                 need_weight_grads=True):
+                 need_weight_grads=True, max_k=_ksplit.MAX_K):
         import cupy
 
         self.T, self.D, self.H = tokens, dim, hidden_dim
+        self.max_k = max_k  # the longest K one tensor-core accumulator sums (_ksplit; None: unbounded, for measuring)
         self.precision = precision
         self.device_id = device_id
         self.need_grad_hidden = need_grad_hidden
@@ -213,7 +217,8 @@ class GpuEngine:
             self._allocate_state()
             self._choose_forms()
             self.fused_gemm1 = self._fused_gemm1_ok()
-            self.gelu_in_gemm1 = self._gelu_in_gemm1_ok()
+            self.gelu_epilogue_ok = self._gelu_epilogue_ok()
+            self.gelu_in_gemm1 = False  # this call's: the epilogue forms gelu_out (memory mode; _select_mode)
             self.epilogue_warps = self._epilogue_warps_ok()
             self._layout()
             self._allocate()
@@ -227,7 +232,7 @@ class GpuEngine:
             self._recompute_g = False
             self._accumulate = False
             # eager calls as a re-pointed CUDA graph (launch_graph, cupyffn/_call_graph.py): per key (graph_key)
-            self.call_graph = self._call_graph_ok()
+            self.call_graph = False  # decided once the GEMMs are built (_call_graph_ok)
             self._call_graphs = {}
             self._recorder = None  # the CallGraph being captured: enqueue reports its kernel launches to it
             self._graph_stream = self._table = self._store_table = None
@@ -243,6 +248,8 @@ class GpuEngine:
             if tokens > 0:
                 self._build_launches()
                 self._build_gemms()
+            self.call_graph = self._call_graph_ok()
+            self._select_mode(False)
             # The zero-filled state and constants were enqueued on the current stream: the first call
             # on any other stream waits for them (order_after_previous).
             self.record_done(self._alloc_stream_ptr)
@@ -274,7 +281,8 @@ class GpuEngine:
                                           "not a multiple of 8)")
                     continue
                 try:
-                    self._fp8[g], _ = _gemm.build(self._fp8_desc(g), self.device_id, backends=(_gemm.CUBLASLT,))
+                    self._fp8[g], _ = _gemm.build(self._fp8_desc(g), self.device_id, backends=(_gemm.CUBLASLT,),
+                                                  max_k=self.max_k, one_ptr=self._consts.data.ptr + 4)
                 except _gemm.Unsupported as e:
                     self.forms[g] = P.FORMS["bf16x3"]
                     self.form_notes[g] = str(e)
@@ -292,11 +300,13 @@ class GpuEngine:
         operands, a compute capability 9.0 GPU, rows of 16-byte multiples for the TMA unit (D, H multiples of 8)."""
         # a format FUSED_GEMM1_TOKENS does not list fuses only when asked to ("1")
         wanted = switch_wanted("CUPYFFN_SM90_GEMM1", FUSED_GEMM1_TOKENS, self.fmt, self.T)
-        return wanted and self.fmt in FUSABLE_FORMATS and self.T > 0 and self._sm90_fits()
+        return (wanted and self.fmt in FUSABLE_FORMATS and self.T > 0 and self._sm90_fits()
+                and not _ksplit.chunked(max(self.planes, 1) * self.D, self.max_k))  # one accumulator sums all of K
 
-    def _gelu_in_gemm1_ok(self):
-        """Whether the fused GEMM1 writes gelu_out's codes for GEMM2 (GELU_EPILOGUE_TOKENS; CUPYFFN_GELU_EPILOGUE,
-        read here: auto, 1, 0): the tf32 plan's fused GEMM1, in a plan that computes the weight gradients."""
+    def _gelu_epilogue_ok(self):
+        """Whether the fused GEMM1 can write gelu_out's codes for GEMM2 in calls without gelu_out (memory mode;
+        GELU_EPILOGUE_TOKENS; CUPYFFN_GELU_EPILOGUE, read here: auto, 1, 0): the tf32 plan's fused GEMM1, in a plan
+        that computes the weight gradients."""
         wanted = switch_wanted("CUPYFFN_GELU_EPILOGUE", GELU_EPILOGUE_TOKENS, self.fmt, self.T)
         return wanted and self.fused_gemm1 and self.fmt == P.FMT_F16S and self.need_weight_grads
 
@@ -318,7 +328,9 @@ class GpuEngine:
         choice = switch_choice("CUPYFFN_SM90_PAIR")
         if choice == "0" or not self._sm90_fits():
             return set()
-        return set(P.GEMMS) if choice == "1" else set(SM90_PAIR_GEMMS)
+        gemms = set(P.GEMMS) if choice == "1" else set(SM90_PAIR_GEMMS)
+        # the kernel sums all of K (and the pair's doubled K) in one accumulator
+        return {g for g in gemms if not _ksplit.chunked(2 * _pad16(self._mnk(g)[2]), self.max_k)}
 
     def _convert_ab_ok(self):
         """convert A and B as one launch (CONVERT_AB_TOKENS; CUPYFFN_CONVERT_AB, read here: auto, 1, 0)."""
@@ -330,7 +342,16 @@ class GpuEngine:
         their output address on the host; cuBLASLt has no device pointer table). CUPYFFN_CALL_GRAPH (read here):
         auto (default) where CALL_GRAPH_TOKENS lists the plan's format and T, 1 wherever possible, 0 never."""
         wanted = switch_wanted("CUPYFFN_CALL_GRAPH", CALL_GRAPH_TOKENS, self.fmt, self.T)
-        return wanted and self.T > 0 and self.fmt != P.FMT_F16E4M3
+        return wanted and self.T > 0 and self.fmt != P.FMT_F16E4M3 and not self.k_chunked
+
+    @property
+    def k_chunked(self):
+        """{gemm: chunks} of the GEMMs this plan runs in more than one K-chunk (cupyffn/_ksplit.py)."""
+        out = {}
+        for g, plan in ((g, getattr(self, g, None)) for g in ("gemm1", "gemm2", "gemm3", "gemm4")):
+            if plan is not None and _gemm.chunk_count(plan) > 1:
+                out[g] = _gemm.chunk_count(plan)
+        return out
 
     @property
     def gemm_forms(self):
@@ -396,11 +417,12 @@ class GpuEngine:
         present = lambda names: [n for n in names if n in ops]  # noqa: E731
         self.cvt_a = present(("grad_output", "weight2"))
         self.cvt_b = present(("gelu_out",) if self.lean else ("gelu_out", "hidden_states", "weight1"))
-        if self.gelu_in_gemm1:  # GEMM1's epilogue writes gelu_out's codes
-            self.cvt_b.remove("gelu_out")
         self.convert_ab = self._convert_ab_ok()
-        if self.convert_ab:
-            self.cvt_a, self.cvt_b = self.cvt_a + self.cvt_b, []
+        # per mode (gelu_out formed in GEMM1's epilogue or not): what convert A and convert B write
+        self._cvt_modes = {}
+        for epilogue in (False, True) if self.gelu_epilogue_ok else (False,):
+            a, b = list(self.cvt_a), [n for n in self.cvt_b if not (epilogue and n == "gelu_out")]
+            self._cvt_modes[epilogue] = (a + b, []) if self.convert_ab else (a, b)
         self.cvt_late = late if self.lean else []
 
     _ROWS_COLS = {"grad_output": "TD", "weight2": "DH", "gelu_out": "TH", "hidden_states": "TD", "weight1": "HD",
@@ -453,6 +475,7 @@ class GpuEngine:
         present = [n for n in ("grad_output", "weight2", "gelu_out", "hidden_states", "weight1") if n in need]
         self.cvt_a = [n for n in present if n in ("grad_output", "weight2")]
         self.cvt_b = [n for n in present if n not in ("grad_output", "weight2")]
+        self._cvt_modes = {False: (self.cvt_a, self.cvt_b)}
         self.cvt_late = []
 
     @property
@@ -527,6 +550,7 @@ class GpuEngine:
             rescue = _kernels.split_launch(kernel, specs, max(len(specs), 2 * sms), 1, counter, alpha_mask,
                                            self._state_ptr, self._consts_ptr)
             self._convert[stage] = (names, first, rescue)
+        self._modes = {False: (self.cvt_a, self.cvt_b, self._convert, None, None, None)}
         kernel, full = _kernels.split_kernel(1, dev)
         spec = [self._split_spec("grad_linear1")]
         self._dgelu = _kernels.split_launch(kernel, spec, full, 0, 2, 0, self._state_ptr, self._consts_ptr)
@@ -558,29 +582,32 @@ class GpuEngine:
         self._state_ptr = vp(self._state.data.ptr)
         self._consts_ptr = vp(self._consts.data.ptr)
         sms = _kernels.sm_count(dev)
-        # stage -> (names, alpha mask of its rescue pass, arrival counter)
-        # (convert_ab: one launch for both, whose rescue pass writes GEMM1's and GEMM2's alphas; gelu_in_gemm1:
-        # GEMM2's alpha is the fused rescue launch's, once gelu_out's exponent is decided)
-        gemm2_alpha = 0 if self.gelu_in_gemm1 else 0b0010
-        stages = {"convert A": (self.cvt_a, 0b0001 | (gemm2_alpha if self.convert_ab else 0), 0),
-                  "convert B": (self.cvt_b, gemm2_alpha, 1),
-                  "convert late": (self.cvt_late, 0, 3)}
-        self._convert = {}
-        for stage, (names, alpha_mask, counter) in stages.items():
-            if not names:
-                continue
-            expr = f"convert_kernel<{fmt}>"
-            kernel = _kernels.get_function("convert", expr, dev)
-            full = sms * _kernels.blocks_per_sm("convert", expr, dev) * 2
-            first = self._convert_launch(kernel, names, full, rescue=0, counter=counter, alpha_mask=0)
-            rescue = None
-            if f16:  # a small grid: when nothing needs converting again its blocks only read a flag
-                rescue = self._convert_launch(kernel, names, 2 * sms, rescue=1, counter=counter,
-                                              alpha_mask=alpha_mask)
-            self._convert[stage] = (names, first, rescue)
-
+        self._modes = {}
+        for epilogue, (cvt_a, cvt_b) in self._cvt_modes.items():
+            # stage -> (names, alpha mask of its rescue pass, arrival counter)
+            # (convert_ab: one launch for both, whose rescue pass writes GEMM1's and GEMM2's alphas; gelu_out from
+            # the epilogue: GEMM2's alpha is the fused rescue launch's, once gelu_out's exponent is decided)
+            gemm2_alpha = 0 if epilogue else 0b0010
+            stages = {"convert A": (cvt_a, 0b0001 | (gemm2_alpha if self.convert_ab else 0), 0),
+                      "convert B": (cvt_b, gemm2_alpha, 1),
+                      "convert late": (self.cvt_late, 0, 3)}
+            convert = {}
+            for stage, (names, alpha_mask, counter) in stages.items():
+                if not names:
+                    continue
+                expr = f"convert_kernel<{fmt}>"
+                kernel = _kernels.get_function("convert", expr, dev)
+                full = sms * _kernels.blocks_per_sm("convert", expr, dev) * 2
+                first = self._convert_launch(kernel, names, full, rescue=0, counter=counter, alpha_mask=0)
+                rescue = None
+                if f16:  # a small grid: when nothing needs converting again its blocks only read a flag
+                    rescue = self._convert_launch(kernel, names, 2 * sms, rescue=1, counter=counter,
+                                                  alpha_mask=alpha_mask)
+                convert[stage] = (names, first, rescue)
+            fused = self._build_fused_gemm1(epilogue) if self.fused_gemm1 else (None, None, None)
+            self._modes[epilogue] = (cvt_a, cvt_b, convert) + fused
         if self.fused_gemm1:
-            self._build_fused_gemm1()
+            self._dgelu = self._dgelu_rescue = None
             return
         expr = f"dgelu_kernel<{fmt}>"
         kernel = _kernels.get_function("dgelu", expr, dev)
@@ -588,35 +615,46 @@ class GpuEngine:
         self._dgelu = self._dgelu_launch(kernel, grid, rescue=0)
         self._dgelu_rescue = self._dgelu_launch(kernel, min(grid, 2 * sms), rescue=1) if f16 else None
 
-    def _build_fused_gemm1(self):
-        """The fused GEMM1 + dgelu (module docstring). tf32: its gathering and rescue launches and the decision
-        between them; bf16x3: one launch (no scale to decide)."""
+    def _build_fused_gemm1(self, gelu_epilogue):
+        """The fused GEMM1 + dgelu (module docstring) as (launch, rescue launch, decision): tf32, its gathering and
+        rescue launches and the decision between them, also writing gelu_out's codes if `gelu_epilogue`; bf16x3,
+        one launch (no scale to decide)."""
         # A: grad_output [T, planes * D]; B: weight2 [planes * D, H] as stored ("kn"); out: grad_linear1
         # [T, planes * H] (tf32: one fp16 plane; bf16x3: K tripled, planes (hi, lo, hi) side by side)
         p = self.planes
         where = (self._addr("grad_output"), p * self.D, self._addr("weight2"), self.H, "kn",
                  self._addr("grad_linear1"), p * self.H, self.T, self.H, p * self.D)
-        self._dgelu = self._dgelu_rescue = None
         if self.fmt == P.FMT_BF16X3:
-            self._fused = _sm90_gemm.DgeluLaunch(*where, state_ptr=None, consts_ptr=None, acc_scale_ptr=None, slot=0,
-                                                 rescue=False, alpha_mask=0, device_id=self.device_id,
-                                                 epi=_sm90_gemm.EPI_DGELU_BF16X3)
-            self._fused_rescue = self._decide = None
-            return
+            fused = _sm90_gemm.DgeluLaunch(*where, state_ptr=None, consts_ptr=None, acc_scale_ptr=None, slot=0,
+                                           rescue=False, alpha_mask=0, device_id=self.device_id,
+                                           epi=_sm90_gemm.EPI_DGELU_BF16X3)
+            return fused, None, None
         slot = P.SLOT["grad_linear1"]
         common = dict(state_ptr=self._state.data.ptr, consts_ptr=self._consts.data.ptr,
                       acc_scale_ptr=self._consts.data.ptr + 4 * 2, slot=slot, device_id=self.device_id,
                       warps=self.epilogue_warps)
         decided, alphas = 1 << slot, 0b1100  # grad_linear1's exponent; GEMM3's and GEMM4's alphas
-        if self.gelu_in_gemm1:  # and gelu_out's (its partner, grad_output, is final); GEMM2's alpha
+        if gelu_epilogue:  # and gelu_out's (its partner, grad_output, is final); GEMM2's alpha
             g = self.ops["gelu_out"]
             common.update(gelu_ptr=self._addr("gelu_out"), ldg=g.dst_ld, gelu_slot=P.SLOT["gelu_out"])
             decided, alphas = decided | 1 << P.SLOT["gelu_out"], alphas | 0b0010
-        self._fused = _sm90_gemm.DgeluLaunch(*where, rescue=False, alpha_mask=0, **common)
-        self._fused_rescue = _sm90_gemm.DgeluLaunch(*where, rescue=True, alpha_mask=alphas, **common)
+        fused = _sm90_gemm.DgeluLaunch(*where, rescue=False, alpha_mask=0, **common)
+        fused_rescue = _sm90_gemm.DgeluLaunch(*where, rescue=True, alpha_mask=alphas, **common)
         decide = _kernels.get_function("dgelu", "f16_decide_kernel", self.device_id)
-        self._decide = _kernels.KernelLaunch(decide, ctypes.c_void_p(self._state.data.ptr), ctypes.c_int(decided))
-        self._decide.block = 32
+        decide = _kernels.KernelLaunch(decide, ctypes.c_void_p(self._state.data.ptr), ctypes.c_int(decided))
+        decide.block = 32
+        return fused, fused_rescue, decide
+
+    def _select_mode(self, gelu_epilogue):
+        """Take the launches of one mode (_build_launches): gelu_out formed in GEMM1's epilogue (a memory-mode call of
+        a plan with gelu_epilogue_ok) or converted by convert B (every other call)."""
+        self.gelu_in_gemm1 = bool(gelu_epilogue)
+        modes = getattr(self, "_modes", None)
+        if modes is None:  # T = 0: nothing is launched
+            self.cvt_a, self.cvt_b = self._cvt_modes[False]
+            return
+        (self.cvt_a, self.cvt_b, self._convert, self._fused, self._fused_rescue,
+         self._decide) = modes[self.gelu_in_gemm1]
 
     def _ensure_ieee_gelu(self):
         """ieee memory mode: GEMM2 reads gelu_out in fp32, so recompute it into scratch (built on first use)."""
@@ -673,7 +711,10 @@ class GpuEngine:
         names = {"gemm1": "grad_gelu = grad_output @ weight2", "gemm2": "grad_weight2 = grad_output^T @ gelu_out",
                  "gemm3": "grad_hidden = grad_linear1 @ weight1", "gemm4": "grad_weight1 = grad_linear1^T @ hidden_states"}
         desc = _gemm.GemmDesc(names[g], m, n, kp * k, dtype, dtype, a_trans=trans, ldc=n)
-        plan, _ = _gemm.build(desc, self.device_id, backends=(_gemm.CUBLAS,))
+        # fp32 SGEMM adds like IEEE fp32 (no tensor cores): only the tensor-core forms are chunked (_ksplit)
+        max_k = None if dtype == _cublas.R_32F else self.max_k
+        plan, _ = _gemm.build(desc, self.device_id, backends=(_gemm.CUBLAS,), max_k=max_k,
+                              one_ptr=self._consts.data.ptr + 4)
         return plan
 
     def _point(self, plan, g, a, b, planes):
@@ -742,6 +783,8 @@ class GpuEngine:
         dy, x, w1, w2, l1, t, g = inputs
         src = {"grad_output": dy, "hidden_states": x, "weight1": w1, "weight2": w2, "gelu_out": g}
         self._recompute_g = g is None and self.need_weight_grads  # memory mode: gelu_out from linear1_out
+        # a given gelu_out is used as given; only a missing one may be formed in GEMM1's epilogue
+        self._select_mode(self._recompute_g and self.gelu_epilogue_ok)
         if self.fmt == P.FMT_F16E4M3:
             self._set_io_split(l1, t, g, src)
             return self._set_outputs(outputs, accumulate)
@@ -920,8 +963,9 @@ class GpuEngine:
     # ------------------------------------------------------------------ the call graph (eager calls)
     def graph_key(self):
         """What a call graph bakes in besides addresses: the beta of the weight gradients (cuBLAS takes its address
-        when captured) and, for ieee, whether memory mode recomputes gelu_out (one more launch)."""
-        return self._accumulate, bool(self._recompute_g and self._ieee_gelu is not None)
+        when captured), for ieee whether memory mode recomputes gelu_out (one more launch), and whether GEMM1's
+        epilogue forms gelu_out (other launches)."""
+        return self._accumulate, bool(self._recompute_g and self._ieee_gelu is not None), self.gelu_in_gemm1
 
     def launch_graph(self, stream_ptr):
         """The call set by set_io, on `stream_ptr`, as a call graph: captured on the first call of its graph_key

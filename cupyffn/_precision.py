@@ -31,7 +31,9 @@ bf16       bf16 everywhere                                            5e-3
 =========  =========================================================  ===========
 
 (*) relative L2 error ||out - ref64|| / ||ref64|| of every output against a float64 reference, on
-the benchmark's inputs (normal data, weights 0.02 * N(0, 1)). `passes_check`: the benchmark's own
+the benchmark's inputs (normal data, weights 0.02 * N(0, 1)), at any T, D and H: a tensor-core GEMM
+sums at most cupyffn/_ksplit.py's MAX_K products in one accumulator and adds longer sums' chunks in
+fp32 (measured up to T = 352,000: results/accuracy-vs-tokens-h200.md). `passes_check`: the benchmark's own
 check (cupyffn.workloads.check: per-workload max_atol, 99% of the elements) against the plain-fp32
 reference, measured on the H200 on all 16 workloads over rounds of fresh inputs: ieee, bf16x3,
 fp16+fp8 and tf32 pass it; bf16 fails it on every workload (max|err| up to 7x atol).
