@@ -160,3 +160,13 @@ def test_chunked_calls_are_bit_stable_and_capture(precision):
     cupyffn.release_captured_plans()
     for p in (plan, whole):
         p.close()
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_no_official_workload_is_chunked(precision):
+    """The 16 official workloads (T <= 8192, D = 1536, H = 6144) run every GEMM in one accumulator, as before the
+    chunks existed: bf16x3's longest K there, 3 x 8192, is _ksplit.MAX_K itself."""
+    for tokens in sorted({w.tokens for w in W.WORKLOADS}):
+        plan = cupyffn.GeluFFNBackward(tokens, W.DIM, W.HIDDEN_DIM, precision=precision)
+        assert plan._engine.k_chunked == {}, (tokens, plan._engine.k_chunked)
+        plan.close()
