@@ -102,7 +102,7 @@ def test_full_run_glue_on_the_cpu(small, monkeypatch):
     rows = result["workloads"]
     assert [r["label"] for r in rows] == ["B2xS128", "B1xS512"]
     names = [f"cupyffn-{p}" for p in cupyffn.PRECISIONS] + ["cupyffn-tf32-launches", "cupyffn-tf32-convert-apart",
-                                                         "cupy-naive-fp32"]
+                                                         "cupyffn-tf32-memory-mode", "cupy-naive-fp32"]
     assert list(rows[0]["results"]) == names
     # every implementation, every round, every output, with the workload's official atol
     assert len(calls) == 2 * len(names) * 2 * 3
