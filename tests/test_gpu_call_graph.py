@@ -80,7 +80,7 @@ def test_accumulate_alternating(precision, monkeypatch):
         got = graphed(*args, out=out_g, accumulate=accumulate)
         want = eager(*args, out=out_e, accumulate=accumulate)
         assert_close_to(got, want, f"step {step} accumulate={accumulate}")
-    assert set(graphed._engine._call_graphs) == {(True, False), (False, False)}
+    assert set(graphed._engine._call_graphs) == {(True, False, False), (False, False, False)}
 
 
 def test_memory_mode_and_unaligned_rows_switch_the_kernel_variant(monkeypatch):
