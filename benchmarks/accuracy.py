@@ -124,8 +124,6 @@ def measure(tokens_list, precisions, dim, hidden, calls=3):
         for precision in precisions:
             row = {"tokens": tokens, "precision": precision, "contract": cupyffn.PRECISIONS[precision].contract}
             for label, max_k in (("chunked", _ksplit.MAX_K), ("one_accumulator", None)):
-                if precision == "ieee" and max_k is None:
-                    continue  # fp32 SGEMM: nothing is chunked, the same plan
                 plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision, _max_k=max_k)
                 out = (cupy.full((tokens, dim), numpy.nan, cupy.float32),
                        cupy.full((hidden, dim), numpy.nan, cupy.float32),

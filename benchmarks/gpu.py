@@ -25,15 +25,16 @@ INPUT_SETS = 3
 
 
 def gpu_or_reason():
-    try:
-        import cupy
+    """(cupy, None) when CuPy runs a kernel on a GPU, else (None, the one-line reason cupyffn gives everywhere:
+    cupyffn/_device.py, e.g. "no NVIDIA GPU visible (no NVIDIA driver: ...)")."""
+    from cupyffn import _device
 
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return None, "no CUDA device"
-        cupy.zeros(1).sum()
-        return cupy, None
-    except Exception as e:  # no driver, no device, no cupy
-        return None, f"{type(e).__name__}: {e}"
+    reason = _device.gpu_unavailable_reason(run_kernel=True)
+    if reason is not None:
+        return None, reason
+    import cupy
+
+    return cupy, None
 
 
 def environment(cupy, torch):

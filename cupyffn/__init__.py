@@ -1,17 +1,31 @@
-"""cupyffn: the backward pass of a GELU(tanh) feed-forward block on NVIDIA GPUs, for CuPy.
+"""cupyffn: the forward and backward pass of a GELU(tanh) feed-forward block, fast on NVIDIA GPUs (CuPy),
+with a NumPy backend of the same semantics for the CPU.
+
+    y = gelu_tanh(x @ weight1.T) @ weight2.T        x, y [..., D], weight1 [H, D], weight2 [D, H], no biases
 
     import cupyffn
-    g = cupyffn.gelu_ffn_backward(grad_output, hidden_states, weight1, weight2,
-                                  linear1_out, tanh_inner, gelu_out, precision="fp16+fp8")
+    f = cupyffn.gelu_ffn_forward(x, weight1, weight2)      # output, linear1_out, tanh_inner, gelu_out
+    g = cupyffn.gelu_ffn_backward(grad_output, x, weight1, weight2, f.linear1_out, f.tanh_inner, f.gelu_out)
     g.grad_hidden_states, g.grad_weight1, g.grad_weight2
 
-See README.md for the formulas, the precision contracts and measured speed.
+Arrays: float32 NumPy (computed on the CPU), CuPy, or any DLPack / CUDA Array Interface producer (torch, JAX).
+
+Functions  gelu_ffn_forward, gelu_ffn_backward; clear_cache and release_captured_plans (cached plans)
+Classes    GeluFFNBackward (a reusable plan for one shape), FFNForward and FFNGrads (the results),
+           Precision, ActivationMismatchError, CublasError
+Precisions PRECISIONS (name -> Precision with its accuracy contract), DEFAULT_PRECISION (GPU),
+           CPU_DEFAULT_PRECISION (CPU)
+Modules    cupyffn.torch (torch.nn layer, custom ops, tensor parallel), cupyffn.jax (JAX function),
+           cupyffn.workloads (the benchmark's shapes, inputs and check); modules named _* are internal
+
+Each name's own help() gives the details.
 """
 
 from ._backward import FFNGrads, GeluFFNBackward, clear_cache, gelu_ffn_backward, release_captured_plans
 from ._checks import ActivationMismatchError
 from ._cublas import CublasError
 from ._forward import FFNForward, gelu_ffn_forward
+from ._precision import CPU_DEFAULT as CPU_DEFAULT_PRECISION
 from ._precision import DEFAULT as DEFAULT_PRECISION
 from ._precision import PRECISIONS, Precision
 
@@ -27,6 +41,7 @@ __all__ = [
     "PRECISIONS",
     "Precision",
     "DEFAULT_PRECISION",
+    "CPU_DEFAULT_PRECISION",
     "CublasError",
     "clear_cache",
     "release_captured_plans",

@@ -2,12 +2,13 @@
 
 import collections
 import contextlib
+import sys
 import threading
 from typing import Any, NamedTuple
 
 import numpy
 
-from . import _arrays, _checks, _forward, _ksplit, _numpy_backend, _plan_cache, _precision, _validate
+from . import _arrays, _checks, _device, _forward, _ksplit, _numpy_backend, _plan_cache, _precision, _validate
 from ._plan_cache import PlanCache, release_captured_plans  # noqa: F401 (re-exported by the package)
 
 
@@ -23,20 +24,26 @@ class FFNGrads(NamedTuple):
 
 
 def _resolve_device(device):
+    """A plan's device: "cpu", or the id of the GPU that `device` names (None: CuPy's current one). Raises
+    RuntimeError with the reason (cupyffn/_device.py) when no GPU can be used: no CuPy, no GPU, an old driver."""
     if device == "cpu":
         return "cpu"
-    import cupy
+    cupy = sys.modules.get("cupy")  # a cupy.cuda.Device exists only once CuPy is imported
+    is_index = isinstance(device, (int, numpy.integer)) and not isinstance(device, bool)
+    if not (device is None or is_index or (cupy is not None and isinstance(device, cupy.cuda.Device))):
+        raise TypeError(f"device must be None, 'cpu', an int or a cupy.cuda.Device; got {device!r}")
+    try:
+        import cupy
 
-    if device is None:
-        try:
+        if device is None:
             return cupy.cuda.Device().id
-        except cupy.cuda.runtime.CUDARuntimeError as e:
-            raise RuntimeError(f"no usable CUDA device ({e}); pass device='cpu' for a NumPy plan") from None
-    if isinstance(device, cupy.cuda.Device):
-        return device.id
-    if isinstance(device, (int, numpy.integer)) and not isinstance(device, bool):
+        if not is_index:
+            return device.id
+        cupy.cuda.runtime.getDeviceCount()  # fails here, with a reason, where there is no usable GPU
         return int(device)
-    raise TypeError(f"device must be None, 'cpu', an int or a cupy.cuda.Device; got {device!r}")
+    except (ImportError, RuntimeError) as e:  # no CuPy; CUDARuntimeError is a RuntimeError
+        raise RuntimeError(f"GeluFFNBackward(device={device!r}) needs a GPU: {_device.explain(e)}; pass "
+                           f"device='cpu' for a plan that takes NumPy arrays") from None
 
 
 def _check_size(name, value, minimum):
@@ -52,10 +59,15 @@ class GeluFFNBackward:
     ----------
     tokens, dim, hidden_dim : int
         T (rows of the activations, the product of their leading dimensions), D and H.
-    precision : {"bf16x3", "fp16+fp8", "ieee", "tf32", "bf16"}
-        Operand treatment of the four GEMMs (see ``cupyffn.PRECISIONS``).
+    precision : {None, "bf16x3", "fp16+fp8", "ieee", "tf32", "bf16"}
+        Operand treatment of the four GEMMs (see ``cupyffn.PRECISIONS``). None (the default): the device's
+        default, "fp16+fp8" (``cupyffn.DEFAULT_PRECISION``) on a GPU and "ieee", plain fp32
+        (``cupyffn.CPU_DEFAULT_PRECISION``), for device="cpu". Every name is valid on the CPU too, where the
+        NumPy backend rounds the operands as the GPU does (to reproduce its numerics; slower than "ieee").
     device : None, int, cupy.cuda.Device or "cpu"
-        GPU to build on (None: the current one), or "cpu" for NumPy arrays.
+        GPU to build on (None: CuPy's current one), or "cpu" for a plan that takes NumPy arrays. None always
+        means a GPU: where none can be used (CuPy not installed, no NVIDIA GPU visible, a driver too old)
+        it raises RuntimeError saying which, rather than silently building a CPU plan.
     graph : bool
         Capture the whole backward into a CUDA graph and replay it. A graph is keyed by the addresses
         of the arrays it was captured with: calling with the same arrays (new contents are fine)
@@ -79,17 +91,19 @@ class GeluFFNBackward:
     plan on other streams is the caller's business (they share the scratch).
     """
 
-    def __init__(self, tokens, dim, hidden_dim, *, precision=_precision.DEFAULT, device=None, graph=False,
+    def __init__(self, tokens, dim, hidden_dim, *, precision=None, device=None, graph=False,
                  need_grad_hidden=True, need_weight_grads=True, _max_k=_ksplit.MAX_K):
         self.tokens = _check_size("tokens", tokens, 0)
         self.dim = _check_size("dim", dim, 1)
         self.hidden_dim = _check_size("hidden_dim", hidden_dim, 1)
-        self.precision = _precision.lookup(precision)
+        if precision is not None:  # a bad name is reported before the device is looked at
+            _precision.lookup(precision)
         if not need_grad_hidden and not need_weight_grads:
             raise ValueError("need_grad_hidden and need_weight_grads are both False: there is nothing to compute")
         self.need_grad_hidden = bool(need_grad_hidden)
         self.need_weight_grads = bool(need_weight_grads)
         self.device = _resolve_device(device)
+        self.precision = _precision.resolve(precision, cpu=self.device == "cpu")
         self.graph = bool(graph)
         if self.graph and self.device == "cpu":
             raise ValueError("graph=True needs a GPU plan; device='cpu' runs NumPy")
@@ -501,6 +515,7 @@ _plans = PlanCache(_CACHE_SIZE)
 # (signature, precision, flags) -> plan: skips validation and the shape lookup for repeated arrays.
 # Like the plans, not keyed by stream: a warm-up on any stream serves a capture on another.
 _recent = {}
+_GPU_DEFAULT = _precision.lookup(_precision.DEFAULT)
 
 
 def clear_cache():
@@ -553,7 +568,7 @@ def _acquire_plan(call, precision, stream, need_grad_hidden, need_weight_grads):
 
 
 def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner=None, gelu_out=None, *,
-                      precision=_precision.DEFAULT, out=None, stream=None, accumulate=False,
+                      precision=None, out=None, stream=None, accumulate=False,
                       need_grad_hidden=True, need_weight_grads=True, check_activations=False,
                       grad_hidden_ready=None):
     """Backward pass of ``y = gelu_tanh(x @ weight1.T) @ weight2.T`` (no biases).
@@ -575,11 +590,16 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
         (``check_activations`` checks that they do). Memory mode: pass None for tanh_inner and/or
         gelu_out and they are recomputed from linear1_out (and tanh_inner, where given) inside the
         kernels (same results within the precision's contract).
-    precision : {"bf16x3", "fp16+fp8", "ieee", "tf32", "bf16"}
-        GEMM operand treatment; accuracy contracts in ``cupyffn.PRECISIONS``. Default "fp16+fp8".
-        The contracts hold for any T, D and H: a tensor-core GEMM whose contraction length K (planes
-        included) exceeds ``cupyffn._ksplit.MAX_K`` = 24576 sums it in chunks added in fp32 (a few
-        percent of the GEMM's time at T = 352,000; none of the benchmark's shapes is chunked).
+    precision : {None, "bf16x3", "fp16+fp8", "ieee", "tf32", "bf16"}
+        GEMM operand treatment; accuracy contracts in ``cupyffn.PRECISIONS``. None (the default): the
+        default of the arrays' device, "fp16+fp8" on a GPU (``cupyffn.DEFAULT_PRECISION``) and "ieee",
+        plain fp32, for NumPy arrays (``cupyffn.CPU_DEFAULT_PRECISION``: the fastest precision on the CPU,
+        and the most accurate). Every name is valid for NumPy arrays too: the NumPy backend then rounds
+        the operands as the GPU does, to reproduce its numerics (several times slower than "ieee").
+        The contracts hold for any T, D and H: a GEMM whose contraction length K (planes included)
+        exceeds 24576 (``cupyffn._ksplit.MAX_K``) sums it in chunks added in fp32 (measured from
+        0.93x to 1.04x the time of one accumulator at T = 32,768-352,000; none of the benchmark's
+        shapes is chunked).
     out : sequence of 3 arrays, optional
         Where to write (grad_hidden_states, grad_weight1, grad_weight2): float32, C-contiguous, the
         shapes of hidden_states, weight1 and weight2, not overlapping any input or each other. An entry
@@ -615,10 +635,13 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
     the leading dimensions must flatten to one row stride. Returns an FFNGrads named tuple (CuPy
     arrays for GPU inputs, NumPy arrays for NumPy inputs; the out= objects themselves where given).
     """
-    prec = _precision.lookup(precision)
+    # None: the default of the arrays' device, known once they are looked at; a bad name is reported first
+    prec = _precision.lookup(precision) if precision is not None else None
     args = (grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out)
     sig = _validate.signature(args, out, accumulate)
     if sig is not None:  # CuPy arrays: the plan (and its validated call) may be known already
+        if prec is None:
+            prec = _GPU_DEFAULT
         key = (sig, prec.name, need_grad_hidden, need_weight_grads)
         plan = _recent.get(key)
         if plan is not None and _plans.reacquire(plan):  # not if evicted meanwhile
@@ -628,6 +651,8 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
             finally:
                 _plans.release(plan)
     call = _validate.prepare(args, out, stream, need_grad_hidden, need_weight_grads, accumulate)
+    if prec is None:
+        prec = _precision.resolve(None, cpu=call.backend == "cpu")
     if call.backend == "cpu":
         if grad_hidden_ready is not None:
             raise ValueError("grad_hidden_ready= is for GPU arrays (a cupy.cuda.Event); these are NumPy (CPU) "

@@ -1,7 +1,7 @@
 """One backward call as a CUDA graph that every later call re-points and launches (the engine's eager path).
 
 Why: at small T the GPU work of a call (~0.1 ms) is about as long as its host enqueue (~14 launches, ~0.1 ms),
-so the GPU waits on the host between kernels (docs/perf-notes.md, small T). A graph is enqueued by one launch.
+so the GPU waits on the host between kernels (docs/decisions/018-call-graph.md). A graph is enqueued by one launch.
 But the benchmark (and any training step) passes new addresses every call, so a graph keyed by addresses
 (GeluFFNBackward(graph=True)) never replays there. This graph takes each call's addresses instead:
 
@@ -12,7 +12,7 @@ But the benchmark (and any training step) passes new addresses every call, so a 
   operand addresses are read on the GPU from a table; the graph's first node (``store_call_table`` in
   kernels_cu/call_table.cu, one more re-pointed kernel node) writes this call's addresses into that table.
   Measured on the H200: bit-identical to cublasGemmEx, 1.002-1.032x its GPU time
-  (results/history/small-t-batched-s7a.json).
+  (docs/decisions/018-call-graph.md).
 
 So a call costs the argument updates of a few nodes and one ``cuGraphLaunch`` on the host (12 API calls, ~20-40 us,
 against ~35 calls and ~80-95 us launched one by one), and the GPU runs the whole call without waiting. The graph

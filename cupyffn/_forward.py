@@ -169,8 +169,8 @@ class GpuForward:
         dtype = _gemm.OPERAND_TYPE[form.fmt]
         kp = max(p, 1)
 
-        # tensor-core forms sum K in chunks of at most _ksplit.MAX_K (fp32 SGEMM adds like IEEE fp32)
-        max_k = None if form.fmt == P.FMT_F32 else _ksplit.MAX_K
+        # every GEMM sums K in chunks of at most _ksplit.MAX_K (docs/decisions/001-k-chunks.md)
+        max_k = _ksplit.MAX_K
 
         def gemm(m, n, k, name):  # described once, built by the cuBLAS backend (cupyffn/_gemm.py)
             desc = _gemm.GemmDesc(name, m, n, k, dtype, dtype, b_trans=True)
@@ -262,21 +262,24 @@ def clear_cache():
     _engines.clear()
 
 
-def gelu_ffn_forward(hidden_states, weight1, weight2, *, precision=_precision.DEFAULT, out=None, stream=None):
+def gelu_ffn_forward(hidden_states, weight1, weight2, *, precision=None, out=None, stream=None):
     """Forward pass ``output = gelu_tanh(hidden_states @ weight1.T) @ weight2.T`` (no biases).
 
     Returns FFNForward(output, linear1_out, tanh_inner, gelu_out): ``linear1_out = x @ weight1.T``,
     ``tanh_inner = tanh(sqrt(2/pi) (z + 0.044715 z^3))``, ``gelu_out = 0.5 z (1 + tanh_inner)`` in fp32
     (GELU evaluated in fp32 from the GEMM's fp32 result), exactly what ``gelu_ffn_backward`` takes.
-    `precision` treats the two GEMMs' operands as in the backward (same contracts); `out` may give any
+    `precision` treats the two GEMMs' operands as in the backward (same contracts; None, the default: the
+    arrays' device's default, "fp16+fp8" on a GPU and "ieee", plain fp32, for NumPy arrays); `out` may give any
     of the four outputs (float32, C-contiguous, not overlapping the inputs); arrays, streams, CUDA
     stream capture (all four outputs in `out`, one call of the shape outside the capture first) and
     failures (given outputs NaN-filled) as in ``gelu_ffn_backward``.
     """
-    prec = _precision.lookup(precision)
+    if precision is not None:  # a bad name is reported before the arrays are looked at
+        _precision.lookup(precision)
     if stream is not None and not hasattr(stream, "ptr"):
         raise TypeError(f"stream must be a cupy.cuda.Stream (or ExternalStream) or None; got {type(stream).__name__}")
     backend, arrays, mats, lead, D, H, shapes, outs, out_arrays = _prepare(hidden_states, weight1, weight2, out, stream)
+    prec = _precision.resolve(precision, cpu=backend == "cpu")  # None: the default of the arrays' device
     T = mats[0].rows
     given = out if out is not None else (None,) * 4
     if backend == "cpu":

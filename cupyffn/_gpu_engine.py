@@ -18,10 +18,10 @@ launch that converts again any tensor whose delayed scale did not fit (kernels_c
 `fused_gemm1`): the GELU derivative is applied in GEMM1's epilogue, which writes grad_linear1 as scaled fp16
 and gathers its maximum; grad_gelu is never written (no T x H fp32 scratch). Its scale is decided by a
 one-thread launch once convert B's exponents are final, then a fused rescue launch (a no-op unless the
-exponent moved: then it runs GEMM1 again). It runs for FUSED_GEMM1_TOKENS: every T since session 6's
-epilogue (whole calls 0.90-0.975 of the cuBLAS route on 15 of the 16 workloads, results/nvidia-h200.json at
-27f16b9; before it, at T >= 2048 the cuBLAS route's dgelu pass overlapping GEMM2 on the side stream had been
-worth more than the fusion, docs/perf-notes.md). The environment variable CUPYFFN_SM90_GEMM1 (read when a
+exponent moved: then it runs GEMM1 again). It runs for FUSED_GEMM1_TOKENS: every T since the epilogue's
+instruction count was cut (whole calls 0.90-0.975 of the cuBLAS route on 15 of the 16 workloads; before it, at
+T >= 2048 the cuBLAS route's dgelu pass overlapping GEMM2 on the side stream had been worth more than the fusion;
+docs/decisions/025-sm90-gemm1-dgelu-fusion.md). The environment variable CUPYFFN_SM90_GEMM1 (read when a
 plan is built) overrides: 0 never, 1 at every T (comparisons).
 Memory mode without gelu_out (tf32, fused, weight gradients wanted; GELU_EPILOGUE_TOKENS; `gelu_in_gemm1` for
 such a call, `gelu_epilogue_ok` for the plan): the fused epilogue also writes GEMM2's operand gelu_out =
@@ -60,15 +60,15 @@ _ALIGN = 256
 FUSABLE_FORMATS = (P.FMT_F16S, P.FMT_BF16X3)
 #: Per format, T (first <= T <= last) at which the default ("auto") fuses (module docstring); a format not
 #: listed fuses only when CUPYFFN_SM90_GEMM1=1. Whole calls on the H200, fused / cuBLAS route, same run: tf32
-#: 0.90-0.975 on 15 of the 16 workloads, 1.36 on one T = 256 row whose twin of equal shape measured 0.94 (host noise;
-#: results/nvidia-h200.json at 27f16b9; 0.89-0.99 at every T in results/history/ab-tf32-fused-all-T-s6d.json).
-#: bf16x3: 1.02-1.13 from T = 512 on, 0.97-0.98 at 256 (results/history/ab-bf16x3-fused-s6e.json against
-#: ab-bf16x3-cublas-s6e.json): the three-plane epilogue costs more than the pass it replaces, so not listed.
+#: 0.90-0.975 on 15 of the 16 workloads, 1.36 on one T = 256 row whose twin of equal shape measured 0.94 (host noise);
+#: 0.89-0.99 at every T in a one-round A/B (docs/decisions/025-sm90-gemm1-dgelu-fusion.md).
+#: bf16x3: 1.02-1.13 from T = 512 on, 0.97-0.98 at 256 (docs/decisions/042-bf16x3-fused-gemm1.md): the
+#: three-plane epilogue costs more than the pass it replaces, so not listed.
 FUSED_GEMM1_TOKENS = {P.FMT_F16S: (1, 2 ** 31 - 1)}
 
 
 #: Per format, T (first <= T <= last) at which eager calls run as a call graph by default (CUPYFFN_CALL_GRAPH=auto;
-#: cupyffn/_call_graph.py). Measured on the H200, tf32, same runs (docs/perf-notes.md, session 7): at T <= 512 the
+#: cupyffn/_call_graph.py). Measured on the H200, tf32, same runs (docs/decisions/018-call-graph.md): at T <= 512 the
 #: GPU work of a call (0.11-0.14 ms) is as long as the host's enqueue of its launches, so launched one by one the
 #: call measured 0.112-0.18 ms at T = 256 depending on the host's state, as a graph 0.114-0.116 in every run; from
 #: T = 1024 on the GPU outlasts the enqueue and the graph's own cost (its batched cuBLAS GEMMs, the table node:
@@ -83,16 +83,16 @@ CALL_GRAPH_TOKENS = {P.FMT_F16S: (1, 512)}
 #: so launched apart the five matrices go through the GPU one group after the other, with a rescue launch
 #: between; in one launch they share one grid and one decision (slots decided in order: grad_output's first).
 #: GEMM1 + dgelu then waits for all five. Measured on the H200, whole calls, one launch / two, same run
-#: (results/history/ab-convert-ab-s7i.json): 0.928-0.930 at T = 256, 0.983 at 512, 1.00-1.03 from T = 1024 on
+#: (docs/decisions/019-convert-ab-one-launch.md): 0.928-0.930 at T = 256, 0.983 at 512, 1.00-1.03 from T = 1024 on
 #: (there GEMM1 + dgelu, started after convert A, gains more from convert B filling its last wave).
 CONVERT_AB_TOKENS = {P.FMT_F16S: (1, 512)}
 
 
 #: Per format, T at which the fused GEMM1 also writes gelu_out's fp16 codes for GEMM2 (module docstring;
 #: CUPYFFN_GELU_EPILOGUE=auto; 1 wherever the fused tf32 GEMM1 runs, 0 never). Measured on the H200, whole calls
-#: against the same plan converting gelu_out, same run (results/history/ab-gelu-rows-s9c.json): 0.973-0.995 at
+#: against the same plan converting gelu_out, same run (docs/decisions/041-gelu-out-in-epilogue.md): 0.973-0.995 at
 #: T = 4096-8192; 1.02-1.07 at T = 256-3142, where the saved conversion is smaller than what the epilogue's second
-#: output costs and GEMM2 no longer overlaps GEMM1's last wave (docs/perf-notes.md, session 9).
+#: output costs and GEMM2 no longer overlaps GEMM1's last wave.
 GELU_EPILOGUE_TOKENS = {P.FMT_F16S: (4096, 2 ** 31 - 1)}
 
 
@@ -100,7 +100,7 @@ GELU_EPILOGUE_TOKENS = {P.FMT_F16S: (4096, 2 ** 31 - 1)}
 #: accumulator tile handed through shared memory, the epilogue overlapping the next tile's mainloop) instead of the
 #: staged epilogue of choose_config's schedule (CUPYFFN_EPILOGUE_WARPS=auto; 1 wherever the fused tf32 GEMM1 runs, 0
 #: never). Bit for bit the same outputs. Measured on the H200, the fused kernel alone with gelu_out, against the
-#: engine's schedule, two runs (results/history/ew-probe-s12c.json, ew-probe-s12d.json): 0.91-0.97 at T = 512-8192,
+#: engine's schedule, two runs (docs/decisions/045-epilogue-warps.md): 0.91-0.97 at T = 512-8192,
 #: 0.98-1.07 at T = 256, where the 96 tiles leave nothing to overlap (one tile per CTA); from T = 513 on a CTA has
 #: more than one 128 x 128 tile (H = 6144: more tiles than SMs).
 EPILOGUE_WARPS_TOKENS = {P.FMT_F16S: (513, 2 ** 31 - 1)}
@@ -108,7 +108,7 @@ EPILOGUE_WARPS_TOKENS = {P.FMT_F16S: (513, 2 ** 31 - 1)}
 
 #: fp16+fp8: the GEMMs whose f16+e4m3 form runs as one launch of the sm90 pair kernel (kernels_cu/gemm_sm90.cu
 #: gemm_sm90_pair_kernel: no fp32 output written and read again between the two products) instead of cuBLAS's
-#: e4m3 + fp16 pair. Measured on the H200, GEMMs alone (results/history/gemm-forms-pair-s8a.json): GEMM1 0.74x of
+#: e4m3 + fp16 pair. Measured on the H200, GEMMs alone (docs/decisions/024-sm90-pair-kernel-gemm1.md): GEMM1 0.74x of
 #: cuBLAS's pair at T = 8192 (0.78-0.81x of bf16x3 at T = 2048-8192); GEMM3 0.99x at T = 8192 but 1.09-1.17x at
 #: T = 2048-4096; GEMM2 and GEMM4 (A read MN-major) 1.05-1.36x. CUPYFFN_SM90_PAIR=1 puts every pair GEMM there.
 SM90_PAIR_GEMMS = ("gemm1",)
@@ -711,9 +711,8 @@ class GpuEngine:
         names = {"gemm1": "grad_gelu = grad_output @ weight2", "gemm2": "grad_weight2 = grad_output^T @ gelu_out",
                  "gemm3": "grad_hidden = grad_linear1 @ weight1", "gemm4": "grad_weight1 = grad_linear1^T @ hidden_states"}
         desc = _gemm.GemmDesc(names[g], m, n, kp * k, dtype, dtype, a_trans=trans, ldc=n)
-        # fp32 SGEMM adds like IEEE fp32 (no tensor cores): only the tensor-core forms are chunked (_ksplit)
-        max_k = None if dtype == _cublas.R_32F else self.max_k
-        plan, _ = _gemm.build(desc, self.device_id, backends=(_gemm.CUBLAS,), max_k=max_k,
+        # every form, fp32 SGEMM included (its error grows with K too: docs/decisions/001-k-chunks.md)
+        plan, _ = _gemm.build(desc, self.device_id, backends=(_gemm.CUBLAS,), max_k=self.max_k,
                               one_ptr=self._consts.data.ptr + 4)
         return plan
 
@@ -998,7 +997,7 @@ class GpuEngine:
             # at the default: where both are ready at once the GPU starts GEMM1 first and fits convert B into the
             # last wave of its tiles, as the host's launch order makes it do without a graph. A graph without
             # priorities started convert B first at T = 8192, leaving GEMM1's last wave exposed (+17 us;
-            # docs/perf-notes.md, session 7).
+            # docs/decisions/018-call-graph.md).
             self._graph_stream = cupy.cuda.Stream(non_blocking=True, priority=_call_graph.greatest_stream_priority())
         graph = _call_graph.CallGraph()
 

@@ -31,9 +31,9 @@ bf16       bf16 everywhere                                            5e-3
 =========  =========================================================  ===========
 
 (*) relative L2 error ||out - ref64|| / ||ref64|| of every output against a float64 reference, on
-the benchmark's inputs (normal data, weights 0.02 * N(0, 1)), at any T, D and H: a tensor-core GEMM
-sums at most cupyffn/_ksplit.py's MAX_K products in one accumulator and adds longer sums' chunks in
-fp32 (measured up to T = 352,000: results/accuracy-vs-tokens-h200.md). `passes_check`: the benchmark's own
+the benchmark's inputs (normal data, weights 0.02 * N(0, 1)), at any T, D and H: a GEMM sums at
+most cupyffn/_ksplit.py's MAX_K products in one accumulator and adds longer sums' chunks in fp32
+(measured up to T = 352,000: results/accuracy-vs-tokens-nvidia-h200.md). `passes_check`: the benchmark's own
 check (cupyffn.workloads.check: per-workload max_atol, 99% of the elements) against the plain-fp32
 reference, measured on the H200 on all 16 workloads over rounds of fresh inputs: ieee, bf16x3,
 fp16+fp8 and tf32 pass it; bf16 fails it on every workload (max|err| up to 7x atol).
@@ -95,14 +95,14 @@ FORMS = {
 }
 
 #: fp16+fp8: per GEMM, (from this many tokens on, this form) steps. Measured on the H200
-#: (tools/gemm_forms_bench.py -> results/gemm-forms-h200.json; whole calls: results/history/bench-fp16fp8-*.json):
+#: (tools/gemm_forms_bench.py -> results/gemm-forms-h200.json; whole calls: docs/decisions/023-fp16-fp8-pair-form.md):
 #: the pair pays its fp32 output twice, so alone it is 0.73-0.90x bf16x3's time for GEMM2-4 from T = 2048
 #: on, but 1.01-1.08x for GEMM1 (output [T, H]) there; below T = 2048 it saves at most ~0.02 ms on a GEMM,
 #: less than the plan's extra conversion work costs the whole call (0.03-0.04 ms measured at T = 256-1024),
 #: so there every GEMM stays bf16x3 and the plan is the bf16x3 plan.
 #: GEMM1 (output [T, H]) takes the pair from T = 2048 on only as one launch of the sm90 pair kernel (e4m3 and fp16
 #: stages into one accumulator, one output: 0.78-0.81x bf16x3's time at T = 2048-8192, where cuBLAS's two
-#: products are 1.06-1.09x; results/history/gemm-forms-pair-s8a.json): the GPU engine runs it bf16x3 wherever that
+#: products are 1.06-1.09x; docs/decisions/024-sm90-pair-kernel-gemm1.md): the GPU engine runs it bf16x3 wherever that
 #: kernel cannot run (cupyffn/_gpu_engine.py SM90_PAIR_GEMMS).
 FORM_TABLE = {
     "gemm1": ((0, "bf16x3"), (2048, "f16+e4m3")),
@@ -181,9 +181,24 @@ PRECISIONS = {
     "bf16": _plan("bf16", 5e-3, False, "one bf16 tensor-core pass, fp32 accumulation", _uniform("bf16"), "bf16"),
 }
 
-#: The default: fp32-class gradients (contract 1e-4) at the lowest cost measured; below T = 2048 it is the
+#: The default on a GPU: fp32-class gradients (contract 1e-4) at the lowest cost measured; below T = 2048 it is the
 #: bf16x3 plan bit for bit, from T = 2048 on GEMM2-4 run the fp16 + e4m3 pair (results/nvidia-h200.json).
 DEFAULT = "fp16+fp8"
+
+#: The default on the CPU (NumPy arrays, device="cpu", CPU tensors): plain fp32, the fastest precision there and
+#: the most accurate. The NumPy backend reproduces the other precisions by rounding every operand as the GPU does,
+#: which on the CPU buys no speed and costs time and accuracy (the benchmark's shape at T = 2048 on 2 CPU cores:
+#: "fp16+fp8" 13.0 s, relative L2 error 1.5e-5; "ieee" 3.4 s, 5.3e-7); they stay selectable by name, to
+#: reproduce a GPU's numerics.
+CPU_DEFAULT = "ieee"
+
+
+def resolve(precision, cpu):
+    """The Precision that `precision` names for a call on the CPU (cpu=True) or a GPU; None means that device's
+    default (CPU_DEFAULT or DEFAULT). Invalid names raise lookup's ValueError."""
+    if precision is None:
+        precision = CPU_DEFAULT if cpu else DEFAULT
+    return lookup(precision)
 
 
 def lookup(precision):

@@ -40,8 +40,9 @@ from cupyffn import _kernels, _libcuda
 #: Source file in kernels_cu/ (compiled for sm_90a only; not one of _kernels.MODULES, which build for any GPU).
 SOURCE = "gemm_sm90.cu"
 #: The staged epilogue's shape (CUPYFFN_XT_COLS, CUPYFFN_XS_STAGE_DROP in gemm_sm90.cu): columns of an x/t
-#: group, and the pipeline stages given up for the slots. Chosen by measurement (docs/perf-notes.md);
-#: tools/sm90_gemm_bench.py can try others through set_staging() before anything is compiled.
+#: group, and the pipeline stages given up for the slots. Chosen by measurement
+#: (docs/decisions/027-xt-whole-row-segments.md); tools/sm90_gemm_bench.py can try others through set_staging()
+#: before anything is compiled.
 XT_COLS = 32
 XS_STAGE_DROP = 1
 #: Measurement hook (tools/sm90_trace.py, set_trace): compile with CUPYFFN_SM90_TRACE, the per-tile timestamps.
@@ -672,8 +673,8 @@ def choose_config(m, n, sms, tanh_inner=True, gelu_out=False):
     one's epilogue under the other's mainloop), cooperative otherwise; else 128 x 256 cooperative.
     Memory mode (tanh_inner recomputed): the 128 x 128 cooperative tile everywhere (64 accumulators per thread
     leave ptxas the registers for tanhf's temporaries; the 128-accumulator variants must serialize it).
-    Measured, every schedule at T = 256 ... 8192, H = 6144 on the H200 (results/history/sweep-t-schedules-s6d.json,
-    docs/perf-notes.md session 6): the rule's choice is the fastest or within 3.1% of it at every T.
+    Measured, every schedule at T = 256 ... 8192, H = 6144 on the H200 (docs/decisions/031-schedule-per-t.md): the
+    rule's choice is the fastest or within 3.1% of it at every T.
     gelu_out (EPI_DGELU_F16G, which has no staged 128 x 256 cooperative variant: GELU_NO_STAGED): 128 x 128
     ping-pong where the rule says 128 x 256 (in the same sweep, dgelu alone, 1.003x of 128 x 256 at T = 8192 and
     1.04x at T = 4096; 128 x 128 cooperative 1.008x and 1.07x)."""
@@ -699,17 +700,17 @@ def _wave_fill(m, n, block_n, sms):
 def choose_pair_config(m, n, sms):
     """The (block_n, pingpong) of a pair kernel launch of an [m, n] output on `sms` multiprocessors: the 128 x 128
     tile if it fills the last wave better than 128 x 256 by more than 2%, else 128 x 256; both cooperative.
-    Measured on the H200, GEMM1 at T = 256 ... 8192 (results/history/gemm-forms-pair-s8a.json): the rule's choice
+    Measured on the H200, GEMM1 at T = 256 ... 8192 (docs/decisions/024-sm90-pair-kernel-gemm1.md): the rule's choice
     is the fastest schedule at every T; ping-pong is 1.5-2.2x slower everywhere (the pair's e4m3 stages bring
     the same bytes per stage in half the MMA time, so delivery, which ping-pong's tiles need more of, rules)."""
     return (128, False) if _wave_fill(m, n, 128, sms) > _wave_fill(m, n, 256, sms) + 0.02 else (256, False)
 
 
 #: CTAs per cluster of the engine's fused launch (DgeluLaunch). 1 until clusters are measured faster there
-#: (docs/perf-notes.md).
+#: (docs/decisions/033-clusters-b-multicast.md).
 FUSED_CLUSTER = 1
 #: Tile order of the engine's fused launch (GemmArgs::raster): bands of 8 tile rows. Measured at T = 2048 and 8192
-#: 1.6-3.8% faster than the column order for the fused kernel (docs/perf-notes.md, session 5); at T <= 1024 (8 tile
+#: 1.6-3.8% faster than the column order for the fused kernel (docs/decisions/032-raster-bands.md); at T <= 1024 (8 tile
 #: rows or fewer) it is the column order itself.
 FUSED_RASTER = 8
 
@@ -810,7 +811,8 @@ def gemm_tn(a, b, out, *, block_n=256, pingpong=False, b_layout="nk", cluster=1,
     b_scale a power of two, bit for bit what "kn" gives on the fp16 codes of convert.cu; b_amax (None, or a
     1-element uint32 array, as gemm_tn_dgelu's amax) receives max |b| over the finite b (subnormals count as 0, as in
     convert.cu; untouched when M or N is 0: then nothing runs). Schedules KN32_CONFIGS (pass block_n=128), no
-    clusters. Measured slower than converting b first (docs/perf-notes.md session 10): no plan uses it.
+    clusters. Measured slower than converting b first (docs/decisions/043-kn32-weights-converted-in-gemm.md): no plan
+    uses it.
     stream: a cupy Stream (default: the current one)."""
     import numpy
 

@@ -43,8 +43,8 @@ import torch.distributed as dist
 
 from ._backward import gelu_ffn_backward as _gelu_ffn_backward
 from ._forward import gelu_ffn_forward as _gelu_ffn_forward
-from ._precision import DEFAULT as _DEFAULT_PRECISION
 from ._precision import lookup as _lookup_precision
+from ._precision import resolve as _resolve_precision
 
 __all__ = ["TensorParallelGeluFFN", "TensorParallelGeluFFNFunction", "shard_weights", "tensor_parallel_gelu_ffn"]
 
@@ -142,19 +142,22 @@ class TensorParallelGeluFFNFunction(torch.autograd.Function):
 
     x ``[..., D]`` (the same on every rank), weight1 ``[h, D]`` and weight2 ``[D, h]`` (this rank's shard,
     see ``shard_weights``), float32 on one CPU or CUDA device; group: a process group or None (the default
-    group); precision and save as in ``cupyffn.torch.GeluFFNFunction``; overlap: see the module docstring.
+    group); precision and save as in ``cupyffn.torch.GeluFFNFunction`` (precision None, the default: "fp16+fp8" on
+    CUDA, "ieee" on the CPU); overlap: see the module docstring.
     Returns the full output ``[..., D]`` (summed over the ranks).
     """
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)  # CUDA autocast: computed in float32
-    def forward(ctx, hidden_states, weight1, weight2, group=None, precision=_DEFAULT_PRECISION, save="all",
+    def forward(ctx, hidden_states, weight1, weight2, group=None, precision=None, save="all",
                 overlap=True):
-        prec = _lookup_precision(precision)
+        if precision is not None:  # a bad name is reported before the tensors are looked at
+            _lookup_precision(precision)
         ct = _adapter()
         ct._check_save(save)
         _group_info(group)
         device = ct._check_tensors((("hidden_states", hidden_states), ("weight1", weight1), ("weight2", weight2)))
+        prec = _resolve_precision(precision, cpu=device.type == "cpu")  # None: the default of the tensors' device
         x, w1, w2 = (ct._readable(t) for t in (hidden_states, weight1, weight2))
         lead = tuple(x.shape[:-1]) if x.dim() else ()
         hidden = w1.shape[0] if w1.dim() == 2 else 0
@@ -210,7 +213,7 @@ class TensorParallelGeluFFNFunction(torch.autograd.Function):
         return (grad_x, grad_w1 if need_w1 else None, grad_w2 if need_w2 else None) + none
 
 
-def tensor_parallel_gelu_ffn(x, weight1, weight2, process_group=None, precision=_DEFAULT_PRECISION, save="all",
+def tensor_parallel_gelu_ffn(x, weight1, weight2, process_group=None, precision=None, save="all",
                              overlap=True):
     """The full output ``gelu_tanh(x @ W1.T) @ W2.T`` from this rank's shard (weight1 ``[h, D]``, weight2
     ``[D, h]``); differentiable; see ``TensorParallelGeluFFNFunction`` and the module docstring."""
@@ -231,7 +234,7 @@ class TensorParallelGeluFFN(torch.nn.Module):
     RuntimeError when torch.distributed is not initialized.
     """
 
-    def __init__(self, dim, hidden_dim, process_group=None, *, precision=_DEFAULT_PRECISION, save="all",
+    def __init__(self, dim, hidden_dim, process_group=None, *, precision=None, save="all",
                  overlap=True, device=None, dtype=torch.float32):
         super().__init__()
         self._setup(dim, hidden_dim, process_group, precision, save, overlap, device, dtype)
@@ -242,7 +245,7 @@ class TensorParallelGeluFFN(torch.nn.Module):
             raise TypeError(f"TensorParallelGeluFFN supports dtype=torch.float32 only; got {dtype}")
         self.dim = _check_int("dim", dim, 1)
         self.hidden_dim = _check_int("hidden_dim", hidden_dim, 1)
-        self.precision = _lookup_precision(precision).name
+        self.precision = None if precision is None else _lookup_precision(precision).name  # None: per call
         self.save = _adapter()._check_save(save)
         self.overlap = bool(overlap)
         self.process_group = process_group
@@ -253,7 +256,7 @@ class TensorParallelGeluFFN(torch.nn.Module):
         self.weight2 = torch.nn.Parameter(torch.empty((dim, self.local_hidden_dim), **factory))
 
     @classmethod
-    def from_full(cls, weight1, weight2, process_group=None, *, precision=_DEFAULT_PRECISION, save="all",
+    def from_full(cls, weight1, weight2, process_group=None, *, precision=None, save="all",
                   overlap=True, device=None):
         """The layer holding this rank's shard of the unsharded weights weight1 ``[H, D]``, weight2 ``[D, H]``
         (the same on every rank, e.g. a ``GeluFFN``'s); copied to `device` (default: weight1's device)."""

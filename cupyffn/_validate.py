@@ -10,6 +10,7 @@ with an equal signature has the same validation outcome and reuses the geometry 
 """
 
 import math
+import sys
 from typing import Any, NamedTuple, Optional, Tuple
 
 import numpy
@@ -62,11 +63,14 @@ _cupy_ndarray = None
 def signature(args, out, accumulate):
     """Identity of a call's arrays, or None when any is not a CuPy array (those always take prepare())."""
     global _cupy_ndarray
-    if _cupy_ndarray is None:
-        import cupy
-
-        _cupy_ndarray = cupy.ndarray
     nd = _cupy_ndarray
+    if nd is None:
+        # Only look CuPy up, never import it: a CuPy array exists only once CuPy is imported, and the NumPy
+        # path must work where CuPy is not installed (sys.modules holds None for an import that was blocked).
+        nd = getattr(sys.modules.get("cupy"), "ndarray", None)
+        if nd is None:
+            return None
+        _cupy_ndarray = nd
     sig = [accumulate]
     for a in args:
         if type(a) is nd:

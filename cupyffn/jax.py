@@ -44,7 +44,6 @@ from jax.experimental.buffer_callback import buffer_callback
 from . import _views
 from ._backward import gelu_ffn_backward as _gelu_ffn_backward
 from ._forward import gelu_ffn_forward as _gelu_ffn_forward
-from ._precision import DEFAULT as _DEFAULT_PRECISION
 from ._precision import lookup as _lookup_precision
 
 __all__ = ["gelu_ffn"]
@@ -202,13 +201,17 @@ def _gelu_ffn_bwd(precision, residuals, dy):
 _gelu_ffn.defvjp(_gelu_ffn_fwd, _gelu_ffn_bwd)
 
 
-def gelu_ffn(x, weight1, weight2, precision=_DEFAULT_PRECISION):
+def gelu_ffn(x, weight1, weight2, precision=None):
     """``gelu_tanh(x @ weight1.T) @ weight2.T`` (no biases), differentiable with ``jax.grad`` (custom VJP).
 
     x ``[..., D]``, weight1 ``[H, D]``, weight2 ``[D, H]``: float32 ``jax.Array``s on one CPU or CUDA device
-    (or traced values of those). precision: ``"fp16+fp8"`` (default), ``"bf16x3"``, ``"ieee"``, ``"tf32"`` or ``"bf16"``
-    (``cupyffn.PRECISIONS``). Returns ``[..., D]`` float32. Works eagerly and under ``jax.jit``.
+    (or traced values of those). precision: ``"fp16+fp8"``, ``"bf16x3"``, ``"ieee"``, ``"tf32"`` or ``"bf16"``
+    (``cupyffn.PRECISIONS``), or None (the default): the device's default, ``"fp16+fp8"`` on a GPU and ``"ieee"``
+    (plain fp32, the fastest on the CPU) on the CPU; the others remain valid on the CPU, reproducing the GPU's
+    numerics. Returns ``[..., D]`` float32. Works eagerly and under ``jax.jit``.
     """
-    precision = _lookup_precision(precision).name
+    # None travels to the callbacks, where cupyffn sees the buffers and picks the default of their device
+    # (a traced value has no device to ask at trace time)
+    precision = None if precision is None else _lookup_precision(precision).name
     _shapes(x, weight1, weight2)  # errors at the call (trace time under jit), naming the argument
     return _gelu_ffn(x, weight1, weight2, precision)

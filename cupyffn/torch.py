@@ -1,7 +1,7 @@
 """PyTorch layer: ``y = gelu_tanh(x @ weight1.T) @ weight2.T`` (no biases) with cupyffn's forward and backward.
 
     from cupyffn.torch import GeluFFN
-    ffn = GeluFFN(dim=512, hidden_dim=2048, device="cuda")       # precision="fp16+fp8", save="all"
+    ffn = GeluFFN(dim=512, hidden_dim=2048, device="cuda")       # precision: fp16+fp8 on CUDA, save="all"
     y = ffn(x)                                                     # x: float32 [..., 512]
     y.sum().backward()                                             # ffn.weight1.grad, ffn.weight2.grad, x.grad
 
@@ -65,10 +65,12 @@ import torch
 from . import _arrays, _views
 from ._backward import gelu_ffn_backward as _gelu_ffn_backward
 from ._forward import gelu_ffn_forward as _gelu_ffn_forward
-from ._precision import DEFAULT as _DEFAULT_PRECISION
 from ._precision import lookup as _lookup_precision
+from ._precision import resolve as _resolve_precision
 
-__all__ = ["GeluFFN", "GeluFFNFunction", "gelu_ffn", "gelu_ffn_backward"]
+# the tensor-parallel names are defined in cupyffn/_torch_parallel.py and imported at the end of this module
+__all__ = ["GeluFFN", "GeluFFNFunction", "gelu_ffn", "gelu_ffn_backward",
+           "TensorParallelGeluFFN", "TensorParallelGeluFFNFunction", "shard_weights", "tensor_parallel_gelu_ffn"]
 
 SAVE_MODES = ("all", "linear1_out")
 
@@ -170,6 +172,18 @@ class _Call:
     def like(self, tensor):
         """A new C-contiguous tensor of `tensor`'s shape and dtype (float32 here); cheaper than empty()."""
         return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+
+def _precision_name(precision):
+    """The checked name of `precision`, or None (the default of the tensors' device, decided per call)."""
+    return None if precision is None else _lookup_precision(precision).name
+
+
+def _device_default(tensor):
+    """The name of the default precision for `tensor`'s device: "ieee" on the CPU, "fp16+fp8" on CUDA
+    (cupyffn/_precision.py CPU_DEFAULT, DEFAULT); a non-tensor gets the GPU's and fails its own checks later."""
+    cpu = isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu"
+    return _resolve_precision(None, cpu=cpu).name
 
 
 def _check_save(save):
@@ -346,6 +360,8 @@ def _autocast_float32(t, device_type):
 
 def _layer(x, weight1, weight2, precision, save):
     """The differentiable block through the eager Function or the operators (see _eager); checked arguments."""
+    if precision is None:  # the default of x's device (static under torch.compile: the operators get a name)
+        precision = _device_default(x)
     if _eager(x, weight1, weight2):
         entry_counts["eager"] += 1
         device_type = x.device.type
@@ -368,7 +384,9 @@ class GeluFFNFunction:
       A tensor whose layout cupyffn cannot read (last dimension not unit-stride, or leading dimensions
       that do not flatten to one row stride, e.g. ``weight.t()``) is copied with ``.contiguous()``;
       every other tensor is passed as it is (zero-copy).
-    * precision: ``"fp16+fp8"`` (default), ``"bf16x3"``, ``"ieee"``, ``"tf32"`` or ``"bf16"`` (``cupyffn.PRECISIONS``).
+    * precision: ``"fp16+fp8"``, ``"bf16x3"``, ``"ieee"``, ``"tf32"`` or ``"bf16"`` (``cupyffn.PRECISIONS``), or
+      None (the default): the tensors' device's default, ``"fp16+fp8"`` on CUDA and ``"ieee"`` (plain fp32,
+      the fastest on the CPU) on the CPU; the others remain valid on the CPU, reproducing the GPU's numerics.
     * save: what is kept for the backward. ``"all"``: hidden_states, the weights, linear1_out
       (``z = x @ weight1.T``), tanh_inner and gelu_out (3 x [..., H] floats). ``"linear1_out"``
       (memory mode): hidden_states, the weights and z only; the backward recomputes tanh_inner and
@@ -380,32 +398,34 @@ class GeluFFNFunction:
     """
 
     @staticmethod
-    def apply(hidden_states, weight1, weight2, precision=_DEFAULT_PRECISION, save="all"):
+    def apply(hidden_states, weight1, weight2, precision=None, save="all"):
         return gelu_ffn(hidden_states, weight1, weight2, precision, save)
 
 
-def gelu_ffn(x, weight1, weight2, precision=_DEFAULT_PRECISION, save="all"):
+def gelu_ffn(x, weight1, weight2, precision=None, save="all"):
     """``gelu_tanh(x @ weight1.T) @ weight2.T`` (no biases), differentiable; see ``GeluFFNFunction``.
 
     x ``[..., D]``, weight1 ``[H, D]``, weight2 ``[D, H]`` (``[out_features, in_features]``), float32 on one
     CPU or CUDA device (any floating dtype under ``torch.autocast``: cast to float32). Returns a ``[..., D]``
     float32 tensor. Traceable by ``torch.compile`` (``fullgraph=True``) and capturable in CUDA graphs.
     """
-    return _layer(x, weight1, weight2, _lookup_precision(precision).name, _check_save(save))
+    return _layer(x, weight1, weight2, _precision_name(precision), _check_save(save))
 
 
 def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner=None, gelu_out=None,
-                      precision=_DEFAULT_PRECISION, need_grad_hidden=True, need_weight_grads=True):
+                      precision=None, need_grad_hidden=True, need_weight_grads=True):
     """The layer's backward as eager autograd runs it, without autograd: (grad_hidden_states, grad_weight1,
     grad_weight2), None for what is not needed; new float32 tensors from torch, on torch's current stream.
 
     The tensors are float32 on one CPU or CUDA device; linear1_out, tanh_inner, gelu_out as
-    ``cupyffn.gelu_ffn_backward`` takes them (None for tanh_inner and gelu_out: memory mode). Not traceable
+    ``cupyffn.gelu_ffn_backward`` takes them (None for tanh_inner and gelu_out: memory mode); precision as in
+    ``GeluFFNFunction`` (None: the default of the tensors' device). Not traceable
     by torch.compile (``torch.ops.cupyffn.backward`` is the traceable operator, with placeholders in place
     of None).
     """
+    precision = _device_default(hidden_states) if precision is None else _lookup_precision(precision).name
     return _backward_impl(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out,
-                          _lookup_precision(precision).name, need_grad_hidden, need_weight_grads)
+                          precision, need_grad_hidden, need_weight_grads)
 
 
 class GeluFFN(torch.nn.Module):
@@ -413,13 +433,14 @@ class GeluFFN(torch.nn.Module):
 
     Parameters ``weight1 [hidden_dim, dim]`` and ``weight2 [dim, hidden_dim]`` (``[out_features,
     in_features]``), initialized like ``torch.nn.Linear`` (``kaiming_uniform_(a=sqrt(5))``, i.e.
-    U(-1/sqrt(in_features), 1/sqrt(in_features))). ``precision`` and ``save`` as in ``GeluFFNFunction``.
+    U(-1/sqrt(in_features), 1/sqrt(in_features))). ``precision`` and ``save`` as in ``GeluFFNFunction``
+    (precision None, the default: decided per call by the input's device, so it follows ``.to(device)``).
     Only float32 parameters (``dtype`` other than torch.float32 raises TypeError). Input ``[..., dim]``
     (float32, or any floating dtype under autocast), output ``[..., dim]`` float32, on the parameters'
     device. Runs ``gelu_ffn`` (the cupyffn operators): compiles without graph breaks.
     """
 
-    def __init__(self, dim, hidden_dim, *, precision=_DEFAULT_PRECISION, save="all", device=None,
+    def __init__(self, dim, hidden_dim, *, precision=None, save="all", device=None,
                  dtype=torch.float32):
         super().__init__()
         if dtype != torch.float32:
@@ -429,7 +450,7 @@ class GeluFFN(torch.nn.Module):
                 raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
         self.dim = dim
         self.hidden_dim = hidden_dim
-        self.precision = _lookup_precision(precision).name
+        self.precision = _precision_name(precision)
         self.save = _check_save(save)
         factory = {"device": device, "dtype": dtype}
         self.weight1 = torch.nn.Parameter(torch.empty((hidden_dim, dim), **factory))

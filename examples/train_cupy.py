@@ -8,7 +8,10 @@ x ~ N(0, 1) of shape [batch, dim], computes the teacher's output, and minimizes
     python examples/train_cupy.py --device cpu --steps 100
 
 Defaults: GPU dim=512, hidden_dim=2048, batch=1024; CPU (NumPy backend) dim=32, hidden_dim=128,
-batch=256. ``main()`` returns the per-step losses.
+batch=256. Precision: cupyffn's default for the device unless --precision says otherwise ("fp16+fp8" on the
+GPU, "ieee", plain fp32, on the CPU). ``main()`` returns the per-step losses.
+
+Without CuPy installed, or without a usable GPU, --device auto runs on the CPU with NumPy.
 """
 
 import argparse
@@ -42,11 +45,13 @@ def linear_init(rng, out_features, in_features, xp, scale=1.0):
     return xp.asarray(rng.uniform(-bound, bound, (out_features, in_features)).astype(numpy.float32))
 
 
-def main(steps=200, device="auto", precision="fp16+fp8", dim=None, hidden_dim=None, batch=None, lr=None, seed=0,
+def main(steps=200, device="auto", precision=None, dim=None, hidden_dim=None, batch=None, lr=None, seed=0,
          verbose=False):
     """Train for `steps` SGD steps; returns the list of losses (floats), one per step.
 
-    device: "auto" (GPU if usable, else CPU), "gpu" or "cpu". lr defaults to 20 / hidden_dim.
+    device: "auto" (GPU if usable, else CPU), "gpu" or "cpu". precision: None for cupyffn's default on that
+    device (cupyffn.DEFAULT_PRECISION on the GPU, cupyffn.CPU_DEFAULT_PRECISION on the CPU) or a name of
+    cupyffn.PRECISIONS. lr defaults to 20 / hidden_dim.
     """
     if device == "auto":
         device = "gpu" if gpu_available() else "cpu"
@@ -59,6 +64,8 @@ def main(steps=200, device="auto", precision="fp16+fp8", dim=None, hidden_dim=No
     d, h, t = SIZES[device]
     dim, hidden_dim, batch = dim or d, hidden_dim or h, batch or t
     lr = 20.0 / hidden_dim if lr is None else lr
+    if precision is None:  # resolved here to be printed: the default cupyffn picks for arrays on this device
+        precision = cupyffn.CPU_DEFAULT_PRECISION if device == "cpu" else cupyffn.DEFAULT_PRECISION
 
     rng = numpy.random.default_rng(seed)
     teacher1 = linear_init(rng, hidden_dim, dim, xp, scale=2.0)
@@ -90,7 +97,8 @@ def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto")
-    p.add_argument("--precision", choices=tuple(cupyffn.PRECISIONS), default=cupyffn.DEFAULT_PRECISION)
+    p.add_argument("--precision", choices=tuple(cupyffn.PRECISIONS), default=None,
+                   help=f"default: {cupyffn.DEFAULT_PRECISION} on the GPU, {cupyffn.CPU_DEFAULT_PRECISION} on the CPU")
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)

@@ -15,7 +15,8 @@ it. This script leaves room with XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 unless the v
 XLA_PYTHON_CLIENT_PREALLOCATE) is already set.
 
 Defaults: GPU dim=512, hidden_dim=2048, batch=1024; CPU dim=32, hidden_dim=128, batch=256; learning rate
-20 / hidden_dim. ``main()`` returns the per-step losses.
+20 / hidden_dim; precision cupyffn's default for the device ("fp16+fp8" on the GPU, "ieee", plain fp32, on
+the CPU). ``main()`` returns the per-step losses.
 """
 
 import argparse
@@ -35,6 +36,7 @@ try:
 except ImportError:  # running from a checkout without installing: use the package beside examples/
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import cupyffn.jax as cupyffn_jax
+import cupyffn  # noqa: E402 (found as cupyffn.jax was)
 
 SIZES = {"cpu": (32, 128, 256), "gpu": (512, 2048, 1024)}  # dim, hidden_dim, batch
 
@@ -50,7 +52,7 @@ def _device(kind):
     return jax.devices(kind)[0]
 
 
-def main(steps=200, device="auto", precision="fp16+fp8", dim=None, hidden_dim=None, batch=None, lr=None, seed=0,
+def main(steps=200, device="auto", precision=None, dim=None, hidden_dim=None, batch=None, lr=None, seed=0,
          verbose=False):
     """Train for `steps` SGD steps; returns the list of losses (floats), one per step.
 
@@ -61,6 +63,8 @@ def main(steps=200, device="auto", precision="fp16+fp8", dim=None, hidden_dim=No
     d, h, t = SIZES[kind]
     dim, hidden_dim, batch = dim or d, hidden_dim or h, batch or t
     lr = 20.0 / hidden_dim if lr is None else lr
+    if precision is None:  # resolved here to be printed: the default cupyffn picks for arrays on this device
+        precision = cupyffn.CPU_DEFAULT_PRECISION if kind == "cpu" else cupyffn.DEFAULT_PRECISION
 
     k_teacher1, k_teacher2, k_w1, k_w2, k_data = jax.random.split(jax.random.PRNGKey(seed), 5)
 
@@ -103,7 +107,8 @@ def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto")
-    p.add_argument("--precision", choices=("fp16+fp8", "bf16x3", "ieee", "tf32", "bf16"), default="fp16+fp8")
+    p.add_argument("--precision", choices=("fp16+fp8", "bf16x3", "ieee", "tf32", "bf16"), default=None,
+                   help="default: fp16+fp8 on the GPU, ieee on the CPU")
     p.add_argument("--dim", type=int)
     p.add_argument("--hidden-dim", type=int)
     p.add_argument("--batch", type=int)

@@ -8,7 +8,8 @@ with torch.optim.Adam (or SGD).
     python examples/train_torch.py                   # CUDA if torch sees a GPU, else CPU
     python examples/train_torch.py --device cpu --optimizer sgd
 
-Defaults: CUDA dim=512, hidden_dim=2048, batch=1024; CPU dim=32, hidden_dim=128, batch=256.
+Defaults: CUDA dim=512, hidden_dim=2048, batch=1024; CPU dim=32, hidden_dim=128, batch=256; precision
+cupyffn's default for the device ("fp16+fp8" on CUDA, "ieee", plain fp32, on the CPU).
 ``main()`` returns the per-step losses.
 """
 
@@ -24,12 +25,13 @@ try:
 except ImportError:  # running from a checkout without installing: use the package beside examples/
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import cupyffn.torch as cupyffn_torch
+import cupyffn  # noqa: E402 (found as cupyffn.torch was)
 
 SIZES = {"cpu": (32, 128, 256), "cuda": (512, 2048, 1024)}  # dim, hidden_dim, batch
 DEFAULT_LR = {"adam": 3e-3, "sgd": None}  # SGD: 20 / hidden_dim
 
 
-def main(steps=200, device="auto", precision="fp16+fp8", save="all", optimizer="adam", dim=None, hidden_dim=None,
+def main(steps=200, device="auto", precision=None, save="all", optimizer="adam", dim=None, hidden_dim=None,
          batch=None, lr=None, seed=0, verbose=False):
     """Train for `steps` optimizer steps; returns the list of losses (floats), one per step.
 
@@ -44,6 +46,8 @@ def main(steps=200, device="auto", precision="fp16+fp8", save="all", optimizer="
         raise ValueError(f"optimizer must be 'adam' or 'sgd'; got {optimizer!r}")
     d, h, t = SIZES[device]
     dim, hidden_dim, batch = dim or d, hidden_dim or h, batch or t
+    if precision is None:  # resolved here to be printed: the default cupyffn picks for tensors on this device
+        precision = cupyffn.CPU_DEFAULT_PRECISION if device == "cpu" else cupyffn.DEFAULT_PRECISION
     if lr is None:
         lr = DEFAULT_LR[optimizer] or 20.0 / hidden_dim
 
@@ -96,7 +100,8 @@ def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    p.add_argument("--precision", choices=("fp16+fp8", "bf16x3", "ieee", "tf32", "bf16"), default="fp16+fp8")
+    p.add_argument("--precision", choices=("fp16+fp8", "bf16x3", "ieee", "tf32", "bf16"), default=None,
+                   help="default: fp16+fp8 on CUDA, ieee on the CPU")
     p.add_argument("--save", choices=("all", "linear1_out"), default="all")
     p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     p.add_argument("--lr", type=float, default=None)

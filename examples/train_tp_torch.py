@@ -227,7 +227,8 @@ def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu", action="store_true", help="CPU tensors and the gloo backend")
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--precision", choices=tuple(cupyffn.PRECISIONS), default=cupyffn.DEFAULT_PRECISION)
+    p.add_argument("--precision", choices=tuple(cupyffn.PRECISIONS), default=None,
+                   help=f"default: {cupyffn.DEFAULT_PRECISION} on CUDA, {cupyffn.CPU_DEFAULT_PRECISION} with --cpu")
     p.add_argument("--save", choices=("all", "linear1_out"), default="all")
     p.add_argument("--no-overlap", action="store_true", help="all-reduce grad_hidden_states after the whole backward")
     p.add_argument("--dim", type=int)
@@ -246,6 +247,8 @@ def main(argv):
     args = _parse(argv)
     if args.bench and args.cpu:
         raise SystemExit("--bench times CUDA streams; it cannot run with --cpu")
+    if args.precision is None:  # cupyffn's default for the device, named: the check and the output report it
+        args.precision = cupyffn.CPU_DEFAULT_PRECISION if args.cpu else cupyffn.DEFAULT_PRECISION
     device = setup(args.cpu)
     try:
         if args.bench:

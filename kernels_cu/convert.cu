@@ -53,7 +53,7 @@ __device__ __forceinline__ float gelu_out_of(const ConvertJob& job, const float*
 // Groups of 8 floats whose loads a thread issues before their stores on the dense path. A macro, not a
 // template parameter, so that tools/convert_bench.py can compile other values with -D for an A/B. 2: on the
 // H200 the gathering passes of every T summed 0.964x the (row, chunk) kernel's time (1, 4, 8: 0.975, 0.989,
-// 1.018; engine grid of 2 waves; results/history/convert-bench-s13a.json). All builds write the same bits.
+// 1.018; engine grid of 2 waves; docs/decisions/010-convert-dense-path.md). All builds write the same bits.
 #ifndef CUPYFFN_CONVERT_UNROLL
 #define CUPYFFN_CONVERT_UNROLL 2
 #endif

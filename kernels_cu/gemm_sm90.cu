@@ -220,7 +220,7 @@ __device__ __forceinline__ void cluster_sync() {
 // Arrives on the mbarrier at shared-memory offset `bar` of the CTA of cluster rank `rank` (itself included).
 // The default semantics (.release at CTA scope), as for a local arrive: what it orders is this warp's reads of
 // the stage, done (wgmma.wait_group) before the arrive. An explicit .release.cluster costs a cluster-scope
-// fence per stage and warp: measured 1.5-2.4x slower kernels (docs/perf-notes.md, session 5).
+// fence per stage and warp: measured 1.5-2.4x slower kernels (docs/decisions/033-clusters-b-multicast.md).
 __device__ __forceinline__ void mbar_arrive_cluster(unsigned bar, unsigned rank) {
   unsigned remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
@@ -667,7 +667,7 @@ __device__ __forceinline__ unsigned xt_offset(int tensor, int r, int chunk) {
 // p, as a value the compiler cannot know before this point (a volatile asm stays in order with the cp.async
 // waits and barriers around it), so that a refill's source addresses are formed when it is issued. LAUNDER is
 // set for the 128 x 256 variants, where ptxas otherwise precomputes every refill's addresses at the start of
-// the epilogue and runs out of registers for overlapping its elements (docs/perf-notes.md, session 6); the
+// the epilogue and runs out of registers for overlapping its elements (docs/decisions/037-refill-laundering.md); the
 // ping-pong variants spill with it.
 template <bool LAUNDER>
 __device__ __forceinline__ const float* refill_source(const float* p) {
@@ -785,9 +785,9 @@ __device__ __forceinline__ void store_code_rows(unsigned slot, const GemmArgs& a
 // and column c_group) straight from its slot in whole row segments, independent of the accumulator layout: lane l
 // takes rows l / 4 and l / 4 + 8 and the 8 columns 8 (l % 4) ..., so that each row gets one 16-byte store of 8 codes
 // (4 lanes: 64 contiguous bytes per row), where the fragment layout gives 4-byte stores 8 columns apart (measured: the
-// fragment-layout stores made this epilogue ~30% slower at T = 8192, docs/perf-notes.md session 9). Arithmetic,
-// rounding and amax as store_gelu_pair; 16-byte stores need ldc a multiple of 8 and a whole octet inside N (else
-// one code at a time). Reads only its own lanes' slot bytes, before the caller's __syncwarp and refill.
+// fragment-layout stores made this epilogue ~30% slower at T = 8192, docs/decisions/041-gelu-out-in-epilogue.md).
+// Arithmetic, rounding and amax as store_gelu_pair; 16-byte stores need ldc a multiple of 8 and a whole octet inside
+// N (else one code at a time). Reads only its own lanes' slot bytes, before the caller's __syncwarp and refill.
 __device__ __forceinline__ void store_gelu_rows(unsigned slot, const GemmArgs& args, int r_top, int c_group, int lane,
                                                 float g_scale, float& gamax) {
   static_assert(kXtCols == 32, "4 lanes x 8 columns per row of a group");
@@ -841,8 +841,8 @@ __device__ __forceinline__ void store_half_staged(const float (&acc)[BN / 2], co
   const float g_scale = EPI == kEpiDgeluF16G ? gelu_scale(args) : 1.0f;
   const int left[2] = {r_top < args.m ? args.n - cbase : 0, r_top + 8 < args.m ? args.n - cbase : 0};
   // One plane, cooperative: C in row segments (store_code_rows). Measured against the fragment-layout stores
-  // (docs/perf-notes.md session 10): 0.93-0.97 for 128 x 256 at T = 2048-8192, but 1.01-1.03 for the ping-pong
-  // variants, whose other consumer's mainloop hides their stores anyway.
+  // (docs/decisions/040-row-segment-stores.md): 0.93-0.97 for 128 x 256 at T = 2048-8192, but 1.01-1.03 for the
+  // ping-pong variants, whose other consumer's mainloop hides their stores anyway.
   constexpr bool kRowStores = EPI != kEpiDgeluBf16x3 && HALVES == 1;
 #pragma unroll
   for (int jg = 0; jg < kGroupsPerHalf; ++jg) {
@@ -932,7 +932,7 @@ __device__ __forceinline__ void store_block_staged(const float (&acc)[HALVES][BN
                                                    int col0, int tid, unsigned slots) {
   float amax = 0.0f, gamax = 0.0f;
   // tanh_inner given or not (memory mode) decided once, not per element: a branch per element splits the
-  // epilogue into one small block per element (session 5 of docs/perf-notes.md)
+  // epilogue into one small block per element (docs/decisions/035-no-branch-per-element.md)
   if (args.t != nullptr) {
     store_half_staged<EPI, BN, HALVES, SLOTS, 0, true>(acc[0], args, row0, col0, tid, slots, amax, gamax);
     if constexpr (HALVES == 2) {
@@ -1002,7 +1002,7 @@ __device__ __forceinline__ void store_convert_step(const ConvertStep& c, unsigne
 // 8 stores then fall on 8 distinct 16-byte bank groups, since c ^ r and c ^ (r + 4) differ in bit 2.) Three
 // steps at a time, all loaded first: the later ones' loads are in flight while the first is converted. (Run with
 // setmaxnreg 56 for the producer warpgroup: at 40 any unrolling spills, and one step at a time measured ~470 cycles
-// per step, 3.5x slower than the converted-weight GEMM; docs/perf-notes.md session 10.)
+// per step, 3.5x slower than the converted-weight GEMM; docs/decisions/043-kn32-weights-converted-in-gemm.md.)
 template <int BN>
 __device__ __forceinline__ void convert_b_stage(unsigned raw, unsigned dst, int cw, int lane, float scale,
                                                 float& amax) {
@@ -1335,8 +1335,9 @@ __device__ __forceinline__ unsigned dynamic_smem_size() {
 // pairs of kernels_cu/split_e4m3.cu) into the accumulator, multiplies it by pair_scale (a power of two: exact),
 // then runs the fp16 stages of A and B on top. An e4m3 stage (128 x 128 and BN x 128 bytes) has the bytes and
 // the swizzle of an fp16 one, so the pipeline is the same; the cross terms come first because Hopper's e4m3 MMA
-// keeps only ~14 bits of its sum (docs/perf-notes.md): it only ever adds the small terms to each other, and the
-// fp16 MMAs add the large ones on top, as the cuBLAS pair does (its e4m3 GEMM writes C, the fp16 one adds to it).
+// keeps only ~14 bits of its sum (docs/decisions/024-sm90-pair-kernel-gemm1.md): it only ever adds the small terms to
+// each other, and the fp16 MMAs add the large ones on top, as the cuBLAS pair does (its e4m3 GEMM writes C, the fp16
+// one adds to it).
 // TA = 1: A is [K, M] (M contiguous: grad_output / grad_linear1 as stored, for the weight gradients), loaded
 // and read MN-major as BT's B (16-bit operands only).
 template <int OP, int BN, int EPI, int PP, int XS, int BT, int CL, int TA = 0>

@@ -3,7 +3,9 @@
 * Tests marked ``gpu`` (the marker is registered in setup.cfg; GPU test modules set
   ``pytestmark = pytest.mark.gpu``) are skipped, with the reason, when no CUDA device is usable.
   The device check runs once per session and only when some collected test carries the marker;
-  cupy is imported inside it, so this file also loads where cupy is not installed.
+  the reason is cupyffn's own (cupyffn/_device.py: "no NVIDIA GPU visible (...)" where there is
+  none, CUDA's driver message only for a GPU whose driver is too old), and cupy is imported inside
+  it, so this file also loads where cupy is not installed.
 * The ``rng`` fixture gives each test its own ``numpy.random.Generator`` seeded from the test's
   node id, so every test sees the same data on every run and on every machine.
 """
@@ -18,20 +20,9 @@ import pytest
 @functools.lru_cache(maxsize=None)
 def cuda_unusable_reason():
     """None when a CUDA device can run a kernel through CuPy, else a one-line reason."""
-    try:
-        import cupy
+    from cupyffn import _device
 
-        count = cupy.cuda.runtime.getDeviceCount()
-        if count <= 0:
-            return "device count 0"
-        probe = cupy.arange(8, dtype=cupy.float32)
-        total = float((probe * 2).sum())  # compiles and runs a kernel, copies back
-        if total != 56.0:
-            return f"a test kernel returned {total}, expected 56.0"
-    except Exception as e:  # ImportError, CUDARuntimeError, CompileException, ...
-        text = " ".join(str(e).split()) or "(no message)"
-        return f"{type(e).__name__}: {text}"
-    return None
+    return _device.gpu_unavailable_reason(run_kernel=True)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -41,7 +32,7 @@ def pytest_collection_modifyitems(config, items):
     reason = cuda_unusable_reason()
     if reason is None:
         return
-    skip = pytest.mark.skip(reason=f"no CUDA device: {reason}")
+    skip = pytest.mark.skip(reason=reason)
     for item in gpu_items:
         item.add_marker(skip)
 

@@ -5,6 +5,7 @@ run; the GPU-only parts (CUPTI, cuBLAS, kernels) are exercised there."""
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import types
 
@@ -78,7 +79,16 @@ def small(monkeypatch):
     monkeypatch.setattr(G, "environment", lambda cupy, torch: {k: "fake" for k in (
         "device", "driver", "cuda_runtime", "cublas", "cupy", "torch", "nvrtc")})
     monkeypatch.setattr(I, "torch_or_none", lambda in_process_compile=False: None)
+    if importlib.util.find_spec("cupy") is None:  # a CPU-only install: the plain-CuPy baseline's TF32 switch is
+        monkeypatch.setattr(I.Implementations, "_naive", _naive_without_cupy)  # a CuPy internal; the same math
     return dim, hidden
+
+
+def _naive_without_cupy(self, args, tf32):
+    """Implementations._naive's four matmuls and dgelu, without CuPy's compute-type switch (NumPy has no TF32)."""
+    dy, x, w1, w2, z, t, g = args
+    dz = self._naive_dgelu(dy @ w2, z, t)
+    return dz @ w1, dz.T @ x, dy.T @ g
 
 
 def _args(**kw):
@@ -158,3 +168,89 @@ def test_nan_poisoning_and_rotation(small, monkeypatch):
 def test_impls_patterns_must_match(small):
     with pytest.raises(SystemExit, match="matches none"):
         G.run_gpu(_args(impls="torch-compile-*"), _fake_cupy())
+
+
+# ---------------------------------------------------------------------------------------------
+# bench.py without a GPU: every flag honoured by the CPU smoke run or refused (exit status 2)
+# ---------------------------------------------------------------------------------------------
+NO_GPU = "no NVIDIA GPU visible (a test's stand-in)"
+
+
+@pytest.fixture
+def cpu_bench(monkeypatch):
+    """bench.main on the CPU path (whatever this machine has), counting the backward calls it makes."""
+    import bench
+    from benchmarks import cpu as C
+
+    monkeypatch.setattr(G, "gpu_or_reason", lambda: (None, NO_GPU))
+    calls = []
+    real = cupyffn.gelu_ffn_backward
+
+    def counting(*args, **kwargs):
+        calls.append((args[0].shape[0], kwargs["precision"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(C.cupyffn, "gelu_ffn_backward", counting)
+    return bench.main, calls
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--compile"], "--compile"),
+    (["--loop"], "--loop"),
+    (["--loop-only"], "--loop-only"),
+    (["--loop-calls", "50"], "--loop-calls"),  # given, even with its default value
+    (["--timer", "events"], "--timer events"),
+    (["--impls", "torch-*"], "--impls: 'torch-*'"),
+    (["--impls", "cupyffn-ieee,cupy-naive-*"], "--impls: 'cupy-naive-*'"),
+    (["--quick", "--compile", "--loop"], "--compile"),
+])
+def test_cpu_run_refuses_gpu_only_flags(cpu_bench, capsys, argv, flag):
+    main, calls = cpu_bench
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"bench.py: {flag}" in err, err
+    assert f"there is no usable GPU here: {NO_GPU}" in err, err
+    assert calls == []  # refused before anything ran
+
+
+def test_cpu_run_honours_its_flags(cpu_bench, capsys, tmp_path):
+    main, calls = cpu_bench
+    path = tmp_path / "cpu.json"
+    argv = ["--quick", "--rounds", "2", "--iters", "2", "--warmup", "1", "--impls", "cupyffn-ieee,cupyffn-bf16",
+            "--timer", "auto", "--no-write", "--json", str(path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1] == NO_GPU and "NOT the benchmark" in out
+    # --quick: T = 64 and 256; per size and implementation 2 check rounds, then 1 warm-up + 2 timed calls
+    assert sorted(set(calls)) == [(64, "bf16"), (64, "ieee"), (256, "bf16"), (256, "ieee")]
+    assert all(calls.count(c) == 2 + 1 + 2 for c in set(calls))
+    assert "PASS 2/2" in out
+    result = json.loads(path.read_text())
+    assert result["protocol"] | {"timing": None, "check": None} == {
+        "timing": None, "check": None, "warmup": 1, "iters": 2, "rounds": 2, "quick": True,
+        "implementations": ["cupyffn-ieee", "cupyffn-bf16"]}
+    assert result["gpu_unavailable"] == NO_GPU
+    rows = result["sizes"][0]["results"]
+    assert len(rows["cupyffn-ieee"]["times_ms"]) == 2 and rows["cupyffn-ieee"]["rounds_passed"] == 2
+
+
+def test_cpu_run_defaults(cpu_bench, capsys):
+    """Without --iters / --warmup the CPU uses its own defaults (3 timed, no warm-up), --rounds its usual 3."""
+    main, calls = cpu_bench
+    assert main(["--quick", "--impls", "cupyffn-ieee"]) == 0
+    assert calls.count((64, "ieee")) == 3 + 0 + 3 and calls.count((256, "ieee")) == 6
+    assert "(CPU default)" in capsys.readouterr().out
+
+
+def test_help_describes_flags_plainly(capsys):
+    import re
+
+    import bench
+
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--help"])
+    text = capsys.readouterr().out
+    for word in (r"\bsession", r"\bissues?\b", r"round \d+ of", r"\bs\d+[a-z]?\b", r"#\d+", r"\bcommitted\b"):
+        assert not re.search(word, text, re.IGNORECASE), (word, text)
+    for flag in ("--compile", "--loop", "--timer events", "--impls", "--rounds", "--json", "--quick"):
+        assert flag in text.split("options:")[0], flag  # the CPU behaviour of each is described

@@ -66,7 +66,8 @@ def test_indirect_gemm_passes_the_table_entries_in_cublas_order(monkeypatch):
 
 @pytest.mark.parametrize("windows", [E.CALL_GRAPH_TOKENS, E.CONVERT_AB_TOKENS])
 def test_default_windows_are_tf32_at_small_t(windows):
-    """Both measured faster only for the tf32 plan at T <= 512 (docs/perf-notes.md, session 7)."""
+    """Both measured faster only for the tf32 plan at T <= 512 (docs/decisions/018-call-graph.md,
+    019-convert-ab-one-launch.md)."""
     assert windows == {P.FMT_F16S: (1, 512)}
 
 

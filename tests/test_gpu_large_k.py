@@ -61,10 +61,7 @@ def test_contract_at_352k_tokens(big, precision):
     bound = cupyffn.PRECISIONS[precision].contract
     for label, e in errors.items():
         assert e <= bound, f"{precision} {label}: rel L2 {e:.3g} > contract {bound}"
-    if precision == "ieee":
-        assert chunks == {}  # fp32 SGEMM adds like IEEE fp32: nothing to chunk
-        return
-    # the weight gradients contract over T (K = T, 3 T for bf16x3): chunked
+    # the weight gradients contract over T (K = T, 3 T for bf16x3): chunked, fp32 SGEMM too
     assert {"gemm2", "gemm4"} <= set(chunks) and min(chunks[g] for g in ("gemm2", "gemm4")) >= 15, chunks
 
 
@@ -103,8 +100,7 @@ def test_contract_at_a_large_hidden_dim(precision):
     args, inputs = make(tokens, dim, hidden, seed=hidden + len(precision))
     plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision)
     grads = plan(*args, out=poisoned(tokens, dim, hidden))
-    if precision != "ieee":
-        assert "gemm3" in plan._engine.k_chunked, plan._engine.k_chunked
+    assert "gemm3" in plan._engine.k_chunked, plan._engine.k_chunked
     check_full(grads, inputs, precision)
     check_forward(inputs["hidden_states"], inputs["weight1"], inputs["weight2"], precision)
     plan.close()
@@ -119,14 +115,13 @@ def test_contract_at_a_large_dim(precision):
     args, inputs = make(tokens, dim, hidden, seed=dim + len(precision))
     plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision)
     grads = plan(*args, out=poisoned(tokens, dim, hidden))
-    if precision != "ieee":
-        assert "gemm1" in plan._engine.k_chunked and not plan.fused_gemm1, plan._engine.k_chunked
+    assert "gemm1" in plan._engine.k_chunked and not plan.fused_gemm1, plan._engine.k_chunked
     check_full(grads, inputs, precision)
     check_forward(inputs["hidden_states"], inputs["weight1"], inputs["weight2"], precision)
     plan.close()
 
 
-@pytest.mark.parametrize("precision", ["tf32", "fp16+fp8", "bf16x3", "bf16"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_chunked_calls_are_bit_stable_and_capture(precision):
     """Chunks of 4096 at T = 20,000 (every weight-gradient GEMM in 5 to 15 chunks): two eager calls and a replay of
     a captured graph give the same bits, inside the contract; a plan with one accumulator gives other bits (the

@@ -99,8 +99,9 @@ def test_pair_against_float64(m, n, k, k8, a_layout, b_layout, block_n, pingpong
     host = cupy.asnumpy(buf)
     assert numpy.isnan(host[:m, n:]).all() and numpy.isnan(host[m:]).all(), "a store outside out"
     want = 0.5 * (8.0 * (a864 @ b864.T) + a64 @ b64)
-    # Hopper's e4m3 MMA keeps fewer bits of its running sum than fp32 (~14, docs/perf-notes.md): on these
-    # operands, where the e4m3 product is the larger one, that is the error (printed: measured, not assumed)
+    # Hopper's e4m3 MMA keeps fewer bits of its running sum than fp32 (~14,
+    # docs/decisions/024-sm90-pair-kernel-gemm1.md): on these operands, where the e4m3 product is the larger one,
+    # that is the error (printed: measured, not assumed)
     err = rel_l2(host[:m, :n], want)
     print(f"pair rel. L2 {err:.2e} at M={m} N={n} K={k} k8={k8}")
     assert err <= 5e-3

@@ -13,7 +13,8 @@ import numpy
 import pytest
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before JAX starts: leave the GPU to CuPy too
-jax = pytest.importorskip("jax")
+jax = pytest.importorskip(
+    "jax", reason="jax not installed: framework tests are opt-in, pip install '.[test-frameworks]'")
 jnp = pytest.importorskip("jax.numpy")
 
 import cupyffn  # noqa: E402
@@ -255,3 +256,20 @@ def test_host_buffers_take_the_numpy_path_and_device_errors_surface():
     assert stream is None and device is None and arrays[0] is values
     with pytest.raises(RuntimeError, match="stream not available"):
         cj._on_device(NoStream(), [DeviceBuffer(values)])
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_default_precision_is_the_devices(rng, device):
+    """No precision argument: the default of the buffers' device ("ieee" on the CPU, "fp16+fp8" on a GPU),
+    decided inside the callbacks (a traced value has no device), eagerly and under jit; bit-identical to
+    naming it."""
+    want = cupyffn.CPU_DEFAULT_PRECISION if device.platform == "cpu" else cupyffn.DEFAULT_PRECISION
+    _, (x, w1, w2, r) = make(rng, device, lead=(16,), dim=32, hidden=64)
+    for f in (lambda fn: fn, jax.jit):
+        default = f(jax.value_and_grad(lambda a, b, c: (cj.gelu_ffn(a, b, c) * r).sum(), argnums=(0, 1, 2)))(x, w1, w2)
+        named = f(jax.value_and_grad(loss_fn(want, r), argnums=(0, 1, 2)))(x, w1, w2)
+        for a, b in zip(jax.tree_util.tree_leaves(default), jax.tree_util.tree_leaves(named)):
+            numpy.testing.assert_array_equal(numpy.asarray(a), numpy.asarray(b))
+    if device.platform == "cpu":  # the GPU's default stays selectable on the CPU, and computes something else
+        emulated = jax.grad(loss_fn("fp16+fp8", r), argnums=1)(x, w1, w2)
+        assert not numpy.array_equal(numpy.asarray(emulated), numpy.asarray(named[1][1]))

@@ -12,6 +12,7 @@ import pytest
 
 import cupyffn
 from cupyffn import _numpy_backend
+from cupyffn import _precision as P
 from cupyffn import workloads as W
 
 F32 = numpy.float32
@@ -141,15 +142,37 @@ def test_precisions_are_ordered_by_accuracy(rng):
     assert err["ieee"] < err["bf16x3"] < err["tf32"] < err["bf16"], err
 
 
-def test_default_precision_is_fp16fp8(rng):
+def test_default_precision_is_fp16fp8_on_the_gpu_and_ieee_on_the_cpu(rng):
+    """No precision argument means the device's default: "fp16+fp8" on a GPU (DEFAULT_PRECISION), plain fp32
+    ("ieee", CPU_DEFAULT_PRECISION) for NumPy arrays, where emulating the GPU's rounding is slower and less
+    accurate; the emulating precisions stay selectable on the CPU."""
     assert cupyffn.DEFAULT_PRECISION == "fp16+fp8"
+    assert cupyffn.CPU_DEFAULT_PRECISION == "ieee"
+    assert P.resolve(None, cpu=False).name == "fp16+fp8" and P.resolve(None, cpu=True).name == "ieee"
+    assert P.resolve("bf16", cpu=True).name == "bf16"
     inp = make(rng, (20,))
     default = run(inp)
-    explicit = run(inp, precision="fp16+fp8")
-    for a, b in zip(default, explicit):
+    for a, b in zip(default, run(inp, precision="ieee")):
+        numpy.testing.assert_array_equal(a, b)  # bit for bit
+    for a, b in zip(default, run(inp, precision=None)):
         numpy.testing.assert_array_equal(a, b)
-    ieee = run(inp, precision="ieee")
-    assert not numpy.array_equal(default[1], ieee[1])  # the default is not plain fp32
+    emulated = run(inp, precision="fp16+fp8")
+    assert not numpy.array_equal(default[1], emulated[1])  # the GPU's default, emulated, is another computation
+    # the forward and the plan object follow the same rule
+    x, w1, w2 = inp["hidden_states"], inp["weight1"], inp["weight2"]
+    fwd = cupyffn.gelu_ffn_forward(x, w1, w2)
+    for a, b in zip(fwd, cupyffn.gelu_ffn_forward(x, w1, w2, precision="ieee")):
+        numpy.testing.assert_array_equal(a, b)
+    assert not numpy.array_equal(fwd.output, cupyffn.gelu_ffn_forward(x, w1, w2, precision="fp16+fp8").output)
+    plan = cupyffn.GeluFFNBackward(20, D, H, device="cpu")
+    assert plan.precision.name == "ieee" and "precision='ieee'" in repr(plan)
+    for a, b in zip(plan(*args_of(inp)), default):
+        numpy.testing.assert_array_equal(a, b)
+    assert cupyffn.GeluFFNBackward(20, D, H, device="cpu", precision="fp16+fp8").precision.name == "fp16+fp8"
+    with pytest.raises(ValueError, match="precision must be one of"):
+        run(inp, precision="fp32")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        cupyffn.GeluFFNBackward(20, D, H, device="cpu", precision="fp32")
 
 
 @pytest.mark.parametrize("precision", PRECISION_NAMES)

@@ -258,9 +258,10 @@ def test_an_unknown_cluster_size_is_refused(stand_ins):
                                       (2048, (256, False)), (3142, (256, False)), (4096, (256, False)),
                                       (4904, (128, False)), (8192, (256, False))])
 def test_choose_config_at_the_workloads(T, config):
-    """The rule at H = 6144 on 132 SMs, where every schedule was measured (docs/perf-notes.md, session 6): 128-wide
-    tiles where they fill the last wave better (T = 256: 96 tiles, 4904: 1872 in 15 waves), ping-pong where each
-    CTA then has two or three of them (768, 1024), 128 x 256 cooperative elsewhere; memory mode 128 x 128 cooperative."""
+    """The rule at H = 6144 on 132 SMs, where every schedule was measured (docs/decisions/031-schedule-per-t.md):
+    128-wide tiles where they fill the last wave better (T = 256: 96 tiles, 4904: 1872 in 15 waves), ping-pong where
+    each CTA then has two or three of them (768, 1024), 128 x 256 cooperative elsewhere; memory mode 128 x 128
+    cooperative."""
     assert G.choose_config(T, 6144, 132) == config
     assert G.choose_config(T, 6144, 132, tanh_inner=False) == (128, False)
 

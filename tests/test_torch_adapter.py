@@ -13,7 +13,8 @@ import sys
 import numpy
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip(
+    "torch", reason="torch not installed: framework tests are opt-in, pip install '.[test-frameworks]'")
 F = torch.nn.functional
 
 import cupyffn  # noqa: E402
@@ -484,3 +485,33 @@ def test_every_allocated_result_is_written(rng, device, monkeypatch):
     x, w1, w2, r = make(rng, device)
     results = run(lambda a, b, c: ct.gelu_ffn(a, b, c, "bf16x3"), x, w1, w2, r)
     assert_within(results, reference(x, w1, w2, r), cupyffn.PRECISIONS["bf16x3"].contract)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_default_precision_is_the_devices(rng, device, spy):
+    """No precision argument: "ieee" (plain fp32) for CPU tensors, "fp16+fp8" for CUDA tensors, decided per call by
+    the input's device (so a module keeps following .to(device)); bit-identical to naming that precision."""
+    want = cupyffn.CPU_DEFAULT_PRECISION if device == "cpu" else cupyffn.DEFAULT_PRECISION
+    x, w1, w2, r = make(rng, device, lead=(16,), dim=32, hidden=64)
+    default = run(lambda a, b, c: ct.gelu_ffn(a, b, c), x, w1, w2, r)
+    named = run(lambda a, b, c: ct.gelu_ffn(a, b, c, want), x, w1, w2, r)
+    for a, b in zip(default, named):
+        assert torch.equal(a, b)
+    assert {kw["precision"] for _, kw in spy["forward"] + spy["backward"]} == {want}
+    ffn = ct.GeluFFN(32, 64, device=device)
+    assert ffn.precision is None and "precision=None" in repr(ffn)
+    spy["forward"].clear()
+    ffn(x)
+    assert spy["forward"][0][1]["precision"] == want
+    grads = ct.gelu_ffn_backward(r, x, w1, w2, *_saved(x, w1))
+    assert spy["backward"][-1][1]["precision"] == want and grads[0].shape == x.shape
+    if device == "cpu":  # the GPU's default stays selectable on the CPU, and computes something else
+        emulated = run(lambda a, b, c: ct.gelu_ffn(a, b, c, "fp16+fp8"), x, w1, w2, r)
+        assert not torch.equal(emulated[2], default[2])
+
+
+def _saved(x, w1):
+    """linear1_out, tanh_inner, gelu_out of x and w1, float32."""
+    z = F.linear(x, w1)
+    t = torch.tanh(0.7978845608028654 * (z + 0.044715 * z ** 3))
+    return z, t, 0.5 * z * (1 + t)

@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip(
+    "torch", reason="torch not installed: framework tests are opt-in, pip install '.[test-frameworks]'")
 dist = pytest.importorskip("torch.distributed")
 F = torch.nn.functional
 
@@ -415,7 +416,7 @@ def unsharded_example_means(steps, device):
 
 def test_example_trains_like_the_unsharded_layer_under_torchrun_on_cpu():
     lines = torchrun(2, "--cpu", "--steps", "60")
-    assert lines[0].startswith(f"check (256x32x128, {cupyffn.DEFAULT_PRECISION}, world size 2): ") and lines[0].endswith(": ok"), lines[0]
+    assert lines[0].startswith(f"check (256x32x128, {cupyffn.CPU_DEFAULT_PRECISION}, world size 2): ") and lines[0].endswith(": ok"), lines[0]
     head, tail = example_means(lines)
     assert tail / head < 0.25, lines[-1]
     # examples/train_torch.py trains the same unsharded GeluFFN (same seed, teacher, data and optimizer)

@@ -133,7 +133,7 @@ def test_grad_output_of_other_dim_is_reported_against_hidden_states(inp, rng):
 # ---------------------------------------------------------------------------------------------
 # precision
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("precision", ["fp8", "BF16", "", None, 3, ("ieee",), ["ieee"]], ids=repr)
+@pytest.mark.parametrize("precision", ["fp8", "BF16", "", 3, ("ieee",), ["ieee"]], ids=repr)  # None: the default
 def test_unknown_precision(inp, precision):
     info = expect_error(ValueError, r"^precision must be one of .*; got " + re.escape(repr(precision)) + "$",
                         args_with(inp), precision=precision)
@@ -456,8 +456,7 @@ def test_plan_accepts_numpy_integers():
     assert all(type(v) is int for v in (plan.tokens, plan.dim, plan.hidden_dim))
 
 
-def test_plan_rejects_an_unknown_device():
-    pytest.importorskip("cupy")
+def test_plan_rejects_an_unknown_device():  # before CuPy is needed: also where it is not installed
     with pytest.raises(TypeError, match=r"^device must be None, 'cpu', an int or a cupy\.cuda\.Device; got 'gpu'$"):
         cupyffn.GeluFFNBackward(T, D, H, device="gpu")
 

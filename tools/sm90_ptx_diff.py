@@ -8,7 +8,7 @@ REGEX (default: the engine's fused tf32 kernels, fp16 dgelu with B as stored, st
 variant's PTX entry is compared line by line; printed per variant: its PTX lines and the differing ones (at
 most 12 shown). Identical PTX means identical SASS (ptxas is deterministic), so a timing difference between
 two runs of such variants is the GPU's, not the code's. Exits 1 if a variant differs (or fails to compile).
-Session 8 of docs/perf-notes.md used it after adding the pair kernel (only the GemmArgs size differed).
+Used after adding the pair kernel: only the GemmArgs size differed (docs/decisions/024-sm90-pair-kernel-gemm1.md).
 """
 
 import argparse

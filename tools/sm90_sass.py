@@ -7,8 +7,8 @@ kernels, fp16 dgelu staged with B as stored), NVRTC makes the PTX with the launc
 it for sm_90a and nvdisasm lists the instructions; printed per variant: instructions, branch regions (BSSY,
 each a divergent if/else the compiler could not turn into predication), branches (BRA), shared loads (LDS),
 global stores (STG), cp.async copies (LDGSTS), wgmma (HGMMA), and the registers and spills ptxas reports.
---dump writes each listing to DIR/<variant>.sass. Session 5 of docs/perf-notes.md used this to find a
-branch per element in the staged epilogue.
+--dump writes each listing to DIR/<variant>.sass. It found a branch per element in the staged epilogue
+(docs/decisions/035-no-branch-per-element.md).
 
 Needs ptxas (the nvidia-cuda-nvcc-cu12 wheel's, or one on PATH) and nvdisasm (the nvidia-cuda-nvdisasm
 wheel's, or on PATH): neither is a dependency of cupyffn; the script says which one it did not find. (The
