@@ -157,16 +157,19 @@ def markdown(result):
              "on blocks (96 columns of grad_weight2, 96 rows of grad_weight1, 256 tokens of grad_hidden_states), the "
              "worst of the three; time: median of 3 calls (CUDA events). \"chunked\": the plans as they ship (K-chunks "
              f"of at most {result['max_k']}, cupyffn/_ksplit.py); \"one accumulator\": the same plan summing all of K "
-             "in one tensor-core accumulator (`_max_k=None`).", "",
+             "in one accumulator (`_max_k=None`).", "",
              "| T | precision | contract | chunked rel. L2 | one accumulator rel. L2 | chunked ms | one accumulator ms | "
              "cost of the chunks |", "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        c, o = r["chunked"], r.get("one_accumulator")
-        lines.append(f"| {r['tokens']} | {r['precision']} | {r['contract']:.0e} | {c['max_rel_l2']:.2e} | "
-                     f"{o['max_rel_l2']:.2e} | {c['ms']:.3f} | {o['ms']:.3f} | {r['chunk_cost']:.3f}x |" if o else
-                     f"| {r['tokens']} | {r['precision']} | {r['contract']:.0e} | {c['max_rel_l2']:.2e} | (fp32: not "
-                     f"chunked) | {c['ms']:.3f} | | |")
-    return "\n".join(lines) + "\n"
+        cells = []
+        for key in ("chunked", "one_accumulator"):
+            m = r.get(key)
+            cells.append((f"{m['max_rel_l2']:.2e}", f"{m['ms']:.3f}") if m else ("not measured", ""))
+        cost = f"{r['chunk_cost']:.3f}x" if "chunk_cost" in r else ""
+        lines.append(f"| {r['tokens']} | {r['precision']} | {r['contract']:.0e} | {cells[0][0]} | {cells[1][0]} | "
+                     f"{cells[0][1]} | {cells[1][1]} | {cost} |")
+    notes = [f"- {r['tokens']} {r['precision']}: {r['note']}" for r in result["rows"] if r.get("note")]
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
 def main(argv=None):
