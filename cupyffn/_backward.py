@@ -74,7 +74,7 @@ class GeluFFNBackward:
         replays it; other addresses run the ordinary path once and capture a new graph (up to four are
         kept). Without ``out=``, the results are arrays owned by the plan that the next call
         overwrites. (The ordinary path of a tf32 plan at T <= 512 is itself one graph launch, re-pointed at
-        each call's arrays: cupyffn/_call_graph.py; CUPYFFN_CALL_GRAPH=0 turns that off.)
+        each call's arrays: docs/cuda-graphs.md.)
     need_grad_hidden, need_weight_grads : bool
         Skip the GEMM(s) of the gradients not needed (frozen weights, first layer).
 
@@ -148,9 +148,8 @@ class GeluFFNBackward:
 
     @property
     def fused_gemm1(self):
-        """True when GEMM1 and the GELU derivative run as one sm90 kernel (on a compute capability 9.0 GPU: the
-        "tf32" plan by default where it measured faster, "bf16x3" only with CUPYFFN_SM90_GEMM1=1;
-        kernels_cu/gemm_sm90.cu, cupyffn/_gpu_engine.py), False for cuBLAS GEMM1 + a pass."""
+        """True when GEMM1 and the GELU derivative run as one sm90 kernel (the "tf32" plan on a compute capability
+        9.0 GPU, where GEMM1's K fits one accumulator: docs/architecture.md), False for cuBLAS GEMM1 + a pass."""
         return bool(self._engine is not None and self._engine.fused_gemm1)
 
     def __repr__(self):
@@ -612,7 +611,7 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
         Stream to work on (default: CuPy's current stream). Results are ready on it when the call
         returns; the host is never synchronized, except when a call of a new shape evicts a cached plan
         (closing it waits for that plan's last call). The stream may be capturing a CUDA graph once a call
-        of this shape and precision has run outside the capture (README, "Plan lifetime").
+        of this shape and precision has run outside the capture (docs/cuda-graphs.md).
     accumulate : bool
         Add into ``out`` grad_weight1 / grad_weight2 instead of overwriting them (grad_hidden_states
         is always overwritten).

@@ -25,7 +25,7 @@ import os
 import sys
 from pathlib import Path
 
-if "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ:  # before JAX starts (README, "JAX")
+if "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ:  # before JAX starts (docs/frameworks.md, "JAX")
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
 
 import jax  # noqa: E402
