@@ -115,6 +115,7 @@ def measure(tokens_list, precisions, dim, hidden, calls=3):
 
     import cupyffn
     from cupyffn import _ksplit
+    from cupyffn._options import EngineOptions
 
     rows = []
     for tokens in tokens_list:
@@ -124,7 +125,8 @@ def measure(tokens_list, precisions, dim, hidden, calls=3):
         for precision in precisions:
             row = {"tokens": tokens, "precision": precision, "contract": cupyffn.PRECISIONS[precision].contract}
             for label, max_k in (("chunked", _ksplit.MAX_K), ("one_accumulator", None)):
-                plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision, _max_k=max_k)
+                plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision,
+                                               _options=EngineOptions(max_k=max_k))
                 out = (cupy.full((tokens, dim), numpy.nan, cupy.float32),
                        cupy.full((hidden, dim), numpy.nan, cupy.float32),
                        cupy.full((dim, hidden), numpy.nan, cupy.float32))
@@ -157,7 +159,7 @@ def markdown(result):
              "on blocks (96 columns of grad_weight2, 96 rows of grad_weight1, 256 tokens of grad_hidden_states), the "
              "worst of the three; time: median of 3 calls (CUDA events). \"chunked\": the plans as they ship (K-chunks "
              f"of at most {result['max_k']}, cupyffn/_ksplit.py); \"one accumulator\": the same plan summing all of K "
-             "in one accumulator (`_max_k=None`).", "",
+             "in one accumulator (`EngineOptions(max_k=None)`).", "",
              "| T | precision | contract | chunked rel. L2 | one accumulator rel. L2 | chunked ms | one accumulator ms | "
              "cost of the chunks |", "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:

@@ -11,6 +11,7 @@ import os
 import time
 
 import cupyffn
+from cupyffn._options import EngineOptions
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -34,42 +35,29 @@ def _compiled_tf32(dy, x, w1, w2, z, t, g):
     return torch_backward(dy, x, w1, w2, z, t, g)
 
 
-#: Twins of a cupyffn plan for an A/B in the same run (report.A_B_TWINS), each the plan built with one engine
-#: switch of cupyffn/_gpu_engine.py (read when a plan is built): (variable, value, precision). For tf32: the cuBLAS
-#: GEMM1 + dgelu pass route instead of the fused sm90 kernel (H100/H200 only, CUPYFFN_SM90_GEMM1=0), every launch
-#: from the host instead of the re-pointed call graph (CUPYFFN_CALL_GRAPH=0), convert A and B as two launches on
-#: two streams instead of one (CUPYFFN_CONVERT_AB=0), the fused GEMM1's staged epilogue instead of
-#: its epilogue warps (H100/H200 only, CUPYFFN_EPILOGUE_WARPS=0). For fp16+fp8: GEMM1 as cuBLAS bf16x3 instead of the sm90 pair
-#: kernel (H100/H200 only, CUPYFFN_SM90_PAIR=0).
+#: Twins of a cupyffn plan for an A/B in the same run (report.A_B_TWINS), each the plan built with one mechanism
+#: turned off in its options (cupyffn/_options.py, GeluFFNBackward(..., _options=)): (options, precision). For tf32:
+#: the cuBLAS GEMM1 + dgelu pass route instead of the fused sm90 kernel (H100/H200 only, fused_gemm1=False), every
+#: launch from the host instead of the re-pointed call graph (call_graph=False), convert A and B as two launches on
+#: two streams instead of one (convert_ab=False), the fused GEMM1's staged epilogue instead of its epilogue warps
+#: (H100/H200 only, epilogue_warps=False). For fp16+fp8: GEMM1 as cuBLAS bf16x3 instead of the sm90 pair kernel
+#: (H100/H200 only, sm90_pair=False).
 TF32_CUBLAS_GEMM1 = "cupyffn-tf32-cublas-gemm1"
 TF32_LAUNCHES = "cupyffn-tf32-launches"
 TF32_CONVERT_APART = "cupyffn-tf32-convert-apart"
 TF32_STAGED_EPILOGUE = "cupyffn-tf32-staged-epilogue"
 FP16FP8_CUBLAS_GEMM1 = "cupyffn-fp16+fp8-cublas-gemm1"
-TWIN_SWITCHES = {TF32_CUBLAS_GEMM1: ("CUPYFFN_SM90_GEMM1", "0", "tf32"),
-                 TF32_LAUNCHES: ("CUPYFFN_CALL_GRAPH", "0", "tf32"),
-                 TF32_CONVERT_APART: ("CUPYFFN_CONVERT_AB", "0", "tf32"),
-                 TF32_STAGED_EPILOGUE: ("CUPYFFN_EPILOGUE_WARPS", "0", "tf32"),
-                 FP16FP8_CUBLAS_GEMM1: ("CUPYFFN_SM90_PAIR", "0", "fp16+fp8")}
-#: The twins that differ from their plan only on an H100/H200 (a switch of an sm90 kernel).
+TWIN_OPTIONS = {TF32_CUBLAS_GEMM1: (EngineOptions(fused_gemm1=False), "tf32"),
+                TF32_LAUNCHES: (EngineOptions(call_graph=False), "tf32"),
+                TF32_CONVERT_APART: (EngineOptions(convert_ab=False), "tf32"),
+                TF32_STAGED_EPILOGUE: (EngineOptions(epilogue_warps=False), "tf32"),
+                FP16FP8_CUBLAS_GEMM1: (EngineOptions(sm90_pair=False), "fp16+fp8")}
+#: The twins that differ from their plan only on an H100/H200 (an option of an sm90 kernel).
 SM90_TWINS = (TF32_CUBLAS_GEMM1, TF32_STAGED_EPILOGUE, FP16FP8_CUBLAS_GEMM1)
 #: Memory mode beside the headline (labelled, never the headline): the tf32 plan called without gelu_out, which it
 #: then forms in the fused GEMM1's epilogue from T = 4096 on (GELU_EPILOGUE_TOKENS) instead of converting the
 #: caller's; every other implementation uses the inputs as given (docs/decisions/002-honour-every-input.md).
 TF32_MEMORY_MODE = "cupyffn-tf32-memory-mode"
-
-
-def _with_switch(key, value, build):
-    """build() with the environment variable `key` set to `value` (then restored)."""
-    old = os.environ.get(key)
-    os.environ[key] = value
-    try:
-        return build()
-    finally:
-        if old is None:
-            del os.environ[key]
-        else:
-            os.environ[key] = old
 
 
 def torch_or_none(in_process_compile=False):
@@ -131,9 +119,9 @@ class Implementations:
         torch = self.torch
         if name.startswith("cupyffn-"):
             memory_mode = name == TF32_MEMORY_MODE
-            if name in TWIN_SWITCHES:
-                variable, value, precision = TWIN_SWITCHES[name]
-                plan = _with_switch(variable, value, lambda: cupyffn.GeluFFNBackward(T, D, H, precision=precision))
+            if name in TWIN_OPTIONS:
+                options, precision = TWIN_OPTIONS[name]
+                plan = cupyffn.GeluFFNBackward(T, D, H, precision=precision, _options=options)
             else:
                 plan = cupyffn.GeluFFNBackward(T, D, H, precision="tf32" if memory_mode else name[len("cupyffn-"):])
 

@@ -61,7 +61,7 @@ def is_peer(name):
 #: cupyffn configurations the bench runs beside the precisions to measure one mechanism (A/B twins, e.g.
 #: cupyffn-tf32 with its fused GEMM1 turned off): in the tables, never the headline's "fastest mode".
 A_B_TWINS = ("cupyffn-tf32-cublas-gemm1", "cupyffn-tf32-launches", "cupyffn-tf32-convert-apart",
-             "cupyffn-tf32-staged-epilogue", "cupyffn-fp16+fp8-cublas-gemm1",  # benchmarks/impls.py TWIN_SWITCHES
+             "cupyffn-tf32-staged-epilogue", "cupyffn-fp16+fp8-cublas-gemm1",  # benchmarks/impls.py TWIN_OPTIONS
              "cupyffn-tf32-memory-mode")  # and TF32_MEMORY_MODE (inputs not all given)
 
 

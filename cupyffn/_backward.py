@@ -8,7 +8,8 @@ from typing import Any, NamedTuple
 
 import numpy
 
-from . import _arrays, _checks, _device, _forward, _ksplit, _numpy_backend, _plan_cache, _precision, _validate
+from . import _arrays, _checks, _device, _forward, _numpy_backend, _plan_cache, _precision, _validate
+from ._options import EngineOptions
 from ._plan_cache import PlanCache, release_captured_plans  # noqa: F401 (re-exported by the package)
 
 
@@ -92,7 +93,7 @@ class GeluFFNBackward:
     """
 
     def __init__(self, tokens, dim, hidden_dim, *, precision=None, device=None, graph=False,
-                 need_grad_hidden=True, need_weight_grads=True, _max_k=_ksplit.MAX_K):
+                 need_grad_hidden=True, need_weight_grads=True, _options=None):
         self.tokens = _check_size("tokens", tokens, 0)
         self.dim = _check_size("dim", dim, 1)
         self.hidden_dim = _check_size("hidden_dim", hidden_dim, 1)
@@ -102,6 +103,10 @@ class GeluFFNBackward:
             raise ValueError("need_grad_hidden and need_weight_grads are both False: there is nothing to compute")
         self.need_grad_hidden = bool(need_grad_hidden)
         self.need_weight_grads = bool(need_weight_grads)
+        # _options (private, for comparisons and measurements): the mechanisms the GPU engine uses
+        # (cupyffn/_options.py); None: the defaults, or what the debug variable CUPYFFN_ENGINE asks for
+        if _options is not None and not isinstance(_options, EngineOptions):
+            raise TypeError(f"_options must be None or a cupyffn._options.EngineOptions; got {_options!r}")
         self.device = _resolve_device(device)
         self.precision = _precision.resolve(precision, cpu=self.device == "cpu")
         self.graph = bool(graph)
@@ -120,9 +125,9 @@ class GeluFFNBackward:
         if self.device != "cpu":
             from ._gpu_engine import GpuEngine
 
-            # _max_k (private, for measuring the mechanism): the longest K one tensor-core accumulator sums
+            options = _options if _options is not None else EngineOptions.from_env()
             self._engine = GpuEngine(self.tokens, self.dim, self.hidden_dim, self.precision, self.device,
-                                     self.need_grad_hidden, self.need_weight_grads, max_k=_max_k)
+                                     self.need_grad_hidden, self.need_weight_grads, options=options)
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -511,7 +516,7 @@ def _run_cpu(call, out, precision, need_grad_hidden, need_weight_grads, accumula
 # ---------------------------------------------------------------------- functional API
 _CACHE_SIZE = 4
 _plans = PlanCache(_CACHE_SIZE)
-# (signature, precision, flags) -> plan: skips validation and the shape lookup for repeated arrays.
+# (signature, precision, flags, options) -> plan: skips validation and the shape lookup for repeated arrays.
 # Like the plans, not keyed by stream: a warm-up on any stream serves a capture on another.
 _recent = {}
 _GPU_DEFAULT = _precision.lookup(_precision.DEFAULT)
@@ -549,12 +554,24 @@ def _ready_event_ptr(event, plan):
     return ptr
 
 
-def _acquire_plan(call, precision, stream, need_grad_hidden, need_weight_grads):
-    """The cached plan for `call` (keyed by device, shape, precision and flags; in use until released)."""
+def _plan_key(call, precision, need_grad_hidden, need_weight_grads, options):
+    """The plan cache's key of `call`: device, shape, precision, flags and the EngineOptions the plan is built with
+    (EngineOptions.from_env at each call: a plan built under another CUPYFFN_ENGINE is never reused)."""
+    return (call.device, call.tokens, call.dim, call.hidden_dim, precision.name, need_grad_hidden,
+            need_weight_grads, options)
+
+
+def _recent_key(sig, precision, need_grad_hidden, need_weight_grads, options):
+    """The key of `_recent` (the fast path for repeated arrays): the validated signature and the rest of the plan's
+    key (_plan_key)."""
+    return (sig, precision.name, need_grad_hidden, need_weight_grads, options)
+
+
+def _acquire_plan(call, precision, stream, need_grad_hidden, need_weight_grads, options):
+    """The cached plan for `call` (keyed by _plan_key; in use until released), built with `options`."""
     import cupy
 
-    key = (call.device, call.tokens, call.dim, call.hidden_dim, precision.name, need_grad_hidden,
-           need_weight_grads)
+    key = _plan_key(call, precision, need_grad_hidden, need_weight_grads, options)
     plan = _plans.acquire(key)
     if plan is not None:
         return plan
@@ -563,7 +580,7 @@ def _acquire_plan(call, precision, stream, need_grad_hidden, need_weight_grads):
             raise _no_plan_error("gelu_ffn_backward")  # building allocates and zero-fills
     return _plans.acquire(key, lambda: GeluFFNBackward(
         call.tokens, call.dim, call.hidden_dim, precision=precision.name, device=call.device,
-        need_grad_hidden=need_grad_hidden, need_weight_grads=need_weight_grads))
+        need_grad_hidden=need_grad_hidden, need_weight_grads=need_weight_grads, _options=options))
 
 
 def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner=None, gelu_out=None, *,
@@ -638,11 +655,12 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
     prec = _precision.lookup(precision) if precision is not None else None
     args = (grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out)
     sig = _validate.signature(args, out, accumulate)
+    options = None  # the GPU plan's EngineOptions (CUPYFFN_ENGINE, parsed once per value), read for GPU arrays only
     if sig is not None:  # CuPy arrays: the plan (and its validated call) may be known already
         if prec is None:
             prec = _GPU_DEFAULT
-        key = (sig, prec.name, need_grad_hidden, need_weight_grads)
-        plan = _recent.get(key)
+        options = EngineOptions.from_env()
+        plan = _recent.get(_recent_key(sig, prec, need_grad_hidden, need_weight_grads, options))
         if plan is not None and _plans.reacquire(plan):  # not if evicted meanwhile
             try:
                 return plan._run(args, out, stream, accumulate, sig, check_activations=check_activations,
@@ -659,12 +677,14 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
         if check_activations:
             _checks.check(call)
         return _run_cpu(call, out, prec, need_grad_hidden, need_weight_grads, accumulate)
-    plan = _acquire_plan(call, prec, stream, need_grad_hidden, need_weight_grads)
+    if options is None:
+        options = EngineOptions.from_env()
+    plan = _acquire_plan(call, prec, stream, need_grad_hidden, need_weight_grads, options)
     try:
         if sig is not None:
             if len(_recent) >= 4 * _CACHE_SIZE:
                 _recent.clear()
-            _recent[(sig, prec.name, need_grad_hidden, need_weight_grads)] = plan
+            _recent[_recent_key(sig, prec, need_grad_hidden, need_weight_grads, options)] = plan
         return plan._run(args, out, stream, accumulate, sig, call, check_activations=check_activations,
                          grad_hidden_ready=grad_hidden_ready)
     finally:

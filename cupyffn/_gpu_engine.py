@@ -21,8 +21,8 @@ one-thread launch once convert B's exponents are final, then a fused rescue laun
 exponent moved: then it runs GEMM1 again). It runs for FUSED_GEMM1_TOKENS: every T since the epilogue's
 instruction count was cut (whole calls 0.90-0.975 of the cuBLAS route on 15 of the 16 workloads; before it, at
 T >= 2048 the cuBLAS route's dgelu pass overlapping GEMM2 on the side stream had been worth more than the fusion;
-docs/decisions/025-sm90-gemm1-dgelu-fusion.md). The environment variable CUPYFFN_SM90_GEMM1 (read when a
-plan is built) overrides: 0 never, 1 at every T (comparisons).
+docs/decisions/025-sm90-gemm1-dgelu-fusion.md). The plan's options (cupyffn/_options.py) override:
+EngineOptions(fused_gemm1=False) never, True at every T (comparisons).
 Memory mode without gelu_out (tf32, fused, weight gradients wanted; GELU_EPILOGUE_TOKENS; `gelu_in_gemm1` for
 such a call, `gelu_epilogue_ok` for the plan): the fused epilogue also writes GEMM2's operand gelu_out =
 0.5 x (1 + t) as scaled fp16 codes, from the linear1_out and tanh_inner it holds anyway (EPI_DGELU_F16G), instead
@@ -39,7 +39,8 @@ sm90 kernels sum the whole K in one accumulator, so a plan whose GEMM1 K exceeds
 With `epilogue_warps` (tf32, fused; EPILOGUE_WARPS_TOKENS: T >= 513) that epilogue runs in seven warps of its own,
 fed each accumulator tile through shared memory while the consumer warps compute the next tile (the same bits).
 The same kernel can serve the bf16x3 plan (epilogue writing grad_linear1's three bf16 planes; one launch, no
-scale to decide), but measured slower over the whole call at every T, so only CUPYFFN_SM90_GEMM1=1 turns it on.
+scale to decide), but measured slower over the whole call at every T, so only EngineOptions(fused_gemm1=True)
+turns it on.
 
 "Lean" layout (bf16x3 at large T, where three 16-bit planes of gelu_out and of grad_linear1 side
 by side would break the memory budget): grad_linear1 reuses gelu_out's planes, so S waits for
@@ -49,25 +50,29 @@ which is dead by then. At that size each GEMM fills the GPU, so nothing is lost 
 
 import ctypes
 import math
-import os
 
-from . import _call_graph, _cublas, _gemm, _kernels, _ksplit, _plan_cache, _sm90_gemm
+from . import _call_graph, _cublas, _gemm, _kernels, _ksplit, _options, _plan_cache, _sm90_gemm
 from . import _precision as P
 
 _ALIGN = 256
 #: Operand formats whose GEMM1 + dgelu the sm90 kernel can run: the tf32 plan's scaled fp16 and the bf16x3 plan's
 #: planes (also fp16+fp8 below T = 2048, where it is the bf16x3 plan).
 FUSABLE_FORMATS = (P.FMT_F16S, P.FMT_BF16X3)
-#: Per format, T (first <= T <= last) at which the default ("auto") fuses (module docstring); a format not
-#: listed fuses only when CUPYFFN_SM90_GEMM1=1. Whole calls on the H200, fused / cuBLAS route, same run: tf32
-#: 0.90-0.975 on 15 of the 16 workloads, 1.36 on one T = 256 row whose twin of equal shape measured 0.94 (host noise);
-#: 0.89-0.99 at every T in a one-round A/B (docs/decisions/025-sm90-gemm1-dgelu-fusion.md).
+
+# ---------------------------------------------------------------------- the measured windows
+# What each option of cupyffn/_options.py left at None (auto) resolves to, through option_wanted: one table, each
+# entry with its measurement and decision note.
+
+#: Per format, T (first <= T <= last) at which the default (fused_gemm1 auto) fuses (module docstring); a format
+#: not listed fuses only with EngineOptions(fused_gemm1=True). Whole calls on the H200, fused / cuBLAS route, same
+#: run: tf32 0.90-0.975 on 15 of the 16 workloads, 1.36 on one T = 256 row whose twin of equal shape measured 0.94
+#: (host noise); 0.89-0.99 at every T in a one-round A/B (docs/decisions/025-sm90-gemm1-dgelu-fusion.md).
 #: bf16x3: 1.02-1.13 from T = 512 on, 0.97-0.98 at 256 (docs/decisions/042-bf16x3-fused-gemm1.md): the
 #: three-plane epilogue costs more than the pass it replaces, so not listed.
 FUSED_GEMM1_TOKENS = {P.FMT_F16S: (1, 2 ** 31 - 1)}
 
 
-#: Per format, T (first <= T <= last) at which eager calls run as a call graph by default (CUPYFFN_CALL_GRAPH=auto;
+#: Per format, T (first <= T <= last) at which eager calls run as a call graph by default (call_graph auto;
 #: cupyffn/_call_graph.py). Measured on the H200, tf32, same runs (docs/decisions/018-call-graph.md): at T <= 512 the
 #: GPU work of a call (0.11-0.14 ms) is as long as the host's enqueue of its launches, so launched one by one the
 #: call measured 0.112-0.18 ms at T = 256 depending on the host's state, as a graph 0.114-0.116 in every run; from
@@ -78,7 +83,7 @@ CALL_GRAPH_TOKENS = {P.FMT_F16S: (1, 512)}
 
 
 #: Per format, T at which convert A and convert B are one launch (and one rescue launch) on S instead of two
-#: launches on two streams (CUPYFFN_CONVERT_AB=auto; 1 at every T, 0 never). Convert B's gathering pass can run
+#: launches on two streams (convert_ab auto; True at every T, False never). Convert B's gathering pass can run
 #: beside convert A only after A's scale is decided (its last block caps gelu_out's exponent by grad_output's),
 #: so launched apart the five matrices go through the GPU one group after the other, with a rescue launch
 #: between; in one launch they share one grid and one decision (slots decided in order: grad_output's first).
@@ -89,7 +94,7 @@ CONVERT_AB_TOKENS = {P.FMT_F16S: (1, 512)}
 
 
 #: Per format, T at which the fused GEMM1 also writes gelu_out's fp16 codes for GEMM2 (module docstring;
-#: CUPYFFN_GELU_EPILOGUE=auto; 1 wherever the fused tf32 GEMM1 runs, 0 never). Measured on the H200, whole calls
+#: gelu_epilogue auto; True wherever the fused tf32 GEMM1 runs, False never). Measured on the H200, whole calls
 #: against the same plan converting gelu_out, same run (docs/decisions/041-gelu-out-in-epilogue.md): 0.973-0.995 at
 #: T = 4096-8192; 1.02-1.07 at T = 256-3142, where the saved conversion is smaller than what the epilogue's second
 #: output costs and GEMM2 no longer overlaps GEMM1's last wave.
@@ -98,8 +103,8 @@ GELU_EPILOGUE_TOKENS = {P.FMT_F16S: (4096, 2 ** 31 - 1)}
 
 #: Per format, T at which the fused GEMM1's epilogue runs in warps of its own (kernels_cu/gemm_sm90.cu, XS = 2: the
 #: accumulator tile handed through shared memory, the epilogue overlapping the next tile's mainloop) instead of the
-#: staged epilogue of choose_config's schedule (CUPYFFN_EPILOGUE_WARPS=auto; 1 wherever the fused tf32 GEMM1 runs, 0
-#: never). Bit for bit the same outputs. Measured on the H200, the fused kernel alone with gelu_out, against the
+#: staged epilogue of choose_config's schedule (epilogue_warps auto; True wherever the fused tf32 GEMM1 runs,
+#: False never). Bit for bit the same outputs. Measured on the H200, the fused kernel alone with gelu_out, against the
 #: engine's schedule, two runs (docs/decisions/045-epilogue-warps.md): 0.91-0.97 at T = 512-8192,
 #: 0.98-1.07 at T = 256, where the 96 tiles leave nothing to overlap (one tile per CTA); from T = 513 on a CTA has
 #: more than one 128 x 128 tile (H = 6144: more tiles than SMs).
@@ -110,27 +115,20 @@ EPILOGUE_WARPS_TOKENS = {P.FMT_F16S: (513, 2 ** 31 - 1)}
 #: gemm_sm90_pair_kernel: no fp32 output written and read again between the two products) instead of cuBLAS's
 #: e4m3 + fp16 pair. Measured on the H200, GEMMs alone (docs/decisions/024-sm90-pair-kernel-gemm1.md): GEMM1 0.74x of
 #: cuBLAS's pair at T = 8192 (0.78-0.81x of bf16x3 at T = 2048-8192); GEMM3 0.99x at T = 8192 but 1.09-1.17x at
-#: T = 2048-4096; GEMM2 and GEMM4 (A read MN-major) 1.05-1.36x. CUPYFFN_SM90_PAIR=1 puts every pair GEMM there.
+#: T = 2048-4096; GEMM2 and GEMM4 (A read MN-major) 1.05-1.36x. sm90_pair auto: these; True: every pair GEMM;
+#: False: none.
 SM90_PAIR_GEMMS = ("gemm1",)
 
 
-def switch_choice(variable):
-    """The value of the engine switch `variable` (an environment variable read when a plan is built): "auto" (the
-    default), "1" or "0"."""
-    choice = os.environ.get(variable, "auto")
-    if choice not in ("0", "1", "auto"):
-        raise ValueError(f"{variable} must be 0, 1 or auto, got {choice!r}")
-    return choice
-
-
-def switch_wanted(variable, windows, fmt, tokens):
-    """Whether the engine switch `variable` (switch_choice) asks for its mechanism in a plan of format `fmt` at
-    `tokens`: 1 always, 0 never, auto where `windows` ({format: (first, last)}: FUSED_GEMM1_TOKENS,
-    CALL_GRAPH_TOKENS, CONVERT_AB_TOKENS, EPILOGUE_WARPS_TOKENS) has first <= tokens <= last. The caller adds what the mechanism itself
-    needs."""
-    choice = switch_choice(variable)
+def option_wanted(choice, windows, fmt, tokens):
+    """Whether a switch of the plan's EngineOptions (cupyffn/_options.py), of value `choice`, asks for its mechanism
+    in a plan of format `fmt` at `tokens`: True always, False never, None (auto) where `windows` ({format: (first,
+    last)}: FUSED_GEMM1_TOKENS, GELU_EPILOGUE_TOKENS, EPILOGUE_WARPS_TOKENS, CALL_GRAPH_TOKENS, CONVERT_AB_TOKENS)
+    has first <= tokens <= last. The caller adds what the mechanism itself needs."""
+    if choice is not None:
+        return choice
     window = windows.get(fmt)
-    return choice == "1" or (choice == "auto" and window is not None and window[0] <= tokens <= window[1])
+    return window is not None and window[0] <= tokens <= window[1]
 
 
 def _align(n):
@@ -198,11 +196,14 @@ class GpuEngine:
     """Everything one (T, D, H, precision, device) backward needs on the GPU, built once."""
 
     def __init__(self, tokens, dim, hidden_dim, precision, device_id, need_grad_hidden=True,
-                 need_weight_grads=True, max_k=_ksplit.MAX_K):
+                 need_weight_grads=True, options=_options.DEFAULT):
         import cupy
 
+        if not isinstance(options, _options.EngineOptions):
+            raise TypeError(f"options must be a cupyffn._options.EngineOptions; got {options!r}")
         self.T, self.D, self.H = tokens, dim, hidden_dim
-        self.max_k = max_k  # the longest K one tensor-core accumulator sums (_ksplit; None: unbounded, for measuring)
+        self.options = options  # every mechanism choice this plan makes (cupyffn/_options.py)
+        self.max_k = options.max_k  # the longest K one tensor-core accumulator sums (_ksplit; None: unbounded)
         self.precision = precision
         self.device_id = device_id
         self.need_grad_hidden = need_grad_hidden
@@ -277,8 +278,8 @@ class GpuEngine:
                 if g == "gemm1":  # cuBLAS's two products are slower than bf16x3 there (FORM_TABLE)
                     self.forms[g] = P.FORMS["bf16x3"]
                     self.form_notes[g] = ("GEMM1's pair runs only as the sm90 pair kernel, which this plan does not "
-                                          "use (CUPYFFN_SM90_PAIR=0, not a compute capability 9.0 GPU, or D or H "
-                                          "not a multiple of 8)")
+                                          "use (EngineOptions(sm90_pair=False), not a compute capability 9.0 GPU, "
+                                          "or D or H not a multiple of 8)")
                     continue
                 try:
                     self._fp8[g], _ = _gemm.build(self._fp8_desc(g), self.device_id, backends=(_gemm.CUBLASLT,),
@@ -298,22 +299,22 @@ class GpuEngine:
     def _fused_gemm1_ok(self):
         """GEMM1 + dgelu as one sm90 kernel (module docstring): the tf32 plan's fp16 or the bf16x3 plan's bf16
         operands, a compute capability 9.0 GPU, rows of 16-byte multiples for the TMA unit (D, H multiples of 8)."""
-        # a format FUSED_GEMM1_TOKENS does not list fuses only when asked to ("1")
-        wanted = switch_wanted("CUPYFFN_SM90_GEMM1", FUSED_GEMM1_TOKENS, self.fmt, self.T)
+        # a format FUSED_GEMM1_TOKENS does not list fuses only when asked to (True)
+        wanted = option_wanted(self.options.fused_gemm1, FUSED_GEMM1_TOKENS, self.fmt, self.T)
         return (wanted and self.fmt in FUSABLE_FORMATS and self.T > 0 and self._sm90_fits()
                 and not _ksplit.chunked(max(self.planes, 1) * self.D, self.max_k))  # one accumulator sums all of K
 
     def _gelu_epilogue_ok(self):
         """Whether the fused GEMM1 can write gelu_out's codes for GEMM2 in calls without gelu_out (memory mode;
-        GELU_EPILOGUE_TOKENS; CUPYFFN_GELU_EPILOGUE, read here: auto, 1, 0): the tf32 plan's fused GEMM1, in a plan
-        that computes the weight gradients."""
-        wanted = switch_wanted("CUPYFFN_GELU_EPILOGUE", GELU_EPILOGUE_TOKENS, self.fmt, self.T)
+        GELU_EPILOGUE_TOKENS; options.gelu_epilogue: auto, True, False): the tf32 plan's fused GEMM1, in a plan that
+        computes the weight gradients."""
+        wanted = option_wanted(self.options.gelu_epilogue, GELU_EPILOGUE_TOKENS, self.fmt, self.T)
         return wanted and self.fused_gemm1 and self.fmt == P.FMT_F16S and self.need_weight_grads
 
     def _epilogue_warps_ok(self):
         """Whether the tf32 plan's fused GEMM1 runs its epilogue in warps of its own (EPILOGUE_WARPS_TOKENS;
-        CUPYFFN_EPILOGUE_WARPS, read here: auto, 1, 0)."""
-        wanted = switch_wanted("CUPYFFN_EPILOGUE_WARPS", EPILOGUE_WARPS_TOKENS, self.fmt, self.T)
+        options.epilogue_warps: auto, True, False)."""
+        wanted = option_wanted(self.options.epilogue_warps, EPILOGUE_WARPS_TOKENS, self.fmt, self.T)
         return wanted and self.fused_gemm1 and self.fmt == P.FMT_F16S
 
     def _sm90_fits(self):
@@ -323,25 +324,25 @@ class GpuEngine:
                 and _sm90_gemm.device_supported(self.device_id))
 
     def _sm90_pair_gemms(self):
-        """The GEMMs whose f16+e4m3 form runs as one sm90 pair kernel (SM90_PAIR_GEMMS; CUPYFFN_SM90_PAIR, read here:
-        auto, 1 every pair GEMM (comparisons), 0 none), where the kernel can run (_sm90_fits)."""
-        choice = switch_choice("CUPYFFN_SM90_PAIR")
-        if choice == "0" or not self._sm90_fits():
+        """The GEMMs whose f16+e4m3 form runs as one sm90 pair kernel (SM90_PAIR_GEMMS; options.sm90_pair: auto, True
+        every pair GEMM (comparisons), False none), where the kernel can run (_sm90_fits)."""
+        choice = self.options.sm90_pair
+        if choice is False or not self._sm90_fits():
             return set()
-        gemms = set(P.GEMMS) if choice == "1" else set(SM90_PAIR_GEMMS)
+        gemms = set(P.GEMMS) if choice else set(SM90_PAIR_GEMMS)
         # the kernel sums all of K (and the pair's doubled K) in one accumulator
         return {g for g in gemms if not _ksplit.chunked(2 * _pad16(self._mnk(g)[2]), self.max_k)}
 
     def _convert_ab_ok(self):
-        """convert A and B as one launch (CONVERT_AB_TOKENS; CUPYFFN_CONVERT_AB, read here: auto, 1, 0)."""
-        wanted = switch_wanted("CUPYFFN_CONVERT_AB", CONVERT_AB_TOKENS, self.fmt, self.T)
+        """convert A and B as one launch (CONVERT_AB_TOKENS; options.convert_ab: auto, True, False)."""
+        wanted = option_wanted(self.options.convert_ab, CONVERT_AB_TOKENS, self.fmt, self.T)
         return wanted and self.fmt == P.FMT_F16S and len(self.cvt_a + self.cvt_b) <= _kernels.MAX_JOBS
 
     def _call_graph_ok(self):
         """Whether eager calls run as a call graph. Possible for every plan but fp16+fp8 (its cuBLASLt GEMMs take
-        their output address on the host; cuBLASLt has no device pointer table). CUPYFFN_CALL_GRAPH (read here):
-        auto (default) where CALL_GRAPH_TOKENS lists the plan's format and T, 1 wherever possible, 0 never."""
-        wanted = switch_wanted("CUPYFFN_CALL_GRAPH", CALL_GRAPH_TOKENS, self.fmt, self.T)
+        their output address on the host; cuBLASLt has no device pointer table). options.call_graph: auto (default)
+        where CALL_GRAPH_TOKENS lists the plan's format and T, True wherever possible, False never."""
+        wanted = option_wanted(self.options.call_graph, CALL_GRAPH_TOKENS, self.fmt, self.T)
         return wanted and self.T > 0 and self.fmt != P.FMT_F16E4M3 and not self.k_chunked
 
     @property

@@ -8,6 +8,7 @@ import pytest
 from cupyffn import _call_graph, _cublas, _kernels
 from cupyffn import _gpu_engine as E
 from cupyffn import _precision as P
+from cupyffn._options import EngineOptions
 
 
 def test_kernel_node_params_match_cuda_h():
@@ -71,17 +72,15 @@ def test_default_windows_are_tf32_at_small_t(windows):
     assert windows == {P.FMT_F16S: (1, 512)}
 
 
-def test_switch_wanted(monkeypatch):
-    """The engine's three switches (CUPYFFN_SM90_GEMM1, CUPYFFN_CALL_GRAPH, CUPYFFN_CONVERT_AB) read one way."""
+def test_option_wanted():
+    """The engine's window switches (EngineOptions fused_gemm1, gelu_epilogue, epilogue_warps, call_graph,
+    convert_ab) read one way: None (auto) the window, True always, False never."""
     windows = {P.FMT_F16S: (1, 512)}
-    monkeypatch.delenv("CUPYFFN_CALL_GRAPH", raising=False)
-    assert E.switch_wanted("CUPYFFN_CALL_GRAPH", windows, P.FMT_F16S, 512)
-    assert not E.switch_wanted("CUPYFFN_CALL_GRAPH", windows, P.FMT_F16S, 513)
-    assert not E.switch_wanted("CUPYFFN_CALL_GRAPH", windows, P.FMT_BF16X3, 256)  # not listed
-    monkeypatch.setenv("CUPYFFN_CALL_GRAPH", "1")
-    assert E.switch_wanted("CUPYFFN_CALL_GRAPH", windows, P.FMT_BF16X3, 10 ** 6)
-    monkeypatch.setenv("CUPYFFN_CALL_GRAPH", "0")
-    assert not E.switch_wanted("CUPYFFN_CALL_GRAPH", windows, P.FMT_F16S, 256)
-    monkeypatch.setenv("CUPYFFN_CALL_GRAPH", "yes")
-    with pytest.raises(ValueError, match="CUPYFFN_CALL_GRAPH must be 0, 1 or auto, got 'yes'"):
-        E.switch_wanted("CUPYFFN_CALL_GRAPH", windows, P.FMT_F16S, 256)
+    auto = EngineOptions().call_graph
+    assert E.option_wanted(auto, windows, P.FMT_F16S, 512)
+    assert not E.option_wanted(auto, windows, P.FMT_F16S, 513)
+    assert not E.option_wanted(auto, windows, P.FMT_BF16X3, 256)  # not listed
+    assert E.option_wanted(EngineOptions(call_graph=True).call_graph, windows, P.FMT_BF16X3, 10 ** 6)
+    assert not E.option_wanted(EngineOptions(call_graph=False).call_graph, windows, P.FMT_F16S, 256)
+    with pytest.raises(TypeError, match="EngineOptions.call_graph must be None"):
+        EngineOptions(call_graph="yes")

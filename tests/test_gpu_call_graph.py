@@ -1,8 +1,9 @@
 """The call graph (cupyffn/_call_graph.py): an eager call as one CUDA graph launch, re-pointed at each call's arrays.
 
-Every test compares the call-graph plan (the default) with the same plan built with CUPYFFN_CALL_GRAPH=0 (each
-launch from the host) on fresh inputs at new addresses every call, outputs NaN-poisoned: a graph that kept any
-address of an earlier call would read stale inputs or leave the new outputs NaN. Both are also held to the
+Every test compares the call-graph plan (the default) with the same plan built with
+EngineOptions(call_graph=False) (each launch from the host) on fresh inputs at new addresses every call, outputs
+NaN-poisoned: a graph that kept any address of an earlier call would read stale inputs or leave the new outputs
+NaN. Both are also held to the
 precision's contract against float64. (Other GPU tests run it too wherever it is the default: tf32, T <= 512.)
 """
 
@@ -12,22 +13,23 @@ import pytest
 import cupyffn
 from cupyffn import _cublas
 from cupyffn import workloads as W
+from cupyffn._options import EngineOptions
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
 from gpu_inputs import make, poisoned  # noqa: E402  (tests/gpu_inputs.py)
 
 #: Plans that can run a call graph (fp16+fp8 cannot: its cuBLASLt GEMMs take their output address on the host);
-#: by default only tf32 at T <= 512 does (test_default_policy), the others are forced here (CUPYFFN_CALL_GRAPH=1).
+#: by default only tf32 at T <= 512 does (test_default_policy), the others are forced here (call_graph=True).
 GRAPHED = ("tf32", "bf16", "bf16x3", "ieee")
 
 
-def twin_plans(monkeypatch, tokens, dim, hidden, precision, **kw):
-    """(call-graph plan, launch-by-launch plan) of one shape (CUPYFFN_CALL_GRAPH=1 and 0)."""
-    monkeypatch.setenv("CUPYFFN_CALL_GRAPH", "0")
-    eager = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision, **kw)
-    monkeypatch.setenv("CUPYFFN_CALL_GRAPH", "1")
-    graphed = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision, **kw)
+def twin_plans(tokens, dim, hidden, precision, **kw):
+    """(call-graph plan, launch-by-launch plan) of one shape (EngineOptions(call_graph=True) and False)."""
+    eager = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision,
+                                    _options=EngineOptions(call_graph=False), **kw)
+    graphed = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision,
+                                      _options=EngineOptions(call_graph=True), **kw)
     assert graphed._engine.call_graph and not eager._engine.call_graph
     return graphed, eager
 
@@ -51,8 +53,8 @@ def assert_contract(grads, inputs, precision, what):
 
 @pytest.mark.parametrize("precision", GRAPHED)
 @pytest.mark.parametrize("tokens,dim,hidden", [(1, 64, 256), (300, 128, 520), (1024, 1536, 6144)])
-def test_new_arrays_every_call(tokens, dim, hidden, precision, monkeypatch):
-    graphed, eager = twin_plans(monkeypatch, tokens, dim, hidden, precision)
+def test_new_arrays_every_call(tokens, dim, hidden, precision):
+    graphed, eager = twin_plans(tokens, dim, hidden, precision)
     for step in range(3):
         args, inputs = make(tokens, dim, hidden, seed=10 * step + tokens)  # new allocations: new addresses
         got = graphed(*args, out=poisoned(tokens, dim, hidden))
@@ -67,10 +69,10 @@ def test_new_arrays_every_call(tokens, dim, hidden, precision, monkeypatch):
 
 
 @pytest.mark.parametrize("precision", GRAPHED)
-def test_accumulate_alternating(precision, monkeypatch):
+def test_accumulate_alternating(precision):
     """accumulate=True adds onto the weight gradients (cuBLAS beta 1, baked into a graph of its own)."""
     tokens, dim, hidden = 200, 64, 256
-    graphed, eager = twin_plans(monkeypatch, tokens, dim, hidden, precision)
+    graphed, eager = twin_plans(tokens, dim, hidden, precision)
     rng = numpy.random.default_rng(3)
     start = [cupy.asarray(rng.standard_normal(s).astype(numpy.float32)) for s in ((tokens, dim), (hidden, dim),
                                                                               (dim, hidden))]
@@ -83,13 +85,13 @@ def test_accumulate_alternating(precision, monkeypatch):
     assert set(graphed._engine._call_graphs) == {(True, False, False), (False, False, False)}
 
 
-def test_memory_mode_and_unaligned_rows_switch_the_kernel_variant(monkeypatch):
+def test_memory_mode_and_unaligned_rows_switch_the_kernel_variant():
     """tf32 on an H100/H200: the fused GEMM1's function changes with tanh_inner given or not and with the rows of
     linear1_out on 16-byte boundaries or not; one graph follows all four (the node's function is re-set)."""
     if cupy.cuda.Device().compute_capability != "90":
         pytest.skip("the fused GEMM1 runs on compute capability 9.0 GPUs only")
     tokens, dim, hidden = 300, 64, 256
-    graphed, eager = twin_plans(monkeypatch, tokens, dim, hidden, "tf32")
+    graphed, eager = twin_plans(tokens, dim, hidden, "tf32")
     assert graphed.fused_gemm1
     for step, (memory_mode, offset) in enumerate([(False, 0), (True, 1), (False, 1), (True, 0), (False, 0)]):
         args, inputs = make(tokens, dim, hidden, seed=70 + step)
@@ -108,11 +110,11 @@ def test_memory_mode_and_unaligned_rows_switch_the_kernel_variant(monkeypatch):
 
 
 @pytest.mark.parametrize("precision", GRAPHED)
-def test_memory_mode_alternating(precision, monkeypatch):
+def test_memory_mode_alternating(precision):
     """tanh_inner / gelu_out given, then not (memory mode: recomputed), then given again. For ieee memory mode adds
     a launch (gelu_out recomputed into fp32 scratch for GEMM2), so it gets a graph of its own (graph_key)."""
     tokens, dim, hidden = 160, 64, 256
-    graphed, eager = twin_plans(monkeypatch, tokens, dim, hidden, precision)
+    graphed, eager = twin_plans(tokens, dim, hidden, precision)
     for step, memory_mode in enumerate((False, True, False, True)):
         args, inputs = make(tokens, dim, hidden, seed=170 + step)
         if memory_mode:
@@ -125,10 +127,10 @@ def test_memory_mode_alternating(precision, monkeypatch):
 
 
 @pytest.mark.parametrize("need", ["grad_hidden", "weight_grads"])
-def test_partial_gradients(need, monkeypatch):
+def test_partial_gradients(need):
     tokens, dim, hidden = 129, 64, 256
     kw = {"need_grad_hidden": need == "grad_hidden", "need_weight_grads": need == "weight_grads"}
-    graphed, eager = twin_plans(monkeypatch, tokens, dim, hidden, "tf32", **kw)
+    graphed, eager = twin_plans(tokens, dim, hidden, "tf32", **kw)
     for step in range(2):
         args, _ = make(tokens, dim, hidden, seed=90 + step)
         out = [None if not wanted else o for o, wanted in zip(poisoned(tokens, dim, hidden),
@@ -138,10 +140,10 @@ def test_partial_gradients(need, monkeypatch):
         assert_close_to(got, want, f"{need} step {step}")
 
 
-def test_two_streams(monkeypatch):
+def test_two_streams():
     """Calls alternating between two streams are ordered (they share the scratch) and each is re-pointed."""
     tokens, dim, hidden = 256, 128, 512
-    graphed, eager = twin_plans(monkeypatch, tokens, dim, hidden, "tf32")
+    graphed, eager = twin_plans(tokens, dim, hidden, "tf32")
     streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
     results = []
     for step in range(4):
@@ -156,11 +158,11 @@ def test_two_streams(monkeypatch):
         assert_close_to(out, eager(*args, out=poisoned(tokens, dim, hidden)), f"step {step}")
 
 
-def test_grad_hidden_ready_calls_launch_by_launch(monkeypatch):
+def test_grad_hidden_ready_calls_launch_by_launch():
     """grad_hidden_ready= records an event after GEMM3, which a graph cannot re-point: those calls launch as
     before, and give the same results."""
     tokens, dim, hidden = 256, 64, 256
-    graphed, eager = twin_plans(monkeypatch, tokens, dim, hidden, "tf32")
+    graphed, eager = twin_plans(tokens, dim, hidden, "tf32")
     ready = cupy.cuda.Event(disable_timing=True)
     args, _ = make(tokens, dim, hidden, seed=130)
     got = graphed(*args, out=poisoned(tokens, dim, hidden), grad_hidden_ready=ready)
@@ -173,7 +175,7 @@ def test_failure_while_capturing_leaves_nan_and_a_usable_plan(monkeypatch):
     """A cuBLAS error during the capture: out= is NaN-filled, the stream leaves capture mode, and the next call
     captures again and is right."""
     tokens, dim, hidden = 64, 64, 256
-    graphed, eager = twin_plans(monkeypatch, tokens, dim, hidden, "bf16x3")
+    graphed, eager = twin_plans(tokens, dim, hidden, "bf16x3")
     original = _cublas.Gemm.indirect
 
     def failing(self, handle, table):
@@ -193,8 +195,8 @@ def test_failure_while_capturing_leaves_nan_and_a_usable_plan(monkeypatch):
 
 
 def test_default_policy(monkeypatch):
-    """auto: the tf32 plan at T <= 512 (_gpu_engine.CALL_GRAPH_TOKENS), nothing else; 1: every plan it can."""
-    monkeypatch.setenv("CUPYFFN_CALL_GRAPH", "auto")
+    """auto: the tf32 plan at T <= 512 (_gpu_engine.CALL_GRAPH_TOKENS), nothing else; True: every plan it can."""
+    monkeypatch.delenv("CUPYFFN_ENGINE", raising=False)
     for tokens, precision, graphed in ((1, "tf32", True), (512, "tf32", True), (513, "tf32", False),
                                        (256, "bf16x3", False), (256, "ieee", False), (256, "bf16", False)):
         plan = cupyffn.GeluFFNBackward(tokens, 64, 256, precision=precision)
@@ -202,15 +204,14 @@ def test_default_policy(monkeypatch):
         args, inputs = make(tokens, 64, 256, seed=160)
         assert_contract(plan(*args, out=poisoned(tokens, 64, 256)), inputs, precision, f"{precision} T={tokens}")
         assert bool(plan._engine._call_graphs) == graphed
-    monkeypatch.setenv("CUPYFFN_CALL_GRAPH", "1")
-    assert cupyffn.GeluFFNBackward(4096, 64, 256, precision="ieee")._engine.call_graph
+    assert cupyffn.GeluFFNBackward(4096, 64, 256, precision="ieee",
+                                   _options=EngineOptions(call_graph=True))._engine.call_graph
 
 
-def test_fp16_fp8_launches_by_launch(monkeypatch):
+def test_fp16_fp8_launches_by_launch():
     """fp16+fp8 where it runs e4m3 GEMMs (T >= 2048) launches by launch; below, it is the bf16x3 plan, graphed."""
-    monkeypatch.setenv("CUPYFFN_CALL_GRAPH", "1")
     for tokens, graphed in ((2048, False), (256, True)):
-        plan = cupyffn.GeluFFNBackward(tokens, 64, 256, precision="fp16+fp8")
+        plan = cupyffn.GeluFFNBackward(tokens, 64, 256, precision="fp16+fp8", _options=EngineOptions(call_graph=True))
         assert ("f16+e4m3" in plan.gemm_forms.values()) != graphed
         assert plan._engine.call_graph == graphed
         args, inputs = make(tokens, 64, 256, seed=150)
@@ -219,6 +220,9 @@ def test_fp16_fp8_launches_by_launch(monkeypatch):
 
 
 def test_the_variable_is_checked(monkeypatch):
-    monkeypatch.setenv("CUPYFFN_CALL_GRAPH", "yes")
-    with pytest.raises(ValueError, match="CUPYFFN_CALL_GRAPH must be 0, 1 or auto"):
+    """CUPYFFN_ENGINE sets call_graph for plans built without options; a bad value is refused with its name."""
+    monkeypatch.setenv("CUPYFFN_ENGINE", "call_graph=1")
+    assert cupyffn.GeluFFNBackward(4096, 64, 256, precision="ieee")._engine.call_graph
+    monkeypatch.setenv("CUPYFFN_ENGINE", "call_graph=yes")
+    with pytest.raises(ValueError, match="CUPYFFN_ENGINE"):
         cupyffn.GeluFFNBackward(64, 64, 256)

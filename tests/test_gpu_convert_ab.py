@@ -10,6 +10,7 @@ import pytest
 
 import cupyffn
 from cupyffn import workloads as W
+from cupyffn._options import EngineOptions
 
 from test_gpu_api import _scaled_inputs  # noqa: E402  (tests/ is on sys.path under pytest's rootdir conftest)
 
@@ -18,11 +19,12 @@ cupy = pytest.importorskip("cupy")
 from gpu_inputs import poisoned  # noqa: E402  (tests/gpu_inputs.py)
 
 
-def twin_plans(monkeypatch, tokens, dim, hidden, **kw):
-    monkeypatch.setenv("CUPYFFN_CONVERT_AB", "0")
-    apart = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision="tf32", **kw)
-    monkeypatch.setenv("CUPYFFN_CONVERT_AB", "1")
-    merged = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision="tf32", **kw)
+def twin_plans(tokens, dim, hidden, **kw):
+    """(one-launch plan, two-launch plan) of one shape (EngineOptions(convert_ab=True) and False)."""
+    apart = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision="tf32", _options=EngineOptions(convert_ab=False),
+                                    **kw)
+    merged = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision="tf32", _options=EngineOptions(convert_ab=True),
+                                     **kw)
     assert merged._engine.convert_ab and not apart._engine.convert_ab
     return merged, apart
 
@@ -37,8 +39,8 @@ def assert_same_bits(got, want, what):
 
 @pytest.mark.parametrize("memory_mode", [False, True])
 @pytest.mark.parametrize("tokens,dim,hidden", [(1, 64, 256), (300, 128, 520), (2048, 1536, 6144)])
-def test_one_launch_matches_two(tokens, dim, hidden, memory_mode, monkeypatch):
-    merged, apart = twin_plans(monkeypatch, tokens, dim, hidden)
+def test_one_launch_matches_two(tokens, dim, hidden, memory_mode):
+    merged, apart = twin_plans(tokens, dim, hidden)
     for step in range(2):
         inputs = W.make_inputs((tokens,), dim, hidden, xp=cupy, seed=200 + step)
         args = [inputs[n] for n in W.INPUT_NAMES]
@@ -51,10 +53,10 @@ def test_one_launch_matches_two(tokens, dim, hidden, memory_mode, monkeypatch):
             assert W.relative_l2(g, r, xp=cupy) <= cupyffn.PRECISIONS["tf32"].contract, label
 
 
-def test_magnitude_jumps_rescue_the_same_way(monkeypatch):
+def test_magnitude_jumps_rescue_the_same_way():
     """Each call's magnitudes far from the last call's: the delayed scales miss, the rescue pass converts again
     (and, for grad_linear1, reruns GEMM1); both routes end with the same scales and bits."""
-    merged, apart = twin_plans(monkeypatch, 256, 128, 512)
+    merged, apart = twin_plans(256, 128, 512)
     for scales in [(1, 1, 1, 1), (1e20, 1, 1, 1e-15), (1e-20, 1e10, 1e-10, 1), (1e-30, 1, 1, 1e25), (1, 1, 1, 1)]:
         args, inputs = _scaled_inputs(scales, seed=52)
         got = merged(*args, out=poisoned(256, 128, 512))
@@ -65,8 +67,8 @@ def test_magnitude_jumps_rescue_the_same_way(monkeypatch):
             assert W.relative_l2(g, r, xp=cupy) <= cupyffn.PRECISIONS["tf32"].contract, f"{scales} {label}"
 
 
-def test_partial_gradients(monkeypatch):
-    merged, apart = twin_plans(monkeypatch, 129, 64, 256, need_weight_grads=False)
+def test_partial_gradients():
+    merged, apart = twin_plans(129, 64, 256, need_weight_grads=False)
     assert merged._engine.cvt_a == ["grad_output", "weight2", "weight1"] and merged._engine.cvt_b == []
     inputs = W.make_inputs((129,), 64, 256, xp=cupy, seed=230)
     args = [inputs[n] for n in W.INPUT_NAMES]
@@ -76,11 +78,17 @@ def test_partial_gradients(monkeypatch):
     assert_same_bits(got, want, "need_weight_grads=False")
 
 
-def test_default_window_and_the_variable(monkeypatch):
-    monkeypatch.setenv("CUPYFFN_CONVERT_AB", "auto")
+def test_default_window_and_the_option(monkeypatch):
+    """auto: tf32 at T <= 512 (CONVERT_AB_TOKENS); CUPYFFN_ENGINE sets the option for plans built without one, and
+    a bad value there is refused with the variable's name."""
+    monkeypatch.delenv("CUPYFFN_ENGINE", raising=False)
     for tokens, precision, merged in ((512, "tf32", True), (513, "tf32", False), (256, "bf16x3", False)):
         plan = cupyffn.GeluFFNBackward(tokens, 64, 256, precision=precision)
         assert plan._engine.convert_ab == merged, (tokens, precision)
-    monkeypatch.setenv("CUPYFFN_CONVERT_AB", "yes")
-    with pytest.raises(ValueError, match="CUPYFFN_CONVERT_AB must be 0, 1 or auto"):
+        plan = cupyffn.GeluFFNBackward(tokens, 64, 256, precision=precision, _options=EngineOptions())
+        assert plan._engine.convert_ab == merged, (tokens, precision)
+    monkeypatch.setenv("CUPYFFN_ENGINE", "convert_ab=0")
+    assert not cupyffn.GeluFFNBackward(512, 64, 256, precision="tf32")._engine.convert_ab
+    monkeypatch.setenv("CUPYFFN_ENGINE", "convert_ab=yes")
+    with pytest.raises(ValueError, match="CUPYFFN_ENGINE"):
         cupyffn.GeluFFNBackward(64, 64, 256)

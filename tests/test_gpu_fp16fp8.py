@@ -13,6 +13,7 @@ import pytest
 import cupyffn
 from cupyffn import _gpu_engine, _precision, _sm90_gemm
 from cupyffn import workloads as W
+from cupyffn._options import EngineOptions
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
@@ -93,22 +94,23 @@ def test_memory_mode_and_accumulate_with_the_pair():
         assert e <= 2 * CONTRACT, f"accumulate {label}: {e:.3g}"
 
 
-@pytest.mark.parametrize("switch", ["0", "1"])
+@pytest.mark.parametrize("switch", [False, True])
 def test_sm90_pair_switch(monkeypatch, switch):
-    """CUPYFFN_SM90_PAIR=0: GEMM1 bf16x3 on cuBLAS (the plan before the sm90 pair kernel), GEMM2-4 cuBLAS's pair;
-    =1: all four pairs on the sm90 kernel (GEMM2/GEMM4 read their A MN-major, and accumulate). Either is a correct
-    plan; the default runs GEMM1 alone there, so its gradients downstream of GEMM1 differ from both."""
+    """EngineOptions(sm90_pair=False): GEMM1 bf16x3 on cuBLAS (the plan before the sm90 pair kernel), GEMM2-4
+    cuBLAS's pair; True: all four pairs on the sm90 kernel (GEMM2/GEMM4 read their A MN-major, and accumulate).
+    Either is a correct plan; the default (None) runs GEMM1 alone there, so its gradients downstream of GEMM1 differ
+    from both. CUPYFFN_ENGINE with a bad value is refused with the variable's name."""
     if not on_sm90():
         pytest.skip("the sm90 pair kernel needs a compute capability 9.0 GPU")
     tokens, dim, hidden = 2048, 64, 256
     args, inputs = make(tokens, dim, hidden, seed=21)
     ref64 = W.reference(inputs, xp=cupy)
-    default = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=PLAN)(*args, out=poisoned(args))
-    monkeypatch.setenv("CUPYFFN_SM90_PAIR", switch)
-    plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=PLAN)
-    if switch == "0":
+    default = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=PLAN, _options=EngineOptions())(
+        *args, out=poisoned(args))
+    plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=PLAN, _options=EngineOptions(sm90_pair=switch))
+    if not switch:
         assert plan.gemm_forms["gemm1"] == "bf16x3" and plan._engine.sm90_pair == set()
-        assert "CUPYFFN_SM90_PAIR=0" in plan._engine.form_notes["gemm1"]
+        assert "EngineOptions(sm90_pair=False)" in plan._engine.form_notes["gemm1"]
     else:
         assert set(plan.gemm_forms.values()) == {"f16+e4m3"} and plan._engine.sm90_pair == set(_precision.GEMMS)
     rng = numpy.random.default_rng(6)
@@ -124,11 +126,11 @@ def test_sm90_pair_switch(monkeypatch, switch):
             assert e <= 2 * CONTRACT if accumulate else e <= CONTRACT, f"{switch} accumulate={accumulate} {label}: {e:.3g}"
         if not accumulate:
             # grad_hidden_states and grad_weight1 are downstream of GEMM1 (which the switch moves); grad_weight2 is
-            # GEMM2's: the same cuBLAS pair as the default's with 0, the sm90 one with 1
+            # GEMM2's: the same cuBLAS pair as the default's with False, the sm90 one with True
             assert not bool((grads[0] == default[0]).all()) and not bool((grads[1] == default[1]).all())
-            assert bool((grads[2] == default[2]).all()) == (switch == "0")
-    monkeypatch.setenv("CUPYFFN_SM90_PAIR", "on")
-    with pytest.raises(ValueError, match="CUPYFFN_SM90_PAIR"):
+            assert bool((grads[2] == default[2]).all()) == (not switch)
+    monkeypatch.setenv("CUPYFFN_ENGINE", "sm90_pair=on")
+    with pytest.raises(ValueError, match="CUPYFFN_ENGINE"):
         cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=PLAN)
     assert _gpu_engine.SM90_PAIR_GEMMS == ("gemm1",)
 

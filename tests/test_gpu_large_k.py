@@ -4,8 +4,8 @@ tokens (the weight gradients' K), a large hidden_dim (grad_hidden's K; the forwa
 GEMMs bit-stable from call to call and inside a captured CUDA graph.
 
 At T = 352,000 the float64 reference is taken on blocks (benchmarks/accuracy.py: 96 columns of grad_weight2, 96 rows
-of grad_weight1, 256 tokens of grad_hidden_states). The one-accumulator plans (``_max_k=None``) are run beside the
-fp32-class split plans there: the chunks must be what keeps them inside their contract.
+of grad_weight1, 256 tokens of grad_hidden_states). The one-accumulator plans (``EngineOptions(max_k=None)``) are
+run beside the fp32-class split plans there: the chunks must be what keeps them inside their contract.
 """
 
 import numpy
@@ -14,6 +14,7 @@ import pytest
 import cupyffn
 from cupyffn import _ksplit
 from cupyffn import workloads as W
+from cupyffn._options import EngineOptions
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
@@ -44,7 +45,8 @@ def big():
 
 def run_big(big, precision, max_k=_ksplit.MAX_K):
     inputs, picked, ref = big
-    plan = cupyffn.GeluFFNBackward(BIG_T, W.DIM, W.HIDDEN_DIM, precision=precision, _max_k=max_k)
+    plan = cupyffn.GeluFFNBackward(BIG_T, W.DIM, W.HIDDEN_DIM, precision=precision,
+                                   _options=EngineOptions(max_k=max_k))
     try:
         grads = plan(*inputs, out=poisoned(BIG_T, W.DIM, W.HIDDEN_DIM))
         cupy.cuda.Device().synchronize()
@@ -128,7 +130,7 @@ def test_chunked_calls_are_bit_stable_and_capture(precision):
     chunks ran), also inside it at this T."""
     tokens, dim, hidden = 20_000, 256, 512
     args, inputs = make(tokens, dim, hidden, seed=tokens + len(precision))
-    plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision, _max_k=4096)
+    plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision, _options=EngineOptions(max_k=4096))
     assert {"gemm2", "gemm4"} <= set(plan._engine.k_chunked) and not plan._engine.call_graph
     runs = []
     for _ in range(2):
@@ -148,7 +150,7 @@ def test_chunked_calls_are_bit_stable_and_capture(precision):
     runs.append(captured)
     for label, a, b, c in zip(W.OUTPUT_NAMES, *runs):
         assert int((a != b).sum()) == 0 and int((a != c).sum()) == 0, f"{label}: the chunked result moved"
-    whole = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision, _max_k=None)
+    whole = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision, _options=EngineOptions(max_k=None))
     other = whole(*args, out=poisoned(tokens, dim, hidden))
     check_full(other, inputs, precision)
     assert int((other[2] != runs[0][2]).sum()) > 0, "the chunked and the whole sums gave the same bits"

@@ -14,6 +14,7 @@ import pytest
 
 import cupyffn
 from cupyffn import workloads as W
+from cupyffn._options import EngineOptions
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
@@ -84,7 +85,7 @@ def test_profile_stages_hook(precision):
     plan.close()
     assert len(flushes) == 3
     assert fused == (precision == "tf32" and cupy.cuda.Device().compute_capability == "90"
-                     and os.environ.get("CUPYFFN_SM90_GEMM1", "auto") != "0")  # T = 640: fused by default
+                     and EngineOptions.from_env().fused_gemm1 is not False)  # T = 640: fused by default
     first = "GEMM1 + dgelu (sm90 fused)" if fused else "GEMM1 grad_gelu"
     gemms = [first, "GEMM2 grad_weight2", "GEMM3 grad_hidden", "GEMM4 grad_weight1"]
     assert [s for s in stages if s.startswith("GEMM")] == gemms

@@ -218,13 +218,14 @@ def _api_name(cupti, kind, cbid):
 
 def part_timeline(tokens, results, iters=16, rotate=4):
     """Kernel records of the tf32 plan's calls (the median call's are kept), L2 flushed before each, the inputs
-    rotated over `rotate` sets: the plan's call graph ("graph"), its launches from the host (CUPYFFN_CALL_GRAPH=0,
-    "streams") and the engine's serial enqueue of them ("serial")."""
+    rotated over `rotate` sets: the plan's call graph ("graph"), its launches from the host ("streams": the plan
+    built with EngineOptions(call_graph=False)) and the engine's serial enqueue of them ("serial")."""
     import cupy
     from cupti import cupti
 
     import cupyffn
     from cupyffn import workloads as W
+    from cupyffn._options import EngineOptions
 
     K = cupti.ActivityKind
     kernels, apis = [], []
@@ -247,11 +248,8 @@ def part_timeline(tokens, results, iters=16, rotate=4):
             pool.append([inputs[n] for n in W.INPUT_NAMES])
         out = (cupy.empty((T, D), cupy.float32), cupy.empty((H, D), cupy.float32), cupy.empty((D, H), cupy.float32))
         plans = {"graph": cupyffn.GeluFFNBackward(T, D, H, precision="tf32")}
-        os.environ["CUPYFFN_CALL_GRAPH"] = "0"
-        try:
-            plans["streams"] = plans["serial"] = cupyffn.GeluFFNBackward(T, D, H, precision="tf32")
-        finally:
-            del os.environ["CUPYFFN_CALL_GRAPH"]
+        plans["streams"] = plans["serial"] = cupyffn.GeluFFNBackward(T, D, H, precision="tf32",
+                                                                   _options=EngineOptions(call_graph=False))
         stream = cupy.cuda.Stream(non_blocking=True)
 
         def serial(i):  # the same call with the engine's serial enqueue (set_io through a normal call first)
