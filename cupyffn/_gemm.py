@@ -111,9 +111,9 @@ def build(desc, device_id, backends=BACKENDS, max_k=None, one_ptr=None):
     if len(pieces) > 1:  # the chunks' operands keep the whole GEMM's rows: explicit leading dimensions
         desc = replace(desc, lda=desc.lda or (desc.m if desc.a_trans else desc.k),
                        ldb=desc.ldb or (desc.k if desc.b_trans else desc.n), ldc=desc.ldc or desc.n)
+    lengths = sorted({length for _, length in pieces}) if len(pieces) > 1 else [desc.k]  # a plan per length
     reasons = []
     for backend in backends:
-        lengths = sorted({length for _, length in pieces}) if len(pieces) > 1 else [desc.k]
         parts = {}
         for length in lengths:
             part = replace(desc, k=length)

@@ -34,7 +34,7 @@ of convert B recomputing it, and GEMM2 runs after GEMM1's rescue launch instead 
 A gelu_out the caller gives is always converted and used as given (docs/decisions/002-honour-every-input.md):
 the plan holds the launches of both ways and each call takes the one its inputs need (set_io).
 
-Every tensor-core GEMM whose K exceeds _ksplit.MAX_K runs in K-chunks added in fp32 (cupyffn/_ksplit.py); the
+Every GEMM whose K exceeds _ksplit.MAX_K runs in K-chunks added in fp32 (cupyffn/_ksplit.py); the
 sm90 kernels sum the whole K in one accumulator, so a plan whose GEMM1 K exceeds it runs GEMM1 on cuBLAS.
 With `epilogue_warps` (tf32, fused; EPILOGUE_WARPS_TOKENS: T >= 513) that epilogue runs in seven warps of its own,
 fed each accumulator tile through shared memory while the consumer warps compute the next tile (the same bits).
@@ -203,7 +203,7 @@ class GpuEngine:
             raise TypeError(f"options must be a cupyffn._options.EngineOptions; got {options!r}")
         self.T, self.D, self.H = tokens, dim, hidden_dim
         self.options = options  # every mechanism choice this plan makes (cupyffn/_options.py)
-        self.max_k = options.max_k  # the longest K one tensor-core accumulator sums (_ksplit; None: unbounded)
+        self.max_k = options.max_k  # the longest K one GEMM accumulator sums (_ksplit; None: unbounded)
         self.precision = precision
         self.device_id = device_id
         self.need_grad_hidden = need_grad_hidden

@@ -15,7 +15,7 @@ weight gradients). 24576 is the longest K of the official workloads (bf16x3 at T
 chunked; there the measured error of the worst plan (bf16x3) is 3.9e-5, 2.6x inside its 1e-4 contract.
 """
 
-#: The longest K one tensor-core accumulator sums (module docstring).
+#: The longest K one GEMM accumulator sums, fp32 SGEMM included (module docstring).
 MAX_K = 24576
 #: Chunk lengths (all but the last) are multiples of this: e4m3 GEMMs need K and 16-byte aligned operands in
 #: multiples of 16, and 16-bit operands stay 128-byte aligned for any leading dimension.

@@ -16,7 +16,7 @@ and measurements (the benchmark's A/B twins, tests), not a user feature.
                   True every pair GEMM, False none (024)
   call_graph      eager calls as one re-pointed CUDA graph launch (CALL_GRAPH_TOKENS; 018)
   convert_ab      convert A and convert B as one launch (CONVERT_AB_TOKENS; 019)
-  max_k           the longest K one tensor-core accumulator sums (cupyffn/_ksplit.py; docs/decisions/001):
+  max_k           the longest K one GEMM accumulator sums (cupyffn/_ksplit.py; docs/decisions/001):
                   _ksplit.MAX_K by default, None (or 0) unbounded, for measuring what the K-chunks buy
 
 Plans take them through the private keyword ``GeluFFNBackward(..., _options=EngineOptions(...))``; the
