@@ -17,7 +17,7 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 
 #: split_e4m3.cu's scheduling variants per KIND (struct split::Variant; instantiation
-#: split_e4m3_kernel<10 * variant + KIND>). Every variant writes the same bytes (tools/split_bench.py checks it).
+#: split_e4m3_kernel<10 * variant + KIND>). Every variant writes the same bytes (dev/split_bench.py checks it).
 SPLIT_VARIANTS = {
     0: {0: "first kernel: 2 sub-tiles per step, 2 blocks/SM, loads then stores",
         1: "pipelined: next step's loads before this step's stores, 1 sub-tile per step, 3 blocks/SM",
@@ -29,7 +29,7 @@ SPLIT_VARIANTS = {
         4: "variant 1 + 16-byte f16 stores (lane pairs trade rows)"},
 }
 #: The split_e4m3 kernel the engine runs, per KIND (0: convert A / B, 1: dgelu): (variant, waves), waves =
-#: gathering-pass grid in units of resident blocks (split_kernel). Set from tools/split_bench.py on the H200
+#: gathering-pass grid in units of resident blocks (split_kernel). Set from dev/split_bench.py on the H200
 #: (results/split-bench-h200.json): KIND 0 pipelined 1 sub-tile, 2 waves, 1.026x the first kernel summed over
 #: T = 2048-8192 and its stages; KIND 1 the first kernel on 1 wave, 1.046x. Every variant: identical bytes.
 SPLIT_VARIANT = {0: (1, 2), 1: (0, 1)}

@@ -95,7 +95,7 @@ FORMS = {
 }
 
 #: fp16+fp8: per GEMM, (from this many tokens on, this form) steps. Measured on the H200
-#: (tools/gemm_forms_bench.py -> results/gemm-forms-h200.json; whole calls: docs/decisions/023-fp16-fp8-pair-form.md):
+#: (dev/gemm_forms_bench.py -> results/gemm-forms-h200.json; whole calls: docs/decisions/023-fp16-fp8-pair-form.md):
 #: the pair pays its fp32 output twice, so alone it is 0.73-0.90x bf16x3's time for GEMM2-4 from T = 2048
 #: on, but 1.01-1.08x for GEMM1 (output [T, H]) there; below T = 2048 it saves at most ~0.02 ms on a GEMM,
 #: less than the plan's extra conversion work costs the whole call (0.03-0.04 ms measured at T = 256-1024),

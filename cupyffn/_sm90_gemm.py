@@ -41,11 +41,11 @@ from cupyffn import _kernels, _libcuda
 SOURCE = "gemm_sm90.cu"
 #: The staged epilogue's shape (CUPYFFN_XT_COLS, CUPYFFN_XS_STAGE_DROP in gemm_sm90.cu): columns of an x/t
 #: group, and the pipeline stages given up for the slots. Chosen by measurement
-#: (docs/decisions/027-xt-whole-row-segments.md); tools/sm90_gemm_bench.py can try others through set_staging()
+#: (docs/decisions/027-xt-whole-row-segments.md); dev/sm90_gemm_bench.py can try others through set_staging()
 #: before anything is compiled.
 XT_COLS = 32
 XS_STAGE_DROP = 1
-#: Measurement hook (tools/sm90_trace.py, set_trace): compile with CUPYFFN_SM90_TRACE, the per-tile timestamps.
+#: Measurement hook (dev/sm90_trace.py, set_trace): compile with CUPYFFN_SM90_TRACE, the per-tile timestamps.
 TRACE = False
 #: With TRACE, what the kernel leaves out (CUPYFFN_SM90_EPI_PROBE): 0 nothing, 1 the epilogue's global stores, 2 its
 #: x/t copies, 3 the mainloop's wgmma (the stages still flow: data movement alone); b_layout "kn32": 4 the converter

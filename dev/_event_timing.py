@@ -1,6 +1,6 @@
 """The tools' way of timing a GPU call by CUDA events: warm-ups, then per sample the L2 flush, an event before and
 after the call on `stream`; the median in ms. flushed_median_ms waits for each sample before enqueuing the next;
-flushed_median_ms_batched (the GPU benches of tools/_gpu_bench.py) enqueues all samples, then waits once."""
+flushed_median_ms_batched (the GPU benches of dev/_gpu_bench.py) enqueues all samples, then waits once."""
 
 import statistics
 

@@ -5,7 +5,7 @@ imported only when a Bench is made (a tool must import without it)."""
 
 import datetime
 
-from _event_timing import flushed_median_ms_batched  # tools/ (the script's folder is on sys.path)
+from _event_timing import flushed_median_ms_batched  # dev/ (the script's folder is on sys.path)
 
 
 def int_list(text, name, parser):

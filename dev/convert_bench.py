@@ -1,7 +1,7 @@
 """Times convert.cu's conversion pass (the tf32 plan's scaled fp16 codes) in candidate builds side by side, at the
 engine's own job mixes (GPU only):
 
-    PYTHONPATH=. python3 tools/convert_bench.py --out $OUT/convert-bench.json [--against OLD_KERNELS_CU]
+    PYTHONPATH=. python3 dev/convert_bench.py --out $OUT/convert-bench.json [--against OLD_KERNELS_CU]
         [--tokens 256,512,1024,2048,4096,8192] [--unroll 1,2,4,8] [--waves 1,2] [--reps 20] [--budget-s 120]
 
 Per T (D = 1536, H = 6144) a GpuEngine for "tf32" is built and its convert stages taken as the engine groups
@@ -30,7 +30,7 @@ import os
 import sys
 import time
 
-from _gpu_bench import GpuBench, int_list  # tools/ (the script's folder is on sys.path)
+from _gpu_bench import GpuBench, int_list  # dev/ (the script's folder is on sys.path)
 from _json_out import save_json
 
 D, H = 1536, 6144

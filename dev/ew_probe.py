@@ -3,7 +3,7 @@ staged epilogue of the cooperative 128 x 128 tile (the same arithmetic) on fresh
 rel. L2 against float64, then GEMM1's shape timed against the engine's schedule, every other schedule and cuBLAS's
 GEMM1 alone (fp16 in, fp32 out), L2 flushed, alternating rounds.
 
-    python tools/ew_probe.py [--tokens 256,1024,...] [--rounds 3] [--out FILE.json]
+    python dev/ew_probe.py [--tokens 256,1024,...] [--rounds 3] [--out FILE.json]
         [--timing-only] [--forms warps,bn128pp,...] [--ew STAGES,RING] [--probe N]
 
 --ew and --probe (sm90 set_trace's probes 1-3: no global stores, no x/t copies, no wgmma; WRONG RESULTS, timing

@@ -1,6 +1,6 @@
 """What the dgelu epilogue of the sm90 GEMM costs on top of its mainloop (GPU only):
 
-    PYTHONPATH=. python3 tools/fused_epilogue_cost.py [--tokens 1024,8192] [--reps 10] [--sweep] [--forms fp16,bf16x3]
+    PYTHONPATH=. python3 dev/fused_epilogue_cost.py [--tokens 1024,8192] [--reps 10] [--sweep] [--forms fp16,bf16x3]
         [--clusters 1,2] [--rasters 0] [--staging COLS,DROP] [--memory-mode] [--gelu-out] [--against DIR[,DIR...] --rounds N]
         [--out PATH]
 
@@ -26,7 +26,7 @@ import os
 import statistics
 import sys
 
-from _event_timing import flushed_median_ms  # tools/_event_timing.py (the script's folder is on sys.path)
+from _event_timing import flushed_median_ms  # dev/_event_timing.py (the script's folder is on sys.path)
 from _json_out import save_json
 
 D, H = 1536, 6144

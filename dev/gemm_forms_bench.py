@@ -1,6 +1,6 @@
 """Times the forms the fp16+fp8 plan chooses between, per token count T and backward GEMM (issue 9):
 
-    PYTHONPATH=. python3 tools/gemm_forms_bench.py --out $OUT/gemm-forms-h200.json [--reps 30] [--budget-s 80]
+    PYTHONPATH=. python3 dev/gemm_forms_bench.py --out $OUT/gemm-forms-h200.json [--reps 30] [--budget-s 80]
 
 Forms (C fp32 [M, N], fp32 compute, alpha/beta device pointers, on one private handle and stream):
   bf16x3     bf16 cublasGemmEx, K tripled, the engine's bf16x3 layouts (cupyffn/_gpu_engine.py _build_gemms)
@@ -40,7 +40,7 @@ import os
 import sys
 import time
 
-from _gpu_bench import GpuBench  # tools/ (the script's folder is on sys.path)
+from _gpu_bench import GpuBench  # dev/ (the script's folder is on sys.path)
 from _json_out import save_json
 
 D, H = 1536, 6144

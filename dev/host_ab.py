@@ -1,6 +1,6 @@
 """Host time per call of the CuPy path, for an A/B of two checkouts in separate processes (GPU only).
 
-    PYTHONPATH=<checkout> python3 tools/host_ab.py LABEL
+    PYTHONPATH=<checkout> python3 dev/host_ab.py LABEL
 
 Per precision at T=256 (D=1536, H=6144): a plan call with out= (graph=False and graph=True) and the
 functional call; median over 300 calls of the time to issue one call with the queue drained first

@@ -1,6 +1,6 @@
 """What converting a weight inside the sm90 GEMM (b_layout "kn32") saves against converting it first (GPU only):
 
-    PYTHONPATH=. python3 tools/kn32_cost.py [--tokens 256,512,1024,2048] [--reps 10] [--probe N] [--out PATH]
+    PYTHONPATH=. python3 dev/kn32_cost.py [--tokens 256,512,1024,2048] [--reps 10] [--probe N] [--out PATH]
 
 The two backward GEMMs that read a weight, at the benchmark's D = 1536, H = 6144:
 GEMM1 grad_gelu = grad_output [T, D] @ weight2 [D, H] with the tf32 plan's fp16 dgelu epilogue, and
@@ -21,7 +21,7 @@ import ctypes
 import os
 import sys
 
-from _event_timing import flushed_median_ms  # tools/_event_timing.py (the script's folder is on sys.path)
+from _event_timing import flushed_median_ms  # dev/_event_timing.py (the script's folder is on sys.path)
 from _json_out import save_json
 
 D, H = 1536, 6144

@@ -1,7 +1,7 @@
 """Times the sm_90a GEMM (cupyffn/_sm90_gemm.py) against cuBLAS, most important measurements first,
 within a time budget:
 
-    PYTHONPATH=. python3 tools/sm90_gemm_bench.py [--budget-s 55] [--reps 10] [--out PATH]
+    PYTHONPATH=. python3 dev/sm90_gemm_bench.py [--budget-s 55] [--reps 10] [--out PATH]
 
   1. GEMM1 with the fused GELU derivative (fp16 operands, scaled fp16 out) vs cuBLAS GEMM1 alone and
      cuBLAS GEMM1 + the engine's dgelu pass, T = 2048, 4096, 8192 (issue 10: fused <= 1.05x cuBLAS
@@ -36,7 +36,7 @@ import time
 
 import numpy
 
-from _json_out import save_json  # tools/_json_out.py (the script's folder is on sys.path)
+from _json_out import save_json  # dev/_json_out.py (the script's folder is on sys.path)
 
 D, H = 1536, 6144
 GEMMS = ("gemm1", "gemm2", "gemm3", "gemm4")

@@ -1,6 +1,6 @@
 """Compile sm90 GEMM variants in parallel into CuPy's kernel cache (GPU machine; a warm-up, not a test):
 
-    PYTHONPATH=. python3 tools/sm90_precompile.py [--match REGEX] [--jobs 12]
+    PYTHONPATH=. python3 dev/sm90_precompile.py [--match REGEX] [--jobs 12]
 
 Each variant of cupyffn/_sm90_gemm.py is its own NVRTC program (0.3-3 s each, one core), compiled on first
 use; a test run or a benchmark that touches dozens of them spends minutes compiling one after another.

@@ -1,6 +1,6 @@
 """Whether a change to kernels_cu/ changed the code of sm90 GEMM variants, without a GPU (an inspection aid):
 
-    PYTHONPATH=. python3 tools/sm90_ptx_diff.py --against OLD_KERNELS_DIR [--match REGEX]
+    PYTHONPATH=. python3 dev/sm90_ptx_diff.py --against OLD_KERNELS_DIR [--match REGEX]
 
 OLD_KERNELS_DIR holds another checkout's gemm_sm90.cu and common.cuh (e.g. from `git show REV:kernels_cu/...`).
 Both sources are compiled by NVRTC with the launcher's options for the variants whose name expression matches

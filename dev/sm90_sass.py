@@ -1,6 +1,6 @@
 """The SASS of sm90 GEMM variants, without a GPU (an inspection aid, not a test):
 
-    PYTHONPATH=. python3 tools/sm90_sass.py [--match REGEX] [--dump DIR]
+    PYTHONPATH=. python3 dev/sm90_sass.py [--match REGEX] [--dump DIR]
 
 For each variant of cupyffn/_sm90_gemm.py whose name expression matches REGEX (default: the engine's fused
 kernels, fp16 dgelu staged with B as stored), NVRTC makes the PTX with the launcher's options, ptxas assembles

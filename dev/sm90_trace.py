@@ -1,6 +1,6 @@
 """Per-tile timeline of the sm90 GEMM's consumers (GPU only; a measurement, not a test):
 
-    PYTHONPATH=. python3 tools/sm90_trace.py [--tokens 8192] [--schedules bn256,bn128pp] [--rasters 0] [--out PATH]
+    PYTHONPATH=. python3 dev/sm90_trace.py [--tokens 8192] [--schedules bn256,bn128pp] [--rasters 0] [--out PATH]
 
 Compiles the kernels with CUPYFFN_SM90_TRACE (gemm_sm90.cu: each consumer warpgroup stamps the global timer
 when a tile's iteration starts, when it has its turn on the tensor cores, when its mainloop and when its

@@ -1,6 +1,6 @@
 """Where the time of a small-T backward goes, and what the alternatives to its GEMMs cost (GPU only):
 
-    PYTHONPATH=. python3 tools/small_t.py [--tokens 256,512,1024] [--reps 20] [--out PATH]
+    PYTHONPATH=. python3 dev/small_t.py [--tokens 256,512,1024] [--reps 20] [--out PATH]
 
   1. each backward GEMM (D = 1536, H = 6144, row-major as the engine issues them, _precision.GEMMS) as
      cublasGemmEx on fp16 operands (the tf32 plan's f16s form), as cublasLtMatmul on the same operands
@@ -33,7 +33,7 @@ import sys
 
 import numpy
 
-from _event_timing import flushed_median_ms  # tools/_event_timing.py (the script's folder is on sys.path)
+from _event_timing import flushed_median_ms  # dev/_event_timing.py (the script's folder is on sys.path)
 from _json_out import save_json
 
 D, H = 1536, 6144
@@ -323,7 +323,7 @@ def part_host(tokens, results, calls=200):
     from cupyffn import _cublas, _cublaslt
     from cupyffn import workloads as W
 
-    from host_ab import host_us  # tools/host_ab.py: queue drained before each timed call
+    from host_ab import host_us  # dev/host_ab.py: queue drained before each timed call
 
     def per_call(run, stream):
         return host_us(run, stream, calls)

@@ -1,6 +1,6 @@
 """Times split_e4m3.cu's scheduling variants side by side at the fp16+fp8 engine's real job mixes:
 
-    PYTHONPATH=. python3 tools/split_bench.py --out $OUT/split-bench.json [--reps 20] [--tokens 2048,4096,8192]
+    PYTHONPATH=. python3 dev/split_bench.py --out $OUT/split-bench.json [--reps 20] [--tokens 2048,4096,8192]
                                               [--waves 1,2] [--budget-s 55]
 
 Per T (D = 1536, H = 6144) a GpuEngine for "fp16+fp8" is built and its three split_e4m3 stages are taken
@@ -34,7 +34,7 @@ import os
 import sys
 import time
 
-from _gpu_bench import GpuBench, int_list  # tools/ (the script's folder is on sys.path)
+from _gpu_bench import GpuBench, int_list  # dev/ (the script's folder is on sys.path)
 from _json_out import save_json
 
 D, H = 1536, 6144

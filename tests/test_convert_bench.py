@@ -1,4 +1,4 @@
-"""tools/convert_bench.py without a GPU: arguments, the summary and the lines."""
+"""dev/convert_bench.py without a GPU: arguments, the summary and the lines."""
 
 import pytest
 from tool_loader import load_tool  # tests/ is on sys.path

@@ -1,4 +1,4 @@
-"""tools/gemm_forms_bench.py without a GPU: arguments, the shape and layout table, which e4m3 GEMMs cuBLASLt
+"""dev/gemm_forms_bench.py without a GPU: arguments, the shape and layout table, which e4m3 GEMMs cuBLASLt
 refuses, the summary and the printed table."""
 
 import json

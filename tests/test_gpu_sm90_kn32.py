@@ -42,7 +42,7 @@ def weight(rng, k, n, scale=0.02):
 def codes_of(b, b_scale):
     """fp16(b * b_scale), the product in fp32, then round to nearest even (CuPy's astype: __float2half_rn, the
     rounding of convert.cu's f16_bits and of the kernel's cvt.rn.f16x2.f32), as a 16-byte aligned fp16 [K, N] for
-    b_layout "kn" (row stride a multiple of 8). tools/kn32_cost.py checks against convert.cu's own codes too."""
+    b_layout "kn" (row stride a multiple of 8). dev/kn32_cost.py checks against convert.cu's own codes too."""
     k, n = b.shape
     b16, _ = padded(k, n, numpy.float16, 8, numpy.nan)
     b16[...] = (b * numpy.float32(b_scale)).astype(cupy.float16)

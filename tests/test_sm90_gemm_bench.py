@@ -1,4 +1,4 @@
-"""tools/sm90_gemm_bench.py without a GPU: arguments, the budget, the incremental JSON, the tables."""
+"""dev/sm90_gemm_bench.py without a GPU: arguments, the budget, the incremental JSON, the tables."""
 
 import json
 

@@ -30,9 +30,9 @@ def test_small_t_gemm_shapes_are_the_backwards(tokens):
 
 
 def test_flushed_median_ms_orders_flush_events_and_call():
-    """tools/_event_timing.py with stand-ins for cupy and the stream: warm-ups unflushed and untimed, then per
+    """dev/_event_timing.py with stand-ins for cupy and the stream: warm-ups unflushed and untimed, then per
     sample flush, start event, the call, stop event, a wait on it; the median of the elapsed times."""
-    load_tool("small_t")  # puts tools/ on sys.path
+    load_tool("small_t")  # puts dev/ on sys.path
     from _event_timing import flushed_median_ms
 
     log, elapsed = [], iter([3.0, 1.0, 2.0])
@@ -60,7 +60,7 @@ def test_flushed_median_ms_orders_flush_events_and_call():
 
 
 def test_sm90_trace_summary_of_a_known_timeline():
-    """tools/sm90_trace.py's summary on made-up stamps: one CTA whose two consumers alternate (mainloops 10 us,
+    """dev/sm90_trace.py's summary on made-up stamps: one CTA whose two consumers alternate (mainloops 10 us,
     epilogues 4 us, consumer 1 waits for consumer 0's first mainloop), a CTA that recorded nothing."""
     import numpy
 
@@ -81,7 +81,7 @@ def test_sm90_trace_summary_of_a_known_timeline():
 
 
 def test_sm90_sass_counts_opcodes_of_a_listing():
-    """tools/sm90_sass.py's counter on a made-up nvdisasm listing: predicated or not, with modifiers, each opcode
+    """dev/sm90_sass.py's counter on a made-up nvdisasm listing: predicated or not, with modifiers, each opcode
     counted once per instruction; labels and directives are not instructions."""
     tool = load_tool("sm90_sass")
     listing = """

@@ -1,4 +1,4 @@
-"""tools/split_bench.py without a GPU: arguments, candidates, bytes, the recommendation and the lines."""
+"""dev/split_bench.py without a GPU: arguments, candidates, bytes, the recommendation and the lines."""
 
 
 import pytest

@@ -1,16 +1,16 @@
-"""A script of tools/ loaded as a module for a CPU test, with cupy made unimportable while it loads: a tool
+"""A script of dev/ loaded as a module for a CPU test, with cupy made unimportable while it loads: a tool
 must not need cupy (or a GPU) at import, only when it runs."""
 
 import importlib.util
 import sys
 from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
+TOOLS = Path(__file__).resolve().parent.parent / "dev"
 
 
 def load_tool(name):
-    """tools/`name`.py as a module (its top level run with `import cupy` raising ImportError)."""
-    if str(TOOLS) not in sys.path:  # as when the script runs: its folder first (tools/_json_out.py)
+    """dev/`name`.py as a module (its top level run with `import cupy` raising ImportError)."""
+    if str(TOOLS) not in sys.path:  # as when the script runs: its folder first (dev/_json_out.py)
         sys.path.insert(0, str(TOOLS))
     spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
