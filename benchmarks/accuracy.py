@@ -6,7 +6,7 @@ chunks cost in time. Writes results/accuracy-vs-tokens-<gpu>.json and .md (docs/
     python -m benchmarks.accuracy --tokens 8192,32768 --json /tmp/acc.json
 
 The errors are measured on blocks, to keep the float64 reference cheap at T = 352,000: 96 random columns of
-grad_weight2, 96 random rows of grad_weight1 and 256 random tokens of grad_hidden_states (the issue's method).
+grad_weight2, 96 random rows of grad_weight1 and 256 random tokens of grad_hidden_states.
 The inputs are the benchmark's (grad_output, hidden_states ~ N(0, 1), weights 0.02 N(0, 1), saved activations
 from the forward in float64), made block by block on the GPU (`large_inputs`), also used by the GPU tests.
 """
@@ -14,7 +14,6 @@ from the forward in float64), made block by block on the GPU (`large_inputs`), a
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -94,20 +93,16 @@ def block_errors(grads, reference, picked):
 
 
 def _time_calls(plan, args, out, calls=3):
-    """Median ms of `calls` calls after one warm-up (CUDA events around each, the queue drained between)."""
+    """Median ms of `calls` calls after one warm-up (the device drained after it), CUDA events around each call
+    on the current stream, each waited for before the next, no L2 flush (benchmarks/timing.py)."""
     import cupy
+
+    from benchmarks import timing
 
     plan(*args, out=out)
     cupy.cuda.Device().synchronize()
-    times = []
-    for _ in range(calls):
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        start.record()
-        plan(*args, out=out)
-        end.record()
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end))
-    return statistics.median(times)
+    return timing.flushed_median_ms(cupy, cupy.cuda.get_current_stream(), lambda: plan(*args, out=out), None,
+                                    calls, warmup=0)
 
 
 def measure(tokens_list, precisions, dim, hidden, calls=3):

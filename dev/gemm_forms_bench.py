@@ -1,4 +1,5 @@
-"""Times the forms the fp16+fp8 plan chooses between, per token count T and backward GEMM (issue 9):
+"""Times the forms the fp16+fp8 plan chooses between, per token count T and backward GEMM (the form table of
+docs/decisions/023-fp16-fp8-pair-form.md):
 
     PYTHONPATH=. python3 dev/gemm_forms_bench.py --out $OUT/gemm-forms-h200.json [--reps 30] [--budget-s 80]
 
@@ -36,12 +37,14 @@ items) the rest are listed as skipped. A table is printed at the end.
 """
 
 import argparse
+import datetime
 import os
 import sys
 import time
 
-from _gpu_bench import GpuBench  # dev/ (the script's folder is on sys.path)
-from _json_out import save_json
+from _json_out import save_json  # dev/ (the script's folder is on sys.path)
+
+from benchmarks.timing import flushed_median_ms_batched  # the repo root (PYTHONPATH=.)
 
 D, H = 1536, 6144
 TOKENS = (256, 512, 1024, 2048, 3142, 4096, 4904, 8192)
@@ -160,10 +163,21 @@ def save(result, path):
 
 
 # ------------------------------------------------------------------ GPU part (cupy imported here only)
-class Bench(GpuBench):
+class Bench:
+    """self.cupy, args (with reps and warmup), device, a non-blocking stream, props, the L2 flush (flush_bytes of
+    flush_buf: a memset of twice the L2, as the benchmark flushes), one cuBLAS handle on the stream."""
+
     def __init__(self, args):
-        super().__init__(args)
-        cupy = self.cupy
+        import cupy
+
+        self.cupy = cupy
+        self.args = args
+        self.device = cupy.cuda.Device()
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.props = cupy.cuda.runtime.getDeviceProperties(self.device.id)
+        self.flush_bytes = 2 * int(self.props["l2CacheSize"])
+        with self.stream:
+            self.flush_buf = cupy.empty(self.flush_bytes, dtype=cupy.uint8)
         from cupyffn import _cublas, _cublaslt
 
         self._cublas, self._cublaslt = _cublas, _cublaslt
@@ -176,8 +190,15 @@ class Bench(GpuBench):
         self.rng = cupy.random.RandomState(1234)
 
     def info(self):
-        return self.device_info(cublas_version=self.handle.version(), cublaslt_version=self._cublaslt.version(),
-                                D=D, H=H)
+        """The device, versions, date and protocol fields of the result."""
+        cupy = self.cupy
+        name = self.props["name"]
+        return dict(device=name.decode() if isinstance(name, bytes) else str(name),
+                    cc=f"{self.props['major']}.{self.props['minor']}", driver=cupy.cuda.runtime.driverGetVersion(),
+                    runtime=cupy.cuda.runtime.runtimeGetVersion(), cupy_version=cupy.__version__,
+                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    l2_flush_bytes=self.flush_bytes, reps=self.args.reps, warmup=self.args.warmup,
+                    cublas_version=self.handle.version(), cublaslt_version=self._cublaslt.version(), D=D, H=H)
 
     def operand(self, shape, dtype):
         """Random, never-zero contents of a 16-bit (normal values) or e4m3 (codes 0x20..0x5F, random sign) matrix."""
@@ -204,8 +225,14 @@ class Bench(GpuBench):
                                   device_id=self.device.id, name=name, **kw)
 
     def time(self, calls):
-        """Median ms of `calls()` (GpuBench.median_ms)."""
-        return self.median_ms(calls)
+        """Median ms of `calls()` (enqueued on self.stream) over args.reps samples after args.warmup unflushed calls,
+        the L2 flushed (a memset of flush_buf) before each sample, events around the call only, every sample
+        enqueued before one wait (benchmarks/timing.py flushed_median_ms_batched)."""
+        runtime = self.cupy.cuda.runtime
+
+        def flush():
+            runtime.memsetAsync(self.flush_buf.data.ptr, 0, self.flush_bytes, self.stream.ptr)
+        return flushed_median_ms_batched(self.cupy, self.stream, calls, flush, self.args.reps, self.args.warmup)
 
     def measure(self, t, gemm):
         """{ms, unsupported, shape, ...} of every form of one GEMM at T tokens; errors are raised per form into

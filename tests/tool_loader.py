@@ -5,11 +5,14 @@ import importlib.util
 import sys
 from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parent.parent / "dev"
+ROOT = Path(__file__).resolve().parent.parent
+TOOLS = ROOT / "dev"
 
 
 def load_tool(name):
     """dev/`name`.py as a module (its top level run with `import cupy` raising ImportError)."""
+    if str(ROOT) not in sys.path:  # as the tools run: PYTHONPATH=. (benchmarks/timing.py, cupyffn)
+        sys.path.append(str(ROOT))
     if str(TOOLS) not in sys.path:  # as when the script runs: its folder first (dev/_json_out.py)
         sys.path.insert(0, str(TOOLS))
     spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")

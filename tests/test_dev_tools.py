@@ -1,16 +1,16 @@
-"""The tools without a GPU (small_t, fused_epilogue_cost, sm90_precompile, sm90_trace, sm90_sass, sm90_ptx_diff): they
-load without cupy, answer --help, small_t's GEMM shapes are the backward's (cupyffn/_precision.py), and sm90_ptx_diff
-tells a changed kernel from an unchanged one (NVRTC on the CPU)."""
+"""The dev/ tools without a GPU (fused_epilogue_cost, sm90_precompile, sm90_trace, sm90_sass, sm90_ptx_diff): they
+load without cupy, answer --help, and sm90_ptx_diff tells a changed kernel from an unchanged one (NVRTC on the CPU);
+the one timing helper (benchmarks/timing.py, re-exported by dev/_event_timing.py) with stand-ins for cupy."""
 
 import types
 
 import pytest
 from tool_loader import load_tool  # tests/ is on sys.path
 
-from cupyffn import _precision as P
+from benchmarks import timing
 
 
-@pytest.mark.parametrize("name,option", [("small_t", "--out"), ("fused_epilogue_cost", "--sweep"),
+@pytest.mark.parametrize("name,option", [("fused_epilogue_cost", "--sweep"),
                                          ("sm90_precompile", "--match"), ("sm90_trace", "--rasters"),
                                          ("sm90_sass", "--dump"), ("sm90_ptx_diff", "--against")])
 def test_loads_without_cupy_and_answers_help(name, option, capsys):
@@ -20,25 +20,13 @@ def test_loads_without_cupy_and_answers_help(name, option, capsys):
     assert info.value.code == 0 and option in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("tokens", [1, 256, 3142])
-def test_small_t_gemm_shapes_are_the_backwards(tokens):
-    tool = load_tool("small_t")
-    for g, letters in P.GEMM_MNK.items():
-        m, n, k, a_trans = tool.gemm_layout(g, tokens)
-        assert (m, n, k) == P.dims(letters, tokens, tool.D, tool.H), g
-        assert a_trans == (g in ("gemm2", "gemm4")), g  # the weight gradients read A (T rows) transposed
-
-
-def test_flushed_median_ms_orders_flush_events_and_call():
-    """dev/_event_timing.py with stand-ins for cupy and the stream: warm-ups unflushed and untimed, then per
-    sample flush, start event, the call, stop event, a wait on it; the median of the elapsed times."""
-    load_tool("small_t")  # puts dev/ on sys.path
-    from _event_timing import flushed_median_ms
-
-    log, elapsed = [], iter([3.0, 1.0, 2.0])
+def fake_cupy(log, elapsed):
+    """(cupy, stream) stand-ins that log what is enqueued: events record and wait, the stream is entered, left
+    and waited for; get_elapsed_time returns the next of `elapsed`."""
+    elapsed = iter(elapsed)
 
     class Event:
-        def record(self, stream):
+        def record(self, stream=None):
             log.append(("record", stream))
 
         def synchronize(self):
@@ -51,12 +39,68 @@ def test_flushed_median_ms_orders_flush_events_and_call():
         def __exit__(self, *exc):
             log.append(("exit",))
 
+        def synchronize(self):
+            log.append(("stream wait",))
+
     stream = Stream()
-    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event, get_elapsed_time=lambda a, b: next(elapsed)))
-    ms = flushed_median_ms(cupy, stream, lambda: log.append(("run",)), lambda: log.append(("flush",)), reps=3, warmup=2)
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event, get_elapsed_time=lambda a, b: next(elapsed),
+                                                            get_current_stream=lambda: stream,
+                                                            Device=lambda: types.SimpleNamespace(
+                                                                synchronize=lambda: log.append(("device wait",)))))
+    return cupy, stream
+
+
+def test_flushed_median_ms_orders_flush_events_and_call():
+    """Warm-ups unflushed and untimed, then per sample flush, start event, the call, stop event, a wait on it; the
+    median of the elapsed times. dev/_event_timing.py re-exports it for the dev/ tools."""
+    log = []
+    cupy, stream = fake_cupy(log, [3.0, 1.0, 2.0])
+    ms = timing.flushed_median_ms(cupy, stream, lambda: log.append(("run",)), lambda: log.append(("flush",)), reps=3,
+                                  warmup=2)
     assert ms == 2.0
     sample = [("flush",), ("record", stream), ("run",), ("record", stream), ("wait",)]
     assert log == [("enter",), ("run",), ("run",)] + 3 * sample + [("exit",)]
+    load_tool("fused_epilogue_cost")  # puts dev/ on sys.path
+    from _event_timing import flushed_median_ms
+
+    assert flushed_median_ms is timing.flushed_median_ms
+
+
+def test_flushed_median_ms_without_a_flush():
+    log = []
+    cupy, stream = fake_cupy(log, [5.0, 4.0])
+    assert timing.flushed_median_ms(cupy, stream, lambda: log.append(("run",)), None, reps=2, warmup=0) == 4.5
+    sample = [("record", stream), ("run",), ("record", stream), ("wait",)]
+    assert log == [("enter",)] + 2 * sample + [("exit",)]
+
+
+def test_flushed_median_ms_batched_waits_once():
+    """Warm-ups, then every sample (flush, start, call, stop) enqueued, one wait on the stream; the median."""
+    log = []
+    cupy, stream = fake_cupy(log, [3.0, 9.0, 1.0])
+    ms = timing.flushed_median_ms_batched(cupy, stream, lambda: log.append(("run",)), lambda: log.append(("flush",)),
+                                          reps=3, warmup=1)
+    assert ms == 3.0
+    sample = [("flush",), ("record", stream), ("run",), ("record", stream)]
+    assert log == [("run",)] + 3 * sample + [("stream wait",)]
+
+
+def test_accuracy_times_calls_after_one_drained_warm_up(monkeypatch):
+    """benchmarks/accuracy.py: one warm-up, the device drained, then `calls` samples on the current stream, no
+    flush, each waited for."""
+    from benchmarks import accuracy
+
+    log = []
+    cupy, stream = fake_cupy(log, [2.0, 1.0, 3.0])
+    monkeypatch.setitem(__import__("sys").modules, "cupy", cupy)
+
+    def plan(*args, out):
+        log.append(("run", args, out))
+
+    assert accuracy._time_calls(plan, (1, 2), "out", calls=3) == 2.0
+    call = ("run", (1, 2), "out")
+    sample = [("record", stream), call, ("record", stream), ("wait",)]
+    assert log == [call, ("device wait",), ("enter",)] + 3 * sample + [("exit",)]
 
 
 def test_sm90_trace_summary_of_a_known_timeline():
