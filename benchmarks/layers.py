@@ -9,7 +9,9 @@ Rows (all "bf16x3", the same arrays, every result checked against float64 first)
   cupy-plan                  GeluFFNBackward(...)(..., out=, stream=)   the CuPy path with a plan
   cupy-functional-out        gelu_ffn_backward(..., out=, stream=)      the CuPy path, cached plan
   cupyffn-bf16x3-functional  gelu_ffn_backward(..., stream=)            the same, outputs from CuPy's pool:
-                                                                        issue 12's baseline (as bench.py --loop)
+                                                                        the torch layers' host-time baseline, as in
+                                                                        bench.py --loop (docs/decisions/
+                                                                        022-torch-layer-eager-path.md)
   cupyffn-torch-op           torch.ops.cupyffn.backward(...)            the torch operator, eager
   cupyffn-torch-layer        cupyffn.torch.gelu_ffn_backward(...)       what the eager layer's backward runs
                                                                         (its autograd.Function), no dispatcher

@@ -182,7 +182,7 @@ def host_breakdown(cupy, stream, tokens=256):
 
 
 def print_loop_summary(rows):
-    """Where we stand against the host-overhead targets of issue 4."""
+    """Where we stand against the host-overhead targets."""
     def worst(name, key):
         values = [r["results"][name][key] for r in rows if name in r["results"]]
         return max(values) if values else float("nan")
@@ -192,7 +192,8 @@ def print_loop_summary(rows):
         g, e = worst(f"cupyffn-{p}-graph", "host_us"), worst(f"cupyffn-{p}", "host_us")
         print(f"cupyffn-{p}: host us/call with graph {g:.1f} (target <= 15) {'MET' if g <= 15 else 'missed'}; "
               f"without {e:.1f} (target <= 60) {'MET' if e <= 60 else 'missed'}")
-    for name in ("cupyffn-torch-layer", "cupyffn-torch-op"):  # issue 12: within 1.3x of the CuPy functional path
+    # within 1.3x of the CuPy functional path (docs/decisions/022-torch-layer-eager-path.md)
+    for name in ("cupyffn-torch-layer", "cupyffn-torch-op"):
         ratios = [r["results"][name]["host_us"] / r["results"]["cupyffn-bf16x3-functional"]["host_us"]
                   for r in rows if name in r["results"]]
         if ratios:
