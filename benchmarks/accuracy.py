@@ -109,8 +109,8 @@ def measure(tokens_list, precisions, dim, hidden, calls=3):
     import cupy
 
     import cupyffn
-    from cupyffn import _ksplit
-    from cupyffn._options import EngineOptions
+    from cupyffn.engine.options import EngineOptions
+    from cupyffn.gemm import ksplit as _ksplit
 
     rows = []
     for tokens in tokens_list:
@@ -177,7 +177,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     from benchmarks import gpu
     from benchmarks import report as R
-    from cupyffn import _ksplit
+    from cupyffn.gemm import ksplit as _ksplit
     from cupyffn import workloads as W
 
     cupy, reason = gpu.gpu_or_reason()

@@ -59,7 +59,7 @@ def environment(cupy, torch):
     from cupy_backends.cuda.libs import nvrtc
 
     env["nvrtc"] = ".".join(map(str, nvrtc.getVersion()))
-    from cupyffn import _cublas
+    from cupyffn.gemm import cublas as _cublas
 
     handle = _cublas.acquire(0)
     env["cublas"] = handle.version()

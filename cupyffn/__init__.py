@@ -23,7 +23,7 @@ Each name's own help() gives the details.
 
 from ._backward import FFNGrads, GeluFFNBackward, clear_cache, gelu_ffn_backward, release_captured_plans
 from ._checks import ActivationMismatchError
-from ._cublas import CublasError
+from .gemm.cublas import CublasError
 from ._forward import FFNForward, gelu_ffn_forward
 from ._precision import CPU_DEFAULT as CPU_DEFAULT_PRECISION
 from ._precision import DEFAULT as DEFAULT_PRECISION

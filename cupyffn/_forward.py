@@ -14,9 +14,12 @@ from typing import Any, NamedTuple
 
 import numpy
 
-from . import _arrays, _cublas, _gemm, _kernels, _ksplit, _numpy_backend, _plan_cache, _precision
+from . import _arrays, _kernels, _numpy_backend, _plan_cache, _precision
 from . import _precision as P
-from ._gpu_engine import _align, _items, _Operand, _vec_ok, convert_launch
+from .engine.launches import convert_launch, items, vec_ok
+from .engine.layout import Operand, align
+from .gemm import cublas, ksplit
+from .gemm import desc as gemm_desc
 from ._plan_cache import PlanCache
 
 FORWARD_OUTPUTS = ("output", "linear1_out", "tanh_inner", "gelu_out")
@@ -110,14 +113,14 @@ class GpuForward:
         p = self.planes
         self.ops = {}
         if p:
-            self.ops = {"hidden_states": _Operand("hidden_states", tokens, dim, True, p),
-                        "weight1": _Operand("weight1", hidden_dim, dim, True, p),
-                        "weight2": _Operand("weight2", dim, hidden_dim, True, p),
-                        "gelu_out": _Operand("gelu_out", tokens, hidden_dim, True, p)}
+            self.ops = {"hidden_states": Operand("hidden_states", tokens, dim, True, p),
+                        "weight1": Operand("weight1", hidden_dim, dim, True, p),
+                        "weight2": Operand("weight2", dim, hidden_dim, True, p),
+                        "gelu_out": Operand("gelu_out", tokens, hidden_dim, True, p)}
         offset = 0
         for op in self.ops.values():
             op.offset = offset
-            offset += _align(op.nbytes)
+            offset += align(op.nbytes)
         self.scratch_bytes = offset
         with cupy.cuda.Device(device_id):
             try:
@@ -130,7 +133,7 @@ class GpuForward:
             self._base = self._scratch.ptr
             self._state_ptr = ctypes.c_void_p(self._state.data.ptr)
             self._consts_ptr = ctypes.c_void_p(self._consts.data.ptr)
-            self._handle = _cublas.acquire(device_id)
+            self._handle = cublas.acquire(device_id)
             self.lock = threading.Lock()
             self.closed = False
             self._ev_done = cupy.cuda.Event(disable_timing=True)
@@ -165,16 +168,16 @@ class GpuForward:
             op = self.ops["gelu_out"]
             job.dst, job.dst_ld, job.part_stride = self._addr("gelu_out"), op.dst_ld, op.part_stride
         self._gelu = _kernels.KernelLaunch(_kernels.get_function("gelu_forward", expr, dev), job, self._state_ptr)
-        self._gelu.grid = max(1, min(_items(self.T, self.H), sms * _kernels.blocks_per_sm("gelu_forward", expr, dev) * 2))
-        dtype = _gemm.OPERAND_TYPE[form.fmt]
+        self._gelu.grid = max(1, min(items(self.T, self.H), sms * _kernels.blocks_per_sm("gelu_forward", expr, dev) * 2))
+        dtype = gemm_desc.OPERAND_TYPE[form.fmt]
         kp = max(p, 1)
 
-        # every GEMM sums K in chunks of at most _ksplit.MAX_K (docs/decisions/001-k-chunks.md)
-        max_k = _ksplit.MAX_K
+        # every GEMM sums K in chunks of at most ksplit.MAX_K (docs/decisions/001-k-chunks.md)
+        max_k = ksplit.MAX_K
 
-        def gemm(m, n, k, name):  # described once, built by the cuBLAS backend (cupyffn/_gemm.py)
-            desc = _gemm.GemmDesc(name, m, n, k, dtype, dtype, b_trans=True)
-            return _gemm.build(desc, self.device_id, backends=(_gemm.CUBLAS,), max_k=max_k,
+        def gemm(m, n, k, name):  # described once, built by the cuBLAS backend (cupyffn/gemm/desc.py)
+            desc = gemm_desc.GemmDesc(name, m, n, k, dtype, dtype, b_trans=True)
+            return gemm_desc.build(desc, self.device_id, backends=(gemm_desc.CUBLAS,), max_k=max_k,
                                one_ptr=self._consts.data.ptr + 4)[0]
 
         self.gemm_z = gemm(self.T, self.H, kp * self.D, "linear1_out = hidden_states @ weight1^T")
@@ -205,7 +208,7 @@ class GpuForward:
                 for k, m in enumerate((x, w1, w2)):
                     job = jobs.job[k]
                     job.src, job.src_ld, job.kind = m.ptr, m.ld, 0
-                    job.vec = int(_vec_ok(m.ptr, m.ld, m.cols) and _vec_ok(job.dst, job.dst_ld, m.cols, 2))
+                    job.vec = int(vec_ok(m.ptr, m.ld, m.cols) and vec_ok(job.dst, job.dst_ld, m.cols, 2))
         else:
             self.gemm_z.a.value, self.gemm_z.lda.value = x.ptr, x.ld
             self.gemm_z.b.value, self.gemm_z.ldb.value = w1.ptr, w1.ld
@@ -214,12 +217,12 @@ class GpuForward:
         if self._g_rescue is not None:
             job = self._g_rescue.args[0].job[0]
             job.src, job.src_ld, job.kind = g_ptr, self.H, 0
-            job.vec = int(_vec_ok(g_ptr, self.H, self.H) and _vec_ok(job.dst, job.dst_ld, self.H, 2))
+            job.vec = int(vec_ok(g_ptr, self.H, self.H) and vec_ok(job.dst, job.dst_ld, self.H, 2))
         gj = self._gelu.args[0]
         gj.z, gj.t, gj.g = z_ptr, t_ptr, g_ptr
         gj.z_ld = gj.t_ld = gj.g_ld = self.H
-        gj.vec = int(_vec_ok(z_ptr, self.H, self.H) and _vec_ok(t_ptr, self.H, self.H) and _vec_ok(g_ptr, self.H, self.H)
-                     and (not self.planes or _vec_ok(gj.dst, gj.dst_ld, self.H, 2)))
+        gj.vec = int(vec_ok(z_ptr, self.H, self.H) and vec_ok(t_ptr, self.H, self.H) and vec_ok(g_ptr, self.H, self.H)
+                     and (not self.planes or vec_ok(gj.dst, gj.dst_ld, self.H, 2)))
         self.gemm_z.c.value, self.gemm_z.ldc.value = z_ptr, self.H
         self.gemm_y.c.value, self.gemm_y.ldc.value = y_ptr, self.D
         try:
@@ -249,7 +252,7 @@ class GpuForward:
         try:
             runtime.eventSynchronize(self._ev_done.ptr)
         finally:  # as the backward engine: the handle goes back to the pool even if the wait fails
-            _cublas.release(self._handle)
+            cublas.release(self._handle)
             self._handle = None
             self._scratch = None
 

@@ -178,7 +178,7 @@ class Bench:
         self.flush_bytes = 2 * int(self.props["l2CacheSize"])
         with self.stream:
             self.flush_buf = cupy.empty(self.flush_bytes, dtype=cupy.uint8)
-        from cupyffn import _cublas, _cublaslt
+        from cupyffn.gemm import cublas as _cublas, cublaslt as _cublaslt
 
         self._cublas, self._cublaslt = _cublas, _cublaslt
         self.handle = _cublas.acquire(self.device.id)

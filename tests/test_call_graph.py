@@ -5,10 +5,12 @@ import ctypes
 
 import pytest
 
-from cupyffn import _call_graph, _cublas, _kernels
-from cupyffn import _gpu_engine as E
+from cupyffn import _kernels
 from cupyffn import _precision as P
-from cupyffn._options import EngineOptions
+from cupyffn.engine import call_graph as _call_graph
+from cupyffn.engine import plan as E
+from cupyffn.engine.options import EngineOptions
+from cupyffn.gemm import cublas as _cublas
 
 
 def test_kernel_node_params_match_cuda_h():

@@ -1,4 +1,4 @@
-"""cupyffn/_cublaslt.py without a GPU: the constants and struct layouts against the installed cublasLt.h,
+"""cupyffn/gemm/cublaslt.py without a GPU: the constants and struct layouts against the installed cublasLt.h,
 the prototypes' parameter counts, the row-major -> column-major layout mapping (emulated in numpy), and the
 argument checks and fp8 constraints (supports(), LtUnsupported), which all run before any GPU work."""
 
@@ -10,7 +10,7 @@ import numpy
 import pytest
 
 pytest.importorskip("cupy")
-from cupyffn import _cublas, _cublaslt  # noqa: E402
+from cupyffn.gemm import cublas as _cublas, cublaslt as _cublaslt  # noqa: E402
 
 E4M3, F32, F16, BF16 = _cublas.R_8F_E4M3, _cublas.R_32F, _cublas.R_16F, _cublas.R_16BF
 

@@ -1,36 +1,36 @@
-"""The engine's choice of the fused GEMM1 + dgelu (GpuEngine._fused_gemm1_ok) and of the other sm90 mechanisms
-without a GPU: the formats the kernel serves, the default windows (EngineOptions left at auto), the options that
-override them (cupyffn/_options.py) and the shapes the kernel cannot take."""
+"""The plan's choice of the fused GEMM1 + dgelu (Plan._fused_gemm1_ok, cupyffn/engine/plan.py) and of the other sm90
+mechanisms without a GPU: the formats the kernel serves, the default windows (EngineOptions left at auto), the
+options that override them (cupyffn/engine/options.py) and the shapes the kernel cannot take."""
 
 import types
 
 import pytest
 
-from cupyffn import _gpu_engine as E
-from cupyffn import _ksplit
 from cupyffn import _precision as P
-from cupyffn._options import EngineOptions
+from cupyffn.engine import plan as E
+from cupyffn.engine.options import EngineOptions
+from cupyffn.gemm import ksplit as _ksplit
 
 AUTO = EngineOptions()
 
 
 def stand_in(fmt, tokens, dim, hidden, hopper, monkeypatch, options=AUTO):
-    """An engine's fields the sm90 choices read, with GpuEngine._sm90_fits and _mnk bound to them."""
-    monkeypatch.setattr(E._sm90_gemm, "device_supported", lambda device_id: hopper)
-    engine = types.SimpleNamespace(fmt=fmt, T=tokens, D=dim, H=hidden, device_id=0, options=options,
-                                   max_k=options.max_k, planes=3 if fmt == P.FMT_BF16X3 else 1)
-    engine._sm90_fits = lambda: E.GpuEngine._sm90_fits(engine)
-    engine._mnk = lambda g: E.GpuEngine._mnk(engine, g)
-    engine._dims = lambda letters: E.GpuEngine._dims(engine, letters)
+    """A plan's fields the sm90 choices read, with Plan._sm90_fits, mnk and dims bound to them; `hopper`: what the
+    plan's device question sm90_supported() answers."""
+    engine = types.SimpleNamespace(fmt=fmt, T=tokens, D=dim, H=hidden, options=options, max_k=options.max_k,
+                                   planes=3 if fmt == P.FMT_BF16X3 else 1, _sm90_supported=lambda: hopper)
+    engine._sm90_fits = lambda: E.Plan._sm90_fits(engine)
+    engine.mnk = lambda g: E.Plan.mnk(engine, g)
+    engine.dims = lambda letters: E.Plan.dims(engine, letters)
     return engine
 
 
 def ok(fmt, tokens, dim=1536, hidden=6144, hopper=True, monkeypatch=None, options=AUTO):
-    return E.GpuEngine._fused_gemm1_ok(stand_in(fmt, tokens, dim, hidden, hopper, monkeypatch, options))
+    return E.Plan._fused_gemm1_ok(stand_in(fmt, tokens, dim, hidden, hopper, monkeypatch, options))
 
 
 def pair_gemms(tokens=8192, dim=1536, hidden=6144, hopper=True, monkeypatch=None, options=AUTO):
-    return E.GpuEngine._sm90_pair_gemms(stand_in(P.FMT_F16E4M3, tokens, dim, hidden, hopper, monkeypatch, options))
+    return E.Plan._sm90_pair_gemms(stand_in(P.FMT_F16E4M3, tokens, dim, hidden, hopper, monkeypatch, options))
 
 
 def test_sm90_pair_gemms(monkeypatch):
@@ -95,7 +95,7 @@ def test_a_bad_override_names_the_field(value, monkeypatch):
 def gelu_ok(fmt=P.FMT_F16S, tokens=4096, fused=True, weight_grads=True, monkeypatch=None, options=AUTO):
     engine = stand_in(fmt, tokens, 1536, 6144, True, monkeypatch, options)
     engine.fused_gemm1, engine.need_weight_grads = fused, weight_grads
-    return E.GpuEngine._gelu_epilogue_ok(engine)
+    return E.Plan._gelu_epilogue_ok(engine)
 
 
 def test_gelu_out_from_gemm1s_epilogue(monkeypatch):
@@ -115,7 +115,7 @@ def test_gelu_out_from_gemm1s_epilogue(monkeypatch):
 def warps_ok(fmt=P.FMT_F16S, tokens=4096, fused=True, monkeypatch=None, options=AUTO):
     engine = stand_in(fmt, tokens, 1536, 6144, True, monkeypatch, options)
     engine.fused_gemm1 = fused
-    return E.GpuEngine._epilogue_warps_ok(engine)
+    return E.Plan._epilogue_warps_ok(engine)
 
 
 def test_epilogue_warps(monkeypatch):

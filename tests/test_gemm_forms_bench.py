@@ -30,7 +30,7 @@ def test_help_and_arguments(bench, monkeypatch, tmp_path, capsys):
 
 
 def test_layouts_are_the_engines(bench):
-    """The 16-bit layouts as cupyffn/_gpu_engine.py _build_gemms builds them (p planes: K = p * K, activations
+    """The 16-bit layouts as cupyffn/engine/launches.py Gemms builds them (p planes: K = p * K, activations
     [T, p * cols] read as [p * T, cols] by the weight-gradient GEMMs), e4m3 as the f16e4m3 plan lays it out."""
     t, d, h = 3142, 1536, 6144
     keys = ("m", "n", "k", "a_trans", "b_trans", "lda", "ldb", "ldc", "a_shape", "b_shape", "dtype")
@@ -65,7 +65,7 @@ def test_layouts_are_the_engines(bench):
 
 def test_cublaslt_refuses_no_e4m3_gemm_of_the_workloads(bench):
     pytest.importorskip("cupy")
-    from cupyffn import _cublas, _cublaslt
+    from cupyffn.gemm import cublas as _cublas, cublaslt as _cublaslt
 
     refused = {}
     for t in bench.TOKENS:

@@ -7,7 +7,7 @@ import numpy
 import pytest
 
 import cupyffn
-from cupyffn import _cublas
+from cupyffn.gemm import cublas as _cublas
 from cupyffn import workloads as W
 
 pytestmark = pytest.mark.gpu

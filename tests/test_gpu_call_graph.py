@@ -1,4 +1,4 @@
-"""The call graph (cupyffn/_call_graph.py): an eager call as one CUDA graph launch, re-pointed at each call's arrays.
+"""The call graph (cupyffn/engine/call_graph.py): an eager call as one CUDA graph launch, re-pointed at each call's arrays.
 
 Every test compares the call-graph plan (the default) with the same plan built with
 EngineOptions(call_graph=False) (each launch from the host) on fresh inputs at new addresses every call, outputs
@@ -11,9 +11,9 @@ import numpy
 import pytest
 
 import cupyffn
-from cupyffn import _cublas
+from cupyffn.gemm import cublas as _cublas
 from cupyffn import workloads as W
-from cupyffn._options import EngineOptions
+from cupyffn.engine.options import EngineOptions
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
@@ -195,7 +195,7 @@ def test_failure_while_capturing_leaves_nan_and_a_usable_plan(monkeypatch):
 
 
 def test_default_policy(monkeypatch):
-    """auto: the tf32 plan at T <= 512 (_gpu_engine.CALL_GRAPH_TOKENS), nothing else; True: every plan it can."""
+    """auto: the tf32 plan at T <= 512 (cupyffn/engine/plan.py CALL_GRAPH_TOKENS), nothing else; True: every plan it can."""
     monkeypatch.delenv("CUPYFFN_ENGINE", raising=False)
     for tokens, precision, graphed in ((1, "tf32", True), (512, "tf32", True), (513, "tf32", False),
                                        (256, "bf16x3", False), (256, "ieee", False), (256, "bf16", False)):

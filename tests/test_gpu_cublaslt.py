@@ -1,4 +1,4 @@
-"""The cuBLASLt binding (cupyffn/_cublaslt.py) on the GPU.
+"""The cuBLASLt binding (cupyffn/gemm/cublaslt.py) on the GPU.
 
     PYTHONPATH=. python3 -m pytest -q tests/test_gpu_cublaslt.py
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy")
 ml_dtypes = pytest.importorskip("ml_dtypes")
-from cupyffn import _cublas, _cublaslt  # noqa: E402
+from cupyffn.gemm import cublas as _cublas, cublaslt as _cublaslt  # noqa: E402
 
 E4M3, E5M2, F32, F16, BF16 = _cublas.R_8F_E4M3, _cublaslt.R_8F_E5M2, _cublas.R_32F, _cublas.R_16F, _cublas.R_16BF
 NAN_BITS = {"e4m3": 0x7F, "e5m2": 0x7F, "bf16": 0x7FC0}  # a NaN code of each raw-bits format

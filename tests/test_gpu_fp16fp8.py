@@ -11,9 +11,10 @@ import numpy
 import pytest
 
 import cupyffn
-from cupyffn import _gpu_engine, _precision, _sm90_gemm
+from cupyffn import _precision, _sm90_gemm
+from cupyffn.engine import plan as engine_plan
 from cupyffn import workloads as W
-from cupyffn._options import EngineOptions
+from cupyffn.engine.options import EngineOptions
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
@@ -132,7 +133,7 @@ def test_sm90_pair_switch(monkeypatch, switch):
     monkeypatch.setenv("CUPYFFN_ENGINE", "sm90_pair=on")
     with pytest.raises(ValueError, match="CUPYFFN_ENGINE"):
         cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=PLAN)
-    assert _gpu_engine.SM90_PAIR_GEMMS == ("gemm1",)
+    assert engine_plan.SM90_PAIR_GEMMS == ("gemm1",)
 
 
 def test_below_the_pair_threshold_the_plan_is_bf16x3():

@@ -1,5 +1,5 @@
 """GPU: the "tf32" and "bf16x3" plans with GEMM1 + the GELU derivative as one sm90 kernel
-(cupyffn/_gpu_engine.py, kernels_cu/gemm_sm90.cu; tf32: scaled fp16 out, bf16x3: three bf16 planes out)
+(cupyffn/engine/plan.py, kernels_cu/gemm_sm90.cu; tf32: scaled fp16 out, bf16x3: three bf16 planes out)
 against float64, against the benchmark's own check, and against the same plan on the cuBLAS GEMM1 +
 dgelu pass route (EngineOptions(fused_gemm1=False)), on fresh inputs with NaN-poisoned outputs. fp16+fp8 below
 T = 2048 is the bf16x3 plan and fuses the same way.
@@ -18,7 +18,7 @@ import pytest
 import cupyffn
 from cupyffn import _precision
 from cupyffn import workloads as W
-from cupyffn._options import EngineOptions
+from cupyffn.engine.options import EngineOptions
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
@@ -287,13 +287,13 @@ def test_default_policy_and_the_override(monkeypatch):
     built without options, and a bad value there is refused with the variable's name. Plans the kernel does not
     serve (ieee, fp16+fp8 from T = 2048) never fuse. (The window's ends, 1 and 2^31 - 1, are tested without a GPU
     in test_fused_policy.py: a plan of 2^31 tokens does not fit in memory.)"""
-    from cupyffn import _gpu_engine
+    from cupyffn.engine import plan as engine_plan
 
     monkeypatch.delenv("CUPYFFN_ENGINE", raising=False)
-    assert _gpu_engine.FUSED_GEMM1_TOKENS[_precision.FMT_F16S] == (1, 2 ** 31 - 1)
+    assert engine_plan.FUSED_GEMM1_TOKENS[_precision.FMT_F16S] == (1, 2 ** 31 - 1)
     for tokens in (1, 256, 1024, 4096):
         assert cupyffn.GeluFFNBackward(tokens, 64, 256, precision="tf32").fused_gemm1
-    assert _precision.FMT_BF16X3 not in _gpu_engine.FUSED_GEMM1_TOKENS
+    assert _precision.FMT_BF16X3 not in engine_plan.FUSED_GEMM1_TOKENS
     for tokens in (256, 1024, 4096):
         assert not cupyffn.GeluFFNBackward(tokens, 64, 256, precision="bf16x3").fused_gemm1
     off, on = EngineOptions(fused_gemm1=False), EngineOptions(fused_gemm1=True)

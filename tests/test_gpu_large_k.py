@@ -1,4 +1,4 @@
-"""GPU: every precision inside its contract where a GEMM's contraction is long (cupyffn/_ksplit.py): T = 352,000
+"""GPU: every precision inside its contract where a GEMM's contraction is long (cupyffn/gemm/ksplit.py): T = 352,000
 tokens (the weight gradients' K), a large hidden_dim (grad_hidden's K; the forward's second GEMM) and a large dim
 (GEMM1's K; the forward's first GEMM), against float64 on fresh inputs with NaN-poisoned outputs; and the K-chunked
 GEMMs bit-stable from call to call and inside a captured CUDA graph.
@@ -12,9 +12,9 @@ import numpy
 import pytest
 
 import cupyffn
-from cupyffn import _ksplit
+from cupyffn.gemm import ksplit as _ksplit
 from cupyffn import workloads as W
-from cupyffn._options import EngineOptions
+from cupyffn.engine.options import EngineOptions
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")

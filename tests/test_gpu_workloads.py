@@ -14,7 +14,7 @@ import pytest
 
 import cupyffn
 from cupyffn import workloads as W
-from cupyffn._options import EngineOptions
+from cupyffn.engine.options import EngineOptions
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")

@@ -1,4 +1,4 @@
-"""The K-chunk plan (cupyffn/_ksplit.py) and the chunked GEMM's calls (cupyffn/_gemm.py KChunked), on the CPU:
+"""The K-chunk plan (cupyffn/gemm/ksplit.py) and the chunked GEMM's calls (cupyffn/gemm/desc.py KChunked), on the CPU:
 chunk sizes and remainders, the edges of the threshold, and the pointers, betas and leading dimensions each
 chunk's plan receives."""
 
@@ -6,7 +6,9 @@ import ctypes
 
 import pytest
 
-from cupyffn import _cublas, _gemm, _ksplit
+from cupyffn.gemm import cublas as _cublas
+from cupyffn.gemm import desc as _gemm
+from cupyffn.gemm import ksplit as _ksplit
 
 MAX = _ksplit.MAX_K
 

@@ -19,7 +19,7 @@ def test_check_passes_success_and_names_a_failure(monkeypatch):
 
 
 def test_call_graph_and_sm90_share_the_error():
-    from cupyffn import _call_graph
+    from cupyffn.engine import call_graph as _call_graph
 
     assert _call_graph.DriverError is _libcuda.DriverError
 

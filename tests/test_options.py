@@ -1,4 +1,4 @@
-"""EngineOptions (cupyffn/_options.py) without a GPU: the defaults, the type checks, the one debug variable
+"""EngineOptions (cupyffn/engine/options.py) without a GPU: the defaults, the type checks, the one debug variable
 CUPYFFN_ENGINE parsed into the same object, and the functional API's plan cache keeping plans of different options
 apart. (That the defaults make the measured windows' choices: tests/test_fused_policy.py.)"""
 
@@ -8,9 +8,11 @@ import types
 import numpy
 import pytest
 
-from cupyffn import _backward, _ksplit, _options
+from cupyffn import _backward
+from cupyffn.engine import options as _options
+from cupyffn.gemm import ksplit as _ksplit
 from cupyffn import _precision as P
-from cupyffn._options import SWITCHES, EngineOptions
+from cupyffn.engine.options import SWITCHES, EngineOptions
 
 
 def test_defaults_are_auto_and_the_k_chunk_limit():
@@ -122,7 +124,7 @@ def test_the_cpu_plan_ignores_the_variable_and_checks_the_keyword(monkeypatch):
     monkeypatch.setenv("CUPYFFN_ENGINE", "not=valid")
     _backward.GeluFFNBackward(4, 8, 16, device="cpu")
     _backward.GeluFFNBackward(4, 8, 16, device="cpu", _options=EngineOptions(max_k=None))
-    with pytest.raises(TypeError, match="_options must be None or a cupyffn._options.EngineOptions"):
+    with pytest.raises(TypeError, match="_options must be None or a cupyffn.engine.options.EngineOptions"):
         _backward.GeluFFNBackward(4, 8, 16, device="cpu", _options={"max_k": None})
 
 

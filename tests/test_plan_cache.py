@@ -449,12 +449,12 @@ def test_failed_eager_call_records_done_and_fills_nan(gpu_like):
 
 def test_failed_nan_fill_after_a_failed_call_is_reported(gpu_like, monkeypatch):
     plan, call, out, _ = gpu_like
-    from cupyffn import _backward
+    from cupyffn import _backward_gpu
 
     def broken(call, stream):
         raise RuntimeError("sticky CUDA error")
 
-    monkeypatch.setattr(_backward, "_poison", broken)
+    monkeypatch.setattr(_backward_gpu, "_poison", broken)
     plan._engine.fail = ValueError("injected")
     with pytest.raises(ValueError, match="injected") as info:
         plan._run_gpu(call, out, FakeStream(7), False)

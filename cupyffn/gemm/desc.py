@@ -5,28 +5,28 @@ A :class:`GemmDesc` says what one product is: row-major ``C[M,N] = alpha * op(A)
 [K, M]; ``b_trans``: B stored as [N, K]), leading dimensions, an optional device A-scale and the
 epilogue. A backend answers ``supports(desc)`` with (ok, reason) and builds a plan object with
 ctypes pointer fields ``a b c alpha beta`` that the engine rewrites per call, called as
-``plan(handle)`` on a :class:`cupyffn._cublas.Handle` bound to the stream.
+``plan(handle)`` on a :class:`cupyffn.gemm.cublas.Handle` bound to the stream.
 
 Backends, in the order :func:`build` tries them:
 
-* ``cublas`` -- cublasGemmEx (:class:`cupyffn._cublas.Gemm`): fp32, fp16, bf16 operands, fp32 out.
-* ``cublaslt`` -- cublasLtMatmul (:class:`cupyffn._cublaslt.LtMatmul`): also e4m3 operands ("TN" only,
+* ``cublas`` -- cublasGemmEx (:class:`cupyffn.gemm.cublas.Gemm`): fp32, fp16, bf16 operands, fp32 out.
+* ``cublaslt`` -- cublasLtMatmul (:class:`cupyffn.gemm.cublaslt.LtMatmul`): also e4m3 operands ("TN" only,
   dimensions multiples of 16), device A/B scales; the algorithm is chosen once by cuBLASLt's heuristic.
 
 A precision's form decides the descriptions (cupyffn/_precision.py); :class:`PairGemm` is the
 f16+e4m3 form's two products into one output, :class:`Sm90PairGemm` the same form as one launch of our sm90
-kernel (cupyffn/_sm90_gemm.py PairLaunch) where the engine takes it (_gpu_engine.SM90_PAIR_GEMMS).
-:func:`build` with ``max_k`` runs a GEMM whose K exceeds it as :class:`KChunked` (cupyffn/_ksplit.py).
+kernel (cupyffn/_sm90_gemm.py PairLaunch) where the engine takes it (cupyffn/engine/plan.py SM90_PAIR_GEMMS).
+:func:`build` with ``max_k`` runs a GEMM whose K exceeds it as :class:`KChunked` (cupyffn/gemm/ksplit.py).
 """
 
 import ctypes
 from dataclasses import dataclass, replace
 
-from . import _cublas, _ksplit
-from . import _precision as P
+from . import cublas, ksplit
+from .. import _precision as P
 
 #: Bytes per element of each operand type.
-ITEMSIZE = {_cublas.R_32F: 4, _cublas.R_16F: 2, _cublas.R_16BF: 2, _cublas.R_8F_E4M3: 1}
+ITEMSIZE = {cublas.R_32F: 4, cublas.R_16F: 2, cublas.R_16BF: 2, cublas.R_8F_E4M3: 1}
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class GemmDesc:
     k: int
     a_type: int
     b_type: int
-    c_type: int = _cublas.R_32F
+    c_type: int = cublas.R_32F
     a_trans: bool = False
     b_trans: bool = False
     lda: int = None
@@ -52,8 +52,8 @@ class Unsupported(ValueError):
 
 
 #: cudaDataType of the operands each conversion format writes (cupyffn/_precision.py FMT_*) for cublasGemmEx.
-OPERAND_TYPE = {P.FMT_F32: _cublas.R_32F, P.FMT_BF16: _cublas.R_16BF, P.FMT_BF16X3: _cublas.R_16BF,
-                P.FMT_F16S: _cublas.R_16F}
+OPERAND_TYPE = {P.FMT_F32: cublas.R_32F, P.FMT_BF16: cublas.R_16BF, P.FMT_BF16X3: cublas.R_16BF,
+                P.FMT_F16S: cublas.R_16F}
 
 
 class _CublasBackend:
@@ -65,12 +65,12 @@ class _CublasBackend:
         if desc.a_scale is not None:
             return False, "cublasGemmEx takes no operand scale"
         types = {desc.a_type, desc.b_type}
-        if not types <= {_cublas.R_32F, _cublas.R_16F, _cublas.R_16BF} or len(types) != 1:
+        if not types <= {cublas.R_32F, cublas.R_16F, cublas.R_16BF} or len(types) != 1:
             return False, f"cublasGemmEx here multiplies fp32, fp16 or bf16 pairs, not types {sorted(types)}"
         return True, ""
 
     def build(self, desc, device_id):
-        return _cublas.Gemm(desc.m, desc.n, desc.k, desc.a_type, desc.b_type, desc.c_type, a_trans=desc.a_trans,
+        return cublas.Gemm(desc.m, desc.n, desc.k, desc.a_type, desc.b_type, desc.c_type, a_trans=desc.a_trans,
                             b_trans=desc.b_trans, lda=desc.lda, ldb=desc.ldb, ldc=desc.ldc, name=desc.name)
 
 
@@ -80,19 +80,19 @@ class _CublasLtBackend:
     def supports(self, desc):
         if desc.epilogue != "none":
             return False, f"the cuBLASLt backend builds no {desc.epilogue!r} epilogue"
-        from . import _cublaslt
+        from . import cublaslt
 
-        return _cublaslt.LtMatmul.supports(desc.m, desc.n, desc.k, desc.a_type, desc.b_type, desc.c_type,
+        return cublaslt.LtMatmul.supports(desc.m, desc.n, desc.k, desc.a_type, desc.b_type, desc.c_type,
                                            desc.a_trans, desc.b_trans, desc.lda, desc.ldb, desc.ldc)
 
     def build(self, desc, device_id):
-        from . import _cublaslt
+        from . import cublaslt
 
         try:
-            return _cublaslt.LtMatmul(desc.m, desc.n, desc.k, desc.a_type, desc.b_type, desc.c_type,
+            return cublaslt.LtMatmul(desc.m, desc.n, desc.k, desc.a_type, desc.b_type, desc.c_type,
                                       a_trans=desc.a_trans, b_trans=desc.b_trans, lda=desc.lda, ldb=desc.ldb,
                                       ldc=desc.ldc, name=desc.name, a_scale=desc.a_scale, device_id=device_id)
-        except _cublaslt.LtUnsupported as e:  # no algorithm from the heuristic: a refusal, not a bug
+        except cublaslt.LtUnsupported as e:  # no algorithm from the heuristic: a refusal, not a bug
             raise Unsupported(str(e)) from e
 
 
@@ -107,7 +107,7 @@ def build(desc, device_id, backends=BACKENDS, max_k=None, one_ptr=None):
 
     `max_k`: run a GEMM whose K exceeds it as K-chunks (KChunked; `one_ptr`, a device pointer to 1.0f, is the beta
     of every chunk after the first). Every chunk length is built by the same backend."""
-    pieces = _ksplit.chunks(desc.k, max_k)
+    pieces = ksplit.chunks(desc.k, max_k)
     if len(pieces) > 1:  # the chunks' operands keep the whole GEMM's rows: explicit leading dimensions
         desc = replace(desc, lda=desc.lda or (desc.m if desc.a_trans else desc.k),
                        ldb=desc.ldb or (desc.k if desc.b_trans else desc.n), ldc=desc.ldc or desc.n)
@@ -136,7 +136,7 @@ def build(desc, device_id, backends=BACKENDS, max_k=None, one_ptr=None):
 
 
 class KChunked:
-    """One GEMM summed over K in consecutive chunks (cupyffn/_ksplit.py): a plan per chunk length, each chunk's
+    """One GEMM summed over K in consecutive chunks (cupyffn/gemm/ksplit.py): a plan per chunk length, each chunk's
     operands offset along K, the first chunk with the caller's beta and the rest adding with beta = 1.
 
     It has the fields of the plans it wraps (``a b c alpha beta`` pointers, ``lda ldb ldc``), which the engine

@@ -134,9 +134,9 @@ class Handle:
         as the pooled Handle, i.e. for the process: it is shared by every plan that takes this Handle, and a
         destroy at interpreter exit could run after the CUDA context is gone."""
         if self._lt is None:
-            from . import _cublaslt
+            from . import cublaslt
 
-            self._lt = _cublaslt.create_handle(self.device_id)
+            self._lt = cublaslt.create_handle(self.device_id)
         return self._lt
 
     def bind(self, stream_ptr):
@@ -206,7 +206,7 @@ class Gemm:
     def indirect(self, handle, table):
         """The same product as cublasGemmBatchedEx of one matrix, its operands' addresses read on the GPU from
         `table`, a device array of three pointers [A, B, C] (row-major roles), when the kernel runs: a CUDA graph
-        replaying this GEMM follows whatever the table holds then (cupyffn/_call_graph.py). alpha, beta as set."""
+        replaying this GEMM follows whatever the table holds then (cupyffn/engine/call_graph.py). alpha, beta as set."""
         a = list(self._args)
         a[0] = handle.ptr
         # the column-major call's A is our B (see the class docstring); pointer arrays of one entry each

@@ -1,8 +1,8 @@
 """How a backward plan chooses its mechanisms: `EngineOptions`, one frozen object per plan.
 
-A `GpuEngine` (cupyffn/_gpu_engine.py) reads its choices from the options it is built with, nothing else. Every
-field left at its default (None for the switches) is "auto": the measured choice. The windows that auto resolves
-to are one table, kept beside the code that uses them in cupyffn/_gpu_engine.py (`FUSED_GEMM1_TOKENS`,
+A backward plan (`Plan`, cupyffn/engine/plan.py) reads its choices from the options it is built with, nothing
+else. Every field left at its default (None for the switches) is "auto": the measured choice. The windows that
+auto resolves to are one table, kept beside the code that uses them in cupyffn/engine/plan.py (`FUSED_GEMM1_TOKENS`,
 `GELU_EPILOGUE_TOKENS`, `EPILOGUE_WARPS_TOKENS`, `CALL_GRAPH_TOKENS`, `CONVERT_AB_TOKENS`: per operand format,
 the first and last T at which the mechanism runs; `SM90_PAIR_GEMMS`), each with its measurement and the
 decision note in docs/decisions/ it comes from. True asks for a mechanism wherever it can run (the engine still
@@ -16,8 +16,8 @@ and measurements (the benchmark's A/B twins, tests), not a user feature.
                   True every pair GEMM, False none (024)
   call_graph      eager calls as one re-pointed CUDA graph launch (CALL_GRAPH_TOKENS; 018)
   convert_ab      convert A and convert B as one launch (CONVERT_AB_TOKENS; 019)
-  max_k           the longest K one GEMM accumulator sums (cupyffn/_ksplit.py; docs/decisions/001):
-                  _ksplit.MAX_K by default, None (or 0) unbounded, for measuring what the K-chunks buy
+  max_k           the longest K one GEMM accumulator sums (cupyffn/gemm/ksplit.py; docs/decisions/001):
+                  ksplit.MAX_K by default, None (or 0) unbounded, for measuring what the K-chunks buy
 
 Plans take them through the private keyword ``GeluFFNBackward(..., _options=EngineOptions(...))``; the
 functional ``gelu_ffn_backward`` keys its cached plans by them.
@@ -33,7 +33,7 @@ import dataclasses
 import os
 from typing import Optional
 
-from . import _ksplit
+from ..gemm import ksplit
 
 #: The debug variable (module docstring).
 ENV = "CUPYFFN_ENGINE"
@@ -41,7 +41,7 @@ ENV = "CUPYFFN_ENGINE"
 SWITCHES = ("fused_gemm1", "gelu_epilogue", "epilogue_warps", "sm90_pair", "call_graph", "convert_ab")
 _SWITCH_VALUES = {"auto": None, "1": True, "0": False}
 _VALID = (f"fields {', '.join(SWITCHES)} = auto, 1 or 0; max_k = none or an integer >= 0, "
-          f"a multiple of {_ksplit.ALIGN}")
+          f"a multiple of {ksplit.ALIGN}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +55,7 @@ class EngineOptions:
     sm90_pair: Optional[bool] = None
     call_graph: Optional[bool] = None
     convert_ab: Optional[bool] = None
-    max_k: Optional[int] = _ksplit.MAX_K
+    max_k: Optional[int] = ksplit.MAX_K
 
     def __post_init__(self):
         for name in SWITCHES:
@@ -65,9 +65,9 @@ class EngineOptions:
         k = self.max_k
         if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
             raise TypeError(f"EngineOptions.max_k must be None (unbounded) or an int; got {k!r}")
-        if k is not None and (k < 0 or k % _ksplit.ALIGN):
+        if k is not None and (k < 0 or k % ksplit.ALIGN):
             raise ValueError(f"EngineOptions.max_k must be None or an integer >= 0, a multiple of "
-                             f"{_ksplit.ALIGN}; got {k!r}")
+                             f"{ksplit.ALIGN}; got {k!r}")
         # plan-cache keys hash the options at every functional call: once here, not per lookup
         object.__setattr__(self, "_hash", hash(dataclasses.astuple(self)))
 
@@ -103,7 +103,7 @@ def parse(text):
         if name == "max_k":
             if value.lower() == "none":
                 fields[name] = None
-            elif value.isascii() and value.isdigit() and int(value) % _ksplit.ALIGN == 0:
+            elif value.isascii() and value.isdigit() and int(value) % ksplit.ALIGN == 0:
                 fields[name] = int(value)
             else:
                 raise ValueError(f"{ENV}={text!r}: bad value in {entry!r} ({_VALID})")

@@ -8,9 +8,10 @@ But the benchmark (and any training step) passes new addresses every call, so a 
 * our kernels' nodes get this call's arguments by ``cuGraphExecKernelNodeSetParams`` (documented to apply
   from the next launch on, leaving launches in flight alone; the function may change too, e.g. the sm90
   kernel's staged or direct epilogue variant);
-* the cuBLAS GEMMs are captured as ``cublasGemmBatchedEx`` of one matrix (``_cublas.Gemm.indirect``), whose
-  operand addresses are read on the GPU from a table; the graph's first node (``store_call_table`` in
-  kernels_cu/call_table.cu, one more re-pointed kernel node) writes this call's addresses into that table.
+* the cuBLAS GEMMs are captured as ``cublasGemmBatchedEx`` of one matrix (``Gemm.indirect``,
+  cupyffn/gemm/cublas.py), whose operand addresses are read on the GPU from a table; the graph's first node
+  (``store_call_table`` in kernels_cu/call_table.cu, one more re-pointed kernel node) writes this call's addresses
+  into that table.
   Measured on the H200: bit-identical to cublasGemmEx, 1.002-1.032x its GPU time
   (docs/decisions/018-call-graph.md).
 
@@ -19,13 +20,13 @@ against ~35 calls and ~80-95 us launched one by one), and the GPU runs the whole
 is instantiated with node priorities: the engine captures its critical path on a high-priority stream, so that
 where two kernels become ready at once the GPU starts them in the order the host's launches gave them (without
 it, convert B went first at T = 8192 and GEMM1's last wave ran alone: +17 us). Where it is the default:
-_gpu_engine.CALL_GRAPH_TOKENS. The driver entry points come from libcuda through ctypes (names and structs
-the same under CUDA 12 and 13; cupyffn/_libcuda.py).
+cupyffn/engine/plan.py CALL_GRAPH_TOKENS. The driver entry points come from libcuda through ctypes (names and
+structs the same under CUDA 12 and 13; cupyffn/_libcuda.py).
 """
 
 import ctypes
 
-from . import _libcuda
+from .. import _libcuda
 
 # cuda.h enums
 _CAPTURE_MODE_THREAD_LOCAL = 1  # unsafe calls (e.g. cudaMalloc) by this thread during the capture fail loudly

@@ -1,10 +1,10 @@
 """A thin ctypes binding to cuBLASLt, for the GEMMs cublasGemmEx cannot run (fp8 e4m3 operands).
 
 It loads the libcublasLt that CuPy's libcublas itself links (same directory, same version), checks every
-status (_cublas.CublasError), and runs each GEMM as a prebuilt call: the matmul descriptor, the four
+status (cublas.CublasError), and runs each GEMM as a prebuilt call: the matmul descriptor, the four
 matrix layouts and the algorithm (cublasLtMatmulAlgoGetHeuristic, asked once) are made at build time, so
 a call only rewrites pointers, allocates nothing and never synchronizes (CUDA-graph capturable). It runs
-on a _cublas.Handle: that handle's cuBLASLt handle (Handle.lt), workspace and stream, so it is
+on a cublas.Handle: that handle's cuBLASLt handle (Handle.lt), workspace and stream, so it is
 stream-ordered with the handle's cublasGemmEx calls, which share the same workspace.
 """
 
@@ -12,8 +12,8 @@ import ctypes
 import os
 import threading
 
-from . import _cublas
-from ._cublas import OP_N, OP_T, R_8F_E4M3, R_16BF, R_16F, R_32F, WORKSPACE_BYTES, CublasError, check
+from . import cublas
+from .cublas import OP_N, OP_T, R_8F_E4M3, R_16BF, R_16F, R_32F, WORKSPACE_BYTES, CublasError, check
 
 # cublasLt.h values, passed as plain ints. Each is the same in the CUDA 12.9 (cuBLAS 12.9.2) and CUDA 13.1
 # (cuBLAS 13.1.2) headers: cuBLASLt numbers these attributes explicitly and keeps them across versions (stable
@@ -30,7 +30,7 @@ MATMUL_PREF_MIN_ALIGNMENT_B_BYTES = 6
 MATMUL_PREF_MIN_ALIGNMENT_C_BYTES = 7
 MATMUL_PREF_MIN_ALIGNMENT_D_BYTES = 8
 POINTER_MODE_DEVICE = 1  # CUBLASLT_POINTER_MODE_DEVICE (= CUBLAS_POINTER_MODE_DEVICE)
-COMPUTE_32F = _cublas.COMPUTE_32F
+COMPUTE_32F = cublas.COMPUTE_32F
 R_8F_E5M2 = 29  # cudaDataType (library_types.h); recognised as fp8 by supports(), not otherwise used
 
 #: The pointer alignment every chosen algorithm must accept (cuBLASLt's default assumption is 256 bytes).
@@ -63,10 +63,10 @@ _query = {}  # device id -> cuBLASLt handle for heuristic queries (host-only wor
 
 def _library_path():
     # libcublas needs libcublasLt, so the one it loaded is normally mapped already: that very copy.
-    path = _cublas._loaded_cublas_path("libcublasLt.so")
+    path = cublas._loaded_cublas_path("libcublasLt.so")
     if path is not None:
         return path
-    blas = _cublas._loaded_cublas_path()
+    blas = cublas._loaded_cublas_path()
     if blas is not None:
         folder, name = os.path.split(blas)
         same = os.path.join(folder, "libcublasLt.so" + name[len("libcublas.so"):])
@@ -88,7 +88,7 @@ def library():
     with _lib_lock:
         if _lib is not None:
             return _lib
-        _cublas.library()  # CuPy's libcublas first: its libcublasLt is the one to take
+        cublas.library()  # CuPy's libcublas first: its libcublasLt is the one to take
         lib = ctypes.CDLL(_library_path())
         vp, i32, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
         pvp = ctypes.POINTER(vp)
@@ -122,7 +122,7 @@ def version():
 
 
 def create_handle(device_id):
-    """A new cuBLASLt handle (int) made on `device_id`. _cublas.Handle.lt owns one per cuBLAS handle."""
+    """A new cuBLASLt handle (int) made on `device_id`. cublas.Handle.lt owns one per cuBLAS handle."""
     import cupy
 
     lib = library()
@@ -156,7 +156,7 @@ def _type_name(t):
 
 
 def _leading_dims(m, n, k, a_type, b_type, c_type, a_trans, b_trans, lda, ldb, ldc):
-    """Validated (lda, ldb, ldc), defaults filled in as in _cublas.Gemm; ValueError naming the bad argument."""
+    """Validated (lda, ldb, ldc), defaults filled in as in cublas.Gemm; ValueError naming the bad argument."""
     for arg, v in (("m", m), ("n", n), ("k", k)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"LtMatmul: {arg} must be a positive int, got {v!r}")
@@ -207,7 +207,7 @@ def supports(m, n, k, a_type, b_type, c_type, a_trans=False, b_trans=False, lda=
 
 class LtMatmul:
     """One row-major GEMM ``C[M,N] = alpha * op(A) @ op(B) * a_scale * b_scale + beta * C`` as a prebuilt
-    cublasLtMatmul call (D = C, in place), with _cublas.Gemm's meaning of m, n, k, a_trans, b_trans, lda, ldb,
+    cublasLtMatmul call (D = C, in place), with cublas.Gemm's meaning of m, n, k, a_trans, b_trans, lda, ldb,
     ldc (row strides in elements; here fixed at build).
 
     Compute CUBLAS_COMPUTE_32F, scale type fp32; alpha and beta are device pointers to one float each
@@ -304,7 +304,7 @@ class LtMatmul:
         finally:  # also on failure (then a failed destroy does not hide the first error)
             destroyed = lib.cublasLtMatmulPreferenceDestroy(pref)
         check(destroyed, f"cublasLtMatmulPreferenceDestroy ({what})")
-        status_name = _cublas._STATUS_NAMES.get(status, "unknown status")
+        status_name = cublas._STATUS_NAMES.get(status, "unknown status")
         # NOT_SUPPORTED (15): no algorithm; INVALID_VALUE (7): cuBLASLt's answer to a type combination it lacks
         if status in (7, 15) or (status == 0 and (count.value < 1 or result.state != 0)):
             raise LtUnsupported(f"cuBLASLt has no algorithm for {what} (cublasLtMatmulAlgoGetHeuristic: "
@@ -313,7 +313,7 @@ class LtMatmul:
         return MatmulAlgo.from_buffer_copy(result.algo), result.workspaceSize, result.wavesCount
 
     def __call__(self, handle):
-        """Enqueue on `handle` (a _cublas.Handle: its cuBLASLt handle, workspace and bound stream)."""
+        """Enqueue on `handle` (a cublas.Handle: its cuBLASLt handle, workspace and bound stream)."""
         args = self._args
         if args is None:
             raise RuntimeError(f"LtMatmul {self.name!r} was closed")
