@@ -185,7 +185,7 @@ class GeluFFNBackward:
                 if stream is not None and not hasattr(stream, "ptr"):
                     raise TypeError(f"stream must be a cupy.cuda.Stream (or ExternalStream) or None; "
                                     f"got {type(stream).__name__}")
-                call = _validate.reuse(known, args, out)
+                call = _validate.reuse(known, args, out, stream)
             else:
                 call = _validate.prepare(args, out, stream, self.need_grad_hidden, self.need_weight_grads, accumulate)
                 self._check_call(call)

@@ -5,8 +5,13 @@ row-strided views the engines work on. Nothing is written and nothing is launche
 call leaves every array untouched.
 
 Repeated calls with the same arrays are common (training loops, CUDA graphs), so a validated call
-is remembered by its `signature` (pointer, shape, strides and dtype of every CuPy array): a call
+is remembered by its `signature` (pointer, shape, strides and dtype of every CuPy array; pointer, shape
+and strides of every float32 CUDA torch tensor, read from the tensor without a DLPack import): a call
 with an equal signature has the same validation outcome and reuses the geometry (`reuse`).
+
+Torch tensors (cupyffn/_arrays.py, "torch tensors read by pointer"): the DLPack stream handshake that
+ordered torch's pending work before cupyffn's is replaced by one `_arrays.follow_torch` per call, made
+by `prepare` or `reuse`, whichever the call takes (docs/decisions/048-dlpack-free-import.md).
 """
 
 import math
@@ -32,6 +37,7 @@ class Call(NamedTuple):
     out: Tuple[Optional[_arrays.Matrix], ...]    # in OUTPUT_NAMES order; None where not given
     arrays: Tuple[Any, ...]                      # the (imported) input arrays
     out_arrays: Tuple[Any, ...]                  # the (imported) out= arrays, or None entries
+    follow: Any = None           # device id whose torch current stream the call follows (torch tensors), or None
 
 
 def _matrix(array, name):
@@ -52,6 +58,16 @@ def _matrix(array, name):
     return _arrays.Matrix(_arrays.data_ptr(array), rows, cols, ld)
 
 
+def _import(obj, name, stream, torch_devices):
+    """_arrays.import_array, except that a float32 CUDA torch tensor's device is appended to `torch_devices` (its
+    stream is followed once per call, by prepare) instead of being followed here."""
+    viewed = _arrays.torch_view(obj)
+    if viewed is None:
+        return _arrays.import_array(obj, name, stream)
+    torch_devices.append(viewed[0])
+    return "gpu", viewed[1]
+
+
 def _overlaps(a, b):
     (a0, a1), (b0, b1) = a.span, b.span
     return a0 < b1 and b0 < a1
@@ -61,40 +77,64 @@ _cupy_ndarray = None
 
 
 def signature(args, out, accumulate):
-    """Identity of a call's arrays, or None when any is not a CuPy array (those always take prepare())."""
+    """Identity of a call's arrays, or None when any is neither a CuPy array nor a float32 CUDA torch tensor
+    (those always take prepare()).
+
+    A CuPy array's entry is (pointer, shape, strides in bytes, dtype); a torch tensor's (pointer, shape, strides
+    in elements), read from the tensor (its dtype is float32 and it is on CUDA, or the signature is None and
+    prepare() says what is wrong): the entries differ in length, so the two kinds never share a signature, and
+    every torch entry's dtype and device are the same. The exact type (torch.Tensor or torch.nn.Parameter) is
+    checked, so tensor subclasses take prepare() and DLPack.
+    """
     global _cupy_ndarray
     nd = _cupy_ndarray
     if nd is None:
         # Only look CuPy up, never import it: a CuPy array exists only once CuPy is imported, and the NumPy
         # path must work where CuPy is not installed (sys.modules holds None for an import that was blocked).
         nd = getattr(sys.modules.get("cupy"), "ndarray", None)
-        if nd is None:
-            return None
-        _cupy_ndarray = nd
+        if nd is not None:
+            _cupy_ndarray = nd
+    tt = _arrays._torch_types  # None until import_array has seen torch imported (the first call takes prepare)
+    if nd is None and tt is None:
+        return None
+    f32 = _arrays._torch_f32
     sig = [accumulate]
     for a in args:
-        if type(a) is nd:
+        t = type(a)
+        if t is nd:
             sig.append((a.data.ptr, a.shape, a.strides, a.dtype))
         elif a is None:  # memory mode (tanh_inner / gelu_out not kept); prepare() decides if allowed
             sig.append(None)
+        elif tt is not None and t in tt and a.dtype is f32 and a.is_cuda:
+            sig.append((a.data_ptr(), a.shape, a.stride()))
         else:
             return None
     if out is not None:
         if not isinstance(out, (tuple, list)):
             return None
         for a in out:
+            t = type(a)
             if a is None:
                 sig.append(None)
-            elif type(a) is nd:
+            elif t is nd:
                 sig.append((a.data.ptr, a.shape, a.strides, a.dtype))
+            elif tt is not None and t in tt and a.dtype is f32 and a.is_cuda:
+                sig.append((a.data_ptr(), a.shape, a.stride()))
             else:
                 return None
         sig.append(len(out))
     return tuple(sig)
 
 
-def reuse(call, args, out):
-    """The validated `call` for new arrays with the same signature (same memory, shapes and strides)."""
+def reuse(call, args, out, stream=None):
+    """The validated `call` for new arrays with the same signature (same memory, shapes and strides).
+
+    `stream`: the call's stream= (None: CuPy's current one); where the call has torch tensors, cupyffn's stream
+    is ordered after torch's current stream here (`_arrays.follow_torch`), as prepare() does for a new call.
+    The arrays are kept as given (torch tensors too: `_arrays.view2d` views them by pointer where needed).
+    """
+    if call.follow is not None:
+        _arrays.follow_torch(call.follow, stream)
     return call._replace(arrays=tuple(args), out_arrays=tuple(out) if out is not None else (None, None, None))
 
 
@@ -110,7 +150,8 @@ def prepare(args, out=None, stream=None, need_grad_hidden=True, need_weight_grad
             raise TypeError(f"{n} is required; only tanh_inner and gelu_out may be None (recomputed from linear1_out)")
     # Memory mode: a missing tanh_inner / gelu_out is recomputed from linear1_out inside the kernels.
     present = [(a, n) for a, n in zip(args, INPUT_NAMES) if a is not None]
-    imported = [_arrays.import_array(a, n, stream) for a, n in present]
+    torch_devices = []  # torch tensors read by pointer: their stream is followed once, below
+    imported = [_import(a, n, stream, torch_devices) for a, n in present]
     backends = {b for b, _ in imported}
     names = [n for _, n in present]
     if len(backends) > 1:
@@ -157,12 +198,17 @@ def prepare(args, out=None, stream=None, need_grad_hidden=True, need_weight_grad
 
     inputs = tuple(None if a is None else _matrix(a, n) for a, n in zip(arrays, INPUT_NAMES))
     outs, out_arrays = _prepare_out(out, backend, devices[0], stream, inputs, arrays,
-                                    need_grad_hidden, need_weight_grads, accumulate)
+                                    need_grad_hidden, need_weight_grads, accumulate, torch_devices)
     tokens = inputs[0].rows
-    return Call(backend, devices[0], tokens, dim, hidden_dim, lead, inputs, outs, tuple(arrays), out_arrays)
+    follow = None
+    if torch_devices:  # all on devices[0], checked above: one wait, not one per tensor (the DLPack handshake's)
+        follow = devices[0]
+        _arrays.follow_torch(follow, stream)
+    return Call(backend, devices[0], tokens, dim, hidden_dim, lead, inputs, outs, tuple(arrays), out_arrays, follow)
 
 
-def _prepare_out(out, backend, device, stream, inputs, arrays, need_grad_hidden, need_weight_grads, accumulate):
+def _prepare_out(out, backend, device, stream, inputs, arrays, need_grad_hidden, need_weight_grads, accumulate,
+                 torch_devices=None):
     if out is None:
         if accumulate and need_weight_grads:
             raise ValueError("accumulate=True adds into existing gradients: pass "
@@ -185,7 +231,7 @@ def _prepare_out(out, backend, device, stream, inputs, arrays, need_grad_hidden,
             continue
         if not needed[i]:
             raise ValueError(f"{label} was given but is not computed (need_grad_hidden / need_weight_grads is False)")
-        b, a = _arrays.import_array(obj, label, stream)
+        b, a = _import(obj, label, stream, torch_devices)
         if b != backend:
             where = "NumPy (CPU)" if b == "cpu" else "GPU"
             raise ValueError(f"{label} is a {where} array but the inputs are "
