@@ -1,14 +1,16 @@
-"""CuPy views over raw device pointers and streams, for the framework layers (cupyffn.torch, cupyffn.jax).
+"""CuPy views over raw device pointers and streams, for the framework layers (cupyffn.torch, cupyffn.jax) and for
+float32 CUDA torch tensors given to the functional API (cupyffn/_arrays.py ``torch_view``).
 
 A framework tensor reaches cupyffn as a ``cupy.ndarray`` built from its pointer, shape and strides:
-no DLPack import (whose stream handshake is empty here, since the layers run cupyffn on the stream the
-framework itself uses) and, for a repeated tensor, cupyffn's validated-call fast path.
+no DLPack import (whose stream handshake is empty in the layers, since they run cupyffn on the stream the
+framework itself uses; the functional API makes its one ordering per call instead, ``_arrays.follow_torch``)
+and, for a repeated tensor, cupyffn's validated-call fast path.
 
 Views are cached by (pointer, shape, strides, device). A view is a pure function of that key and owns
 nothing (``UnownedMemory`` with no owner), so when the framework frees a tensor and reuses its address
 for one of the same geometry, the cached view describes the new tensor exactly. The caller keeps the
 tensor itself alive for as long as it uses the view (the length of one cupyffn call); a view is never
-handed out of the layers.
+handed out of cupyffn (results are the caller's out= objects, or arrays cupyffn allocated).
 """
 
 _views = {}

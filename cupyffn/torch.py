@@ -35,13 +35,14 @@ Devices and streams: the work is enqueued on torch's current stream of the tenso
 synchronized. CPU tensors run on cupyffn's NumPy backend (zero-copy ``Tensor.numpy()`` views).
 cupyffn's own scratch buffers and cuBLAS workspaces come from CuPy's memory pool, not torch's.
 
-Host fast path: a CUDA tensor reaches cupyffn as a CuPy view built from its pointer, shape and strides
-(no DLPack import; the stream handshake DLPack would do is empty since cupyffn works on the stream
-torch is using), cached by (pointer, shape, strides, device) as ``cupyffn._views`` explains (why a
-freed and reused address is safe). Repeated tensors (a training loop under torch's caching
-allocator) then take cupyffn's validated-call fast path, as far as a plan sees the same arrays as in
-its previous call (one remembered signature per plan: several layers of one shape, or results kept
-alive across calls so that the allocator alternates output addresses, validate in full each call).
+Host fast path: no DLPack import. The backward hands its CUDA tensors to cupyffn as they are, and cupyffn
+reads them by pointer (data_ptr(), shape, stride(), device: cupyffn/_arrays.py), as the functional API reads
+any float32 CUDA torch tensor; cupyffn works on torch's current stream, so the ordering it makes after
+torch's stream is two pointer queries and no wait. The forward passes CuPy views built from the same
+attributes and cached (``cupyffn._views``, which says why a freed and reused address is safe).
+Repeated tensors (a training loop under torch's caching allocator) take cupyffn's validated-call fast
+path, keyed by pointers, shapes and strides (up to eight signatures per plan: several layers of one
+shape, or outputs alternating between a few addresses, stay on it; docs/decisions/048-dlpack-free-import.md).
 
 Tensor parallelism: autograd hands grad_input to the previous layer only when this op's backward
 returns (after both weight-gradient GEMMs), so the torch layer cannot start an all-reduce of
@@ -78,18 +79,31 @@ SAVE_MODES = ("all", "linear1_out")
 # torch's current raw stream without building a torch.cuda.Stream object per call (the call inductor's
 # generated code makes); the public spelling where this torch lacks it
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+if _raw_stream is None:  # pragma: no cover
+    def _raw_stream(index):
+        return int(torch.cuda.current_stream(index).cuda_stream)
 _F32 = torch.float32
 _cupy = None  # the cupy module, imported on the first CUDA call
+_get_device = None  # cupy.cuda.runtime.getDevice, bound with it
+_last_stream = (None, None, None)  # (raw pointer, device index, CuPy stream) of the previous call
 
 
 def _cupy_stream(device):
     """torch's current stream on `device` as a CuPy stream that does not own it (call with `device` current)."""
-    index = device.index
-    if _raw_stream is not None:
-        ptr = int(_raw_stream(index))
-    else:  # pragma: no cover
-        ptr = int(torch.cuda.current_stream(device).cuda_stream)
-    return _views.external_stream(ptr, index)
+    return _cuda_stream(device.index)
+
+
+def _cuda_stream(index):
+    """_cupy_stream by device index; the previous call's stream object is kept, so a training loop on one stream
+    queries one pointer and compares it (no key tuple, no dict lookup)."""
+    global _last_stream
+    ptr = _raw_stream(index)
+    last = _last_stream
+    if last[0] == ptr and last[1] == index:
+        return last[2]
+    stream = _views.external_stream(ptr, index)
+    _last_stream = (ptr, index, stream)
+    return stream
 
 
 def _readable(tensor):
@@ -138,18 +152,19 @@ class _Call:
         self.index = device.index
 
     def __enter__(self):
-        global _cupy
+        global _cupy, _get_device
         self._switch = None
         self.stream = None
         if self.cuda:
-            if _cupy is None:
+            if _get_device is None:
                 import cupy
 
-                _cupy = cupy
-            if _cupy.cuda.runtime.getDevice() != self.index:
-                self._switch = _cupy.cuda.Device(self.index)
+                _cupy, _get_device = cupy, cupy.cuda.runtime.getDevice
+            index = self.index
+            if _get_device() != index:
+                self._switch = _cupy.cuda.Device(index)
                 self._switch.__enter__()
-            self.stream = _cupy_stream(self.device)
+            self.stream = _cuda_stream(index)
         return self
 
     def __exit__(self, *exc):
@@ -159,7 +174,7 @@ class _Call:
 
     def arg(self, tensor):
         """What cupyffn gets for `tensor`: a CuPy view on CUDA (no DLPack import, owns nothing: cupyffn._views),
-        a NumPy view on the CPU."""
+        a NumPy view on the CPU. (The backward hands CUDA tensors over as they are: _backward_impl.)"""
         if tensor is None:
             return None
         if self.cuda:
@@ -220,13 +235,21 @@ def _backward_impl(grad_output, hidden_states, weight1, weight2, linear1_out, ta
     # the saved inputs are the caller's tensors, as the forward got them: the same layouts are copied again
     dy, x, w1, w2 = _readable(grad_output), _readable(hidden_states), _readable(weight1), _readable(weight2)
     with _Call(x.device) as call:
-        like, arg = call.like, call.arg
+        like = call.like
         gx = like(x) if need_grad_hidden else None
         gw1 = like(w1) if need_weight_grads else None
         gw2 = like(w2) if need_weight_grads else None
-        _gelu_ffn_backward(arg(dy), arg(x), arg(w1), arg(w2), arg(linear1_out), arg(tanh_inner), arg(gelu_out),
-                           precision=precision, out=[arg(gx), arg(gw1), arg(gw2)], stream=call.stream,
-                           need_grad_hidden=need_grad_hidden, need_weight_grads=need_weight_grads)
+        if call.cuda:
+            # The tensors as they are: cupyffn's signature reads them by pointer (cupyffn/_arrays.py), which costs
+            # less than ten call.arg views read again by the signature; the stream it follows is call.stream.
+            _gelu_ffn_backward(dy, x, w1, w2, linear1_out, tanh_inner, gelu_out, precision=precision,
+                               out=(gx, gw1, gw2), stream=call.stream, need_grad_hidden=need_grad_hidden,
+                               need_weight_grads=need_weight_grads)
+        else:
+            arg = call.arg
+            _gelu_ffn_backward(arg(dy), arg(x), arg(w1), arg(w2), arg(linear1_out), arg(tanh_inner),
+                               arg(gelu_out), precision=precision, out=[arg(gx), arg(gw1), arg(gw2)],
+                               need_grad_hidden=need_grad_hidden, need_weight_grads=need_weight_grads)
     return gx, gw1, gw2
 
 
@@ -249,9 +272,11 @@ def _gradients(ctx, grad_output, backward):
     if not (need_x or need_weights):
         return None, None, None, None, None
     saved = ctx.saved_tensors
-    x, w1, w2, z = saved[:4]
-    t, g = saved[4:] if len(saved) == 6 else (None, None)
-    if grad_output.dtype != _F32:  # a hook changed it; the math is float32 anyway
+    if len(saved) == 6:
+        x, w1, w2, z, t, g = saved
+    else:  # memory mode
+        (x, w1, w2, z), t, g = saved, None, None
+    if grad_output.dtype is not _F32:  # a hook changed it; the math is float32 anyway
         grad_output = grad_output.float()
     grad_x, grad_w1, grad_w2 = backward(grad_output, x, w1, w2, z, t, g, ctx.precision, need_x, need_weights)
     return (grad_x if need_x else None, grad_w1 if need_w1 else None, grad_w2 if need_w2 else None, None, None)
@@ -324,9 +349,19 @@ class _EagerGeluFFN(torch.autograd.Function):
         return output[0]  # linear1_out, tanh_inner, gelu_out: saved (or freed in memory mode), not outputs
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # no double backward (as the operator: no formula for it)
     def backward(ctx, grad_output):
+        # No double backward (as the operator: no formula for it): once_differentiable. Its wrapper runs the body
+        # under torch.no_grad() and then, where grad mode is on (create_graph=True), marks the results so that
+        # differentiating them raises; where grad mode is already off, as in every backward without create_graph,
+        # both steps do nothing, so the body is called directly (one grad-mode query instead of a no_grad context).
+        if _grad_enabled():
+            return _backward_once(ctx, grad_output)
         return _gradients(ctx, grad_output, _backward_impl)
+
+
+_grad_enabled = torch.is_grad_enabled
+_backward_once = torch.autograd.function.once_differentiable(
+    lambda ctx, grad_output: _gradients(ctx, grad_output, _backward_impl))
 
 
 # The eager Function runs only when nothing is tracing or intercepting torch calls; otherwise the operators.
