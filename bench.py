@@ -7,6 +7,7 @@ measured the way SOL-ExecBench measures L2/068.
     python bench.py --quick --rounds 2   # a subset, for a quick look
     python bench.py --impls 'cupyffn-*,torch-tf32'   # only some implementations (fnmatch patterns)
     python bench.py --loop               # also the steady-state loop (host time per call, graph replay)
+    python bench.py --host-only --no-write   # only the loop mode's host-time table (CuPy arrays, torch tensors, layer)
     python bench.py --timer events --rounds 1 --json /tmp/events.json   # CUDA-event timing, for comparison
     python bench.py --readme             # regenerate README.md's tables from results/*.json (no GPU needed)
 
@@ -24,8 +25,8 @@ SOL scores and the headline comparison.
 Without a GPU, bench.py runs a smoke test of cupyffn's NumPy backend on reduced sizes instead (a banner
 says why and that these are not the benchmark's numbers; benchmarks/cpu.py). There --quick, --rounds,
 --iters, --warmup (defaults 3 and 0 on the CPU), --impls (cupyffn-<precision> names), --json and
---no-write apply; --compile, --loop, --loop-only, --loop-calls and --timer events measure GPU work and are
-refused with exit status 2, as is an --impls pattern that matches only GPU implementations.
+--no-write apply; --compile, --loop, --loop-only, --host-only, --loop-calls and --timer events measure GPU work
+and are refused with exit status 2, as is an --impls pattern that matches only GPU implementations.
 """
 
 import argparse
@@ -52,6 +53,10 @@ def _parser():
                         help="untimed calls before them (default 10; 0 on the CPU)")
     parser.add_argument("--loop", action="store_true", help="also the steady-state loop mode (host overhead, graphs)")
     parser.add_argument("--loop-only", action="store_true", help="only the loop mode")
+    parser.add_argument("--host-only", action="store_true",
+                        help="only the loop mode's host-time table: host us per call of the functional API on CuPy "
+                             "arrays and on torch tensors, the torch layer's backward and torch eager's, T = 256 and "
+                             "8192 (implies --loop-only; refused on the CPU)")
     parser.add_argument("--loop-calls", type=int, default=50,
                         help="calls per measurement of the loop mode (default 50)")
     parser.add_argument("--no-write", action="store_true", help="do not write results/")
@@ -74,6 +79,8 @@ def parse_args(argv=None):
     for name in ("rounds", "iters", "warmup", "loop_calls"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             parser.error(f"--{name.replace('_', '-')} must be >= {0 if name == 'warmup' else 1}")
+    if args.host_only:  # a part of the loop mode: the CPU run refuses it as it refuses --loop-only
+        args.loop_only = True
     return args
 
 
@@ -95,6 +102,9 @@ def main(argv=None):
     if cupy is None:
         from benchmarks.cpu import run_cpu
 
+        if args.host_only:
+            print("bench.py: --host-only: the host-time table times GPU calls; it is a part of the loop mode "
+                  "(--loop-only)", file=sys.stderr)
         return run_cpu(args, reason)
     result = None if args.loop_only else gpu.run_gpu(args, cupy)
     loop = None

@@ -27,7 +27,8 @@ per call (``_validate.prepare`` calls) and the distinct grad_hidden_states addre
 caching allocator alternates two output sets in the kept style, the validated-call fast path must remember
 both (it keeps up to 8 signatures per plan, ``GeluFFNBackward._validated``), which these columns show.
 ``layer_impls()`` returns the callables in bench.py --loop's form (name -> (run, plan))
-for the torch rows; ``jax_impl()`` the JAX one with its own synchronization.
+for the torch rows; ``jax_impl()`` the JAX one with its own synchronization; ``host_impls()`` the rows of the
+loop mode's host-time table (bench.py --loop / --host-only; HOST_ROWS).
 """
 
 import argparse
@@ -82,6 +83,64 @@ def jax_impl(args2d, precision="bf16x3"):
         return cj._gelu_ffn_bwd(precision, (x, w1, w2, z, t, g), dy)
 
     return (lambda: backward(*jargs)), jax.block_until_ready
+
+
+#: The host-time table of bench.py's loop mode (--loop, --host-only), one backward per call, "tf32" for cupyffn, every
+#: row on the bench's stream (torch's current stream made that stream) unless it says otherwise:
+HOST_ROWS = {
+    "cupy-functional-out": "cupyffn.gelu_ffn_backward on CuPy arrays, out= CuPy arrays",
+    "torch-functional-out": "the same call on torch tensors, out= torch tensors (read by pointer, no DLPack)",
+    "torch-functional-out-other-stream": "the same, torch's current stream another stream (one event wait per call)",
+    "torch-layer-backward": "cupyffn.torch.gelu_ffn_backward: the eager layer's backward body (outputs from torch)",
+    "torch-layer-autograd": "torch.autograd.grad through the eager layer (cupyffn.torch.gelu_ffn), graph kept",
+    "torch-eager-autograd": "torch.autograd.grad through F.linear -> F.gelu(tanh) -> F.linear (nn.Linear + GELU), "
+                            "graph kept",
+}
+#: (numerator, denominator, target) ratios the table reports: torch tensors vs CuPy arrays (issue target 1.3x), the
+#: layer's backward vs torch eager's (target: at or below, 1.0x).
+HOST_RATIOS = (("torch-functional-out", "cupy-functional-out", 1.3),
+               ("torch-layer-autograd", "torch-eager-autograd", 1.0))
+
+
+def host_impls(args2d, stream, precision="tf32"):
+    """{name: (run, torch_stream)} for HOST_ROWS: run() issues one backward; torch_stream: the torch stream to make
+    torch's current one while timing it (None: the bench's `stream`). The CuPy row only where torch has no CUDA.
+    Call with torch's current stream already `stream` (the autograd rows' forward runs here, and autograd runs a
+    backward on its forward's stream)."""
+    import cupy
+
+    shapes = [args2d[1].shape, args2d[2].shape, args2d[3].shape]
+    out_c = tuple(cupy.empty(s, dtype=cupy.float32) for s in shapes)
+    rows = {"cupy-functional-out": (
+        lambda: cupyffn.gelu_ffn_backward(*args2d, precision=precision, out=out_c, stream=stream), None)}
+    try:
+        import torch
+        import torch.nn.functional as F
+
+        if not torch.cuda.is_available():
+            return rows
+    except ImportError:
+        return rows
+    import cupyffn.torch as ct
+
+    targs = [torch.from_dlpack(a) for a in args2d]
+    out_t = tuple(torch.empty(tuple(s), device=targs[0].device) for s in shapes)
+
+    def functional():
+        return cupyffn.gelu_ffn_backward(*targs, precision=precision, out=out_t, stream=stream)
+
+    rows["torch-functional-out"] = (functional, None)
+    rows["torch-functional-out-other-stream"] = (functional, torch.cuda.Stream(device=targs[0].device))
+    rows["torch-layer-backward"] = (lambda: ct.gelu_ffn_backward(*targs, precision=precision), None)
+    dy = targs[0]
+    x, w1, w2 = (t.detach().clone().requires_grad_() for t in targs[1:4])
+    y_layer = ct.gelu_ffn(x, w1, w2, precision)
+    y_eager = F.linear(F.gelu(F.linear(x, w1), approximate="tanh"), w2)
+    rows["torch-layer-autograd"] = (
+        lambda: torch.autograd.grad(y_layer, (x, w1, w2), dy, retain_graph=True), None)
+    rows["torch-eager-autograd"] = (
+        lambda: torch.autograd.grad(y_eager, (x, w1, w2), dy, retain_graph=True), None)
+    return rows
 
 
 def _host_us(run, sync, calls, keep=False):

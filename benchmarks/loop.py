@@ -1,6 +1,9 @@
 """Loop mode: steady state without L2 flush: host time per call, wall time per call in a loop of
-back-to-back calls, GPU span of one call; CUDA-graph plans; and a host-time breakdown of one call."""
+back-to-back calls, GPU span of one call; CUDA-graph plans; a host-time breakdown of one call; and the host-time
+table (`host_table`: the functional API on CuPy arrays and on torch tensors, the torch layer's backward and torch
+eager's, at T = 256 and 8192; alone with bench.py --host-only)."""
 
+import contextlib
 import datetime
 import statistics
 import sys
@@ -24,9 +27,14 @@ def _jax_or_none():
         return None
 
 def run_loop(args, cupy):
-    """Steady state, no L2 flush: host time per call, wall time per call, GPU span of one call."""
+    """Steady state, no L2 flush: host time per call, wall time per call, GPU span of one call; then the host-time
+    table. With args.host_only (bench.py --host-only) the host-time table only."""
     torch = torch_or_none(in_process_compile=True)
     stream = cupy.cuda.Stream(non_blocking=True)
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "git_commit": git_commit(), "command": " ".join(["python", "bench.py"] + sys.argv[1:])}
+    if getattr(args, "host_only", False):
+        return dict(meta, host_only=True, host_per_call=host_table(args, cupy, stream))
     chosen = [w for w in W.WORKLOADS if not args.quick or w.label in QUICK]
     n = args.loop_calls
     rows = []
@@ -114,10 +122,67 @@ def run_loop(args, cupy):
         cupy.get_default_memory_pool().free_all_blocks()
     print_loop_summary(rows)
     breakdown = host_breakdown(cupy, stream)
-    return {"host_breakdown_us": breakdown,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "git_commit": git_commit(), "command": " ".join(["python", "bench.py"] + sys.argv[1:]),
-            "calls_per_measurement": n, "workloads": rows}
+    return dict(meta, host_breakdown_us=breakdown, host_per_call=host_table(args, cupy, stream),
+                calls_per_measurement=n, workloads=rows)
+
+
+HOST_TOKENS = (256, 8192)  # the official workloads the host-time table runs
+HOST_CALLS = 200  # calls per row (median), unless --loop-calls is given
+HOST_PRECISION = "tf32"
+
+
+def host_calls(args):
+    given = getattr(args, "given", None)
+    return args.loop_calls if given is not None and "loop_calls" in given else HOST_CALLS
+
+
+def host_table(args, cupy, stream):
+    """Host microseconds per call (median, the queue drained before each call) of benchmarks.layers.HOST_ROWS on
+    every official workload with T in HOST_TOKENS, and the ratios of HOST_RATIOS; printed and returned."""
+    from .layers import HOST_RATIOS, HOST_ROWS, _host_us, host_impls
+
+    torch = torch_or_none(in_process_compile=True)
+    calls = host_calls(args)
+    chosen = [w for w in W.WORKLOADS if w.tokens in HOST_TOKENS]
+
+    def sync(result):
+        cupy.cuda.Device().synchronize()  # every stream: a row may run on torch's other stream
+
+    table = []
+    for w in chosen:
+        inputs = W.make_inputs((w.batch_size, w.seq_len), xp=cupy, seed=w.tokens)
+        args2d = [inputs[k].reshape(-1, inputs[k].shape[-1]) for k in W.INPUT_NAMES]
+        cupy.cuda.Device().synchronize()
+        tctx = torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr)) if torch is not None else None
+        results = {}
+        with stream, (tctx or contextlib.nullcontext()):
+            impls = host_impls(args2d, stream, HOST_PRECISION)
+            for name, (run, other) in impls.items():
+                with (torch.cuda.stream(other) if other is not None else contextlib.nullcontext()):
+                    results[name] = _host_us(run, sync, calls)
+        ratios = {f"{a} / {b}": results[a] / results[b] for a, b, _ in HOST_RATIOS if a in results and b in results}
+        table.append({"label": w.label, "tokens": w.tokens, "host_us": results, "ratios": ratios})
+        del impls, inputs, args2d
+        cupy.cuda.Device().synchronize()
+        cupy.get_default_memory_pool().free_all_blocks()
+    result = {"precision": HOST_PRECISION, "calls": calls,
+              "method": "median host time to issue one call, the device synchronized before each",
+              "rows": dict(HOST_ROWS), "targets": {f"{a} / {b}": t for a, b, t in HOST_RATIOS}, "workloads": table}
+    print_host_table(result)
+    return result
+
+
+def print_host_table(result):
+    table = result["workloads"]
+    names = [n for n in result["rows"] if any(n in r["host_us"] for r in table)]
+    print(f"\n# Host us per call ({result['precision']}; {result['method']}; median of {result['calls']})")
+    print(f"{'':34s}" + "".join(f"{r['label'] + ' T=' + str(r['tokens']):>18s}" for r in table))
+    for n in names:
+        print(f"{n:34s}" + "".join(f"{r['host_us'][n]:18.1f}" if n in r["host_us"] else f"{'':18s}" for r in table))
+    for key, target in result["targets"].items():
+        values = [r["ratios"][key] for r in table if key in r["ratios"]]
+        if values:
+            print(f"{key}: worst {max(values):.2f} (target <= {target}) {'MET' if max(values) <= target else 'missed'}")
 
 
 def _loop_other_stream(run, sync, n):

@@ -429,9 +429,35 @@ def write_results(result, loop):
         plot(result, base.with_suffix(".png"))
         print(f"\nwrote {base.with_suffix('.json')}, .md and .png")
     if loop is not None:
-        path = RESULTS / (slug(loop.get("device", device)) + "-loop.json")
+        path = RESULTS / (slug(loop.get("device", device)) + ("-host" if loop.get("host_only") else "-loop") + ".json")
         path.write_text(json.dumps(loop, indent=1) + "\n")
         print(f"wrote {path}")
+        if loop.get("host_per_call"):
+            path.with_suffix(".md").write_text(host_markdown(loop))
+            print(f"wrote {path.with_suffix('.md')}")
+
+
+def host_markdown(loop):
+    """The loop mode's host-time table (benchmarks/loop.py host_table) as markdown: host us per call of each row at
+    each workload, then the ratios against their targets."""
+    host = loop["host_per_call"]
+    table = host["workloads"]
+    names = [n for n in host["rows"] if any(n in r["host_us"] for r in table)]
+    lines = [f"# Host time per call, {loop.get('device', 'GPU')}", "",
+             f"{loop['date'][:10]}, commit {str(loop.get('git_commit'))[:7]}: `{loop.get('command', '')}`. "
+             f"Precision {host['precision']}; {host['method']}; median of {host['calls']} calls.", "",
+             "| row | " + " | ".join(f"{r['label']} (T={r['tokens']})" for r in table) + " | what |",
+             "|---|" + "---|" * len(table) + "---|"]
+    for n in names:
+        cells = [f"{r['host_us'][n]:.1f}" if n in r["host_us"] else "" for r in table]
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {host['rows'][n]} |")
+    for key, target in host["targets"].items():
+        cells = [f"{r['ratios'][key]:.2f}" if key in r["ratios"] else "" for r in table]
+        lines.append(f"| {key} | " + " | ".join(cells) + f" | ratio; target <= {target} |")
+    lines.append("")
+    lines.append("Host us: microseconds to issue one call with the device idle (benchmarks/layers.py HOST_ROWS says "
+                 "what each row runs).")
+    return "\n".join(lines) + "\n"
 
 
 def plot(result, path):

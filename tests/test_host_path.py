@@ -357,3 +357,89 @@ def test_wait_under_capture(runtime):
     runtime.capturing.discard(OTHER_STREAM)  # torch's stream captures: the wait joins cupyffn's stream to it
     _arrays._wait(TORCH_STREAM, OTHER_STREAM, 0)
     assert [e[0] for e in runtime.log] == ["record", "wait"]
+
+
+# ---------------------------------------------------------------------------------------------
+# bench.py's host-time table (loop mode; GPU only): its plumbing, flags and markdown, on the CPU
+# ---------------------------------------------------------------------------------------------
+def test_host_only_implies_loop_only_and_is_refused_on_the_cpu(monkeypatch, capsys):
+    import bench
+    from benchmarks import gpu as G
+
+    args = bench.parse_args(["--host-only"])
+    assert args.host_only and args.loop_only
+    monkeypatch.setattr(G, "gpu_or_reason", lambda: (None, "no GPU in this test"))
+    assert bench.main(["--host-only", "--no-write"]) == 2
+    err = capsys.readouterr().err
+    assert "bench.py: --host-only:" in err and "bench.py: --loop-only:" in err and "refused" in err
+
+
+def _fake_host_table(monkeypatch, rows):
+    from benchmarks import layers, loop
+    from cupyffn import workloads as W
+
+    class FakeStream:
+        ptr = 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    fake_cupy = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(Device=lambda: types.SimpleNamespace(synchronize=lambda: None),
+                                   Stream=lambda non_blocking: FakeStream()),
+        get_default_memory_pool=lambda: types.SimpleNamespace(free_all_blocks=lambda: None))
+    monkeypatch.setattr(loop, "torch_or_none", lambda **k: None)
+    monkeypatch.setattr(loop.W, "make_inputs", lambda lead, xp=None, seed=0: {
+        n: numpy.zeros((4, 8), numpy.float32) for n in W.INPUT_NAMES})
+    monkeypatch.setattr(layers, "host_impls", lambda args2d, stream, precision: {n: (None, None) for n in rows})
+    timings = iter(range(1, 1000))
+    monkeypatch.setattr(layers, "_host_us", lambda run, sync, calls: 10.0 * next(timings))
+    return loop, fake_cupy, FakeStream()
+
+
+def test_host_table_rows_ratios_and_markdown(monkeypatch, capsys):
+    from benchmarks import layers, report
+
+    loop, fake_cupy, stream = _fake_host_table(monkeypatch, list(layers.HOST_ROWS))
+    args = types.SimpleNamespace(loop_calls=50, given=frozenset(), host_only=True)
+    result = loop.run_loop(args, fake_cupy)
+    host = result["host_per_call"]
+    assert result["host_only"] and "calls_per_measurement" not in result  # not taken for a full loop run
+    assert host["calls"] == loop.HOST_CALLS and host["precision"] == "tf32"
+    assert [w["tokens"] for w in host["workloads"]] == [256, 256, 8192, 8192]  # the official T = 256 and 8192
+    first = host["workloads"][0]
+    assert list(first["host_us"]) == list(layers.HOST_ROWS)
+    assert first["ratios"]["torch-functional-out / cupy-functional-out"] == 2.0  # 20 us / 10 us
+    assert first["ratios"]["torch-layer-autograd / torch-eager-autograd"] == 50.0 / 60.0
+    out = capsys.readouterr().out
+    assert "torch-functional-out / cupy-functional-out: worst" in out and "(target <= 1.3)" in out
+    md = report.host_markdown(dict(result, device="NVIDIA H200"))
+    assert md.startswith("# Host time per call, NVIDIA H200")
+    assert "| torch-functional-out | 20.0 | 80.0 | 140.0 | 200.0 |" in md
+    assert "| torch-layer-autograd / torch-eager-autograd | 0.83 |" in md
+    # --loop-calls given: it sets the table's calls
+    args = types.SimpleNamespace(loop_calls=30, given=frozenset({"loop_calls"}), host_only=True)
+    assert loop.run_loop(args, fake_cupy)["host_per_call"]["calls"] == 30
+
+
+def test_host_table_without_torch(monkeypatch):
+    loop, fake_cupy, stream = _fake_host_table(monkeypatch, ["cupy-functional-out"])
+    args = types.SimpleNamespace(loop_calls=50, given=frozenset(), host_only=True)
+    host = loop.run_loop(args, fake_cupy)["host_per_call"]
+    assert all(list(w["host_us"]) == ["cupy-functional-out"] and w["ratios"] == {} for w in host["workloads"])
+
+
+def test_host_results_are_written_beside_the_loop_results(monkeypatch, tmp_path):
+    from benchmarks import report
+
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    host = {"precision": "tf32", "calls": 5, "method": "m", "rows": {"cupy-functional-out": "CuPy"},
+            "targets": {}, "workloads": [{"label": "B2xS128", "tokens": 256, "host_us": {"cupy-functional-out": 70.0},
+                                          "ratios": {}}]}
+    report.write_results(None, {"date": "2030-01-01T00:00:00", "device": "NVIDIA H200", "host_only": True,
+                                "host_per_call": host})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nvidia-h200-host.json", "nvidia-h200-host.md"]
+    assert "| cupy-functional-out | 70.0 | CuPy |" in (tmp_path / "nvidia-h200-host.md").read_text()
