@@ -96,7 +96,7 @@ HOST_ROWS = {
     "torch-eager-autograd": "torch.autograd.grad through F.linear -> F.gelu(tanh) -> F.linear (nn.Linear + GELU), "
                             "graph kept",
 }
-#: (numerator, denominator, target) ratios the table reports: torch tensors vs CuPy arrays (issue target 1.3x), the
+#: (numerator, denominator, target) ratios the table reports: torch tensors vs CuPy arrays (target 1.3x), the
 #: layer's backward vs torch eager's (target: at or below, 1.0x).
 HOST_RATIOS = (("torch-functional-out", "cupy-functional-out", 1.3),
                ("torch-layer-autograd", "torch-eager-autograd", 1.0))
