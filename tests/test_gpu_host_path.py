@@ -331,3 +331,76 @@ def test_same_stream_needs_no_wait(monkeypatch):
             cupyffn.gelu_ffn_backward(*tensors, precision="tf32", out=_nan_torch(_out_shapes(arrays)), stream=s)
     side.synchronize()
     assert waits == []
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA graphs: torch tensors in a capture
+# ---------------------------------------------------------------------------------------------
+def _refill(tensors, seed):
+    new = _inputs(seed)
+    for t, v in zip(tensors, new):
+        t.copy_(torch.from_dlpack(v))
+    torch.cuda.synchronize()
+    return new
+
+
+def test_torch_cuda_graph_with_torch_tensors():
+    """torch.cuda.graph: torch's current stream is the capture stream and cupyffn is given it: no wait is made."""
+    from cupyffn import _views
+
+    arrays = _inputs(14)
+    tensors = _as_torch(arrays)
+    outs = _nan_torch(_out_shapes(arrays))
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # warm-up (builds the plan) on a side stream
+        cupyffn.gelu_ffn_backward(*tensors, precision="tf32", out=outs,
+                                  stream=_views.external_stream(int(side.cuda_stream), torch.cuda.current_device()))
+    side.synchronize()
+    g = torch.cuda.CUDAGraph()
+    capture = torch.cuda.Stream()
+    cap = _views.external_stream(int(capture.cuda_stream), torch.cuda.current_device())
+    with torch.cuda.graph(g, stream=capture):
+        cupyffn.gelu_ffn_backward(*tensors, precision="tf32", out=outs, stream=cap)
+    try:
+        for step in range(2):
+            new = _refill(tensors, 200 + step)
+            want = cupyffn.gelu_ffn_backward(*new, precision="tf32")
+            for o in outs:
+                o.fill_(float("nan"))
+            torch.cuda.synchronize()
+            g.replay()
+            torch.cuda.synchronize()
+            for o, w, label in zip(outs, want, W.OUTPUT_NAMES):
+                assert_same_bits(o, w, f"replay {step} {label}")
+    finally:
+        del g
+        cupyffn.release_captured_plans()
+
+
+def test_cupy_capture_with_torch_on_its_default_stream():
+    """CuPy captures cupyffn's stream while torch's current stream is its default one (not capturing): an event
+    recorded outside a capture cannot be waited on inside it, so none is; the graph replays correctly."""
+    arrays = _inputs(15)
+    tensors = _as_torch(arrays)
+    outs = _nan_torch(_out_shapes(arrays))
+    s = cupy.cuda.Stream(non_blocking=True)
+    cupyffn.gelu_ffn_backward(*tensors, precision="tf32", out=outs, stream=s)  # warm-up: the plan, one wait
+    s.synchronize()
+    s.begin_capture()
+    try:
+        cupyffn.gelu_ffn_backward(*tensors, precision="tf32", out=outs, stream=s)
+    finally:
+        graph = s.end_capture()
+    try:
+        new = _refill(tensors, 300)
+        want = cupyffn.gelu_ffn_backward(*new, precision="tf32")
+        for o in outs:
+            o.fill_(float("nan"))
+        torch.cuda.synchronize()
+        graph.launch(stream=s)
+        s.synchronize()
+        for o, w, label in zip(outs, want, W.OUTPUT_NAMES):
+            assert_same_bits(o, w, label)
+    finally:
+        del graph
+        cupyffn.release_captured_plans()
