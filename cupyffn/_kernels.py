@@ -1,8 +1,10 @@
 """The CUDA C kernels in ``kernels_cu/``: source assembly, NVRTC compilation, launches.
 
-Sources are compiled lazily with :class:`cupy.RawModule` (NVRTC), once per device, and memoized.
-``common.cuh`` is pasted into each source in Python (not ``#include``-d) because CuPy's disk cache
-is keyed by the source text: an edited header must change the key.
+Sources are compiled lazily with :class:`cupy.RawModule` (NVRTC), once per device, and memoized
+(:func:`compiled_module`, the one loader: the elementwise modules of MODULES and the sm90 GEMM variants of
+cupyffn/gemm/sm90/ alike). The headers of ``kernels_cu/`` (``common.cuh``, ``sm90/*.cuh``) are pasted into
+each source in Python (not ``#include``-d) because CuPy's disk cache is keyed by the source text: an edited
+header must change the key.
 
 Launches go through the driver API with an argument block built once per plan
 (:class:`KernelLaunch`): a plan call only rewrites the pointers that changed, which keeps the host
@@ -12,35 +14,25 @@ cost of a launch at about a microsecond and works unchanged inside CUDA-graph ca
 import ctypes
 import functools
 import os
+import re
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
 
-#: split_e4m3.cu's scheduling variants per KIND (struct split::Variant; instantiation
-#: split_e4m3_kernel<10 * variant + KIND>). Every variant writes the same bytes (dev/split_bench.py checks it).
-SPLIT_VARIANTS = {
-    0: {0: "first kernel: 2 sub-tiles per step, 2 blocks/SM, loads then stores",
-        1: "pipelined: next step's loads before this step's stores, 1 sub-tile per step, 3 blocks/SM",
-        2: "pipelined, 2 sub-tiles per step, 2 blocks/SM",
-        3: "pipelined, 1 sub-tile per step, 2 blocks/SM",
-        4: "variant 3 + 16-byte f16 stores (lane pairs trade rows)"},
-    1: {0: "first kernel: 1 sub-tile per step, 2 blocks/SM, loads then stores",
-        1: "pipelined, 1 sub-tile per step, 2 blocks/SM",
-        4: "variant 1 + 16-byte f16 stores (lane pairs trade rows)"},
-}
 #: The split_e4m3 kernel the engine runs, per KIND (0: convert A / B, 1: dgelu): (variant, waves), waves =
-#: gathering-pass grid in units of resident blocks (split_kernel). Set from dev/split_bench.py on the H200
-#: (results/split-bench-h200.json): KIND 0 pipelined 1 sub-tile, 2 waves, 1.026x the first kernel summed over
-#: T = 2048-8192 and its stages; KIND 1 the first kernel on 1 wave, 1.046x. Every variant: identical bytes.
+#: gathering-pass grid in units of resident blocks (split_kernel); the variant is split_e4m3.cu's scheduling
+#: (struct split::Variant, instantiation split_e4m3_kernel<10 * variant + KIND>). Measured on the H200
+#: (docs/decisions/011-split-e4m3-schedules.md): KIND 0 pipelined, 1 sub-tile per step, 2 waves, 1.026x the first
+#: kernel summed over T = 2048-8192 and its stages; KIND 1 the first kernel on 1 wave, 1.046x. Every variant wrote
+#: identical bytes; the others were removed (the last commit that had them: 28117da).
 SPLIT_VARIANT = {0: (1, 2), 1: (0, 1)}
 
 
-def split_expression(kind, variant):
-    """Name expression of split_e4m3.cu's instantiation for `kind` (0 or 1) and `variant` (SPLIT_VARIANTS)."""
-    if kind not in SPLIT_VARIANTS or variant not in SPLIT_VARIANTS[kind]:
-        raise ValueError(f"split_e4m3 has no variant {variant!r} for KIND {kind!r}; variants: "
-                         f"{ {k: sorted(v) for k, v in SPLIT_VARIANTS.items()} }")
-    return f"split_e4m3_kernel<{10 * variant + kind}>"
+def split_expression(kind):
+    """Name expression of split_e4m3.cu's instantiation for `kind` (0 or 1): SPLIT_VARIANT's variant."""
+    if kind not in SPLIT_VARIANT:
+        raise ValueError(f"split_e4m3 has KIND 0 or 1, got {kind!r}")
+    return f"split_e4m3_kernel<{10 * SPLIT_VARIANT[kind][0] + kind}>"
 
 
 #: module name -> (file in kernels_cu/, kernel names to instantiate)
@@ -51,8 +43,7 @@ MODULES = {
     "call_table": ("call_table.cu", ("store_call_table",)),
     "gelu_forward": ("gelu_forward.cu", ("gelu_forward_kernel<0>", "gelu_forward_kernel<1>",
                                          "gelu_forward_kernel<2>", "gelu_forward_kernel<3>")),
-    # every variant of SPLIT_VARIANTS (below), so that one GPU run can time them side by side
-    "split_e4m3": ("split_e4m3.cu", tuple(split_expression(kind, v) for kind in (0, 1) for v in SPLIT_VARIANTS[kind])),
+    "split_e4m3": ("split_e4m3.cu", (split_expression(0), split_expression(1))),
 }
 
 #: Options we pass; CuPy adds -arch, -ftz=true, its include paths and (unless given) --std=c++17.
@@ -76,37 +67,60 @@ def kernel_dir():
         f"level above it ({_HERE}); the installation is incomplete")
 
 
-@functools.lru_cache(maxsize=None)
 def module_source(name):
-    """Full CUDA C text of module `name` with common.cuh pasted in."""
-    return source_with_common(MODULES[name][0])
+    """Full CUDA C text of module `name` with its headers pasted in."""
+    return source(MODULES[name][0])
+
+
+@functools.lru_cache(maxsize=None)
+def source(filename):
+    """Full CUDA C text of kernels_cu/`filename` with its headers pasted in (source_with_common), read once."""
+    return source_with_common(filename)
+
+
+_INCLUDE = re.compile(r'^#include "([^"]+)"\n', re.M)
 
 
 def source_with_common(filename, folder=None):
-    """kernels_cu/`filename` with common.cuh pasted in place of its #include (so CuPy's disk cache, which
-    hashes the source text, sees an edited header). `folder`: another kernels_cu folder (the tools' A/B of an
-    older checkout's sources); default kernel_dir()."""
+    """kernels_cu/`filename` with the headers it includes from kernels_cu/ (``#include "common.cuh"``,
+    ``#include "sm90/ptx.cuh"``, ...) pasted in place, each once, their own includes too (so CuPy's disk cache,
+    which hashes the source text, sees an edited header). `folder`: another kernels_cu folder (the tools' A/B of
+    an older checkout's sources); default kernel_dir()."""
     folder = kernel_dir() if folder is None else Path(folder)
-    common = (folder / "common.cuh").read_text().replace("#pragma once\n", "")
     text = (folder / filename).read_text()
-    include = '#include "common.cuh"'
-    if include not in text:
+    if '#include "common.cuh"' not in text:
         raise RuntimeError(f"{filename} must include common.cuh")
-    return text.replace(include, common, 1)
+    pasted = set()
+
+    def paste(match):
+        name = match.group(1)
+        if name in pasted:
+            return ""
+        pasted.add(name)
+        return _INCLUDE.sub(paste, (folder / name).read_text().replace("#pragma once\n", ""))
+
+    return _INCLUDE.sub(paste, text)
 
 
 @functools.lru_cache(maxsize=None)
-def _module(name, device_id):
+def compiled_module(filename, expressions, options, device_id):
+    """The one RawModule loader: kernels_cu/`filename` (headers pasted: source_with_common) compiled by NVRTC with
+    `options` (CuPy adds -arch, -ftz=true and its include paths) for the name `expressions` (template
+    instantiations), on device `device_id`; memoized, and kept across processes by CuPy's disk cache."""
     import cupy
 
-    _, expressions = MODULES[name]
     with cupy.cuda.Device(device_id):
         kwargs = {}
         if any("<" in e for e in expressions):
             kwargs["name_expressions"] = expressions
-        module = cupy.RawModule(code=module_source(name), options=NVRTC_OPTIONS, **kwargs)
+        module = cupy.RawModule(code=source(filename), options=options, **kwargs)
         module.compile()
     return module
+
+
+def _module(name, device_id):
+    filename, expressions = MODULES[name]
+    return compiled_module(filename, expressions, NVRTC_OPTIONS, device_id)
 
 
 @functools.lru_cache(maxsize=None)
@@ -369,17 +383,12 @@ class SplitSpec:
                     f"kpad >= {k} (its K), ld >= 2 * kpad and order 0 or 1; got {spec}")
 
 
-def split_kernel(kind, device_id, variant=None, waves=None):
-    """(RawKernel, gathering-pass grid) of split_e4m3 KIND `kind` on `device_id`: SPLIT_VARIANT's variant
-    and waves unless given; the grid is waves * SMs * resident blocks per SM (split_launch shares it out)."""
-    default_variant, default_waves = SPLIT_VARIANT[kind]
-    variant = default_variant if variant is None else variant
-    waves = default_waves if waves is None else waves
-    if not isinstance(waves, int) or waves < 1:
-        raise ValueError(f"waves must be an int >= 1, got {waves!r}")
-    expr = split_expression(kind, variant)
+def split_kernel(kind, device_id):
+    """(RawKernel, gathering-pass grid) of split_e4m3 KIND `kind` on `device_id`: SPLIT_VARIANT's variant and
+    waves; the grid is waves * SMs * resident blocks per SM (split_launch shares it out)."""
+    expr = split_expression(kind)
     kernel = get_function("split_e4m3", expr, device_id)
-    return kernel, waves * sm_count(device_id) * blocks_per_sm("split_e4m3", expr, device_id)
+    return kernel, SPLIT_VARIANT[kind][1] * sm_count(device_id) * blocks_per_sm("split_e4m3", expr, device_id)
 
 
 def split_launch(kernel, jobs, total_blocks, rescue, counter, alpha_mask, state_ptr, consts_ptr):

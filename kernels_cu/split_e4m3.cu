@@ -24,10 +24,10 @@
 // (double-buffered: one barrier per step), laid out so that both its 4-byte writes and its 16-byte reads are free of bank
 // conflicts, and leaves as 16-byte row segments (64 bytes per output row per tile and warp).
 //
-// Instantiation split_e4m3_kernel<ID>: KIND = ID % 10, variant = ID / 10 (split::Variant; all variants
-// write the same bytes, they differ only in scheduling): NB sub-tiles per step, MINB resident blocks
-// for ptxas (__launch_bounds__), PIPE 1 = software-pipelined: the next step's loads are issued right
-// after this step's values are formed, so they are in flight during its encoding, stores and barrier.
+// Instantiation split_e4m3_kernel<ID>: KIND = ID % 10, scheduling variant = ID / 10 (split::Variant, one per
+// KIND; the variants measured wrote the same bytes and differed only in scheduling): NB sub-tiles per step, MINB
+// resident blocks for ptxas (__launch_bounds__), PIPE 1 = software-pipelined: the next step's loads are issued
+// right after this step's values are formed, so they are in flight during its encoding, stores and barrier.
 //
 // Scales as convert.cu: the gathering pass (rescue == 0) converts with 2^state[slot], folds max |x|
 // into state[kSlots + slot] and lets its last block decide; the rescue pass (rescue == 1, a small
@@ -217,55 +217,16 @@ __device__ __forceinline__ void store4b(unsigned char* p, unsigned int w, int n)
   }
 }
 
-// Scheduling of instantiation ID (mirrored by cupyffn/_kernels.py SPLIT_VARIANTS). Loads in flight per
-// thread: 64 bytes per source and sub-tile; per SM that times 256 * MINB threads.
+// Scheduling of instantiation ID (ID = 10 * variant + KIND; cupyffn/_kernels.py SPLIT_VARIANT names the one per
+// KIND, docs/decisions/011-split-e4m3-schedules.md). Loads in flight per thread: 64 bytes per source and sub-tile;
+// per SM that times 256 * MINB threads.
 template <int ID>
 struct Variant;
-// 0: the first kernel. KIND 0 two sub-tiles (one source: 128 bytes per thread), KIND 1 one (three
-// sources: 192 bytes), 2 blocks per SM; loads, then encode and stores, then the next loads.
-template <> struct Variant<0> { static constexpr int NB = 2, MINB = 2, PIPE = 0, S16 = 0; };
-template <> struct Variant<1> { static constexpr int NB = 1, MINB = 2, PIPE = 0, S16 = 0; };
-// 1: pipelined, one sub-tile per step; KIND 0 at 3 blocks per SM (80 registers), KIND 1 at 2 (its three
-// sources in flight beside the step's values need more than 80).
-template <> struct Variant<10> { static constexpr int NB = 1, MINB = 3, PIPE = 1, S16 = 0; };
-template <> struct Variant<11> { static constexpr int NB = 1, MINB = 2, PIPE = 1, S16 = 0; };
-// 2: KIND 0 only: pipelined, two sub-tiles per step at 2 blocks per SM.
-template <> struct Variant<20> { static constexpr int NB = 2, MINB = 2, PIPE = 1, S16 = 0; };
-// 3: KIND 0 only: pipelined, one sub-tile per step at 2 blocks per SM (variant 1's pipelining at variant
-// 0's occupancy: tells pipelining and resident blocks apart).
-template <> struct Variant<30> { static constexpr int NB = 1, MINB = 2, PIPE = 1, S16 = 0; };
-// 4: pipelined, one sub-tile per step at 2 blocks per SM (KIND 0: variant 3, KIND 1: variant 1) with 16-byte
-// fp16 stores (adjacent lanes trade rows, store8_pair) where the fp16 rows start 16-byte aligned. (At 3
-// blocks per SM, and with the bf16x3 planes too, it spilled.)
-template <> struct Variant<40> { static constexpr int NB = 1, MINB = 2, PIPE = 1, S16 = 1; };
-template <> struct Variant<41> { static constexpr int NB = 1, MINB = 2, PIPE = 1, S16 = 1; };
-// (Spilled, so left out: one sub-tile per step at 3 or 4 blocks per SM without pipelining, at 4 with it
-// (64 registers), and KIND 1 pipelined at 3.)
-
-// Lane pairs (cg, cg ^ 1: adjacent lanes, same rows) trade rows so that each lane writes 8 consecutive
-// codes of one row as one 16-byte store: the even lane row ra (its columns c .. c + 7), the odd lane row rb
-// (columns c - 4 .. c + 3). wa / wb: this lane's 4 codes of rows ra / rb as 2 words. Every lane of the warp
-// must call this (the shuffle); base rows start 16-byte aligned.
-__device__ __forceinline__ void store8_pair(unsigned short* base, long long ld, long long ra, long long rb, int c,
-                                            int cols, long long rows, bool odd, const unsigned int (&wa)[2],
-                                            const unsigned int (&wb)[2]) {
-  const unsigned int q0 = __shfl_xor_sync(0xffffffffu, odd ? wa[0] : wb[0], 1);
-  const unsigned int q1 = __shfl_xor_sync(0xffffffffu, odd ? wa[1] : wb[1], 1);
-  const long long rr = odd ? rb : ra;
-  const int ce = odd ? c - 4 : c;
-  const uint4 v = odd ? make_uint4(q0, q1, wb[0], wb[1]) : make_uint4(wa[0], wa[1], q0, q1);
-  if (rr < rows && ce < cols) {
-    unsigned short* p = base + rr * ld + ce;
-    if (ce + 8 <= cols) {
-      __stcg(reinterpret_cast<uint4*>(p), v);
-    } else {  // the matrix's last columns: only the codes inside
-      const unsigned int u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int e = 0; e < 7; ++e)
-        if (ce + e < cols) p[e] = (unsigned short)(u[e >> 1] >> (16 * (e & 1)));
-    }
-  }
-}
+// KIND 1, variant 0 (the first kernel): one sub-tile per step (three sources: 192 bytes per thread), 2 blocks per
+// SM; loads, then encode and stores, then the next loads.
+template <> struct Variant<1> { static constexpr int NB = 1, MINB = 2, PIPE = 0; };
+// KIND 0, variant 1: pipelined, one sub-tile per step at 3 blocks per SM (80 registers).
+template <> struct Variant<10> { static constexpr int NB = 1, MINB = 3, PIPE = 1; };
 
 }  // namespace split
 
@@ -276,7 +237,6 @@ __global__ void __launch_bounds__(256, split::Variant<ID>::MINB) split_e4m3_kern
   constexpr int KIND = ID % 10;
   constexpr int NB = Variant<ID>::NB;      // 64-row sub-tiles per step
   constexpr bool PIPE = Variant<ID>::PIPE != 0;
-  constexpr bool S16 = Variant<ID>::S16 != 0;
   constexpr int R = 4 * NB;                // rows per thread
   int k = 0;
   while (k + 1 < jobs.count && (int)blockIdx.x >= jobs.job[k + 1].block_begin) ++k;
@@ -308,9 +268,6 @@ __global__ void __launch_bounds__(256, split::Variant<ID>::MINB) split_e4m3_kern
     r0 = tr * (NB * kTile);
     c0 = (int)(tile - tr * tiles_c) * kTile;
   };
-  // S16: 16-byte fp16 stores when every f16 row starts 16-byte aligned.
-  const unsigned long long f16_align = reinterpret_cast<unsigned long long>(job.f16) | (unsigned long long)job.f16_ld * 2;
-  const bool wide = S16 && job.f16 != nullptr && (f16_align & 15) == 0;
   float amax = 0.0f;
   int buf = 0;
   Sources<R> src;
@@ -340,7 +297,6 @@ __global__ void __launch_bounds__(256, split::Variant<ID>::MINB) split_e4m3_kern
 
     // Row by row: encode, write the natural outputs straight from registers, keep the e4m3 words.
     unsigned int l8[R], h8[R];  // per row j: the codes of columns c .. c + 3, low byte first
-    unsigned int hw[R][2];      // per row j: the fp16 codes of columns c .. c + 3 (wide stores)
     const int n = min(4, cols - c);  // columns of this thread inside the matrix (may be <= 0)
     const bool whole = job.vec_out && n == 4;
 #pragma unroll
@@ -360,11 +316,9 @@ __global__ void __launch_bounds__(256, split::Variant<ID>::MINB) split_e4m3_kern
       }
       l8[j] = e4m3x2_bits(lin[0], lin[1]) | (e4m3x2_bits(lin[2], lin[3]) << 16);
       h8[j] = e4m3x2_bits(hin[0], hin[1]) | (e4m3x2_bits(hin[2], hin[3]) << 16);
-      hw[j][0] = cupyffn::pack2(hi[0], hi[1]);
-      hw[j][1] = cupyffn::pack2(hi[2], hi[3]);
       const long long rr = r + row_off(j);
       if (n > 0 && rr < rows) {
-        if (!wide && job.f16 != nullptr) store4(job.f16 + rr * job.f16_ld + c, hi, whole, n);
+        if (job.f16 != nullptr) store4(job.f16 + rr * job.f16_ld + c, hi, whole, n);
         if (job.x3 != nullptr) {
           unsigned short bh[4], bl[4];
 #pragma unroll
@@ -387,18 +341,6 @@ __global__ void __launch_bounds__(256, split::Variant<ID>::MINB) split_e4m3_kern
         }
       }
     }
-    if constexpr (S16) {
-      if (wide) {  // uniform across the block: every lane takes part in store8_pair's shuffles
-        const bool odd = cg & 1;
-#pragma unroll
-        for (int m = 0; m < R / 2; ++m) {
-          const int ja = 2 * m, jb = 2 * m + 1;  // consecutive rows of one sub-tile
-          const long long ra = r + row_off(ja), rb = r + row_off(jb);
-          store8_pair(job.f16, job.f16_ld, ra, rb, c, cols, rows, odd, hw[ja], hw[jb]);
-        }
-      }
-    }
-
     // Transposed pair: column words (4 rows of one column) into shared memory, then rows of 16 bytes out.
     if (job.e4t != nullptr) {
 #pragma unroll

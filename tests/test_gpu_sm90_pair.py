@@ -1,5 +1,5 @@
 """The fp16+fp8 pair in one sm90 kernel (gemm_sm90_pair_kernel in kernels_cu/gemm_sm90.cu through
-cupyffn/_sm90_gemm.gemm_pair) on a Hopper GPU.
+cupyffn/gemm/sm90 gemm_pair) on a Hopper GPU.
 
 out = alpha (pair_scale a8 @ b8^T + a @ b) (+ out): checked against float64 products of the same fp16 and e4m3
 operands, and, on operands encoded as the fp16+fp8 plan encodes fp32 matrices, against float64 of the fp32
@@ -17,13 +17,13 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy")
-from cupyffn import _numpy_backend as nb, _precision as P, _sm90_gemm as G  # noqa: E402
+from cupyffn import _numpy_backend as nb, _precision as P  # noqa: E402
+from cupyffn.gemm import sm90 as G  # noqa: E402
 from test_gpu_sm90_gemm import padded  # noqa: E402  (tests/ is on sys.path under pytest's rootdir conftest)
 from test_numpy_backend import rel_l2  # noqa: E402
 
 F64 = numpy.float64
-CONFIGS = [pytest.param(bn, pp, id=f"bn{bn}{'pp' if pp else ''}") for bn, pp in G.CONFIGS]
-LAYOUTS = [pytest.param(al, bl, id=f"{al}-{bl}") for al in G.A_LAYOUTS for bl in G.B_LAYOUTS]
+BLOCK_NS = [pytest.param(bn, id=f"bn{bn}") for bn, _ in G.PAIR_SCHEDULES]
 
 
 @pytest.fixture(autouse=True)
@@ -68,14 +68,14 @@ def random_codes(rng, shape):
     return code | (rng.integers(0, 2, size=shape).astype(numpy.uint8) << 7)
 
 
-def operands(rng, m, n, k, k8, a_layout, b_layout):
-    """Random fp16 a, b (in their layouts) and e4m3 a8 [m, k8], b8 [n, k8] on the device (NaN-padded rows), with
+def operands(rng, m, n, k, k8, a_layout):
+    """Random fp16 a (in its layout), b [K, N] and e4m3 a8 [m, k8], b8 [n, k8] on the device (NaN-padded rows), with
     the float64 values of the [m, k] / [k, n] products' operands."""
     a = rng.standard_normal((m, k)).astype(numpy.float16)
     b = rng.standard_normal((k, n)).astype(numpy.float16)
     a8, b8 = random_codes(rng, (m, k8)), random_codes(rng, (n, k8))
     da, _ = device_copy(a if a_layout == "mk" else numpy.ascontiguousarray(a.T), 8, numpy.nan)
-    db, _ = device_copy(b if b_layout == "kn" else numpy.ascontiguousarray(b.T), 8, numpy.nan)
+    db, _ = device_copy(b, 8, numpy.nan)
     da8, _ = device_copy(a8, 16, 0x7F)  # NaN codes beyond k8: must never be read
     db8, _ = device_copy(b8, 16, 0x7F)
     return (da, db, da8, db8), (a.astype(F64), b.astype(F64), E4M3[a8], E4M3[b8])
@@ -86,15 +86,14 @@ def operands(rng, m, n, k, k8, a_layout, b_layout):
 SHAPES = [(200, 136, 200, 48), (1, 24, 8, 16), (300, 520, 1000, 2016), (1100, 2100, 64, 128)]
 
 
-@pytest.mark.parametrize("block_n,pingpong", CONFIGS)
-@pytest.mark.parametrize("a_layout,b_layout", LAYOUTS)
+@pytest.mark.parametrize("block_n", BLOCK_NS)
+@pytest.mark.parametrize("a_layout", G.A_LAYOUTS)
 @pytest.mark.parametrize("m,n,k,k8", SHAPES)
-def test_pair_against_float64(m, n, k, k8, a_layout, b_layout, block_n, pingpong):
-    rng = numpy.random.default_rng([m, n, k, k8, block_n, pingpong, len(a_layout + b_layout)])
-    (a, b, a8, b8), (a64, b64, a864, b864) = operands(rng, m, n, k, k8, a_layout, b_layout)
+def test_pair_against_float64(m, n, k, k8, a_layout, block_n):
+    rng = numpy.random.default_rng([m, n, k, k8, block_n, len(a_layout)])
+    (a, b, a8, b8), (a64, b64, a864, b864) = operands(rng, m, n, k, k8, a_layout)
     out, buf = padded(m, n, numpy.float32, 4, numpy.nan, extra_rows=1, extra_cols=8)
-    got = G.gemm_pair(a, b, a8, b8, out, alpha=0.5, pair_scale=8.0, a_layout=a_layout, b_layout=b_layout,
-                      block_n=block_n, pingpong=pingpong)
+    got = G.gemm_pair(a, b, a8, b8, out, alpha=0.5, pair_scale=8.0, a_layout=a_layout, block_n=block_n)
     assert got is out
     host = cupy.asnumpy(buf)
     assert numpy.isnan(host[:m, n:]).all() and numpy.isnan(host[m:]).all(), "a store outside out"
@@ -109,31 +108,30 @@ def test_pair_against_float64(m, n, k, k8, a_layout, b_layout, block_n, pingpong
     assert rel_l2(host[:m, :n], 0.5 * (a864 @ b864.T + a64 @ b64)) > 0.1
 
 
-@pytest.mark.parametrize("a_layout,b_layout", LAYOUTS)
-def test_every_schedule_gives_the_same_bits(a_layout, b_layout):
+@pytest.mark.parametrize("a_layout", G.A_LAYOUTS)
+def test_every_schedule_gives_the_same_bits(a_layout):
     """The tile shape changes which CTA computes an element, not its sum's order (k-steps in the same order)."""
     m, n, k, k8 = 700, 1040, 520, 560
     rng = numpy.random.default_rng(7)
-    (a, b, a8, b8), _ = operands(rng, m, n, k, k8, a_layout, b_layout)
+    (a, b, a8, b8), _ = operands(rng, m, n, k, k8, a_layout)
     outs = []
-    for block_n, pingpong in G.CONFIGS:
+    for block_n, _ in G.PAIR_SCHEDULES:
         out = cupy.full((m, n), cupy.nan, dtype=cupy.float32)
-        G.gemm_pair(a, b, a8, b8, out, a_layout=a_layout, b_layout=b_layout, block_n=block_n, pingpong=pingpong)
+        G.gemm_pair(a, b, a8, b8, out, a_layout=a_layout, block_n=block_n)
         outs.append(cupy.asnumpy(out))
     assert numpy.isfinite(outs[0]).all()
     for other in outs[1:]:
         assert numpy.array_equal(other.view(numpy.uint32), outs[0].view(numpy.uint32))
 
 
-@pytest.mark.parametrize("block_n,pingpong", CONFIGS)
-def test_accumulate_adds_to_out(block_n, pingpong):
+@pytest.mark.parametrize("block_n", BLOCK_NS)
+def test_accumulate_adds_to_out(block_n):
     m, n, k, k8 = 260, 264, 136, 288
     rng = numpy.random.default_rng(11)
-    (a, b, a8, b8), (a64, b64, a864, b864) = operands(rng, m, n, k, k8, "km", "kn")
+    (a, b, a8, b8), (a64, b64, a864, b864) = operands(rng, m, n, k, k8, "km")
     c0 = rng.standard_normal((m, n)).astype(numpy.float32) * 1e4  # larger than the product: its sum shows
     out = cupy.asarray(c0)
-    G.gemm_pair(a, b, a8, b8, out, alpha=0.25, accumulate=True, a_layout="km", b_layout="kn", block_n=block_n,
-                pingpong=pingpong)
+    G.gemm_pair(a, b, a8, b8, out, alpha=0.25, accumulate=True, a_layout="km", block_n=block_n)
     want = c0 + 0.25 * (8.0 * (a864 @ b864.T) + a64 @ b64)
     assert rel_l2(cupy.asnumpy(out), want) <= 5e-3
     assert rel_l2(cupy.asnumpy(out), want - c0) > 1  # c0 was added
@@ -156,8 +154,8 @@ def plan_operands(x, w, ex, ew, a_layout):
 
 
 @pytest.mark.parametrize("a_layout", G.A_LAYOUTS)
-@pytest.mark.parametrize("block_n,pingpong", CONFIGS)
-def test_plan_encodings_give_the_plan_accuracy(a_layout, block_n, pingpong):
+@pytest.mark.parametrize("block_n", BLOCK_NS)
+def test_plan_encodings_give_the_plan_accuracy(a_layout, block_n):
     """On the plan's encodings of fp32 matrices the kernel must reach the plan's accuracy (nb.pair_matmul's:
     ~1e-5 rel. L2, where fp16 alone gives ~3e-4): the e4m3 sum carries the operands' low bits."""
     rng = numpy.random.default_rng(3)
@@ -168,7 +166,7 @@ def test_plan_encodings_give_the_plan_accuracy(a_layout, block_n, pingpong):
     a, b, a8, b8 = plan_operands(x, w, ex, ew, a_layout)
     out = cupy.full((m, n), cupy.nan, dtype=cupy.float32)
     G.gemm_pair(a, b, a8, b8, out, alpha=2.0 ** -(ex + ew), pair_scale=P.E4M3_PAIR_SCALE, a_layout=a_layout,
-                b_layout="kn", block_n=block_n, pingpong=pingpong)
+                block_n=block_n)
     got = cupy.asnumpy(out)
     exact = x.astype(F64) @ w.astype(F64)
     model = nb.pair_matmul(x, w, ex, ew)  # the plan's product in fp32 on the host
@@ -197,14 +195,14 @@ def test_rejects_bad_arguments():
         (dict(pair_scale=3.0), "pair_scale must be a power of two"),
         (dict(alpha=float("nan")), "alpha must be a finite float"),
         (dict(a_layout="km"), "b must be [K, N] with K"),  # a [64, 32] read as [K, M]: K = 64
-        (dict(a_layout="x"), "a_layout must be one of"),
-        (dict(block_n=64), "(block_n, pingpong) must be one of"),
+        (dict(a_layout="x"), "a_layout one of"),
+        (dict(block_n=64), "the pair kernel runs the schedules"),
     ]
     for change, message in cases:
         kw = dict(a=a, b=b, a8=a8, b8=b8, out=out)
         kw.update(change)
         extra = {key: kw.pop(key) for key in list(kw) if key not in ("a", "b", "a8", "b8", "out")}
         with pytest.raises(ValueError, match=re.escape(message)):
-            G.gemm_pair(kw["a"], kw["b"], kw["a8"], kw["b8"], kw["out"], b_layout="kn", **extra)
+            G.gemm_pair(kw["a"], kw["b"], kw["a8"], kw["b8"], kw["out"], **extra)
     for before, after in zip(snapshot, (a, b, a8, b8, out)):
         assert numpy.array_equal(before, cupy.asnumpy(after))

@@ -7,8 +7,7 @@ here from /work/brief/f16e4m3.md's formulas, compared bit for bit:
 and bf16x3 planes as common.cuh's split_bf16 (cupyffn._numpy_backend.bf16_split). Every output is
 poisoned before the call (0xFF / NaN where the kernel must write, 0x00 in the e4m3 padding columns the
 kernel must leave alone, 0xAB past the rows' ends), so an unwritten or stray byte fails the test.
-Every test runs for each scheduling variant of the kernel (_kernels.SPLIT_VARIANTS: all must write the
-same bytes), as pairs (KIND 0 variant, KIND 1 variant).
+Every test runs the kernel the engine runs per KIND (_kernels.SPLIT_VARIANT).
 Run: PYTHONPATH=. python3 -m pytest -q -s tests/test_gpu_split_e4m3.py (-s shows the bandwidth lines).
 """
 
@@ -204,24 +203,8 @@ def device():
     return cupy.cuda.Device().id
 
 
-# (KIND 0 variant, KIND 1 variant) pairs covering every variant of both kinds
-VARIANT_PAIRS = [(v, v if v in _kernels.SPLIT_VARIANTS[1] else max(_kernels.SPLIT_VARIANTS[1]))
-                 for v in sorted(_kernels.SPLIT_VARIANTS[0])]
-assert {b for _, b in VARIANT_PAIRS} == set(_kernels.SPLIT_VARIANTS[1])
-_variants = VARIANT_PAIRS[0]
-
-
-@pytest.fixture(autouse=True, params=VARIANT_PAIRS, ids=lambda p: f"variants{p[0]}{p[1]}")
-def variants(request):
-    """Runs the test with the kernels of one variant pair (kernel(kind) below)."""
-    global _variants
-    _variants = request.param
-    yield request.param
-    _variants = VARIANT_PAIRS[0]
-
-
 def kernel(kind):
-    return _kernels.get_function("split_e4m3", _kernels.split_expression(kind, _variants[kind]), device())
+    return _kernels.get_function("split_e4m3", _kernels.split_expression(kind), device())
 
 
 def new_state(exps):
@@ -350,8 +333,8 @@ def test_shapes_all_encodings(rng, rows, cols, kind):
 @pytest.mark.parametrize("rows,cols", [(37, 53), (65, 129), (130, 200), (256, 1536)])
 @pytest.mark.parametrize("kind", [0, 1])
 def test_fp16_rows_16_byte_aligned(rng, rows, cols, kind):
-    """fp16 rows starting 16-byte aligned (row stride a multiple of 8): where variant 4 writes 8 codes per
-    lane (lane pairs trade rows), including the last columns of rows whose length is not a multiple of 8."""
+    """fp16 rows starting 16-byte aligned (row stride a multiple of 8), including the last columns of rows whose
+    length is not a multiple of 8."""
     ld = -(-cols // 8) * 8 + 8
     if kind == 0:
         x = randn(rng, rows, cols, 1.7)
@@ -531,7 +514,7 @@ def test_bandwidth_print(rng, capsys):
                                     vp(consts.data.ptr))
         _kernels.split_set_sources(run.args[0].job[0], (x.data.ptr, cols))
         sec = _time(run)
-        lines.append(f"split_e4m3 KIND 0 variant {_variants[0]} f16+e4t [{rows}, {cols}] grid {run.grid}: {sec * 1e6:.1f} us, "
+        lines.append(f"split_e4m3 KIND 0 variant {_kernels.SPLIT_VARIANT[0][0]} f16+e4t [{rows}, {cols}] grid {run.grid}: {sec * 1e6:.1f} us, "
                      f"{(4 + 2 + 2) * n / sec / 1e9:.0f} GB/s")
     gg, z = x, cupy.asarray(randn(rng, rows, cols, 1.5))
     t = cupy.tanh(z)
@@ -544,7 +527,7 @@ def test_bandwidth_print(rng, capsys):
                                        None if tanh is None else (tanh.data.ptr, cols))
             sec = _time(run)
             read = 12 if tanh is not None else 8
-            lines.append(f"split_e4m3 KIND 1 variant {_variants[1]} f16+e4n+e4t tanh_inner {'given' if tanh is not None else 'recomputed'} "
+            lines.append(f"split_e4m3 KIND 1 variant {_kernels.SPLIT_VARIANT[1][0]} f16+e4n+e4t tanh_inner {'given' if tanh is not None else 'recomputed'} "
                          f"[{rows}, {cols}] grid {run.grid}: {sec * 1e6:.1f} us, {(read + 6) * n / sec / 1e9:.0f} GB/s")
     # the timed outputs are right too (last run: KIND 1 without tanh_inner, exponent e unless rescued)
     assert numpy.isfinite(o1.bufs["f16"][:4].get().view(numpy.float16)).all()

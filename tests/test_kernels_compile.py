@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy
 import pytest
 
-from cupyffn import _kernels, _numpy_backend, _precision, _sm90_gemm
+from cupyffn import _kernels, _numpy_backend, _precision
+from cupyffn.gemm import sm90
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
@@ -130,7 +131,7 @@ def test_common_header_is_pasted_in(module):
 def test_every_source_is_a_module():
     sources = {p.name for p in (REPO / "kernels_cu").glob("*.cu")}
     listed = {filename for filename, _ in _kernels.MODULES.values()}
-    listed.add(_sm90_gemm.SOURCE)  # sm_90a only: built by cupyffn/_sm90_gemm.py, tested at the end of this file
+    listed.add(sm90.SOURCE)  # sm_90a only: built by cupyffn/gemm/sm90/, tested at the end of this file
     assert sources, "no .cu files found in kernels_cu/"
     assert sources == listed, {"not in MODULES": sources - listed, "missing files": listed - sources}
     assert (REPO / "kernels_cu" / "common.cuh").is_file()
@@ -286,7 +287,7 @@ def test_every_precision_has_its_kernels():
         if f.planes:
             assert f"convert_kernel<{f.fmt}>" in expressions, p.name
         if p.fmt == _precision.FMT_F16E4M3:
-            assert {"split_e4m3_kernel<0>", "split_e4m3_kernel<1>"} <= expressions, p.name
+            assert {_kernels.split_expression(0), _kernels.split_expression(1)} <= expressions, p.name
             continue
         assert f"dgelu_kernel<{p.fmt}>" in expressions, p.name
         if p.planes:
@@ -336,44 +337,45 @@ def test_gelu_constants_match_python():
 
 
 # ---------------------------------------------------------------------------------------------
-# The Hopper GEMM (kernels_cu/gemm_sm90.cu): sm_90a only, built by cupyffn/_sm90_gemm.py
+# The Hopper GEMM (kernels_cu/gemm_sm90.cu + kernels_cu/sm90/*.cuh): sm_90a only, built by cupyffn/gemm/sm90/
 # ---------------------------------------------------------------------------------------------
 class CompiledSm90:
-    """gemm_sm90.cu compiled as the launcher builds it (its options, -arch=sm_90a), plus static_asserts
-    that the launcher's shared-memory and stage numbers are the kernel's."""
+    """gemm_sm90.cu compiled as the launcher builds it (its options, -arch=sm_90a), every variant of sm90.VARIANTS,
+    plus static_asserts that the launcher's shared-memory and stage numbers are the kernel's."""
 
-    def __init__(self):
-        g = _sm90_gemm
+    def __init__(self, trace=False):
+        g = sm90.config
         checks = "".join(f"static_assert(sm90::stages_for({bn}) == {g.stages_for(bn)}, \"stages\");\n"
                          f"static_assert(sm90::smem_bytes_for({bn}) == {g.smem_bytes(bn)}, \"smem\");\n"
-                         for bn in g.BLOCK_NS)
+                         for bn in (128, 256))
         checks += (f"static_assert(sm90::kThreads == {g.THREADS} && sm90::kBM == {g.BLOCK_M} && sm90::kBK == {g.BLOCK_K}, "
                    f"\"tile\");\n")
         checks += "".join(f"static_assert(sm90::xs_stages_for({bn}) == {g.xs_stages_for(bn)} && sm90::xt_slots_for({bn}) == "
                           f"{g.xt_slots_for(bn)} && sm90::xs_smem_bytes_for({bn}) == {g.xs_smem_bytes(bn)}, \"staged\");\n"
-                          for bn in g.BLOCK_NS)
-        checks += f"static_assert(sm90::kXtSlotBytes == {g.xt_slot_bytes()}, \"slot\");\n"
-        # b_layout "kn32" (BT = 2): stages that also hold the fp32 tile of B
-        checks += "".join(f"static_assert(sm90::smem_bytes_for({bn}, 2) == {g.smem_bytes(bn, 2)} && "
-                          f"sm90::xs_smem_bytes_for({bn}, 2) == {g.xs_smem_bytes(bn, 2)} && sm90::xt_slots_for({bn}, 2) == "
-                          f"{g.xt_slots_for(bn, 2)}, \"kn32\");\n" for bn in sorted({bn for bn, _ in g.KN32_CONFIGS}))
-        # the epilogue warps (XS = 2): their block size and shared memory
-        checks += (f"static_assert(sm90::kEwThreads == {g.EW_THREADS} && sm90::ew_smem_bytes_for() == "
-                   f"{g.ew_smem_bytes()}, \"epilogue warps\");\n")
-        self.source = g.module_source() + "\n" + checks
-        prog = nvrtc.createProgram(self.source, g.SOURCE, (), ())
+                          for bn in (128, 256))
+        checks += (f"static_assert(sm90::kXtSlotBytes == {g.xt_slot_bytes()} && sm90::kXtCols == {g.XT_COLS} && "
+                   f"sm90::kXsStageDrop == {g.XS_STAGE_DROP}, \"slot\");\n")
+        # the epilogue warps (XS = 2): their block size, pipeline, rings and shared memory
+        checks += (f"static_assert(sm90::kEwThreads == {g.EW_THREADS} && sm90::kEwStages == {g.EW_STAGES} && "
+                   f"sm90::kEwRing == {g.EW_RING} && sm90::ew_smem_bytes_for() == {g.ew_smem_bytes()}, "
+                   f"\"epilogue warps\");\n")
+        configs = [sm90.Sm90Config(**{**c.__dict__, "trace": trace}) for c in sm90.VARIANTS]
+        self.expressions = [c.expression for c in configs]
+        self.source = _kernels.source(sm90.SOURCE) + "\n" + checks
+        prog = nvrtc.createProgram(self.source, sm90.SOURCE, (), ())
         try:
-            for e in g.EXPRESSIONS:
+            for e in self.expressions:
                 nvrtc.addNameExpression(prog, e)
             self.error = None
             try:
-                nvrtc.compileProgram(prog, ["-ftz=true", "-Xptxas=-v", "-I" + cuda_include_dir()] + list(g.nvrtc_options()))
+                nvrtc.compileProgram(prog, ["-ftz=true", "-Xptxas=-v", "-I" + cuda_include_dir()]
+                                     + list(configs[0].nvrtc_options))
             except Exception as e:
                 self.error = e
             self.log = nvrtc.getProgramLog(prog)
             self.lowered, self.ptx = {}, ""
             if self.error is None:
-                self.lowered = {e: nvrtc.getLoweredName(prog, e) for e in g.EXPRESSIONS}
+                self.lowered = {e: nvrtc.getLoweredName(prog, e) for e in self.expressions}
                 ptx = nvrtc.getPTX(prog)
                 self.ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
                 self.cubin_size = len(nvrtc.getCUBIN(prog))
@@ -388,7 +390,7 @@ def sm90_gemm():
 
 def test_sm90_gemm_compiles_for_sm90a_without_spills(sm90_gemm):
     c = sm90_gemm
-    assert c.error is None, f"{_sm90_gemm.SOURCE} failed to compile for sm_90a:\n{c.log}"
+    assert c.error is None, f"{sm90.SOURCE} failed to compile for sm_90a:\n{c.log}"
     assert "warning" not in c.log.lower(), c.log  # C7508 would say setmaxnreg was ignored
     entries = re.findall(r"Compiling entry function '([^']+)' for '(\w+)'", c.log)
     assert {arch for _, arch in entries} == {"sm_90a"}, entries
@@ -402,7 +404,15 @@ def test_sm90_gemm_compiles_for_sm90a_without_spills(sm90_gemm):
         registers[name] = int(m.group(1))
     # 384 threads at one CTA per SM: the entry cap is 168; setmaxnreg moves 40 -> 232 at run time.
     assert max(registers.values()) <= 168, registers
-    print("sm90 GEMM registers:", {e: registers[c.lowered[e]] for e in _sm90_gemm.EXPRESSIONS}, c.cubin_size)
+    print("sm90 GEMM registers:", {e: registers[c.lowered[e]] for e in c.expressions}, c.cubin_size)
+
+
+def test_sm90_gemm_traced_compiles():
+    """Sm90Config(trace=True) (dev/sm90_trace.py): every variant with the per-tile timestamps compiles, and the
+    trace's global is there; the product's build has none (test_sm90_gemm_ptx_uses_the_hopper_paths)."""
+    c = CompiledSm90(trace=True)
+    assert c.error is None, c.log
+    assert "cupyffn_sm90_trace" in c.ptx and "%globaltimer" in c.ptx
 
 
 def test_sm90_gemm_ptx_uses_the_hopper_paths(sm90_gemm):
@@ -414,28 +424,44 @@ def test_sm90_gemm_ptx_uses_the_hopper_paths(sm90_gemm):
                    "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3",  # the pair kernel's cross terms
                    "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes",
                    "setmaxnreg.inc.sync.aligned.u32 232", "setmaxnreg.dec.sync.aligned.u32 40", "mbarrier.try_wait.parity",
-                   "cp.async.cg.shared.global.L2::cache_hint", "cp.async.wait_group",  # the staged dgelu epilogue
-                   # clusters of two: B multicast, remote stage releases, the cluster barrier, the cluster shape
-                   "mbarrier::complete_tx::bytes.multicast::cluster", "mbarrier.arrive.shared::cluster.b64",
-                   "barrier.cluster.arrive.release", ".reqnctapercluster 2, 1, 1"):
+                   "cp.async.cg.shared.global.L2::cache_hint", "cp.async.wait_group"):  # the staged dgelu epilogue
         assert needle in c.ptx, needle
     assert ".local" not in c.ptx  # no local-memory arrays (the accumulators stay in registers)
+    assert "cupyffn_sm90_trace" not in c.ptx  # no trace in the product
+
+
+def test_sm90_headers_are_pasted_in():
+    """gemm_sm90.cu includes its kernels_cu/sm90/ headers, each pasted once into the text NVRTC compiles (CuPy's
+    cache key then changes with every header), and every header in kernels_cu/sm90/ is one of them."""
+    text = (_kernels.kernel_dir() / sm90.SOURCE).read_text()
+    included = set(re.findall(r'^#include "(sm90/[^"]+)"', text, re.M))
+    assert included == {f"sm90/{p.name}" for p in (_kernels.kernel_dir() / "sm90").glob("*.cuh")}
+    source = _kernels.source(sm90.SOURCE)
+    assert not re.search(r'^\s*#\s*include\s*"', source, re.M) and "#pragma once" not in source
+    for name in included:
+        body = (_kernels.kernel_dir() / name).read_text().replace("#pragma once\n", "")
+        assert source.count(body) == 1, name
+
+
+def test_cuda_files_stay_short():
+    """No CUDA file in kernels_cu/ over 600 lines."""
+    for path in sorted((_kernels.kernel_dir()).rglob("*.cu*")):
+        assert len(path.read_text().splitlines()) <= 600, path
 
 
 def test_sm90_gemm_args_mirror():
-    source = (_kernels.kernel_dir() / _sm90_gemm.SOURCE).read_text()
+    source = (_kernels.kernel_dir() / "sm90" / "types.cuh").read_text()
     cuda = cuda_struct_members(source, "GemmArgs")
     kinds = {ctypes.c_void_p: "ptr", ctypes.c_longlong: "i64", ctypes.c_int: "i32", ctypes.c_float: "float"}
-    mirror = [(name, kinds[t]) for name, t in _sm90_gemm.GemmArgs._fields_]
+    mirror = [(name, kinds[t]) for name, t in sm90.GemmArgs._fields_]
     assert mirror == cuda
     m = re.search(r"static_assert\(sizeof\(GemmArgs\) == (\d+),", source)
-    assert m and int(m.group(1)) == ctypes.sizeof(_sm90_gemm.GemmArgs) == 176
-    assert ctypes.sizeof(_sm90_gemm.TmaDesc) == 128
-    assert define(source, "kEpiF32") == _sm90_gemm.EPI_F32
-    assert define(source, "kEpiDgeluBf16") == _sm90_gemm.EPI_DGELU_BF16
-    assert define(source, "kEpiDgeluF16") == _sm90_gemm.EPI_DGELU_F16
-    assert define(source, "kEpiDgeluBf16x3") == _sm90_gemm.EPI_DGELU_BF16X3
-    assert define(source, "kEpiDgeluF16G") == _sm90_gemm.EPI_DGELU_F16G
-    assert define(source, "kOpF16") == _sm90_gemm.OP_F16
-    assert define(source, "kOpBf16") == _sm90_gemm.OP_BF16
-    assert define(source, "kOpF16E4M3") == _sm90_gemm.OP_F16E4M3
+    assert m and int(m.group(1)) == ctypes.sizeof(sm90.GemmArgs) == 160
+    assert ctypes.sizeof(sm90.TmaDesc) == 128
+    assert define(source, "kEpiF32") == sm90.EPI_F32
+    assert define(source, "kEpiDgeluF16") == sm90.EPI_DGELU_F16
+    assert define(source, "kEpiDgeluBf16x3") == sm90.EPI_DGELU_BF16X3
+    assert define(source, "kEpiDgeluF16G") == sm90.EPI_DGELU_F16G
+    assert define(source, "kOpF16") == sm90.OP_F16
+    assert define(source, "kOpBf16") == sm90.OP_BF16
+    assert define(source, "kOpF16E4M3") == sm90.OP_F16E4M3

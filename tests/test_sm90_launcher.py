@@ -1,85 +1,81 @@
-"""The sm90 GEMM's host side without a GPU (cupyffn/_sm90_gemm.py): the variant list, the engine's prebuilt
-fused launch (DgeluLaunch) with stand-ins for the compiled kernels and the tensor maps, and its choice of
-epilogue by the activations' alignment."""
+"""The sm90 GEMM's host side without a GPU (cupyffn/gemm/sm90/): the typed configs and can_implement, the engine's
+prebuilt fused launch (DgeluLaunch) and pair launch (PairLaunch) with stand-ins for the compiled kernels and the
+tensor maps, and the fused launch's choice of epilogue by the activations' alignment."""
 
 import ctypes
-import re
+import dataclasses
 
 import pytest
 
-from cupyffn import _kernels, _sm90_gemm as G
+from cupyffn import _kernels
+from cupyffn.gemm import sm90 as G
+from cupyffn.gemm.sm90 import config as cfg
+from cupyffn.gemm.sm90 import launch as L
+from cupyffn.gemm.sm90 import tensor_map
 
 
-def _parse(expression):
-    m = re.fullmatch(r"gemm_sm90_(kernel|cluster2_kernel)<(\d), (\d+), (\d), (\d), (\d), (\d)>", expression)
-    return tuple(int(v) for v in m.groups()[1:]) + ({"kernel": 1, "cluster2_kernel": 2}[m.group(1)],)
+def test_variants_are_what_the_plans_run():
+    """22 variants: the fp16 dgelu epilogue on every schedule direct and staged plus the epilogue warps (7), with
+    gelu_out on the 128 x 128 schedules (5), the bf16x3 planes on every schedule direct and staged (6), the pair on
+    its two cooperative schedules with either A layout (4); each expression once, each accepted by can_implement."""
+    v = G.VARIANTS
+    assert len(v) == len({c.expression for c in v}) == 22
+    assert all(G.can_implement(c) and not c.trace for c in v)
+    count = {}
+    for c in v:
+        count[c.op, c.epi] = count.get((c.op, c.epi), 0) + 1
+    assert count == {(G.OP_F16, G.EPI_DGELU_F16): 7, (G.OP_F16, G.EPI_DGELU_F16G): 5,
+                     (G.OP_BF16, G.EPI_DGELU_BF16X3): 6, (G.OP_F16E4M3, G.EPI_F32): 4}
+    assert {c.expression for c in v if c.op == G.OP_F16E4M3} == {
+        "gemm_sm90_pair_kernel<128, 0>", "gemm_sm90_pair_kernel<128, 1>", "gemm_sm90_pair_kernel<256, 0>",
+        "gemm_sm90_pair_kernel<256, 1>"}
+    assert G.Sm90Config(G.OP_F16, 256, False, G.EPI_DGELU_F16, "staged").expression == "gemm_sm90_kernel<0, 256, 2, 0, 1>"
 
 
-LAYOUT_OF_BT = {0: "nk", 1: "kn", 2: G.KN32}
+@pytest.mark.parametrize("config,why", [
+    (G.Sm90Config(G.OP_F16, 192, False, G.EPI_DGELU_F16), "block_n, pingpong"),
+    (G.Sm90Config(G.OP_F16, 256, True, G.EPI_DGELU_F16), "block_n, pingpong"),
+    (G.Sm90Config(G.OP_F16, 256, False, G.EPI_DGELU_F16G, "staged"), "no 128 x 256 variant"),  # it spills
+    (G.Sm90Config(G.OP_F16, 256, False, G.EPI_DGELU_F16G, "direct"), "no 128 x 256 variant"),
+    (G.Sm90Config(G.OP_BF16, 128, False, G.EPI_DGELU_F16), "dgelu epilogues"),  # one-plane bf16: removed
+    (G.Sm90Config(G.OP_F16, 128, False, G.EPI_DGELU_BF16X3), "dgelu epilogues"),
+    (G.Sm90Config(G.OP_BF16, 128, False, G.EPI_DGELU_BF16X3, G.WARPS), "epilogue 'warps'"),
+    (G.Sm90Config(G.OP_F16, 128, True, G.EPI_DGELU_F16, G.WARPS), "epilogue 'warps'"),
+    (G.Sm90Config(G.OP_F16, 128, False, G.EPI_F32), "dgelu epilogues"),  # a plain fp32 GEMM: removed
+    (G.Sm90Config(G.OP_F16E4M3, 128, True), "schedules"),  # the pair's ping-pong: removed
+    (G.Sm90Config(G.OP_F16E4M3, 128, a_layout="nk"), "a_layout"),
+    (G.Sm90Config(G.OP_F16, 128, False, G.EPI_DGELU_F16, "cluster"), "epilogue must be"),
+])
+def test_can_implement_refuses_what_does_not_exist(config, why):
+    assert not G.can_implement(config)
+    with pytest.raises(ValueError, match=why):
+        G.check_config(config)
 
 
-def test_variants_cover_each_schedule_layout_and_epilogue_once():
-    everything = [_parse(e) for e in G.EXPRESSIONS if "pair" not in e]
-    # b converted in the kernel: test_kn32_variants; the epilogue warps: test_epilogue_warps_variants
-    parsed = [p for p in everything if p[5] != 2 and p[4] != 2]
-    assert len(everything) == len(set(everything)) == 2 * 82 + 6 + 20
-    # the cluster-2 kernels are exactly the single-CTA ones again
-    assert sorted(p[:-1] for p in parsed if p[-1] == 2) == sorted(p[:-1] for p in parsed if p[-1] == 1)
-    for op, bn, epi, pp, xs, bt, cl in everything:
-        assert G.expression(op, bn, epi, pp, xs, LAYOUT_OF_BT[bt], cl) == G.EXPRESSIONS[everything.index((op, bn, epi, pp, xs, bt, cl))]
-    for op, bn, epi, pp, xs, bt, cl in parsed:
-        assert cl in G.CLUSTERS
-        assert (bn, bool(pp)) in G.CONFIGS and bt in (0, 1)
-        assert epi != G.EPI_DGELU_BF16X3 or op == G.OP_BF16, "the three bf16 planes take bf16 operands"
-        assert epi != G.EPI_DGELU_F16G or op == G.OP_F16, "gelu_out's fp16 codes beside fp16 operands"
-        assert not xs or epi != G.EPI_F32, "the staged epilogue is a dgelu epilogue"
-    # every dgelu epilogue exists staged and direct for every schedule and layout (but GELU_NO_STAGED)
-    for op, epis in ((G.OP_F16, (G.EPI_DGELU_BF16, G.EPI_DGELU_F16, G.EPI_DGELU_F16G)),
-                     (G.OP_BF16, (G.EPI_DGELU_BF16, G.EPI_DGELU_F16, G.EPI_DGELU_BF16X3))):
-        for epi in epis:
-            for bn, pp in G.CONFIGS:
-                for bt in (0, 1):
-                    for xs in (0, 1):
-                        missing = xs and (epi, bn, pp) == G.GELU_NO_STAGED
-                        assert ((op, bn, epi, int(pp), xs, bt, 1) in parsed) != missing
+def test_config_is_frozen_and_hashable():
+    c = G.VARIANTS[0]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.block_n = 256
+    assert {c: 1}[dataclasses.replace(c)] == 1
+    traced = dataclasses.replace(c, trace=True)
+    assert traced.expression == c.expression and traced != c
+    assert traced.nvrtc_options == c.nvrtc_options + ("-DCUPYFFN_SM90_TRACE=1",)
+    assert c.nvrtc_options == ("-arch=sm_90a", "--std=c++17")
 
 
-def test_kn32_variants():
-    """b converted in the kernel (BT = 2): fp16 operands, no clusters, the two 128 x 128 schedules, fp32 out and the
-    fp16 dgelu epilogue staged and direct; more shared memory per stage, fewer stages."""
-    kn32 = {_parse(e) for e in G.EXPRESSIONS if "pair" not in e and _parse(e)[5] == 2}
-    want = {(G.OP_F16, bn, G.EPI_F32, int(pp), 0, 2, 1) for bn, pp in G.KN32_CONFIGS}
-    want |= {(G.OP_F16, bn, G.EPI_DGELU_F16, int(pp), xs, 2, 1) for bn, pp in G.KN32_CONFIGS for xs in (0, 1)}
-    assert kn32 == want
-    assert G.stage_bytes(128, 2) == G.stage_bytes(128) + 128 * 64 * 4 and G.stages_for(128, 2) == 3
-    assert G.launch_smem_bytes(128, False, G.KN32) == G.smem_bytes(128, 2) == 3 * 65536 + 1024 + 3 * 8 * 3
-    assert G.launch_smem_bytes(128, True, G.KN32) == G.xs_smem_bytes(128, 2) <= 232448
-    assert G.launch_smem_bytes(128, True, "kn") == G.xs_smem_bytes(128)  # the 16-bit layouts keep their sizes
-    args = G.GemmArgs(0, None, None, 1, 0, 0, 1, 1, 1, 1.0, None)
-    assert (args.b_slot, args.b_alpha, args.b_amax) == (-1, 1.0, None)  # no state slot unless given
-
-
-def test_epilogue_warps_variants():
-    """XS = 2 (epilogue WARPS): the one-plane dgelu epilogues of either operand type (gelu_out's with fp16 operands),
-    the cooperative 128 x 128 tile, both 16-bit B layouts and both cluster sizes; 512 threads and its own shared
-    memory (4 stages, the fp32 accumulator tile, 7 warps' rings of 2 items of 2 KiB)."""
-    warps = {_parse(e) for e in G.EXPRESSIONS if "pair" not in e and _parse(e)[4] == 2}
-    want = {(op, 128, epi, 0, 2, bt, cl) for op, epis in ((G.OP_F16, (1, 2, 4)), (G.OP_BF16, (1, 2)))
-            for epi in epis for bt in (0, 1) for cl in G.CLUSTERS}
-    assert warps == want and G.WARPS_CONFIG == (128, False)
-    assert G.threads_for(2) == G.EW_THREADS == 512 and G.threads_for(True) == G.threads_for(0) == G.THREADS
-    assert G.launch_smem_bytes(128, 2, "kn") == G.ew_smem_bytes() == 4 * 32768 + 65536 + 7 * 2 * 2048 + 1024 + 80
-    assert G.ew_smem_bytes() <= 232448
-    with pytest.raises(ValueError, match="stages 2-4"):
-        G.set_ew(4, 3)  # 7 rings of 3 items do not fit beside 4 stages
-
-
-def test_pair_variants_cover_each_schedule_and_layout_once():
-    """The fp16+fp8 pair kernel: every schedule with each fp16 A and B layout (its e4m3 operands are K-major)."""
-    pairs = [e for e in G.EXPRESSIONS if "pair" in e]
-    want = {G.pair_expression(bn, pp, al, bl) for bn, pp in G.CONFIGS for al in G.A_LAYOUTS for bl in G.B_LAYOUTS}
-    assert len(pairs) == len(set(pairs)) == 12 and set(pairs) == want
-    assert G.pair_expression(256, False, "km", "kn") == "gemm_sm90_pair_kernel<256, 0, 1, 1>"
+def test_threads_and_shared_memory_per_epilogue():
+    """The epilogue warps: 512 threads and their own shared memory (4 stages, the fp32 accumulator tile, 7 warps'
+    rings of 2 items of 2 KiB); the others 384 threads, the staged epilogue one stage fewer and its x/t slots."""
+    warps = G.Sm90Config(G.OP_F16, 128, False, G.EPI_DGELU_F16, G.WARPS)
+    assert (warps.threads, warps.smem_bytes) == (512, 4 * 32768 + 65536 + 7 * 2 * 2048 + 1024 + 80)
+    for bn in (128, 256):
+        direct = G.Sm90Config(G.OP_F16, bn, False, G.EPI_DGELU_F16, "direct")
+        staged = dataclasses.replace(direct, epilogue="staged")
+        assert direct.threads == staged.threads == G.THREADS == 384
+        assert direct.smem_bytes == cfg.smem_bytes(bn) and staged.smem_bytes == cfg.xs_smem_bytes(bn)
+        assert cfg.xs_stages_for(bn) == cfg.stages_for(bn) - 1 and cfg.xt_slots_for(bn) >= 1
+    assert max(c.smem_bytes for c in G.VARIANTS) <= cfg.SMEM_LIMIT
+    assert G.Sm90Config(G.OP_F16E4M3, 256).smem_bytes == cfg.smem_bytes(256)
 
 
 class _Holder:
@@ -87,17 +83,21 @@ class _Holder:
         self.desc = G.TmaDesc()
 
 
+class _Recorded(list):
+    pass
+
+
 @pytest.fixture
 def stand_ins(monkeypatch):
-    """_kernel, sm_count and the tensor-map cache replaced: records which variants a launch looks up."""
+    """launch.function, sm_count and the tensor-map cache replaced: records which configs a launch looks up."""
     looked_up = _Recorded()
 
     class Fn:
         def __init__(self, ptr):
             self.kernel = type("K", (), {"ptr": ptr})()
 
-    def kernel(op, block_n, epi, pingpong, device_id, staged=False, b_layout="nk", cluster=1):
-        looked_up.append((op, block_n, epi, pingpong, staged, b_layout, cluster))
+    def function(config, device_id):
+        looked_up.append(config)
         return Fn(1000 + len(looked_up))
 
     maps = []
@@ -106,16 +106,11 @@ def stand_ins(monkeypatch):
         maps.append(key)
         return _Holder()
 
-    monkeypatch.setattr(G, "_kernel", kernel)
+    monkeypatch.setattr(L, "function", function)
     monkeypatch.setattr(_kernels, "sm_count", lambda device_id: 132)
-    monkeypatch.setattr(G._maps, "get", get)
-    monkeypatch.setattr(G, "max_active_clusters", lambda function_ptr, smem, cluster, threads: 60)  # < 132 / 2
+    monkeypatch.setattr(tensor_map.maps, "get", get)
     looked_up.maps = maps
     return looked_up
-
-
-class _Recorded(list):
-    pass
 
 
 def _launch(m=1024, **kw):
@@ -129,17 +124,20 @@ def _launch(m=1024, **kw):
 
 def test_tf32_launch_gathers_into_the_state_and_its_rescue_does_not(stand_ins):
     launch = _launch()
-    assert {v[0] for v in stand_ins} == {G.OP_F16} and {v[2] for v in stand_ins} == {G.EPI_DGELU_F16}
-    assert {v[4] for v in stand_ins} == {True, False}  # both epilogues looked up once, at build
+    assert {c.op for c in stand_ins} == {G.OP_F16} and {c.epi for c in stand_ins} == {G.EPI_DGELU_F16}
+    assert {c.epilogue for c in stand_ins} == {"staged", "direct"}  # both epilogues looked up once, at build
     assert launch.args.amax == 0x40000 + 4 * (_kernels.STATE_SLOTS + 5)
     assert launch.args.state == 0x40000 and launch.args.acc_scale == 0x50008 and launch.args.rescue == 0
-    assert launch.configs == {True: G.choose_config(1024, 6144, 132), False: G.choose_config(1024, 6144, 132, False)}
-    assert launch.cluster == G.FUSED_CLUSTER == 1 and launch.args.raster == G.FUSED_RASTER == 8
-    for (has_t, staged), variant in launch._variants.items():
-        block_n, pingpong = launch.configs[has_t]
-        assert (G.OP_F16, block_n, G.EPI_DGELU_F16, pingpong, staged, "kn", 1) in stand_ins
-        assert variant[2] == min(-(-1024 // G.BLOCK_M) * -(-6144 // block_n), 132)  # the grid of its tile
+    assert launch.args.raster == G.FUSED_RASTER == 8
+    for (has_t, staged), config in launch.configs.items():
+        assert (config.block_n, config.pingpong) == G.choose_config(1024, 6144, 132, tanh_inner=has_t)
+        assert config.epilogue == ("staged" if staged else "direct") and config in stand_ins
+        grid = launch._variants[has_t, staged][2]
+        assert grid == min(-(-1024 // G.BLOCK_M) * -(-6144 // config.block_n), 132)  # the grid of its tile
     assert len(launch._variants) == 4
+    # A [T, D] in boxes of 128 rows; B [D, H] as stored in 64 x 64 boxes: one pair of maps for every variant
+    assert stand_ins.maps == [(0x10000, 1024, 1536, 2 * 1536, G.OP_F16, G.BLOCK_M), (0x20000, 1536, 6144, 2 * 6144,
+                                                                                       G.OP_F16, 64)]
     rescue = _launch(rescue=True, alpha_mask=0b1100)
     assert rescue.args.amax is None and rescue.args.rescue == 1 and rescue.args.alpha_mask == 0b1100
 
@@ -147,13 +145,15 @@ def test_tf32_launch_gathers_into_the_state_and_its_rescue_does_not(stand_ins):
 def test_gelu_launch_writes_gelu_out_and_gathers_its_maximum(stand_ins):
     """The tf32 plan's GEMM1 with gelu_out (EPI_DGELU_F16G): its codes at the given address with C's leading
     dimension, their maximum gathered into gelu_out's slot (not by the rescue launch), the 128 x 128 ping-pong
-    tile where the rule says 128 x 256 (no staged 128 x 256 cooperative variant), memory mode unchanged."""
+    tile where the rule says 128 x 256 (no 128 x 256 variant), memory mode unchanged."""
     gelu = dict(gelu_ptr=0x60000, ldg=6144, gelu_slot=2)
     T = 8192  # where the rule says 128 x 256
     launch = _launch(m=T, **gelu)
-    assert G.choose_config(T, 6144, 132) == (256, False) and G.GELU_NO_STAGED == (G.EPI_DGELU_F16G, 256, False)
-    assert launch.configs == {True: (128, True), False: G.choose_config(T, 6144, 132, False)}
-    assert {v[2] for v in stand_ins} == {G.EPI_DGELU_F16G} and launch.epi == G.EPI_DGELU_F16G
+    assert G.choose_config(T, 6144, 132) == (256, False)
+    assert {(c.block_n, c.pingpong) for (has_t, _), c in launch.configs.items() if has_t} == {(128, True)}
+    assert {(c.block_n, c.pingpong) for (has_t, _), c in launch.configs.items() if not has_t} == \
+        {G.choose_config(T, 6144, 132, False)}
+    assert {c.epi for c in stand_ins} == {G.EPI_DGELU_F16G} and launch.epi == G.EPI_DGELU_F16G
     assert launch.args.g == 0x60000 and launch.args.ldg == 6144 and launch.args.g_slot == 2
     assert launch.args.g_amax == 0x40000 + 4 * (_kernels.STATE_SLOTS + 2)
     assert launch.args.amax == 0x40000 + 4 * (_kernels.STATE_SLOTS + 5)
@@ -170,40 +170,37 @@ def test_warps_launch_takes_the_epilogue_warps_with_tanh_inner_given(stand_ins, 
     """warps=True: with tanh_inner given and 16-byte rows the XS = 2 variant of the cooperative 128 x 128 tile (512
     threads, its own shared memory); rows off 16 bytes the direct epilogue of that tile; memory mode unchanged."""
     launch = _launch(m=8192, gelu_ptr=0x60000, ldg=6144, gelu_slot=2, warps=True)
-    assert launch.warps and launch.configs == {True: G.WARPS_CONFIG, False: G.choose_config(8192, 6144, 132, False)}
-    assert (G.OP_F16, 128, G.EPI_DGELU_F16G, False, 2, "kn", 1) in stand_ins
-    assert (G.OP_F16, 128, G.EPI_DGELU_F16G, False, 0, "kn", 1) in stand_ins
-    function, smem, grid, _, _, threads = launch._variants[True, True]
-    assert (smem, grid, threads) == (G.ew_smem_bytes(), 132, 512)
-    assert launch._variants[True, False][1:3] == (G.smem_bytes(128), 132) and launch._variants[True, False][5] == 384
-    assert launch._variants[False, True][5] == 384  # memory mode: its own schedule, staged
+    assert launch.configs[True, True] == G.Sm90Config(G.OP_F16, 128, False, G.EPI_DGELU_F16G, G.WARPS)
+    assert launch.configs[True, False] == G.Sm90Config(G.OP_F16, 128, False, G.EPI_DGELU_F16G, "direct")
+    assert launch.configs[False, True] == G.Sm90Config(G.OP_F16, *G.choose_config(8192, 6144, 132, False),
+                                                       G.EPI_DGELU_F16G, "staged")
+    function, smem, grid, threads = launch._variants[True, True]
+    assert (smem, grid, threads) == (cfg.ew_smem_bytes(), 132, 512)
+    assert launch._variants[True, False][1:] == (cfg.smem_bytes(128), 132, 384)
+    assert launch._variants[False, True][3] == 384  # memory mode: its own schedule, staged
     launched = []
     driver = pytest.importorskip("cupy_backends.cuda.api.driver")
     monkeypatch.setattr(driver, "launchKernel", lambda *argv: launched.append(argv))
     launch.set_activations(0x1000, 6144, 0x9000, 6144)
     launch(0x77)
-    assert launched[-1][0] == function and launched[-1][4] == 512 and launched[-1][7] == G.ew_smem_bytes()
-    assert launch.node_params()[:4] == (function, 132, 512, G.ew_smem_bytes())
+    assert launched[-1][0] == function and launched[-1][4] == 512 and launched[-1][7] == cfg.ew_smem_bytes()
+    assert launch.node_params()[:4] == (function, 132, 512, cfg.ew_smem_bytes())
     bf16x3 = _launch(epi=G.EPI_DGELU_BF16X3, state_ptr=None, consts_ptr=None, acc_scale_ptr=None, slot=0, warps=True)
-    assert not bf16x3.warps  # three planes: no epilogue warps variant
-
-
-def test_the_variant_that_would_spill_is_not_built():
-    staged_gelu = {_parse(e)[1:3] + (_parse(e)[3],) for e in G.EXPRESSIONS
-                   if "pair" not in e and _parse(e)[2] == G.EPI_DGELU_F16G and _parse(e)[4]}
-    assert (256, G.EPI_DGELU_F16G, 0) not in staged_gelu
-    assert {(128, G.EPI_DGELU_F16G, 0), (128, G.EPI_DGELU_F16G, 1)} <= staged_gelu
+    assert G.WARPS not in {c.epilogue for c in bf16x3.configs.values()}  # three planes: no epilogue warps variant
 
 
 def test_bf16x3_launch_takes_bf16_operands_and_no_scale(stand_ins):
     launch = _launch(epi=G.EPI_DGELU_BF16X3, state_ptr=None, consts_ptr=None, acc_scale_ptr=None, slot=0)
-    assert {v[0] for v in stand_ins} == {G.OP_BF16} and {v[2] for v in stand_ins} == {G.EPI_DGELU_BF16X3}
+    assert {c.op for c in stand_ins} == {G.OP_BF16} and {c.epi for c in stand_ins} == {G.EPI_DGELU_BF16X3}
     assert launch.args.amax is None and launch.args.state is None and launch.args.acc_scale is None
 
 
-def test_an_unknown_epilogue_is_refused(stand_ins):
+def test_an_unknown_epilogue_or_b_layout_is_refused(stand_ins):
     with pytest.raises(ValueError, match="epi must be"):
         _launch(epi=G.EPI_F32)
+    with pytest.raises(ValueError, match="b_layout must be 'kn'"):
+        G.DgeluLaunch(16, 1536, 32, 1536, "nk", 48, 6144, 256, 6144, 1536, state_ptr=64, consts_ptr=128,
+                      acc_scale_ptr=136, slot=5, rescue=False, alpha_mask=0, device_id=0)
     assert stand_ins == []  # refused before anything is looked up
 
 
@@ -225,33 +222,7 @@ def test_set_activations_picks_the_epilogue_by_alignment(stand_ins, x_ptr, ldx, 
     assert launched == [launch._variants[bool(t_ptr), staged][0]]
     assert launch.args.x == x_ptr and launch.args.ldx == ldx
     assert launch.args.t == (t_ptr or None) and launch.args.ldt == (ldt if t_ptr else 0)
-    assert ctypes.sizeof(launch.args) == 176
-
-
-@pytest.mark.parametrize("T,b_layout", [(1024, "kn"), (1152, "nk"), (8192, "kn")])
-def test_cluster2_launch_grid_and_b_boxes(stand_ins, T, b_layout):
-    """Clusters of two: the grid is two CTAs per group of two tile rows (9 rows at T = 1152: the last group half
-    past M), at most as many clusters as run at once (the stand-in says 60), and the "nk" B box is half a tile."""
-    D, H = 1536, 6144
-    ldb = D if b_layout == "nk" else H
-    launch = G.DgeluLaunch(0x10000, D, 0x20000, ldb, b_layout, 0x30000, H, T, H, D, state_ptr=0x40000,
-                           consts_ptr=0x50000, acc_scale_ptr=0x50008, slot=5, rescue=False, alpha_mask=0, device_id=0,
-                           cluster=2)
-    assert {v[-1] for v in stand_ins} == {2}
-    for has_t in (True, False):
-        block_n = launch.configs[has_t][0]
-        groups = -(-(-(-T // G.BLOCK_M)) // 2) * -(-H // block_n)
-        assert {launch._variants[has_t, staged][2] for staged in (True, False)} == {2 * min(groups, 60)}
-    keys = stand_ins.maps  # (A map, B map) per mode
-    assert len(keys) == 4 and {k[-1] for k in keys[0::2]} == {G.BLOCK_M}
-    assert [k[-1] for k in keys[1::2]] == [launch.configs[has_t][0] // 2 if b_layout == "nk" else 64
-                                          for has_t in (True, False)]
-
-
-def test_an_unknown_cluster_size_is_refused(stand_ins):
-    with pytest.raises(ValueError, match="cluster must be one of"):
-        _launch(cluster=4)
-    assert stand_ins == []
+    assert ctypes.sizeof(launch.args) == 160
 
 
 @pytest.mark.parametrize("T,config", [(256, (128, False)), (512, (256, False)), (768, (128, True)), (1024, (128, True)),
@@ -264,22 +235,14 @@ def test_choose_config_at_the_workloads(T, config):
     cooperative."""
     assert G.choose_config(T, 6144, 132) == config
     assert G.choose_config(T, 6144, 132, tanh_inner=False) == (128, False)
+    chosen = G.choose_dgelu_config(T, 6144, 132, G.EPI_DGELU_F16, tanh_inner=True, rows_16b=True)
+    assert (chosen.block_n, chosen.pingpong, chosen.epilogue) == config + ("staged",)
 
 
 @pytest.mark.parametrize("a_layout", G.A_LAYOUTS)
 def test_pair_launch_maps_args_and_grid(stand_ins, monkeypatch, a_layout):
     """The pair launch (the fp16+fp8 plan's GEMM1, or GEMM2/GEMM4 with A MN-major): the four tensor maps' geometry,
     the arguments the kernel reads, the grid, and a launch of exactly its variant on the given stream."""
-    looked_up = []
-
-    class Fn:
-        kernel = type("K", (), {"ptr": 4242})()
-
-    def pair_kernel(block_n, pingpong, a_layout_, b_layout, device_id):
-        looked_up.append((block_n, pingpong, a_layout_, b_layout))
-        return Fn()
-
-    monkeypatch.setattr(G, "_pair_kernel", pair_kernel)
     m, n, k, k8 = 2048, 6144, 1536, 2 * 1536
     lda = k if a_layout == "mk" else m
     launch = G.PairLaunch(0x1000, lda, a_layout, 0x2000, n, "kn", 0x3000, k8, 0x4000, k8, m, n, k, k8,
@@ -287,19 +250,28 @@ def test_pair_launch_maps_args_and_grid(stand_ins, monkeypatch, a_layout):
     a_map = (0x1000, m, k, 2 * lda, G.OP_F16, G.BLOCK_M) if a_layout == "mk" else (0x1000, k, m, 2 * lda, G.OP_F16, 64)
     assert stand_ins.maps == [a_map, (0x2000, k, n, 2 * n, G.OP_F16, 64),  # B [K, N]: 64 x 64 boxes
                               (0x3000, m, k8, k8, G.OP_E4M3, G.BLOCK_M), (0x4000, n, k8, k8, G.OP_E4M3, 256)]
-    assert looked_up == [(256, False, a_layout, "kn")]
+    assert list(stand_ins) == [G.Sm90Config(G.OP_F16E4M3, 256, a_layout=a_layout)]
     a = launch.args
     assert (a.c, a.ldc, a.m, a.n, a.k, a.k8, a.pair_scale, a.acc_scale, a.accumulate) == \
         (0x6000, n, m, n, k, k8, 8.0, 0x5008, 0)
     assert a.state is None and a.amax is None and a.rescue == 0  # the fp32 epilogue: no scale state
-    assert launch.grid == min(-(-m // G.BLOCK_M) * -(-n // 256), 132) and launch.smem == G.smem_bytes(256)
+    assert launch.grid == min(-(-m // G.BLOCK_M) * -(-n // 256), 132) and launch.smem == cfg.smem_bytes(256)
     launched = []
     driver = pytest.importorskip("cupy_backends.cuda.api.driver")
     monkeypatch.setattr(driver, "launchKernel", lambda *argv: launched.append(argv))
     launch(0x77)
     function, grid, _, _, block, _, _, smem, stream, _, _ = launched[0]
-    assert (function, grid, block, smem, stream) == (4242, launch.grid, G.THREADS, G.smem_bytes(256), 0x77)
-    assert launch.node_params()[:4] == (4242, launch.grid, G.THREADS, G.smem_bytes(256))
+    assert (function, grid, block, smem, stream) == (1001, launch.grid, G.THREADS, cfg.smem_bytes(256), 0x77)
+    assert launch.node_params()[:4] == (1001, launch.grid, G.THREADS, cfg.smem_bytes(256))
+
+
+def test_pair_launch_refuses_what_does_not_exist(stand_ins):
+    where = (0x1000, 1536, "mk", 0x2000, 6144, "kn", 0x3000, 3072, 0x4000, 3072, 2048, 6144, 1536, 3072)
+    with pytest.raises(ValueError, match="schedules"):
+        G.PairLaunch(*where, device_id=0, block_n=128, pingpong=True)
+    with pytest.raises(ValueError, match="b_layout must be 'kn'"):
+        G.PairLaunch(*where[:5], "nk", *where[6:], device_id=0)
+    assert stand_ins == []
 
 
 @pytest.mark.parametrize("m,n,want", [(8192, 6144, 256), (2048, 6144, 256), (1024, 6144, 128), (256, 6144, 128),
@@ -310,8 +282,9 @@ def test_pair_config_fills_the_last_wave(m, n, want):
     assert G.choose_pair_config(m, n, 132) == (want, False)
 
 
-def test_fused_launch_takes_only_the_16_bit_layouts(stand_ins):
-    """The engine's prebuilt launch has no b_scale / b_slot to give a converted weight: kn32 is refused."""
-    with pytest.raises(ValueError, match="b_layout must be one of"):
-        G.DgeluLaunch(16, 1536, 32, 6144, G.KN32, 48, 6144, 256, 6144, 1536, state_ptr=64, consts_ptr=128,
-                      acc_scale_ptr=136, slot=5, rescue=False, alpha_mask=0, device_id=0)
+def test_the_former_module_re_exports_what_the_engine_uses():
+    from cupyffn import _sm90_gemm
+
+    assert _sm90_gemm.DgeluLaunch is G.DgeluLaunch and _sm90_gemm.PairLaunch is G.PairLaunch
+    assert _sm90_gemm.choose_pair_config is G.choose_pair_config and _sm90_gemm.device_supported is G.device_supported
+    assert (_sm90_gemm.EPI_DGELU_F16, _sm90_gemm.EPI_DGELU_BF16X3) == (G.EPI_DGELU_F16, G.EPI_DGELU_BF16X3)
