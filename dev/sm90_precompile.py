@@ -2,11 +2,10 @@
 
     PYTHONPATH=. python3 dev/sm90_precompile.py [--match REGEX] [--jobs 12]
 
-Each variant of cupyffn/_sm90_gemm.py is its own NVRTC program (0.3-3 s each, one core), compiled on first
-use; a test run or a benchmark that touches dozens of them spends minutes compiling one after another.
-This compiles the variants whose name expression matches REGEX (default: all of EXPRESSIONS), one process
-per job, each through the launcher's own _module, so CuPy's disk cache then holds exactly what the next
-process would build. Prints the count and the wall time; exits 1 if any variant failed to compile.
+Each variant of cupyffn.gemm.sm90 is its own NVRTC program (0.3-3 s each, one core), compiled on first use; a test
+run or a benchmark that touches many of them spends minutes compiling one after another. This compiles the
+variants whose name expression matches REGEX (default: all of VARIANTS), one process per job, each through the
+launcher's own module(), so CuPy's disk cache then holds exactly what the next process would build. Prints the count and the wall time; exits 1 if any variant failed to compile.
 """
 
 import argparse
@@ -18,10 +17,10 @@ import time
 def _compile(name):
     import cupy
 
-    from cupyffn import _sm90_gemm
+    from cupyffn.gemm import sm90
 
     try:
-        _sm90_gemm._module(name, cupy.cuda.Device().id)
+        sm90.module(next(c for c in sm90.VARIANTS if c.expression == name), cupy.cuda.Device().id)
         return name, None
     except Exception as e:  # reported by the parent, with the variant's name
         return name, f"{type(e).__name__}: {e}"
@@ -34,9 +33,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     import multiprocessing
 
-    from cupyffn import _sm90_gemm
+    from cupyffn.gemm import sm90
 
-    names = [e for e in _sm90_gemm.EXPRESSIONS if re.search(args.match, e)]
+    names = [c.expression for c in sm90.VARIANTS if re.search(args.match, c.expression)]
     start = time.perf_counter()
     # spawn: each worker makes its own CUDA context (a forked one would inherit none that works)
     with multiprocessing.get_context("spawn").Pool(max(1, args.jobs)) as pool:

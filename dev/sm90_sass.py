@@ -2,8 +2,8 @@
 
     PYTHONPATH=. python3 dev/sm90_sass.py [--match REGEX] [--dump DIR]
 
-For each variant of cupyffn/_sm90_gemm.py whose name expression matches REGEX (default: the engine's fused
-kernels, fp16 dgelu staged with B as stored), NVRTC makes the PTX with the launcher's options, ptxas assembles
+For each variant of cupyffn.gemm.sm90.VARIANTS whose name expression matches REGEX (default: the tf32 plan's fused
+kernels, fp16 dgelu staged), NVRTC makes the PTX with the launcher's options, ptxas assembles
 it for sm_90a and nvdisasm lists the instructions; printed per variant: instructions, branch regions (BSSY,
 each a divergent if/else the compiler could not turn into predication), branches (BRA), shared loads (LDS),
 global stores (STG), cp.async copies (LDGSTS), wgmma (HGMMA), and the registers and spills ptxas reports.
@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 
-DEFAULT_MATCH = r"gemm_sm90_kernel<0, (128|256), 2, [01], 1, 1>"
+DEFAULT_MATCH = r"gemm_sm90_kernel<0, (128|256), 2, [01], 1>"
 COUNTED = ("BSSY", "BRA", "LDS", "STG", "LDGSTS", "HGMMA")
 
 
@@ -66,14 +66,15 @@ def main(argv=None):
         return 2
     from cupy_backends.cuda.libs import nvrtc
 
-    from cupyffn import _kernels, _sm90_gemm as G
+    from cupyffn import _kernels
+    from cupyffn.gemm import sm90
 
-    options = list(G.nvrtc_options()) + ["-ftz=true", "-I" + _kernels.cuda_include_dir()]
-    names = [e for e in G.EXPRESSIONS if re.search(args.match, e)]
+    options = list(sm90.VARIANTS[0].nvrtc_options) + ["-ftz=true", "-I" + _kernels.cuda_include_dir()]
+    names = [c.expression for c in sm90.VARIANTS if re.search(args.match, c.expression)]
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
     for name in names:
-        prog = nvrtc.createProgram(G.module_source(), G.SOURCE, (), ())
+        prog = nvrtc.createProgram(_kernels.source(sm90.SOURCE), sm90.SOURCE, (), ())
         try:
             nvrtc.addNameExpression(prog, name)
             nvrtc.compileProgram(prog, options)

@@ -1,11 +1,13 @@
 """Per-tile timeline of the sm90 GEMM's consumers (GPU only; a measurement, not a test):
 
-    PYTHONPATH=. python3 dev/sm90_trace.py [--tokens 8192] [--schedules bn256,bn128pp] [--rasters 0] [--out PATH]
+    PYTHONPATH=. python3 dev/sm90_trace.py [--tokens 8192] [--schedules bn256,bn128pp] [--epilogues staged]
+                                           [--rasters 0] [--out PATH]
 
-Compiles the kernels with CUPYFFN_SM90_TRACE (gemm_sm90.cu: each consumer warpgroup stamps the global timer
-when a tile's iteration starts, when it has its turn on the tensor cores, when its mainloop and when its
-epilogue end) and runs GEMM1 of the backward (M = T, N = H = 6144, K = D = 1536, fp16, B as stored) with
-the fp32 epilogue and with the dgelu epilogue (fp16 out), one traced launch after a warm-up, L2 flushed.
+Runs the traced variants (Sm90Config(trace=True): compiled with CUPYFFN_SM90_TRACE, kernels_cu/sm90/trace.cuh: each
+consumer warpgroup stamps the global timer when a tile's iteration starts, when it has its turn on the tensor
+cores, when its mainloop and when its epilogue end; the results are the untraced kernel's) of the fused GEMM1 +
+dgelu (M = T, N = H = 6144, K = D = 1536, fp16 operands and out, B as stored), one traced launch after a warm-up,
+L2 flushed.
 Per schedule it reports the medians per tile of the wait for the turn, the mainloop and the epilogue, the
 kernel's span, and "tensor busy": the share of each CTA's span covered by some consumer's mainloop (the
 ping-pong schedule exists to keep that near 1; the cooperative one leaves the epilogue uncovered).
@@ -20,7 +22,7 @@ import sys
 from _json_out import save_json
 
 D, H = 1536, 6144
-TRACE_TILES = 64  # kTraceTiles in gemm_sm90.cu
+TRACE_TILES = 64  # kTraceTiles in kernels_cu/sm90/trace.cuh
 
 
 def summarize(stamps, ctas):
@@ -65,20 +67,16 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--schedules", default="bn256,bn128pp")
+    parser.add_argument("--epilogues", default="staged", help="comma-separated, of direct, staged, warps")
     parser.add_argument("--rasters", default="0")
-    parser.add_argument("--probe", type=int, default=0, help="1: the dgelu epilogue without its global stores, 2: "
-                        "without its x/t copies, 3: the mainloop without its wgmma (timing only: wrong results)")
-    parser.add_argument("--staging", default=None, help="_sm90_gemm.set_staging(cols, drop); default: the launcher's")
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "sm90_trace.json"))
     args = parser.parse_args(argv)
     import cupy
     import numpy
 
-    from cupyffn import _kernels, _sm90_gemm as G
+    from cupyffn import _kernels
+    from cupyffn.gemm import sm90 as G
 
-    if args.staging:
-        G.set_staging(*(int(v) for v in args.staging.split(",")))
-    G.set_trace(True, args.probe)
     device = cupy.cuda.Device().id
     ctas = _kernels.sm_count(device)
     T = args.tokens
@@ -87,7 +85,6 @@ def main(argv=None):
     b = cupy.asarray((0.02 * rng.standard_normal((D, H))).astype(numpy.float16))
     x = cupy.asarray(rng.standard_normal((T, H), dtype=numpy.float32))
     t = cupy.tanh(x)
-    c32 = cupy.empty((T, H), cupy.float32)
     o16 = cupy.empty((T, H), cupy.float16)
     flush = cupy.empty(256 << 20, dtype=cupy.uint8)
     buf = cupy.zeros((ctas, 2, TRACE_TILES, 4), dtype=cupy.uint64)
@@ -95,26 +92,24 @@ def main(argv=None):
     for schedule in args.schedules.split(","):
         block_n, pingpong = int(schedule[2:5]), schedule.endswith("pp")
         for raster in (int(r) for r in args.rasters.split(",")):
-            for epi, run in (("fp32 out", lambda kw: G.gemm_tn(a, b, c32, **kw)),
-                             ("dgelu fp16", lambda kw: G.gemm_tn_dgelu(a, b, x, t, o16, **kw))):
-                kw = dict(block_n=block_n, pingpong=pingpong, b_layout="kn", raster=raster)
-                run(kw)  # compiles the variant
-                code = G.EPI_F32 if epi == "fp32 out" else G.EPI_DGELU_F16
-                module = G._module(G.expression(G.OP_F16, block_n, code, pingpong, epi != "fp32 out", "kn"), device)
+            for epi in args.epilogues.split(","):
+                kw = dict(block_n=block_n, pingpong=pingpong, epilogue=epi, raster=raster, trace=True)
+                G.gemm_tn_dgelu(a, b, x, t, o16, **kw)  # compiles the variant
+                module = G.module(G.Sm90Config(G.OP_F16, block_n, pingpong, G.EPI_DGELU_F16, epi, trace=True), device)
                 pointer = cupy.ndarray((1,), cupy.uint64, memptr=module.get_global("cupyffn_sm90_trace"))
                 pointer[0] = buf.data.ptr
                 buf.fill(0)
                 flush.fill(0)
                 cupy.cuda.Device().synchronize()
-                run(kw)
+                G.gemm_tn_dgelu(a, b, x, t, o16, **kw)
                 cupy.cuda.Device().synchronize()
                 pointer[0] = 0
                 stamps = buf.get()
                 row = {"T": T, "schedule": schedule, "raster": raster, "epilogue": epi,
-                       "staging": [G.XT_COLS, G.XS_STAGE_DROP], "probe": args.probe, **summarize(stamps, ctas),
+                       **summarize(stamps, ctas),
                        "cta0": [[[int(v) for v in tile] for tile in cons if tile[0]] for cons in stamps[0]]}
                 rows.append(row)
-                print(f"T={T} {schedule:8s} staging {row['staging']} probe {args.probe} raster {raster:2d} {epi:10s} tiles {row['tiles']:5d} span {row['span_us']:7.1f} us"
+                print(f"T={T} {schedule:8s} raster {raster:2d} {epi:10s} tiles {row['tiles']:5d} span {row['span_us']:7.1f} us"
                       f" per tile: turn wait {row['turn_wait_us']:6.2f} mainloop {row['mainloop_us']:6.2f} epilogue "
                       f"{row['epilogue_us']:6.2f} us; tensor busy {row['tensor_busy']:.3f}", flush=True)
     save_json({"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), "command": " ".join(sys.argv),

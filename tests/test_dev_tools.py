@@ -1,4 +1,4 @@
-"""The dev/ tools without a GPU (fused_epilogue_cost, sm90_precompile, sm90_trace, sm90_sass, sm90_ptx_diff): they
+"""The dev/ tools without a GPU (sm90_precompile, sm90_trace, sm90_sass, sm90_ptx_diff): they
 load without cupy, answer --help, and sm90_ptx_diff tells a changed kernel from an unchanged one (NVRTC on the CPU);
 the one timing helper (benchmarks/timing.py, re-exported by dev/_event_timing.py) with stand-ins for cupy."""
 
@@ -10,8 +10,7 @@ from tool_loader import load_tool  # tests/ is on sys.path
 from benchmarks import timing
 
 
-@pytest.mark.parametrize("name,option", [("fused_epilogue_cost", "--sweep"),
-                                         ("sm90_precompile", "--match"), ("sm90_trace", "--rasters"),
+@pytest.mark.parametrize("name,option", [("sm90_precompile", "--match"), ("sm90_trace", "--rasters"),
                                          ("sm90_sass", "--dump"), ("sm90_ptx_diff", "--against")])
 def test_loads_without_cupy_and_answers_help(name, option, capsys):
     tool = load_tool(name)
@@ -60,7 +59,7 @@ def test_flushed_median_ms_orders_flush_events_and_call():
     assert ms == 2.0
     sample = [("flush",), ("record", stream), ("run",), ("record", stream), ("wait",)]
     assert log == [("enter",), ("run",), ("run",)] + 3 * sample + [("exit",)]
-    load_tool("fused_epilogue_cost")  # puts dev/ on sys.path
+    load_tool("sm90_trace")  # puts dev/ on sys.path
     from _event_timing import flushed_median_ms
 
     assert flushed_median_ms is timing.flushed_median_ms
@@ -149,14 +148,16 @@ def test_sm90_ptx_diff_tells_changed_code_from_unchanged(tmp_path, capsys):
     from cupyffn import _kernels
 
     tool = load_tool("sm90_ptx_diff")
-    variant = ["--match", r"gemm_sm90_kernel<0, 128, 2, 0, 0, 1>"]
-    for name in ("gemm_sm90.cu", "common.cuh"):
-        (tmp_path / name).write_text((_kernels.kernel_dir() / name).read_text())
+    variant = ["--match", r"gemm_sm90_kernel<0, 128, 2, 0, 0>"]
+    (tmp_path / "sm90").mkdir()
+    for path in [_kernels.kernel_dir() / n for n in ("gemm_sm90.cu", "common.cuh")] + sorted(
+            (_kernels.kernel_dir() / "sm90").glob("*.cuh")):
+        (tmp_path / path.relative_to(_kernels.kernel_dir())).write_text(path.read_text())
     assert tool.main(["--against", str(tmp_path)] + variant) == 0
     assert "0 differ" in capsys.readouterr().out
-    source = (tmp_path / "gemm_sm90.cu").read_text()
+    source = (tmp_path / "sm90" / "ptx.cuh").read_text()
     assert "kHangNs = 2000000000ull" in source
-    (tmp_path / "gemm_sm90.cu").write_text(source.replace("kHangNs = 2000000000ull", "kHangNs = 1000000000ull"))
+    (tmp_path / "sm90" / "ptx.cuh").write_text(source.replace("kHangNs = 2000000000ull", "kHangNs = 1000000000ull"))
     assert tool.main(["--against", str(tmp_path)] + variant) == 1
     out = capsys.readouterr().out
     assert "1 of 1 variants changed" in out and "1000000001" in out  # the compare against kHangNs

@@ -32,7 +32,7 @@ def test_arguments(bench, monkeypatch, tmp_path):
 
 
 def record(t, impl, ms, **extra):
-    return dict(section="gemm", gemm="gemm1", T=t, M=t, N=6144, K=1536, impl=impl, ms=ms, tflops=1.0, **extra)
+    return dict(section="fused", gemm="gemm1", T=t, M=t, N=6144, K=1536, impl=impl, ms=ms, tflops=1.0, **extra)
 
 
 def test_budget_stops_between_items_and_saves_each(bench, tmp_path):
@@ -90,8 +90,8 @@ def test_all_items_run_when_the_budget_lasts(bench, tmp_path):
 
 def test_work_items_order(bench):
     """Importance order: the fused T >= 2048 checks first (every schedule of the staged epilogue, the
-    direct one beside it, cuBLAS and cuBLAS + the engine's pass; cooperative before ping-pong), then the
-    four GEMMs at 8192 and 1024, the plain ping-pong GEMMs last."""
+    direct one beside it, cuBLAS and cuBLAS + the engine's pass; cooperative before ping-pong), then the epilogue
+    warps and the small T, the host cost last."""
     class Recorder:
         def __getattr__(self, name):
             return lambda *args: (name, args)
@@ -110,9 +110,9 @@ def test_work_items_order(bench):
             assert f"fused T={t} {what}" in section1
     first_fused_pp = min(i for i, n in enumerate(names) if "pp" in n)
     assert all(not n.startswith("fused") or "pp" in n for n in names[first_fused_pp:19])  # pp after cooperative
-    assert names[19:21] == ["gemm1 T=8192 cublas", "gemm1 T=8192 ours bn256"]
-    plain = [i for i, n in enumerate(names) if not n.startswith("fused") and "pp" in n]
-    assert plain and all("pp" in n for n in names[plain[0]:])
+    assert names[19:22] == [f"fused T={t} ours f16 warps bn128" for t in bench.FUSED_TS]
+    assert items[19][1]() == ("fused_ours", (2048, "f16", 128, False, "warps"))
+    assert names[-1] == "host cost" and "fused T=8192 ours bf16x3 staged bn256" in names
 
 
 def test_tables_from_records(bench, capsys):
@@ -124,10 +124,12 @@ def test_tables_from_records(bench, capsys):
                  cfg="bn128pp", fmt="f16", epi="staged", err=2e-4, finite=True, ok=True),
             dict(section="fused", gemm="gemm1", T=2048, impl="ours_dgelu_f16_direct_bn256", ms=0.6, tflops=1.0,
                  cfg="bn256", fmt="f16", epi="direct", err=2e-4, finite=True, ok=True),
-            record(8192, "cublas_f16_f32out", 0.25),
-            record(8192, "ours_f32out_bn256", 0.30, cfg="bn256", err=3e-6, finite=True, ok=True),
-            record(8192, "ours_f32out_bn128", 0.35, cfg="bn128", err=1.0, finite=False, ok=False),
-            dict(section="host", T=4096, impl="host", encode_tensor_map_us=5.0, gemm_tn_call_cached_maps_us=20.0)]
+            record(8192, "cublas_gemm1_f16_f32out", 0.25),
+            record(8192, "ours_dgelu_f16_warps_bn128", 0.30, cfg="bn128", fmt="f16", epi="warps", err=3e-4,
+                   finite=True, ok=True),
+            record(8192, "ours_dgelu_bf16x3_staged_bn256", 0.35, cfg="bn256", fmt="bf16x3", epi="staged", err=1.0,
+                   finite=False, ok=False),
+            dict(section="host", T=4096, impl="host", encode_tensor_map_us=5.0, gemm_tn_dgelu_call_cached_maps_us=20.0)]
     result = dict(records=recs, errors=[], skipped=["x"], complete=False, stopped="budget", elapsed_s=3.0,
                   compile_s=1.0, device="H200")
     bench.print_tables(result, "p.json")
@@ -135,8 +137,10 @@ def test_tables_from_records(bench, capsys):
     assert "INCOMPLETE" in out and "skipped (1): x" in out
     fused_row = next(line for line in out.splitlines() if line.startswith(" 2048 |"))
     assert " 0.95 " in fused_row  # best fused (0.19, ping-pong) / cuBLAS 0.2
-    gemm_row = next(line for line in out.splitlines() if line.startswith("gemm1  8192"))
-    assert " 1.20 " in gemm_row and "BAD" in gemm_row  # 0.30 / 0.25; the bn128 check failed
+    row_8192 = next(line for line in out.splitlines() if line.startswith(" 8192 |"))
+    assert " 1.20 " in row_8192 and "BAD" in row_8192  # the warps 0.30 / 0.25; the bf16x3 check failed
+    warps_row = [line for line in out.splitlines() if line.startswith(" 8192 |")][1]
+    assert "0.300 (1.20x)" in warps_row
     assert "(0.90)" in out  # ping-pong 0.19 vs its bn256 twin 0.21 (the staged one, not the direct 0.6)
     schedule_row = [line for line in out.splitlines() if line.startswith(" 2048 |")][1]
     assert "0.190 (0.95x)" in schedule_row and "0.600 (3.00x)" in schedule_row and "0.300 (1.50x)" in schedule_row
