@@ -1,4 +1,6 @@
-// sm90 GEMM: the mainloop, a TMA producer and wgmma consumers around a ring of STAGES shared-memory stages.
+// sm90 GEMM: the mainloop's parts, a TMA producer and the consumers' wgmma, around a ring of STAGES shared-memory
+// stages. (The consumers' k-loop itself, waits and releases, stays in gemm_sm90_body: as a function of its own NVVM
+// optimizes it before inlining, and the kernels' PTX changed.)
 // Stage s holds a 128 x 64 tile of A at a_smem + s * kABytes and a 64-deep tile of B at b_smem + s * BN * 128 bytes;
 // its "full" mbarrier (full_bar + 8 s) completes when the TMA bytes have landed, its "empty" one (empty_bar + 8 s)
 // when every consumer warp that reads it is done. The pipeline runs on across tile boundaries (producer and
