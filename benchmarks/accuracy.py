@@ -1,5 +1,5 @@
 """Accuracy against the token count: every precision's relative L2 error against float64 at large T, with the
-K-chunked GEMMs (the plans' default, cupyffn/_ksplit.py) and without (one accumulator over all of K), and what the
+K-chunked GEMMs (the plans' default, cupyffn/gemm/ksplit.py) and without (one accumulator over all of K), and what the
 chunks cost in time. Writes results/accuracy-vs-tokens-<gpu>.json and .md (docs/decisions/001-k-chunks.md).
 
     python -m benchmarks.accuracy                     # T = 8192, 32768, 131072, 352000 (needs ~80 GB of GPU memory)
@@ -153,7 +153,7 @@ def markdown(result):
              f"D = {result['dim']}, H = {result['hidden']}; the benchmark's inputs. Relative L2 error against float64 "
              "on blocks (96 columns of grad_weight2, 96 rows of grad_weight1, 256 tokens of grad_hidden_states), the "
              "worst of the three; time: median of 3 calls (CUDA events). \"chunked\": the plans as they ship (K-chunks "
-             f"of at most {result['max_k']}, cupyffn/_ksplit.py); \"one accumulator\": the same plan summing all of K "
+             f"of at most {result['max_k']}, cupyffn/gemm/ksplit.py); \"one accumulator\": the same plan summing all of K "
              "in one accumulator (`EngineOptions(max_k=None)`).", "",
              "| T | precision | contract | chunked rel. L2 | one accumulator rel. L2 | chunked ms | one accumulator ms | "
              "cost of the chunks |", "|---|---|---|---|---|---|---|---|"]

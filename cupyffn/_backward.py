@@ -91,7 +91,7 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
         and the most accurate). Every name is valid for NumPy arrays too: the NumPy backend then rounds
         the operands as the GPU does, to reproduce its numerics (several times slower than "ieee").
         The contracts hold for any T, D and H: a GEMM whose contraction length K (planes included)
-        exceeds 24576 (``cupyffn._ksplit.MAX_K``) sums it in chunks added in fp32 (measured from
+        exceeds 24576 (``cupyffn.gemm.ksplit.MAX_K``) sums it in chunks added in fp32 (measured from
         0.93x to 1.04x the time of one accumulator at T = 32,768-352,000; none of the benchmark's
         shapes is chunked).
     out : sequence of 3 arrays, optional

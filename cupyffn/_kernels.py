@@ -264,7 +264,7 @@ class KernelLaunch:
 
     def node_params(self):
         """(function, grid, block, dynamic shared memory, argument pointer array) of the launch as it stands: what
-        a call graph's node of this launch is set to (cupyffn/_call_graph.py)."""
+        a call graph's node of this launch is set to (cupyffn/engine/call_graph.py)."""
         return self.function, self.grid, self.block, 0, ctypes.addressof(self._argv)
 
 

@@ -32,7 +32,7 @@ bf16       bf16 everywhere                                            5e-3
 
 (*) relative L2 error ||out - ref64|| / ||ref64|| of every output against a float64 reference, on
 the benchmark's inputs (normal data, weights 0.02 * N(0, 1)), at any T, D and H: a GEMM sums at
-most cupyffn/_ksplit.py's MAX_K products in one accumulator and adds longer sums' chunks in fp32
+most cupyffn/gemm/ksplit.py's MAX_K products in one accumulator and adds longer sums' chunks in fp32
 (measured up to T = 352,000: results/accuracy-vs-tokens-nvidia-h200.md). `passes_check`: the benchmark's own
 check (cupyffn.workloads.check: per-workload max_atol, 99% of the elements) against the plain-fp32
 reference, measured on the H200 on all 16 workloads over rounds of fresh inputs: ieee, bf16x3,
@@ -103,7 +103,7 @@ FORMS = {
 #: GEMM1 (output [T, H]) takes the pair from T = 2048 on only as one launch of the sm90 pair kernel (e4m3 and fp16
 #: stages into one accumulator, one output: 0.78-0.81x bf16x3's time at T = 2048-8192, where cuBLAS's two
 #: products are 1.06-1.09x; docs/decisions/024-sm90-pair-kernel-gemm1.md): the GPU engine runs it bf16x3 wherever that
-#: kernel cannot run (cupyffn/_gpu_engine.py SM90_PAIR_GEMMS).
+#: kernel cannot run (cupyffn/engine/plan.py SM90_PAIR_GEMMS).
 FORM_TABLE = {
     "gemm1": ((0, "bf16x3"), (2048, "f16+e4m3")),
     "gemm2": ((0, "bf16x3"), (2048, "f16+e4m3")),

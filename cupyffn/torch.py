@@ -35,22 +35,13 @@ Devices and streams: the work is enqueued on torch's current stream of the tenso
 synchronized. CPU tensors run on cupyffn's NumPy backend (zero-copy ``Tensor.numpy()`` views).
 cupyffn's own scratch buffers and cuBLAS workspaces come from CuPy's memory pool, not torch's.
 
-Host fast path: no DLPack import. The backward hands its CUDA tensors to cupyffn as they are, and cupyffn
-reads them by pointer (data_ptr(), shape, stride(), device: cupyffn/_arrays.py), as the functional API reads
-any float32 CUDA torch tensor; cupyffn works on torch's current stream, so the ordering it makes after
-torch's stream is two pointer queries and no wait. The forward passes CuPy views built from the same
-attributes and cached (``cupyffn._views``, which says why a freed and reused address is safe).
-Repeated tensors (a training loop under torch's caching allocator) take cupyffn's validated-call fast
-path, keyed by pointers, shapes and strides (up to eight signatures per plan: several layers of one
-shape, or outputs alternating between a few addresses, stay on it; docs/decisions/048-dlpack-free-import.md).
+Host fast path: no DLPack import. CUDA tensors are read by pointer (data_ptr(), shape, stride(), device:
+cupyffn/_arrays.py), on torch's current stream, and repeated tensors take the validated-call fast path keyed
+by pointers, shapes and strides (docs/decisions/048-dlpack-free-import.md).
 
-Tensor parallelism: autograd hands grad_input to the previous layer only when this op's backward
-returns (after both weight-gradient GEMMs), so the torch layer cannot start an all-reduce of
-grad_hidden_states early. A caller that wants to overlap it uses the functional API,
-``cupyffn.gelu_ffn_backward(..., grad_hidden_ready=event)`` (a ``cupy.cuda.Event`` recorded on the
-stream right after grad_hidden_states is written, before the weight gradients finish), in its own
-``torch.autograd.Function``: ``TensorParallelGeluFFN`` (cupyffn/_torch_parallel.py) does, starting the
-all-reduce on a side stream that waits on the event.
+Tensor parallelism: autograd hands grad_input on only when this op's backward returns, so this layer cannot
+start the all-reduce of grad_hidden_states early; ``TensorParallelGeluFFN`` (cupyffn/_torch_parallel.py)
+does, through ``cupyffn.gelu_ffn_backward(..., grad_hidden_ready=event)``.
 
 Limitations: no double backward (the backward operator has no autograd formula); no ``torch.func``
 rules (vmap), untested with ``torch.func``; all three tensors on one device.

@@ -4,7 +4,7 @@ docs/decisions/023-fp16-fp8-pair-form.md):
     PYTHONPATH=. python3 dev/gemm_forms_bench.py --out $OUT/gemm-forms-h200.json [--reps 30] [--budget-s 80]
 
 Forms (C fp32 [M, N], fp32 compute, alpha/beta device pointers, on one private handle and stream):
-  bf16x3     bf16 cublasGemmEx, K tripled, the engine's bf16x3 layouts (cupyffn/_gpu_engine.py _build_gemms)
+  bf16x3     bf16 cublasGemmEx, K tripled, the engine's bf16x3 layouts (cupyffn/engine/launches.py Gemms)
   fp16       fp16 cublasGemmEx, natural layouts (the "tf32" plan's GEMM, the pair's hi*hi product)
   e4m3       e4m3 cuBLASLt, K' = 2 * round_up(K, 16), both operands K-major ("TN"), A_SCALE 8 (f16e4m3 plan)
   pair       e4m3 with beta 0, then fp16 with beta 1 onto the same output (the "f16+e4m3" form)
@@ -66,7 +66,7 @@ def mnk(gemm, t):
 
 def layout(gemm, t, fmt):
     """The call of one form's GEMM: dict(m, n, k, a_trans, b_trans, lda, ldb, ldc, a_shape, b_shape, dtype).
-    fmt: "bf16x3" (p = 3, bf16), "fp16" (p = 1) as _gpu_engine._build_gemms builds them, or "e4m3"."""
+    fmt: "bf16x3" (p = 3, bf16), "fp16" (p = 1) as the engine builds them (cupyffn/engine/launches.py), or "e4m3"."""
     m, n, k = mnk(gemm, t)
     if fmt == "e4m3":
         kk = 2 * pad16(k)
@@ -303,9 +303,9 @@ class Bench:
         cupy = self.cupy
         pair()
         self.stream.synchronize()
-        from cupyffn import _sm90_gemm
+        from cupyffn.gemm import sm90
 
-        if not _sm90_gemm.device_supported(self.device.id):
+        if not sm90.device_supported(self.device.id):
             rec["unsupported"]["sm90_pair"] = "not a compute capability 9.0 GPU"
             return
         m, n, k = mnk(gemm, t)
@@ -314,13 +314,13 @@ class Bench:
         want = c.astype(cupy.float64)
         out = cupy.full(m * n, cupy.nan, dtype=cupy.float32)
         rec["sm90_pair_configs"], rec["sm90_pair_rel_l2"] = {}, {}
-        for block_n, pingpong in _sm90_gemm.CONFIGS:
+        for block_n, pingpong in sm90.PAIR_SCHEDULES:
             name = f"bn{block_n}" + ("pp" if pingpong else "")
-            launch = _sm90_gemm.PairLaunch(a.data.ptr, lay16["lda"], "km" if lay16["a_trans"] else "mk", b.data.ptr,
-                                           lay16["ldb"], "kn", a8.data.ptr, lay8["lda"], b8.data.ptr, lay8["ldb"],
-                                           m, n, k, lay8["k"], device_id=self.device.id, alpha=1.0,
-                                           pair_scale=A_SCALE, block_n=block_n, pingpong=pingpong,
-                                           out_ptr=out.data.ptr, ldc=n)
+            launch = sm90.PairLaunch(a.data.ptr, lay16["lda"], "km" if lay16["a_trans"] else "mk", b.data.ptr,
+                                     lay16["ldb"], "kn", a8.data.ptr, lay8["lda"], b8.data.ptr, lay8["ldb"],
+                                     m, n, k, lay8["k"], device_id=self.device.id, alpha=1.0,
+                                     pair_scale=A_SCALE, block_n=block_n, pingpong=pingpong,
+                                     out_ptr=out.data.ptr, ldc=n)
             with self.stream:
                 out.fill(cupy.nan)
             rec["sm90_pair_configs"][name] = self.time(lambda: launch(self.stream.ptr))

@@ -1,11 +1,11 @@
-// The first node of a call graph (cupyffn/_call_graph.py): this call's operand addresses of the cuBLAS GEMMs,
+// The first node of a call graph (cupyffn/engine/call_graph.py): this call's operand addresses of the cuBLAS GEMMs,
 // passed as kernel parameters (which the host re-points per call), copied into the table those GEMMs read
 // their pointers from on the GPU (cublasGemmBatchedEx of one matrix: an array of one pointer per operand).
 #include "common.cuh"
 
 #define kCallGemms 4
 
-struct GemmPointers {  // row-major roles, as cupyffn/_cublas.py's Gemm: C[M,N] = op(A) @ op(B)
+struct GemmPointers {  // row-major roles, as cupyffn/gemm/cublas.py's Gemm: C[M,N] = op(A) @ op(B)
   const void* a;
   const void* b;
   void* c;

@@ -51,13 +51,13 @@ __device__ __forceinline__ float gelu_out_of(const ConvertJob& job, const float*
 }
 
 // Groups of 8 floats whose loads a thread issues before their stores on the dense path. A macro, not a
-// template parameter, so that tools/convert_bench.py can compile other values with -D for an A/B. 2: on the
+// template parameter, so that an A/B can compile other values with -D (decision 010). 2: on the
 // H200 the gathering passes of every T summed 0.964x the (row, chunk) kernel's time (1, 4, 8: 0.975, 0.989,
 // 1.018; engine grid of 2 waves; docs/decisions/010-convert-dense-path.md). All builds write the same bits.
 #ifndef CUPYFFN_CONVERT_UNROLL
 #define CUPYFFN_CONVERT_UNROLL 2
 #endif
-// 0: every job takes the (row, chunk) path (the dense path off: tools/convert_bench.py's A/B).
+// 0: every job takes the (row, chunk) path (the dense path off, decision 010's A/B).
 #ifndef CUPYFFN_CONVERT_DENSE
 #define CUPYFFN_CONVERT_DENSE 1
 #endif

@@ -11,7 +11,8 @@ import numpy
 import pytest
 
 import cupyffn
-from cupyffn import _precision, _sm90_gemm
+from cupyffn import _precision
+from cupyffn.gemm import sm90
 from cupyffn.engine import plan as engine_plan
 from cupyffn import workloads as W
 from cupyffn.engine.options import EngineOptions
@@ -33,7 +34,7 @@ def errors(grads, ref64):
 
 
 def on_sm90():
-    return _sm90_gemm.device_supported(cupy.cuda.Device().id)
+    return sm90.device_supported(cupy.cuda.Device().id)
 
 
 def expected_forms(tokens, dim, hidden):

@@ -281,10 +281,3 @@ def test_pair_config_fills_the_last_wave(m, n, want):
     ping-pong (measured 1.5-2.2x slower for the pair)."""
     assert G.choose_pair_config(m, n, 132) == (want, False)
 
-
-def test_the_former_module_re_exports_what_the_engine_uses():
-    from cupyffn import _sm90_gemm
-
-    assert _sm90_gemm.DgeluLaunch is G.DgeluLaunch and _sm90_gemm.PairLaunch is G.PairLaunch
-    assert _sm90_gemm.choose_pair_config is G.choose_pair_config and _sm90_gemm.device_supported is G.device_supported
-    assert (_sm90_gemm.EPI_DGELU_F16, _sm90_gemm.EPI_DGELU_BF16X3) == (G.EPI_DGELU_F16, G.EPI_DGELU_BF16X3)

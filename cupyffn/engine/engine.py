@@ -7,10 +7,11 @@ cupyffn/engine/launches.py) and its `Executor` (the stage graph on two streams, 
 cupyffn/engine/schedule.py).
 """
 
-from .. import _plan_cache, _sm90_gemm
+from .. import _plan_cache
 from .. import _precision as P
 from ..gemm import cublas
 from ..gemm import desc as gemm_desc
+from ..gemm import sm90
 from . import options as _options
 from .launches import Gemms, Kernels
 from .layout import ALIGN
@@ -61,7 +62,7 @@ class GpuEngine:
             self._allocate_state()
             self._fp8 = {}  # gemm -> its e4m3 cuBLASLt plan (fp16+fp8), built while the plan chooses the forms
             self.plan = Plan(tokens, dim, hidden_dim, precision, need_grad_hidden, need_weight_grads, options,
-                             sm90_supported=lambda: _sm90_gemm.device_supported(device_id),
+                             sm90_supported=lambda: sm90.device_supported(device_id),
                              build_fp8=self._build_fp8)
             self.layout = self.plan.layout
             self.gelu_in_gemm1 = False  # this call's: the epilogue forms gelu_out (memory mode; _select_mode)

@@ -10,10 +10,11 @@ docs/decisions/009-delayed-fp16-scaling.md). The order they run in: cupyffn/engi
 
 import ctypes
 
-from .. import _kernels, _sm90_gemm
+from .. import _kernels
 from .. import _precision as P
 from ..gemm import cublas
 from ..gemm import desc as gemm_desc
+from ..gemm import sm90
 from .layout import E4M3_USES, ROWS_COLS, Operand
 
 
@@ -183,9 +184,9 @@ class Kernels:
         where = (self.addr("grad_output"), p * self.D, self.addr("weight2"), self.H, "kn",
                  self.addr("grad_linear1"), p * self.H, self.T, self.H, p * self.D)
         if self.fmt == P.FMT_BF16X3:
-            fused = _sm90_gemm.DgeluLaunch(*where, state_ptr=None, consts_ptr=None, acc_scale_ptr=None, slot=0,
-                                           rescue=False, alpha_mask=0, device_id=self.device_id,
-                                           epi=_sm90_gemm.EPI_DGELU_BF16X3)
+            fused = sm90.DgeluLaunch(*where, state_ptr=None, consts_ptr=None, acc_scale_ptr=None, slot=0,
+                                     rescue=False, alpha_mask=0, device_id=self.device_id,
+                                     epi=sm90.EPI_DGELU_BF16X3)
             return fused, None, None
         slot = P.SLOT["grad_linear1"]
         common = dict(state_ptr=self._state.data.ptr, consts_ptr=self._consts.data.ptr,
@@ -196,8 +197,8 @@ class Kernels:
             g = self.ops["gelu_out"]
             common.update(gelu_ptr=self.addr("gelu_out"), ldg=g.dst_ld, gelu_slot=P.SLOT["gelu_out"])
             decided, alphas = decided | 1 << P.SLOT["gelu_out"], alphas | 0b0010
-        fused = _sm90_gemm.DgeluLaunch(*where, rescue=False, alpha_mask=0, **common)
-        fused_rescue = _sm90_gemm.DgeluLaunch(*where, rescue=True, alpha_mask=alphas, **common)
+        fused = sm90.DgeluLaunch(*where, rescue=False, alpha_mask=0, **common)
+        fused_rescue = sm90.DgeluLaunch(*where, rescue=True, alpha_mask=alphas, **common)
         decide = _kernels.get_function("dgelu", "f16_decide_kernel", self.device_id)
         decide = _kernels.KernelLaunch(decide, ctypes.c_void_p(self._state.data.ptr), ctypes.c_int(decided))
         decide.block = 32
@@ -360,8 +361,8 @@ class Gemms:
         m, n, k = self.plan.mnk(g)
         a8, b8 = f"{a}.e4{a_or}", f"{b}.e4{b_or}"
         k8 = self.ops[a8].dst_ld  # bytes per row of a pair: 2 * K padded to 16, the same for both
-        block_n, pingpong = _sm90_gemm.choose_pair_config(m, n, _kernels.sm_count(self.device_id))
-        launch = _sm90_gemm.PairLaunch(
+        block_n, pingpong = sm90.choose_pair_config(m, n, _kernels.sm_count(self.device_id))
+        launch = sm90.PairLaunch(
             self.addr(a), self.ops[a].dst_ld, "km" if g in ("gemm2", "gemm4") else "mk", self.addr(b),
             self.ops[b].dst_ld, "kn", self.addr(a8), k8, self.addr(b8), self.ops[b8].dst_ld, m, n, k, k8,
             device_id=self.device_id, alpha_ptr=alpha_ptr, pair_scale=P.E4M3_PAIR_SCALE, block_n=block_n,

@@ -15,7 +15,7 @@ Backends, in the order :func:`build` tries them:
 
 A precision's form decides the descriptions (cupyffn/_precision.py); :class:`PairGemm` is the
 f16+e4m3 form's two products into one output, :class:`Sm90PairGemm` the same form as one launch of our sm90
-kernel (cupyffn/_sm90_gemm.py PairLaunch) where the engine takes it (cupyffn/engine/plan.py SM90_PAIR_GEMMS).
+kernel (cupyffn/gemm/sm90/launch.py PairLaunch) where the engine takes it (cupyffn/engine/plan.py SM90_PAIR_GEMMS).
 :func:`build` with ``max_k`` runs a GEMM whose K exceeds it as :class:`KChunked` (cupyffn/gemm/ksplit.py).
 """
 
@@ -202,7 +202,7 @@ class PairGemm:
 
 
 class Sm90PairGemm:
-    """The f16+e4m3 form as one sm90 kernel launch (a _sm90_gemm.PairLaunch over the engine's fixed operands),
+    """The f16+e4m3 form as one sm90 kernel launch (a sm90.PairLaunch over the engine's fixed operands),
     behind a GEMM plan's call: ``plan(handle)`` runs on the stream the cuBLAS handle is bound to. Its output is set
     by set_output, whether it adds to it by set_beta."""
 
