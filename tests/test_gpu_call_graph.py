@@ -226,3 +226,33 @@ def test_the_variable_is_checked(monkeypatch):
     monkeypatch.setenv("CUPYFFN_ENGINE", "call_graph=yes")
     with pytest.raises(ValueError, match="CUPYFFN_ENGINE"):
         cupyffn.GeluFFNBackward(64, 64, 256)
+
+
+def test_a_dropped_plan_frees_its_engine_at_once():
+    """A plan's engine (streams, events, scratch, call graphs) is freed when the plan is, not left in a reference
+    cycle for the garbage collector: a collection can run at any allocation, e.g. inside another plan's capture of
+    its call graph, where destroying a stream or an event invalidates that capture (seen as
+    cudaErrorStreamCaptureInvalidated in the next plan's first call)."""
+    import gc
+    import weakref
+
+    tokens, dim, hidden = 1, 64, 256
+    enabled, threshold = gc.isenabled(), gc.get_threshold()
+    gc.collect()
+    try:
+        gc.disable()
+        dropped = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision="tf32")
+        args, _ = make(tokens, dim, hidden, seed=180)
+        dropped(*args, out=poisoned(tokens, dim, hidden))
+        engine = weakref.ref(dropped._engine)
+        del dropped
+        assert engine() is None, "the engine outlived its plan (a reference cycle)"
+        gc.enable()
+        gc.set_threshold(1)  # collect at nearly every allocation, the capture below included
+        plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision="tf32")
+        assert plan._engine.call_graph
+        args, inputs = make(tokens, dim, hidden, seed=181)
+        assert_contract(plan(*args, out=poisoned(tokens, dim, hidden)), inputs, "tf32", "after a dropped plan")
+    finally:
+        gc.set_threshold(*threshold)
+        (gc.enable if enabled else gc.disable)()

@@ -26,6 +26,7 @@ or the per-stage profile) every step runs on S in this order and no event is wai
 
 import ctypes
 import math
+import weakref
 from typing import NamedTuple
 
 from .. import _kernels
@@ -124,7 +125,9 @@ class Executor:
     one re-pointed call graph (cupyffn/engine/call_graph.py), captured once per `graph_key`."""
 
     def __init__(self, engine):
-        self.engine = engine
+        # a weak reference: the engine owns its executor, and no cycle keeps an engine (streams, events, scratch)
+        # alive until the garbage collector runs, which may be during someone's stream capture
+        self.engine = weakref.proxy(engine)
         self._steps = {}  # (recompute gelu_out, gelu_in_gemm1) -> stages(engine)
         # eager calls as a re-pointed CUDA graph: per key (graph_key)
         self.call_graphs = {}

@@ -68,6 +68,9 @@ def gemm_tn_dgelu(a, b, linear1_out, tanh_inner, out, *, alpha=1.0, amax=None, b
             raise ValueError(f"planes=3 needs an even N (b's columns), got {n}")
         if alpha != 1.0:
             raise ValueError(f"alpha applies to a float16 out only; with bf16 planes it must be 1.0, got {alpha}")
+        if gelu_out is not None:
+            raise ValueError("gelu_out is written by the float16 dgelu epilogues only (planes=1); with planes=3 "
+                             "pass gelu_out=None")
         epi = EPI_DGELU_BF16X3
     elif out_dtype == numpy.float16:
         epi = EPI_DGELU_F16 if gelu_out is None else EPI_DGELU_F16G
