@@ -1,0 +1,49 @@
+"""cupyffn: the forward and backward pass of a GELU(tanh) feed-forward block, fast on NVIDIA GPUs (CuPy),
+with a NumPy backend of the same semantics for the CPU.
+
+    y = gelu_tanh(x @ weight1.T) @ weight2.T        x, y [..., D], weight1 [H, D], weight2 [D, H], no biases
+
+    import cupyffn
+    f = cupyffn.gelu_ffn_forward(x, weight1, weight2)      # output, linear1_out, tanh_inner, gelu_out
+    g = cupyffn.gelu_ffn_backward(grad_output, x, weight1, weight2, f.linear1_out, f.tanh_inner, f.gelu_out)
+    g.grad_hidden_states, g.grad_weight1, g.grad_weight2
+
+Arrays: float32 NumPy (computed on the CPU), CuPy, or any DLPack / CUDA Array Interface producer (torch, JAX).
+
+Functions  gelu_ffn_forward, gelu_ffn_backward; clear_cache and release_captured_plans (cached plans)
+Classes    GeluFFNBackward (a reusable plan for one shape), FFNForward and FFNGrads (the results),
+           Precision, ActivationMismatchError, CublasError
+Precisions PRECISIONS (name -> Precision with its accuracy contract), DEFAULT_PRECISION (GPU),
+           CPU_DEFAULT_PRECISION (CPU)
+Modules    cupyffn.torch (torch.nn layer, custom ops, tensor parallel), cupyffn.jax (JAX function),
+           cupyffn.workloads (the benchmark's shapes, inputs and check); modules named _* are internal
+
+Each name's own help() gives the details.
+"""
+
+from ._backward import FFNGrads, GeluFFNBackward, clear_cache, gelu_ffn_backward, release_captured_plans
+from ._checks import ActivationMismatchError
+from .gemm.cublas import CublasError
+from ._forward import FFNForward, gelu_ffn_forward
+from ._precision import CPU_DEFAULT as CPU_DEFAULT_PRECISION
+from ._precision import DEFAULT as DEFAULT_PRECISION
+from ._precision import PRECISIONS, Precision
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "gelu_ffn_backward",
+    "gelu_ffn_forward",
+    "GeluFFNBackward",
+    "FFNGrads",
+    "FFNForward",
+    "ActivationMismatchError",
+    "PRECISIONS",
+    "Precision",
+    "DEFAULT_PRECISION",
+    "CPU_DEFAULT_PRECISION",
+    "CublasError",
+    "clear_cache",
+    "release_captured_plans",
+    "__version__",
+]

@@ -1,0 +1,309 @@
+"""The backward plan: `GeluFFNBackward`, a reusable backward of one shape (validation, introspection, calls,
+close, the benchmark's per-stage profile), and its results `FFNGrads`. Its GPU call: cupyffn/_backward_gpu.py; its
+CPU route: cupyffn/_backward_cpu.py; the functional `gelu_ffn_backward` and its plan cache: cupyffn/_backward.py."""
+
+import collections
+import sys
+import threading
+from typing import Any, NamedTuple
+
+import numpy
+
+from . import _backward_cpu, _backward_gpu, _checks, _device, _plan_cache, _precision, _validate
+from .engine.options import EngineOptions
+from ._backward_gpu import closed_error as _closed_error
+from ._backward_gpu import stream_ptr as _stream_ptr
+
+class FFNGrads(NamedTuple):
+    """Gradients of the FFN block; unpacks as (grad_hidden_states, grad_weight1, grad_weight2).
+
+    An entry is None when it was not asked for (need_grad_hidden / need_weight_grads).
+    """
+
+    grad_hidden_states: Any
+    grad_weight1: Any
+    grad_weight2: Any
+
+
+def _resolve_device(device):
+    """A plan's device: "cpu", or the id of the GPU that `device` names (None: CuPy's current one). Raises
+    RuntimeError with the reason (cupyffn/_device.py) when no GPU can be used: no CuPy, no GPU, an old driver."""
+    if device == "cpu":
+        return "cpu"
+    cupy = sys.modules.get("cupy")  # a cupy.cuda.Device exists only once CuPy is imported
+    is_index = isinstance(device, (int, numpy.integer)) and not isinstance(device, bool)
+    if not (device is None or is_index or (cupy is not None and isinstance(device, cupy.cuda.Device))):
+        raise TypeError(f"device must be None, 'cpu', an int or a cupy.cuda.Device; got {device!r}")
+    try:
+        import cupy
+
+        if device is None:
+            return cupy.cuda.Device().id
+        if not is_index:
+            return device.id
+        cupy.cuda.runtime.getDeviceCount()  # fails here, with a reason, where there is no usable GPU
+        return int(device)
+    except (ImportError, RuntimeError) as e:  # no CuPy; CUDARuntimeError is a RuntimeError
+        raise RuntimeError(f"GeluFFNBackward(device={device!r}) needs a GPU: {_device.explain(e)}; pass "
+                           f"device='cpu' for a plan that takes NumPy arrays") from None
+
+
+def _check_size(name, value, minimum):
+    if not isinstance(value, (int, numpy.integer)) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+    return int(value)
+
+
+class GeluFFNBackward:
+    """A reusable backward pass of ``Linear(weight1) -> GELU(tanh) -> Linear(weight2)`` for one shape.
+
+    Parameters
+    ----------
+    tokens, dim, hidden_dim : int
+        T (rows of the activations, the product of their leading dimensions), D and H.
+    precision : {None, "bf16x3", "fp16+fp8", "ieee", "tf32", "bf16"}
+        Operand treatment of the four GEMMs (see ``cupyffn.PRECISIONS``). None (the default): the device's
+        default, "fp16+fp8" (``cupyffn.DEFAULT_PRECISION``) on a GPU and "ieee", plain fp32
+        (``cupyffn.CPU_DEFAULT_PRECISION``), for device="cpu". Every name is valid on the CPU too, where the
+        NumPy backend rounds the operands as the GPU does (to reproduce its numerics; slower than "ieee").
+    device : None, int, cupy.cuda.Device or "cpu"
+        GPU to build on (None: CuPy's current one), or "cpu" for a plan that takes NumPy arrays. None always
+        means a GPU: where none can be used (CuPy not installed, no NVIDIA GPU visible, a driver too old)
+        it raises RuntimeError saying which, rather than silently building a CPU plan.
+    graph : bool
+        Capture the whole backward into a CUDA graph and replay it. A graph is keyed by the addresses
+        of the arrays it was captured with: calling with the same arrays (new contents are fine)
+        replays it; other addresses run the ordinary path once and capture a new graph (up to four are
+        kept). Without ``out=``, the results are arrays owned by the plan that the next call
+        overwrites. (The ordinary path of a tf32 plan at T <= 512 is itself one graph launch, re-pointed at
+        each call's arrays: docs/cuda-graphs.md.)
+    need_grad_hidden, need_weight_grads : bool
+        Skip the GEMM(s) of the gradients not needed (frozen weights, first layer).
+
+    The plan owns its scratch buffers, cuBLAS handles and side stream: in steady state a call
+    allocates nothing on the device beyond the outputs it is not given. Calls from several threads
+    are serialized per plan, and calls on different streams are ordered on the device (they share
+    the scratch); use one plan per stream for concurrency.
+
+    CUDA graphs captured by the caller (``torch.cuda.graph``, ``cupy.cuda.Stream.begin_capture``):
+    a call on a capturing stream allocates nothing, never synchronizes and uses no event from outside
+    the capture, so it needs a plan that has run once outside the capture and every output given in
+    ``out=``. From then on the plan is pinned (``close()`` refuses, the cache keeps it) until
+    ``cupyffn.release_captured_plans()``. Ordering the graph's replays with eager calls of the same
+    plan on other streams is the caller's business (they share the scratch).
+    """
+
+    def __init__(self, tokens, dim, hidden_dim, *, precision=None, device=None, graph=False,
+                 need_grad_hidden=True, need_weight_grads=True, _options=None):
+        self.tokens = _check_size("tokens", tokens, 0)
+        self.dim = _check_size("dim", dim, 1)
+        self.hidden_dim = _check_size("hidden_dim", hidden_dim, 1)
+        if precision is not None:  # a bad name is reported before the device is looked at
+            _precision.lookup(precision)
+        if not need_grad_hidden and not need_weight_grads:
+            raise ValueError("need_grad_hidden and need_weight_grads are both False: there is nothing to compute")
+        self.need_grad_hidden = bool(need_grad_hidden)
+        self.need_weight_grads = bool(need_weight_grads)
+        # _options (private, for comparisons and measurements): the mechanisms the GPU engine uses
+        # (cupyffn/engine/options.py); None: the defaults, or what the debug variable CUPYFFN_ENGINE asks for
+        if _options is not None and not isinstance(_options, EngineOptions):
+            raise TypeError(f"_options must be None or a cupyffn.engine.options.EngineOptions; got {_options!r}")
+        self.device = _resolve_device(device)
+        self.precision = _precision.resolve(precision, cpu=self.device == "cpu")
+        self.graph = bool(graph)
+        if self.graph and self.device == "cpu":
+            raise ValueError("graph=True needs a GPU plan; device='cpu' runs NumPy")
+        self._engine = None
+        self._graphs = collections.OrderedDict()
+        self._owned_out = None
+        # signature -> validated call of recent calls (see _validate.signature): several, so that layers of one
+        # shape sharing this plan, or outputs alternating between two allocations, skip validation too
+        self._validated = {}
+        self._io = None  # pointers the engine's launches were last set to
+        self._closed = False
+        self._capture_stream = None
+        self._lock = threading.Lock()
+        if self.device != "cpu":
+            from .engine.engine import GpuEngine
+
+            options = _options if _options is not None else EngineOptions.from_env()
+            self._engine = GpuEngine(self.tokens, self.dim, self.hidden_dim, self.precision, self.device,
+                                     self.need_grad_hidden, self.need_weight_grads, options=options)
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def scratch_bytes(self):
+        """Device memory this plan holds for intermediates (0 on the CPU)."""
+        return self._engine.scratch_bytes if self._engine else 0
+
+    @property
+    def workspace_bytes(self):
+        """cuBLAS workspace bytes of the handles this plan uses."""
+        return self._engine.workspace_bytes if self._engine else 0
+
+    @property
+    def gemm_forms(self):
+        """{gemm: form name} that this plan runs for gemm1..gemm4 (cupyffn/_precision.py): the precision's
+        table at this token count, with bf16x3 wherever the fp16+fp8 pair's constraints failed. GEMMs the
+        plan skips (need_grad_hidden / need_weight_grads False) are left out."""
+        if self._engine is not None:
+            return dict(self._engine.gemm_forms)
+        forms = _precision.effective_forms(self.precision, self.tokens, self.dim, self.hidden_dim)
+        skip = (() if self.need_grad_hidden else ("gemm3",)) + (() if self.need_weight_grads else ("gemm2", "gemm4"))
+        return {g: f.name for g, f in forms.items() if g not in skip}
+
+    @property
+    def fused_gemm1(self):
+        """True when GEMM1 and the GELU derivative run as one sm90 kernel (the "tf32" plan on a compute capability
+        9.0 GPU, where GEMM1's K fits one accumulator: docs/architecture.md), False for cuBLAS GEMM1 + a pass."""
+        return bool(self._engine is not None and self._engine.fused_gemm1)
+
+    def __repr__(self):
+        return (f"GeluFFNBackward(tokens={self.tokens}, dim={self.dim}, hidden_dim={self.hidden_dim}, "
+                f"precision={self.precision.name!r}, device={self.device!r}, graph={self.graph})")
+
+    # ------------------------------------------------------------------ calls
+    def __call__(self, grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner=None, gelu_out=None, *,
+                 out=None, stream=None, accumulate=False, check_activations=False, grad_hidden_ready=None):
+        """Run the backward; returns FFNGrads. See ``cupyffn.gelu_ffn_backward`` for the arguments."""
+        args = (grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out)
+        sig = _validate.signature(args, out, accumulate) if self._engine is not None else None
+        return self._run(args, out, stream, accumulate, sig, check_activations=check_activations,
+                         grad_hidden_ready=grad_hidden_ready)
+
+    def _run(self, args, out, stream, accumulate, sig, call=None, check_activations=False, grad_hidden_ready=None):
+        """Validate (or reuse the validation of an identical earlier call) and execute.
+
+        `sig`: _validate.signature of the arrays, or None; `call`: an already prepared Call, or None.
+        """
+        if self._closed:
+            raise _closed_error()
+        ready = _ready_event_ptr(grad_hidden_ready, self)
+        if call is None:
+            known = self._validated.get(sig) if sig is not None else None
+            if known is not None:
+                if stream is not None and not hasattr(stream, "ptr"):
+                    raise TypeError(f"stream must be a cupy.cuda.Stream (or ExternalStream) or None; "
+                                    f"got {type(stream).__name__}")
+                call = _validate.reuse(known, args, out, stream)
+            else:
+                call = _validate.prepare(args, out, stream, self.need_grad_hidden, self.need_weight_grads, accumulate)
+                self._check_call(call)
+                self._remember(sig, call)
+        else:
+            self._remember(sig, call)
+        if check_activations:
+            if self._engine is not None and _plan_cache.is_capturing(_stream_ptr(stream, self.device)):
+                raise ValueError("check_activations=True synchronizes with the stream, which CUDA stream capture "
+                                 "does not allow: check once before capturing")
+            _checks.check(call, stream)
+        return self._execute(call, out, stream, accumulate, ready)
+
+    _VALIDATED_MAX = 8
+
+    def _remember(self, sig, call):
+        """Keep `call`'s validation for calls with signature `sig` (None: not a CuPy-array call)."""
+        if sig is None:
+            return
+        validated = self._validated
+        if len(validated) >= self._VALIDATED_MAX:  # start over: a new dict, so readers never see one mid-change
+            validated = self._validated = {}
+        validated[sig] = call._replace(arrays=None, out_arrays=None)
+
+    def _check_call(self, call):
+        expected = (self.tokens, self.dim, self.hidden_dim)
+        if (call.tokens, call.dim, call.hidden_dim) != expected:
+            raise ValueError(f"this plan is for (tokens, dim, hidden_dim) = {expected}; the arrays give "
+                             f"{(call.tokens, call.dim, call.hidden_dim)}")
+        if call.device != self.device:
+            where = "the CPU" if call.device == "cpu" else f"cuda:{call.device}"
+            raise ValueError(f"this plan is for device {self.device!r}; the arrays are on {where}")
+
+    def _execute(self, call, out, stream, accumulate, ready=None):
+        if self._engine is None:
+            return FFNGrads(*_backward_cpu.run(call, out, self.precision, self.need_grad_hidden, self.need_weight_grads,
+                                               accumulate))
+        return self._run_gpu(call, out, stream, accumulate, ready)
+
+    def _run_gpu(self, call, out, stream, accumulate, ready=None):
+        return FFNGrads(*_backward_gpu.run(self, call, out, stream, accumulate, ready))
+
+    def close(self):
+        """Give back device memory and cuBLAS handles now (also done when the plan is collected).
+
+        Waits (on the host) for the plan's calls to finish on the device first, so nothing they still
+        use is reused; calls after close() raise RuntimeError. A plan captured into a CUDA graph
+        (pinned) cannot be closed until ``cupyffn.release_captured_plans()``.
+        """
+        with self._lock:  # a call in progress finishes enqueuing first
+            if self._closed:
+                return
+            if _plan_cache.is_pinned(self):
+                raise _plan_cache.pinned_error("GeluFFNBackward plan")
+            self._closed = True
+            self._graphs.clear()  # an executable graph still running is freed when it completes
+            self._owned_out = None
+        if self._engine is not None:  # waits on the device outside the lock
+            self._engine.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ profiling hook (bench.py)
+    def profile_stages(self, *arrays, out, stream=None, reps=5, before_each=None):
+        """GPU time of each stage of one call, for profiling (the benchmark's stage table).
+
+        Runs the call once the ordinary way (so `arrays` and `out` are validated as usual), then
+        `reps` more times with every step serialized on `stream` and an event after each step;
+        `before_each()`, if given, is called (on `stream`) before each rep, e.g. to flush the L2.
+        Serialized steps do not overlap, so their sum exceeds an ordinary call's time at small T.
+        Returns ``{stage: {"ms": median ms, "bytes": bytes moved}}`` in issue order; "bytes" only for
+        memory-bound stages; a stage issued twice in one call gets " #2" (the fp16 rescue launches).
+        GPU plans only; `out` (all three outputs) receives the results, as in an ordinary call.
+        """
+        if self._engine is None:
+            raise RuntimeError("profile_stages needs a GPU plan; a device='cpu' plan has no GPU stages")
+        if out is None or len(out) != 3 or any(o is None for o in out):
+            raise ValueError("profile_stages needs out= with all three output arrays")
+        if isinstance(reps, bool) or not isinstance(reps, (int, numpy.integer)) or reps < 1:
+            raise ValueError(f"reps must be an integer >= 1; got {reps!r}")
+        import cupy
+
+        s = stream if stream is not None else cupy.cuda.get_current_stream()
+        self(*arrays, out=out, stream=s)
+        from .engine.schedule import time_stages
+
+        engine = self._engine
+        with self._lock:  # no ordinary call of this plan interleaves with the serialized ones
+            if self._closed:  # closed by another thread since the call above: its scratch is being freed
+                raise _closed_error()
+            samples = time_stages(engine, s, reps, before_each)  # the engine's stage graph, serialized
+        nbytes = engine.stage_bytes()
+        result = {}
+        for stage, values in samples.items():
+            row = {"ms": float(numpy.median(values))}
+            if stage in nbytes:
+                row["bytes"] = nbytes[stage]
+            result[stage] = row
+        return result
+
+
+def _ready_event_ptr(event, plan):
+    """The raw pointer of a grad_hidden_ready event (0 for None), after checking it can be honoured."""
+    if event is None:
+        return 0
+    if plan is not None and plan._engine is None:
+        raise ValueError("grad_hidden_ready= is for GPU arrays (a cupy.cuda.Event); these are NumPy (CPU) arrays, "
+                         "whose results are all ready when the call returns")
+    if plan is not None and not plan.need_grad_hidden:
+        raise ValueError("grad_hidden_ready= was given but grad_hidden_states is not computed (need_grad_hidden=False)")
+    if plan is not None and plan.graph:
+        raise ValueError("grad_hidden_ready= is not supported by graph=True plans (a replayed graph records the "
+                         "events it was captured with); capture the call in your own graph instead")
+    ptr = getattr(event, "ptr", None)
+    if not isinstance(ptr, int) or not ptr:
+        raise TypeError(f"grad_hidden_ready must be a cupy.cuda.Event or None; got {type(event).__name__}")
+    return ptr

@@ -1,0 +1,93 @@
+"""`check_activations=True`: are the saved activations really the tanh-GELU of linear1_out?
+
+A sample of at most 4096 positions is gathered (on the device for GPU arrays), copied to the host
+and compared in float64 with the formulas; this synchronizes with the stream, which is why it is
+opt-in. A mismatch raises ActivationMismatchError naming the most likely cause: the exact (erf)
+GELU instead of the tanh approximation, tanh's argument stored instead of its output, swapped
+buffers, or stale / mismatched tensors.
+"""
+
+import contextlib
+import math
+
+import numpy
+
+from . import _arrays
+
+SAMPLES = 4096
+_C = math.sqrt(2.0 / math.pi)
+# Saved tensors are fp32 and may come from a different fp32 evaluation order (or a fast tanh):
+# allow a few ulps plus a little; the mix-ups above differ by 1e-4 and more on typical values.
+_ATOL, _RTOL = 1e-5, 1e-5
+_MATCH = 0.99  # fraction of sampled positions that must agree
+
+
+class ActivationMismatchError(ValueError):
+    """tanh_inner / gelu_out are not tanh_GELU(linear1_out) (see check_activations)."""
+
+
+def _erf(x):
+    return numpy.vectorize(math.erf, otypes=[numpy.float64])(x)
+
+
+def _agree(got, want):
+    return float(numpy.mean(numpy.abs(got - want) <= _ATOL + _RTOL * numpy.abs(want))) >= _MATCH
+
+
+def _sample(call, index, rows, cols):
+    """float64 host copies of input `index` at the sampled (rows, cols)."""
+    m, a = call.inputs[index], call.arrays[index]
+    view = _arrays.view2d(a, m)
+    if isinstance(view, numpy.ndarray):
+        return view[rows, cols].astype(numpy.float64)
+    import cupy
+
+    return cupy.asnumpy(view[cupy.asarray(rows), cupy.asarray(cols)]).astype(numpy.float64)
+
+
+def check(call, stream=None):
+    """Raise ActivationMismatchError if the sampled tanh_inner / gelu_out disagree with linear1_out."""
+    z_m = call.inputs[4]
+    n = z_m.rows * z_m.cols
+    if n == 0 or (call.inputs[5] is None and call.inputs[6] is None):
+        return
+    k = min(n, SAMPLES)
+    flat = numpy.unique(numpy.random.default_rng(0).integers(0, n, k))
+    rows, cols = numpy.divmod(flat, z_m.cols)
+    ctx = stream if stream is not None else contextlib.nullcontext()
+    with ctx:
+        z = _sample(call, 4, rows, cols)
+        t = _sample(call, 5, rows, cols) if call.inputs[5] is not None else None
+        g = _sample(call, 6, rows, cols) if call.inputs[6] is not None else None
+    inner = _C * (z + 0.044715 * z ** 3)
+    t_ref = numpy.tanh(inner)
+    g_ref = 0.5 * z * (1.0 + t_ref)
+    problems = []
+    if t is not None and not _agree(t, t_ref):
+        if _agree(t, inner):
+            problems.append("tanh_inner holds the argument of tanh (sqrt(2/pi) * (z + 0.044715 z^3)), not tanh's output")
+        elif g is not None and _agree(t, g_ref) and _agree(g, t_ref):
+            problems.append("tanh_inner and gelu_out look swapped")
+        else:
+            problems.append("tanh_inner is not tanh(sqrt(2/pi) * (z + 0.044715 z^3)) of linear1_out: stale or "
+                            "mismatched buffers (another step, layer or batch?)")
+    if g is not None:
+        g_erf = 0.5 * z * (1.0 + _erf(z / math.sqrt(2.0)))
+        # Where the two GELUs differ clearly, which one does gelu_out follow? (Near 0 they agree to
+        # far below fp32 noise, so a tolerance test alone cannot tell them apart.)
+        tol = _ATOL + _RTOL * numpy.abs(g_ref)
+        telling = numpy.abs(g_ref - g_erf) > 10 * tol
+        erf_like = telling.sum() >= 16 and float(numpy.mean(
+            numpy.abs(g - g_erf)[telling] < numpy.abs(g - g_ref)[telling])) >= 0.9
+    if g is not None and (erf_like or not _agree(g, g_ref)):
+        if erf_like:
+            problems.append("gelu_out is the exact (erf) GELU, but cupyffn implements the tanh approximation: use "
+                            "gelu(approximate='tanh') in the forward, or cupyffn.gelu_ffn_forward")
+        elif not any("swapped" in p for p in problems):
+            problems.append("gelu_out is not 0.5 * z * (1 + tanh_inner) of linear1_out: stale or mismatched buffers "
+                            "(another step, layer or batch?)")
+    if problems:
+        raise ActivationMismatchError("check_activations: " + "; ".join(problems) +
+                                      f" ({len(flat)} sampled positions compared)")
+
+

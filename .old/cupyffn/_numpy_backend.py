@@ -1,0 +1,185 @@
+"""The CPU engine: the same backward pass in NumPy, for NumPy inputs.
+
+It follows the GPU plans operand for operand: each GEMM runs in the form the precision's recipe
+gives it (_precision.effective_forms: same rounding of every operand to bf16 / fp16 / e4m3, same
+bf16x3 split and f16+e4m3 encoding, fp32 products and accumulation), so each precision's accuracy
+can be checked on a machine without a GPU. Rounding is round to nearest even, done on float32 bit
+patterns (bf16), by NumPy's float16 cast (fp16) or exactly in float64 (e4m3); only the summation
+order of the products may differ from cuBLAS's.
+"""
+
+import numpy
+
+from . import _arrays, _precision
+
+_SQRT_2_OVER_PI = numpy.float32(0.7978845608028654)
+_GRAD_C0 = numpy.float32(0.3989422804014327)  # sqrt(2/pi) / 2
+_GRAD_C1 = numpy.float32(0.05351611220445019)  # sqrt(2/pi) / 2 * 3 * 0.044715
+
+
+def gelu_grad(x, t):
+    """d/dx of 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) given t = that tanh (fp32), in the GPU
+    kernels' form x (1 - t^2) (c0 + c1 x^2) + (0.5 + 0.5 t) (kernels_cu/common.cuh; there with fmas)."""
+    half = numpy.float32(0.5)
+    one = numpy.float32(1.0)
+    return x * (one - t * t) * (_GRAD_C0 + _GRAD_C1 * (x * x)) + (half + half * t)
+
+
+def tanh_inner(z):
+    """tanh(sqrt(2/pi) (z + 0.044715 z^3)) in fp32."""
+    return numpy.tanh(_SQRT_2_OVER_PI * (z + numpy.float32(0.044715) * z * z * z)).astype(numpy.float32)
+
+
+def bf16_round(x):
+    """float32 array -> float32 array of bf16 values (nearest even; finite values never round to inf)."""
+    x = numpy.asarray(x, dtype=numpy.float32)
+    u = x.view(numpy.uint32).astype(numpy.uint64)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(numpy.uint32).view(numpy.float32)
+    truncated = (u & 0xFFFF0000).astype(numpy.uint32).view(numpy.float32)
+    with numpy.errstate(invalid="ignore"):
+        overflow = numpy.isinf(rounded) & numpy.isfinite(x)
+    out = numpy.where(overflow, truncated, rounded)
+    return numpy.where(numpy.isnan(x), x, out)
+
+
+def bf16_split(x):
+    """(hi, lo) with hi = bf16(x), lo = bf16(x - hi); lo = 0 where hi is not finite."""
+    hi = bf16_round(x)
+    with numpy.errstate(invalid="ignore", over="ignore"):
+        lo = numpy.where(numpy.isfinite(hi), bf16_round(x - hi), numpy.float32(0))
+    return hi, lo.astype(numpy.float32)
+
+
+def f16_exponent(x):
+    """Power-of-two exponent e so that max |finite x| * 2^e lies in [2^13, 2^14) (0 for an all-zero x)."""
+    finite = numpy.abs(x[numpy.isfinite(x)])
+    amax = float(finite.max()) if finite.size else 0.0
+    if amax == 0.0:
+        return 0
+    _, k = numpy.frexp(numpy.float32(amax))
+    return int(min(max(14 - int(k), -126), 127))
+
+
+def f16_round_scaled(x, e):
+    """fp16(x * 2^e) as float32 values (still scaled)."""
+    with numpy.errstate(over="ignore"):
+        return numpy.ldexp(x, e).astype(numpy.float32).astype(numpy.float16).astype(numpy.float32)
+
+
+def e4m3_round(x):
+    """float32 array -> float32 array of E4M3 "fn" values (bias 7, 3 mantissa bits, subnormals k*2^-9):
+    round to nearest even, satfinite (|v| > 448 -> +-448, infinities too); NaN stays NaN and -0 stays -0.
+    Exact: the quantum of |x| is 2^max(k - 4, -9) with frexp's k, and float64 holds every step."""
+    x = numpy.asarray(x, dtype=numpy.float32).astype(numpy.float64)
+    with numpy.errstate(invalid="ignore", over="ignore"):
+        _, k = numpy.frexp(x)
+        q = numpy.maximum(k - 4, -9)
+        r = numpy.ldexp(numpy.rint(numpy.ldexp(x, -q)), q)
+        r = numpy.clip(r, -448.0, 448.0)  # NaN passes through clip
+    return r.astype(numpy.float32)
+
+
+def f16e4m3_split(x, e):
+    """The f16+e4m3 form's encoding of the fp32 array x at scale exponent e (kernels_cu/split_e4m3.cu's):
+    (hi, H8, L8) as float32 arrays with s = x 2^e, hi = fp16(s), lo = s - hi (exact),
+    H8 = e4m3(s 2^-7), L8 = e4m3(lo 2^4); where s or hi is not finite, hi carries it and H8 = L8 = 0."""
+    x = numpy.asarray(x, dtype=numpy.float32)
+    with numpy.errstate(all="ignore"):
+        s = numpy.ldexp(x, e).astype(numpy.float32)
+        hi = s.astype(numpy.float16).astype(numpy.float32)
+        fin = numpy.isfinite(s) & numpy.isfinite(hi)
+        zero = numpy.float32(0)
+        lo = numpy.where(fin, s - hi, zero)
+        h8 = numpy.where(fin, e4m3_round(numpy.ldexp(s, -7).astype(numpy.float32)), zero)
+        l8 = numpy.where(fin, e4m3_round(numpy.ldexp(lo, 4).astype(numpy.float32)), zero)
+    return hi, h8.astype(numpy.float32), l8.astype(numpy.float32)
+
+
+def pair_matmul(a, b, ea=None, eb=None):
+    """The f16+e4m3 product: 2^-(e_a+e_b) (hi_a @ hi_b + 8 (L8_a @ H8_b + H8_a @ L8_b)), fp32 throughout.
+    Exponents default to f16_exponent's (max |s| in [2^13, 2^14)); the GPU's delayed scaling may land
+    the max anywhere in [2^8, 2^15), which tests reach through ea / eb."""
+    ea = f16_exponent(a) if ea is None else ea
+    eb = f16_exponent(b) if eb is None else eb
+    (ah, ah8, al8), (bh, bh8, bl8) = f16e4m3_split(a, ea), f16e4m3_split(b, eb)
+    with numpy.errstate(all="ignore"):  # Inf/NaN in hi propagate as in fp32
+        cross = al8 @ bh8 + ah8 @ bl8  # the GPU's one e4m3 GEMM with K doubled: [L8_a | H8_a] @ [H8_b ; L8_b]
+        c = ah @ bh + numpy.float32(_precision.E4M3_PAIR_SCALE) * cross
+        return numpy.ldexp(c, -(ea + eb)).astype(numpy.float32)
+
+
+def _operands(x, form):
+    """The (planes, exponent) a GEMM of `form` reads for the fp32 matrix x: fp32 arrays and 2^-exponent."""
+    if form.name == "f32":
+        return [x], 0
+    if form.name == "bf16":
+        return [bf16_round(x)], 0
+    if form.name == "bf16x3":
+        return list(bf16_split(x)), 0
+    if form.name == "f16s":
+        e = f16_exponent(x)
+        return [f16_round_scaled(x, e)], e
+    raise ValueError(f"form must be one of {', '.join(map(repr, _precision.FORMS))}; got {form.name!r}")
+
+
+def _matmul(a, b, form):
+    """a @ b (float32) with the operand treatment of `form` (a _precision.Form); accumulation in fp32."""
+    with numpy.errstate(all="ignore"):
+        if form.name == "f16+e4m3":
+            return pair_matmul(a, b)
+        (pa, ea), (pb, eb) = _operands(a, form), _operands(b, form)
+        if form.name == "bf16x3":
+            (ah, al), (bh, bl) = pa, pb
+            c = ah @ bh + ah @ bl + al @ bh  # lo * lo is not formed, as on the GPU
+        else:
+            c = pa[0] @ pb[0]
+        if ea or eb:
+            c = numpy.ldexp(c, -(ea + eb)).astype(numpy.float32)
+    return c
+
+
+def backward(call, precision, need_grad_hidden, need_weight_grads, accumulate, outputs):
+    """Compute the gradients of `call` (a _validate.Call on NumPy arrays) into `outputs` (2-D views).
+
+    tanh_inner / gelu_out may be absent (memory mode): they are recomputed from linear1_out.
+    """
+    arrays = (None if a is None else _arrays.view2d(a, m) for a, m in zip(call.arrays, call.inputs))
+    backward_2d(*arrays, precision, need_grad_hidden, need_weight_grads, accumulate, outputs)
+
+
+def backward_2d(dy, x, w1, w2, l1, t, g, precision, need_grad_hidden, need_weight_grads, accumulate, outputs):
+    """backward on 2-D fp32 arrays ([T, D], [T, D], [H, D], [D, H], [T, H], [T, H] or None, [T, H] or None);
+    each GEMM in the form `precision`'s recipe gives it at this shape (_precision.effective_forms)."""
+    grad_hidden, grad_w1, grad_w2 = outputs
+    forms = _precision.effective_forms(precision, dy.shape[0], dy.shape[1], w1.shape[0])
+    with numpy.errstate(all="ignore"):
+        if t is None:
+            t = tanh_inner(l1)
+        if g is None and need_weight_grads:
+            g = numpy.float32(0.5) * l1 * (numpy.float32(1) + t)
+        grad_gelu = _matmul(dy, w2, forms["gemm1"])
+        if need_weight_grads:
+            _store(grad_w2, _matmul(dy.T, g, forms["gemm2"]), accumulate)
+        grad_linear1 = grad_gelu * gelu_grad(l1, t)
+        if need_grad_hidden:
+            _store(grad_hidden, _matmul(grad_linear1, w1, forms["gemm3"]), False)
+        if need_weight_grads:
+            _store(grad_w1, _matmul(grad_linear1.T, x, forms["gemm4"]), accumulate)
+
+
+def forward(x, w1, w2, precision, outputs):
+    """output, linear1_out, tanh_inner, gelu_out of the 2-D fp32 arrays x, w1, w2 into `outputs` (2-D views)."""
+    y, z_out, t_out, g_out = outputs
+    with numpy.errstate(all="ignore"):
+        z = _matmul(x, w1.T, precision.forward)
+        t = tanh_inner(z)
+        g = numpy.float32(0.5) * z * (numpy.float32(1) + t)
+        z_out[...], t_out[...], g_out[...] = z, t, g
+        y[...] = _matmul(g, w2.T, precision.forward)
+
+
+def _store(dst, value, accumulate):
+    if accumulate:
+        dst += value
+    else:
+        dst[...] = value

@@ -1,0 +1,112 @@
+"""Train the GELU(tanh) FFN with cupyffn's forward and backward and plain SGD (no autograd framework).
+
+Task: regression onto a fixed random "teacher" FFN of the same shape. Each step draws a fresh batch
+x ~ N(0, 1) of shape [batch, dim], computes the teacher's output, and minimizes
+``L = 0.5 / batch * sum((y - target)^2)`` (dy = (y - target) / batch) with ``w -= lr * grad``.
+
+    python examples/train_cupy.py                    # CuPy on the GPU if one is usable, else NumPy
+    python examples/train_cupy.py --device cpu --steps 100
+
+Defaults: GPU dim=512, hidden_dim=2048, batch=1024; CPU (NumPy backend) dim=32, hidden_dim=128,
+batch=256. Precision: cupyffn's default for the device unless --precision says otherwise ("fp16+fp8" on the
+GPU, "ieee", plain fp32, on the CPU). ``main()`` returns the per-step losses.
+
+Without CuPy installed, or without a usable GPU, --device auto runs on the CPU with NumPy.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy
+
+try:
+    import cupyffn
+except ImportError:  # running from a checkout without installing: use the package beside examples/
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import cupyffn
+
+SIZES = {"cpu": (32, 128, 256), "gpu": (512, 2048, 1024)}  # dim, hidden_dim, batch
+
+
+def gpu_available():
+    """True when CuPy imports and can run a kernel on a CUDA device."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0 and float(cupy.arange(4, dtype=cupy.float32).sum()) == 6.0
+    except Exception:
+        return False
+
+
+def linear_init(rng, out_features, in_features, xp, scale=1.0):
+    """torch.nn.Linear's weight init, U(-1/sqrt(in), 1/sqrt(in)) times `scale`, as float32 on `xp`."""
+    bound = scale / numpy.sqrt(in_features)
+    return xp.asarray(rng.uniform(-bound, bound, (out_features, in_features)).astype(numpy.float32))
+
+
+def main(steps=200, device="auto", precision=None, dim=None, hidden_dim=None, batch=None, lr=None, seed=0,
+         verbose=False):
+    """Train for `steps` SGD steps; returns the list of losses (floats), one per step.
+
+    device: "auto" (GPU if usable, else CPU), "gpu" or "cpu". precision: None for cupyffn's default on that
+    device (cupyffn.DEFAULT_PRECISION on the GPU, cupyffn.CPU_DEFAULT_PRECISION on the CPU) or a name of
+    cupyffn.PRECISIONS. lr defaults to 20 / hidden_dim.
+    """
+    if device == "auto":
+        device = "gpu" if gpu_available() else "cpu"
+    if device not in SIZES:
+        raise ValueError(f"device must be 'auto', 'gpu' or 'cpu'; got {device!r}")
+    if device == "gpu":
+        import cupy as xp
+    else:
+        xp = numpy
+    d, h, t = SIZES[device]
+    dim, hidden_dim, batch = dim or d, hidden_dim or h, batch or t
+    lr = 20.0 / hidden_dim if lr is None else lr
+    if precision is None:  # resolved here to be printed: the default cupyffn picks for arrays on this device
+        precision = cupyffn.CPU_DEFAULT_PRECISION if device == "cpu" else cupyffn.DEFAULT_PRECISION
+
+    rng = numpy.random.default_rng(seed)
+    teacher1 = linear_init(rng, hidden_dim, dim, xp, scale=2.0)
+    teacher2 = linear_init(rng, dim, hidden_dim, xp, scale=2.0)
+    weight1 = linear_init(rng, hidden_dim, dim, xp)
+    weight2 = linear_init(rng, dim, hidden_dim, xp)
+    data = xp.random.default_rng(seed + 1)
+
+    if verbose:
+        print(f"device={device} dim={dim} hidden_dim={hidden_dim} batch={batch} precision={precision} lr={lr:g}")
+    losses = []
+    for step in range(steps):
+        x = data.standard_normal((batch, dim), dtype=xp.float32)
+        target = cupyffn.gelu_ffn_forward(x, teacher1, teacher2, precision="ieee").output
+        fwd = cupyffn.gelu_ffn_forward(x, weight1, weight2, precision=precision)
+        err = fwd.output - target
+        losses.append(float(0.5 * (err * err).sum() / batch))
+        grads = cupyffn.gelu_ffn_backward(err / xp.float32(batch), x, weight1, weight2, fwd.linear1_out,
+                                          fwd.tanh_inner, fwd.gelu_out, precision=precision,
+                                          need_grad_hidden=False)  # x is data: no gradient needed
+        weight1 -= xp.float32(lr) * grads.grad_weight1
+        weight2 -= xp.float32(lr) * grads.grad_weight2
+        if verbose and (step % max(1, steps // 10) == 0 or step == steps - 1):
+            print(f"step {step:5d}  loss {losses[-1]:.5f}")
+    return losses
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto")
+    p.add_argument("--precision", choices=tuple(cupyffn.PRECISIONS), default=None,
+                   help=f"default: {cupyffn.DEFAULT_PRECISION} on the GPU, {cupyffn.CPU_DEFAULT_PRECISION} on the CPU")
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    args = _parse(sys.argv[1:])
+    losses = main(steps=args.steps, device=args.device, precision=args.precision, lr=args.lr, seed=args.seed,
+                  verbose=True)
+    head, tail = numpy.mean(losses[:10]), numpy.mean(losses[-10:])
+    print(f"mean loss of the first 10 steps {head:.5f}, of the last 10 steps {tail:.5f} ({tail / head:.3f}x)")

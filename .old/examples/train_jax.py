@@ -1,0 +1,123 @@
+"""Train ``cupyffn.jax.gelu_ffn`` weights with plain SGD inside one ``jax.jit``-compiled training step.
+
+Task: regression onto a fixed random "teacher" FFN of the same shape (plain jnp ops: x @ W1.T ->
+GELU(tanh) -> @ W2.T, weights of twice the default scale). Each step draws a fresh batch x ~ N(0, 1)
+of shape [batch, dim] (inside the jitted step, from the step number) and minimizes
+``0.5 * mean over the batch of ||y - target||^2``. The step (forward, ``jax.value_and_grad`` through
+cupyffn's custom VJP, SGD update) is one XLA program: on a GPU, cupyffn's forward and backward run on
+XLA's stream from inside it, and the host never waits until the losses are read at the end.
+
+    python examples/train_jax.py                   # the GPU if JAX has one, else the CPU
+    python examples/train_jax.py --device cpu --steps 100
+
+GPU memory: XLA preallocates 75% of the GPU by default; cupyffn's buffers come from CuPy's pool beside
+it. This script leaves room with XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 unless the variable (or
+XLA_PYTHON_CLIENT_PREALLOCATE) is already set.
+
+Defaults: GPU dim=512, hidden_dim=2048, batch=1024; CPU dim=32, hidden_dim=128, batch=256; learning rate
+20 / hidden_dim; precision cupyffn's default for the device ("fp16+fp8" on the GPU, "ieee", plain fp32, on
+the CPU). ``main()`` returns the per-step losses.
+"""
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+if "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ:  # before JAX starts (docs/frameworks.md, "JAX")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+try:
+    import cupyffn.jax as cupyffn_jax
+except ImportError:  # running from a checkout without installing: use the package beside examples/
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import cupyffn.jax as cupyffn_jax
+import cupyffn  # noqa: E402 (found as cupyffn.jax was)
+
+SIZES = {"cpu": (32, 128, 256), "gpu": (512, 2048, 1024)}  # dim, hidden_dim, batch
+
+
+def _device(kind):
+    if kind == "auto":
+        try:
+            return jax.devices("gpu")[0]
+        except RuntimeError:
+            return jax.devices("cpu")[0]
+    if kind not in SIZES:
+        raise ValueError(f"device must be 'auto', 'gpu' or 'cpu'; got {kind!r}")
+    return jax.devices(kind)[0]
+
+
+def main(steps=200, device="auto", precision=None, dim=None, hidden_dim=None, batch=None, lr=None, seed=0,
+         verbose=False):
+    """Train for `steps` SGD steps; returns the list of losses (floats), one per step.
+
+    device: "auto" (JAX's first GPU, else the CPU), "gpu" or "cpu".
+    """
+    dev = _device(device)
+    kind = "cpu" if dev.platform == "cpu" else "gpu"
+    d, h, t = SIZES[kind]
+    dim, hidden_dim, batch = dim or d, hidden_dim or h, batch or t
+    lr = 20.0 / hidden_dim if lr is None else lr
+    if precision is None:  # resolved here to be printed: the default cupyffn picks for arrays on this device
+        precision = cupyffn.CPU_DEFAULT_PRECISION if kind == "cpu" else cupyffn.DEFAULT_PRECISION
+
+    k_teacher1, k_teacher2, k_w1, k_w2, k_data = jax.random.split(jax.random.PRNGKey(seed), 5)
+
+    def uniform(key, shape, bound):
+        return jax.random.uniform(key, shape, jnp.float32, -bound, bound)
+
+    teacher = (uniform(k_teacher1, (hidden_dim, dim), 2 / math.sqrt(dim)),
+               uniform(k_teacher2, (dim, hidden_dim), 2 / math.sqrt(hidden_dim)))
+    params = (uniform(k_w1, (hidden_dim, dim), 1 / math.sqrt(dim)),  # like torch.nn.Linear's init
+              uniform(k_w2, (dim, hidden_dim), 1 / math.sqrt(hidden_dim)))
+    teacher, params = jax.device_put((teacher, params), dev)
+
+    def loss_fn(params, x, target):
+        y = cupyffn_jax.gelu_ffn(x, params[0], params[1], precision)
+        return 0.5 * jnp.sum((y - target) ** 2) / batch
+
+    @jax.jit
+    def train_step(params, teacher, step):
+        x = jax.random.normal(jax.random.fold_in(k_data, step), (batch, dim), jnp.float32)
+        target = jax.nn.gelu(x @ teacher[0].T, approximate=True) @ teacher[1].T
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, target)
+        return tuple(p - lr * g for p, g in zip(params, grads)), loss
+
+    if verbose:
+        print(f"device={dev} dim={dim} hidden_dim={hidden_dim} batch={batch} precision={precision} lr={lr:g}")
+    losses = []
+    for step in range(steps):
+        params, loss = train_step(params, teacher, jnp.asarray(step, jnp.uint32))
+        losses.append(loss)  # a device array: reading it now would make the host wait for the step
+    losses = [float(v) for v in jax.device_get(losses)]
+    if verbose:
+        for step in sorted({*range(0, steps, max(1, steps // 10)), steps - 1}):
+            print(f"step {step:5d}  loss {losses[step]:.5f}")
+        first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+        print(f"mean loss of the first 10 steps {first:.5f}, of the last 10 steps {last:.5f}")
+    return losses
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto")
+    p.add_argument("--precision", choices=("fp16+fp8", "bf16x3", "ieee", "tf32", "bf16"), default=None,
+                   help="default: fp16+fp8 on the GPU, ieee on the CPU")
+    p.add_argument("--dim", type=int)
+    p.add_argument("--hidden-dim", type=int)
+    p.add_argument("--batch", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    a = _parse(sys.argv[1:])
+    main(steps=a.steps, device=a.device, precision=a.precision, dim=a.dim, hidden_dim=a.hidden_dim, batch=a.batch,
+         lr=a.lr, seed=a.seed, verbose=True)

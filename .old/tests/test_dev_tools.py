@@ -1,0 +1,163 @@
+"""The dev/ tools without a GPU (sm90_precompile, sm90_trace, sm90_sass, sm90_ptx_diff): they
+load without cupy, answer --help, and sm90_ptx_diff tells a changed kernel from an unchanged one (NVRTC on the CPU);
+the one timing helper (benchmarks/timing.py, re-exported by dev/_event_timing.py) with stand-ins for cupy."""
+
+import types
+
+import pytest
+from tool_loader import load_tool  # tests/ is on sys.path
+
+from benchmarks import timing
+
+
+@pytest.mark.parametrize("name,option", [("sm90_precompile", "--match"), ("sm90_trace", "--rasters"),
+                                         ("sm90_sass", "--dump"), ("sm90_ptx_diff", "--against")])
+def test_loads_without_cupy_and_answers_help(name, option, capsys):
+    tool = load_tool(name)
+    with pytest.raises(SystemExit) as info:
+        tool.main(["--help"])
+    assert info.value.code == 0 and option in capsys.readouterr().out
+
+
+def fake_cupy(log, elapsed):
+    """(cupy, stream) stand-ins that log what is enqueued: events record and wait, the stream is entered, left
+    and waited for; get_elapsed_time returns the next of `elapsed`."""
+    elapsed = iter(elapsed)
+
+    class Event:
+        def record(self, stream=None):
+            log.append(("record", stream))
+
+        def synchronize(self):
+            log.append(("wait",))
+
+    class Stream:
+        def __enter__(self):
+            log.append(("enter",))
+
+        def __exit__(self, *exc):
+            log.append(("exit",))
+
+        def synchronize(self):
+            log.append(("stream wait",))
+
+    stream = Stream()
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event, get_elapsed_time=lambda a, b: next(elapsed),
+                                                            get_current_stream=lambda: stream,
+                                                            Device=lambda: types.SimpleNamespace(
+                                                                synchronize=lambda: log.append(("device wait",)))))
+    return cupy, stream
+
+
+def test_flushed_median_ms_orders_flush_events_and_call():
+    """Warm-ups unflushed and untimed, then per sample flush, start event, the call, stop event, a wait on it; the
+    median of the elapsed times. dev/_event_timing.py re-exports it for the dev/ tools."""
+    log = []
+    cupy, stream = fake_cupy(log, [3.0, 1.0, 2.0])
+    ms = timing.flushed_median_ms(cupy, stream, lambda: log.append(("run",)), lambda: log.append(("flush",)), reps=3,
+                                  warmup=2)
+    assert ms == 2.0
+    sample = [("flush",), ("record", stream), ("run",), ("record", stream), ("wait",)]
+    assert log == [("enter",), ("run",), ("run",)] + 3 * sample + [("exit",)]
+    load_tool("sm90_trace")  # puts dev/ on sys.path
+    from _event_timing import flushed_median_ms
+
+    assert flushed_median_ms is timing.flushed_median_ms
+
+
+def test_flushed_median_ms_without_a_flush():
+    log = []
+    cupy, stream = fake_cupy(log, [5.0, 4.0])
+    assert timing.flushed_median_ms(cupy, stream, lambda: log.append(("run",)), None, reps=2, warmup=0) == 4.5
+    sample = [("record", stream), ("run",), ("record", stream), ("wait",)]
+    assert log == [("enter",)] + 2 * sample + [("exit",)]
+
+
+def test_flushed_median_ms_batched_waits_once():
+    """Warm-ups, then every sample (flush, start, call, stop) enqueued, one wait on the stream; the median."""
+    log = []
+    cupy, stream = fake_cupy(log, [3.0, 9.0, 1.0])
+    ms = timing.flushed_median_ms_batched(cupy, stream, lambda: log.append(("run",)), lambda: log.append(("flush",)),
+                                          reps=3, warmup=1)
+    assert ms == 3.0
+    sample = [("flush",), ("record", stream), ("run",), ("record", stream)]
+    assert log == [("run",)] + 3 * sample + [("stream wait",)]
+
+
+def test_accuracy_times_calls_after_one_drained_warm_up(monkeypatch):
+    """benchmarks/accuracy.py: one warm-up, the device drained, then `calls` samples on the current stream, no
+    flush, each waited for."""
+    from benchmarks import accuracy
+
+    log = []
+    cupy, stream = fake_cupy(log, [2.0, 1.0, 3.0])
+    monkeypatch.setitem(__import__("sys").modules, "cupy", cupy)
+
+    def plan(*args, out):
+        log.append(("run", args, out))
+
+    assert accuracy._time_calls(plan, (1, 2), "out", calls=3) == 2.0
+    call = ("run", (1, 2), "out")
+    sample = [("record", stream), call, ("record", stream), ("wait",)]
+    assert log == [call, ("device wait",), ("enter",)] + 3 * sample + [("exit",)]
+
+
+def test_sm90_trace_summary_of_a_known_timeline():
+    """dev/sm90_trace.py's summary on made-up stamps: one CTA whose two consumers alternate (mainloops 10 us,
+    epilogues 4 us, consumer 1 waits for consumer 0's first mainloop), a CTA that recorded nothing."""
+    import numpy
+
+    tool = load_tool("sm90_trace")
+    stamps = numpy.zeros((2, 2, tool.TRACE_TILES, 4), dtype=numpy.uint64)
+    us = 1000
+    # consumer 0: tiles 0 and 2; consumer 1: tile 1, its turn after consumer 0's mainloop (t = 10 us)
+    base = 10 ** 12  # a global timer reading (0 means "not recorded")
+    stamps[0, 0, 0] = [base + v * us for v in (0, 0, 10, 14)]
+    stamps[0, 1, 1] = [base + v * us for v in (0, 10, 20, 24)]
+    stamps[0, 0, 2] = [base + v * us for v in (14, 20, 30, 34)]
+    got = tool.summarize(stamps, 2)
+    assert got["tiles"] == 3
+    assert got["mainloop_us"] == 10 and got["epilogue_us"] == 4
+    assert got["turn_wait_us"] == 6  # waits 0, 10, 6: the median
+    assert got["span_us"] == 34
+    assert abs(got["tensor_busy"] - 30 / 34) < 1e-12  # mainloops cover 0-30 of 0-34; the empty CTA is left out
+
+
+def test_sm90_sass_counts_opcodes_of_a_listing():
+    """dev/sm90_sass.py's counter on a made-up nvdisasm listing: predicated or not, with modifiers, each opcode
+    counted once per instruction; labels and directives are not instructions."""
+    tool = load_tool("sm90_sass")
+    listing = """
+        .text.kernel:
+.L_x_42:
+        /*0000*/                   LDS.64 R10, [R5] ;
+        /*0010*/               @P0 LDS.64 R8, [R5+0x800] ;
+        /*0020*/                   BSSY B1, `(.L_x_43) ;
+        /*0030*/              @!P3 BRA `(.L_x_43) ;
+        /*0040*/               @P5 STG.E.U16 desc[UR16][R8.64], R2 ;
+        /*0050*/                   FMUL.FTZ R6, R7, 0.5 ;
+        /*0060*/                   HGMMA.64x256x16.F32 R24, gdesc[UR4], R24 ;
+        /*0070*/                   BSYNC B1 ;
+"""
+    got = tool.count_sass(listing)
+    assert got == {"instructions": 8, "BSSY": 1, "BRA": 1, "LDS": 2, "STG": 1, "LDGSTS": 0, "HGMMA": 1}
+
+
+def test_sm90_ptx_diff_tells_changed_code_from_unchanged(tmp_path, capsys):
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    from cupyffn import _kernels
+
+    tool = load_tool("sm90_ptx_diff")
+    variant = ["--match", r"gemm_sm90_kernel<0, 128, 2, 0, 0>"]
+    (tmp_path / "sm90").mkdir()
+    for path in [_kernels.kernel_dir() / n for n in ("gemm_sm90.cu", "common.cuh")] + sorted(
+            (_kernels.kernel_dir() / "sm90").glob("*.cuh")):
+        (tmp_path / path.relative_to(_kernels.kernel_dir())).write_text(path.read_text())
+    assert tool.main(["--against", str(tmp_path)] + variant) == 0
+    assert "0 differ" in capsys.readouterr().out
+    source = (tmp_path / "sm90" / "ptx.cuh").read_text()
+    assert "kHangNs = 2000000000ull" in source
+    (tmp_path / "sm90" / "ptx.cuh").write_text(source.replace("kHangNs = 2000000000ull", "kHangNs = 1000000000ull"))
+    assert tool.main(["--against", str(tmp_path)] + variant) == 1
+    out = capsys.readouterr().out
+    assert "1 of 1 variants changed" in out and "1000000001" in out  # the compare against kHangNs

@@ -1,0 +1,195 @@
+"""The backward plan's decisions on the CPU (cupyffn/engine/plan.py, layout.py, schedule.py's stage graph): for the 16
+official workloads (cupyffn/workloads.json) and every precision, on a Hopper GPU and elsewhere, what runs: the form of
+each GEMM and its fallbacks, the fused GEMM1 and its epilogue options, convert A+B in one launch, the call graph, the
+K-chunks, the lean layout and the scratch layout. No CuPy, no GPU: the plan's two device questions are answered by
+the test."""
+
+import pytest
+
+from cupyffn import _kernels
+from cupyffn import _precision as P
+from cupyffn import workloads as W
+from cupyffn.engine import layout as L
+from cupyffn.engine import plan as E
+from cupyffn.engine import schedule as S
+from cupyffn.engine.options import EngineOptions
+from cupyffn.gemm import ksplit
+
+TOKENS = sorted({w.tokens for w in W.WORKLOADS})
+D, H = W.DIM, W.HIDDEN_DIM
+
+
+def build(precision, tokens, hopper=True, refuse=(), dim=D, hidden=H, **kw):
+    """A plan of `precision` at `tokens`; `hopper`: a compute capability 9.0 GPU; `refuse`: the GEMMs whose e4m3
+    product cuBLASLt refuses."""
+    asked = []
+
+    def build_fp8(plan, g):
+        asked.append(g)
+        desc = plan.fp8_desc(g)
+        assert desc.k == 2 * L.pad16(plan.mnk(g)[2]) and desc.b_trans and desc.lda == desc.ldb == desc.k
+        return f"no cuBLASLt algorithm for {g}" if g in refuse else None
+
+    plan = E.Plan(tokens, dim, hidden, P.lookup(precision), sm90_supported=lambda: hopper, build_fp8=build_fp8, **kw)
+    plan.asked_fp8 = asked
+    return plan
+
+
+def test_the_workloads_are_the_sixteen_official_ones():
+    assert len(W.WORKLOADS) == 16 and (D, H) == (1536, 6144)
+    assert TOKENS == [256, 512, 1024, 2048, 3142, 4096, 4904, 8192]
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("hopper", [True, False])
+def test_tf32(tokens, hopper):
+    plan = build("tf32", tokens, hopper)
+    assert plan.gemm_forms == dict.fromkeys(P.GEMMS, "f16s") and (plan.fmt, plan.planes) == (P.FMT_F16S, 1)
+    assert plan.fused_gemm1 is hopper  # every T on cc 9.0 (FUSED_GEMM1_TOKENS)
+    assert plan.gelu_epilogue_ok == (hopper and tokens >= 4096)
+    assert plan.epilogue_warps == (hopper and tokens >= 513)
+    assert plan.convert_ab == (tokens <= 512) and plan.call_graph == (tokens <= 512)
+    assert plan.k_chunked == {} and not plan.layout.lean and plan.sm90_pair == set() and plan.form_notes == {}
+    assert plan.layout.gg_bytes == (0 if hopper else 4 * tokens * H)  # the fused GEMM1 writes no grad_gelu
+    five = ["grad_output", "weight2", "gelu_out", "hidden_states", "weight1"]
+    modes = {False: (five, [])} if tokens <= 512 else {False: (five[:2], five[2:])}
+    if plan.gelu_epilogue_ok:  # memory mode: gelu_out from GEMM1's epilogue, not convert B
+        modes[True] = (five[:2], ["hidden_states", "weight1"])
+    assert plan.convert_modes == modes
+    assert plan.asked_fp8 == []
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_bf16x3_and_its_lean_layout(tokens):
+    plan = build("bf16x3", tokens)
+    assert plan.gemm_forms == dict.fromkeys(P.GEMMS, "bf16x3") and (plan.fmt, plan.planes) == (P.FMT_BF16X3, 3)
+    assert not plan.fused_gemm1 and not plan.call_graph and not plan.convert_ab  # measured slower: not listed
+    assert plan.k_chunked == {}  # the longest K, 3 T = 24576 at T = 8192, is ksplit.MAX_K
+    # lean once grad_gelu (fp32, T x H) holds weight1's and hidden_states' planes
+    assert plan.layout.lean == (tokens >= 4096)
+    lay = plan.layout
+    if lay.lean:
+        assert lay.ops["grad_linear1"].offset == lay.ops["gelu_out"].offset and lay.cvt_late == ["weight1", "hidden_states"]
+        assert plan.convert_modes == {False: (["grad_output", "weight2"], ["gelu_out"])}
+    assert build("bf16x3", tokens, options=EngineOptions(fused_gemm1=True)).fused_gemm1  # on request only
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("hopper", [True, False])
+def test_fp16_fp8_forms_and_fallbacks(tokens, hopper):
+    plan = build("fp16+fp8", tokens, hopper)
+    if tokens < 2048:  # every GEMM bf16x3 (FORM_TABLE): the bf16x3 plan, bit for bit
+        assert plan.gemm_forms == dict.fromkeys(P.GEMMS, "bf16x3") and (plan.fmt, plan.planes) == (P.FMT_BF16X3, 3)
+        assert plan.asked_fp8 == [] and plan.layout.lean == (tokens >= 4096)
+        return
+    assert plan.fmt == P.FMT_F16E4M3 and not plan.fused_gemm1 and not plan.call_graph and not plan.convert_ab
+    assert plan.sm90_pair == ({"gemm1"} if hopper else set())  # SM90_PAIR_GEMMS
+    want = dict.fromkeys(P.GEMMS, "f16+e4m3")
+    if not hopper:  # GEMM1's pair only as the sm90 kernel
+        want["gemm1"] = "bf16x3"
+        assert "not a compute capability 9.0 GPU" in plan.form_notes["gemm1"]
+    assert plan.gemm_forms == want
+    assert plan.asked_fp8 == ["gemm2", "gemm3", "gemm4"]  # the cuBLASLt pairs, asked once each
+    refused = build("fp16+fp8", tokens, hopper, refuse=("gemm3",))
+    assert refused.gemm_forms["gemm3"] == "bf16x3" and refused.form_notes["gemm3"] == "no cuBLASLt algorithm for gemm3"
+    # the layout holds every encoding the forms read; each pair's K padded to 16, nothing overlaps
+    ops = plan.layout.ops
+    assert {"grad_output", "grad_output.e4t", "gelu_out.e4t", "grad_linear1.e4t", "hidden_states.e4t"} <= set(ops)
+    assert ("grad_output.x3" in ops) == (not hopper)
+    spans = sorted((op.offset, op.offset + op.nbytes) for op in ops.values())
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= plan.layout.scratch_bytes
+
+
+@pytest.mark.parametrize("precision,form,fmt", [("ieee", "f32", P.FMT_F32), ("bf16", "bf16", P.FMT_BF16)])
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_ieee_and_bf16(precision, form, fmt, tokens):
+    plan = build(precision, tokens)
+    assert plan.gemm_forms == dict.fromkeys(P.GEMMS, form) and plan.fmt == fmt
+    assert not (plan.fused_gemm1 or plan.call_graph or plan.convert_ab or plan.layout.lean or plan.k_chunked)
+    assert (plan.layout.ops == {}) == (precision == "ieee")  # ieee reads its fp32 inputs as given
+
+
+@pytest.mark.parametrize("precision", list(P.PRECISIONS))
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_scratch_layout_is_aligned_and_inside_the_scratch(precision, tokens):
+    for flags in ((True, True), (False, True), (True, False)):
+        plan = build(precision, tokens, need_grad_hidden=flags[0], need_weight_grads=flags[1])
+        lay = plan.layout
+        assert set(plan.forms) == {"gemm1"} | ({"gemm3"} if flags[0] else set()) | \
+            ({"gemm2", "gemm4"} if flags[1] else set())
+        for name, op in lay.ops.items():
+            assert op.offset % L.ALIGN == 0 and op.offset + op.nbytes <= lay.scratch_bytes, (name, op.offset)
+            assert lay.lean or op.offset >= lay.gg_bytes  # grad_gelu first
+        for a, b in plan.convert_modes.values():
+            assert len(a) <= _kernels.MAX_JOBS and len(b) <= _kernels.MAX_JOBS
+
+
+def test_k_chunks_follow_max_k():
+    """k_chunked is what gemm.desc.build makes of the descriptions (ksplit.chunks of each GEMM's K); a chunked GEMM
+    turns the call graph off, and the fused GEMM1 needs its whole K in one accumulator."""
+    plan = build("bf16x3", 8192, options=EngineOptions(max_k=8192))
+    assert plan.k_chunked == {"gemm2": 3, "gemm3": 3, "gemm4": 3}  # K = 3 T, 3 H; GEMM1: 3 D = 4608
+    plan = build("tf32", 256, options=EngineOptions(max_k=128))
+    assert not plan.fused_gemm1 and not plan.call_graph
+    assert plan.k_chunked == {g: len(ksplit.chunks(k, 128)) for g, k in
+                              (("gemm1", D), ("gemm2", 256), ("gemm3", H), ("gemm4", 256))}
+    assert build("tf32", 256, options=EngineOptions(max_k=None)).call_graph
+    assert build("fp16+fp8", 8192, options=EngineOptions(max_k=4096)).sm90_pair == {"gemm1"}  # 2 D = 3072 fits
+    plan = build("fp16+fp8", 8192, options=EngineOptions(max_k=2048))
+    assert plan.sm90_pair == set() and plan.gemm_forms["gemm1"] == "bf16x3"  # the pair's 2 D does not: bf16x3
+    assert plan.k_chunked == {"gemm1": len(ksplit.chunks(3 * D, 2048)),
+                              "gemm2": len(ksplit.chunks(2 * 8192, 2048)),  # the e4m3 product's doubled K
+                              "gemm3": len(ksplit.chunks(2 * H, 2048)), "gemm4": len(ksplit.chunks(2 * 8192, 2048))}
+
+
+def test_plans_of_t_zero_and_bad_options():
+    plan = build("tf32", 0)
+    assert not plan.fused_gemm1 and plan.k_chunked == {} and not plan.call_graph
+    with pytest.raises(TypeError, match="options must be a cupyffn.engine.options.EngineOptions"):
+        E.Plan(8, 8, 8, P.lookup("tf32"), options={"max_k": None})
+
+
+class _StandIn:
+    """The engine state that schedule.stages reads, from a plan: launches named by strings."""
+
+    def __init__(self, plan, memory_mode=False):
+        self.fmt, self.fused_gemm1, self.lean = plan.fmt, plan.fused_gemm1, plan.layout.lean
+        self.gelu_in_gemm1 = memory_mode and plan.gelu_epilogue_ok
+        self.cvt_a, self.cvt_b = plan.convert_modes[self.gelu_in_gemm1]
+        f16 = plan.fmt in (P.FMT_F16S, P.FMT_F16E4M3)
+        self._convert = {stage: (names, stage, f"{stage} rescue" if f16 else None) for stage, names in
+                         (("convert A", self.cvt_a), ("convert B", self.cvt_b), ("convert late", plan.layout.cvt_late))
+                         if names}
+        self._recompute_g, self._ieee_gelu = False, None
+        self._fused, self._fused_rescue, self._decide = "fused", "fused rescue" if f16 else None, "decide"
+        self._dgelu, self._dgelu_rescue = "dgelu", "dgelu rescue" if f16 else None
+        for g in ("gemm1", "gemm2", "gemm3", "gemm4"):
+            setattr(self, g, g if g in plan.forms else None)
+
+
+def _streams(steps):
+    return [(s.stream, s.stage, s.waits, s.records) for s in steps if s.stage or s.waits or s.records]
+
+
+def test_stage_graph_tf32_fused_memory_mode():
+    """tf32 at T = 8192 on cc 9.0, memory mode: GEMM1's epilogue forms gelu_out, so GEMM2 waits for (D)."""
+    steps = S.stages(_StandIn(build("tf32", 8192), memory_mode=True))
+    assert _streams(steps) == [
+        ("S", "convert A", (), ()), ("S", "f16 rescue", (), ()), ("S", None, (), ("A",)),
+        ("S2", None, ("A",), ()), ("S2", "convert B", (), ()), ("S2", "f16 rescue", (), ()), ("S2", None, (), ("B",)),
+        ("S", "GEMM1 + dgelu (sm90 fused)", (), ()), ("S", None, ("B",), ()), ("S", "f16 rescue", (), ()),
+        ("S", None, (), ("D",)), ("S2", "GEMM2 grad_weight2", ("D",), ()), ("S", "GEMM3 grad_hidden", (), ()),
+        ("S2", "GEMM4 grad_weight1", ("D",), ())]
+    assert [s.run for s in steps if s.stage == "f16 rescue"][-1] == ("decide", "fused rescue")
+    assert [s.ready for s in steps if s.stage == "GEMM3 grad_hidden"] == [True]
+
+
+def test_stage_graph_bf16x3_lean():
+    """bf16x3 at T = 8192 (lean): S waits for GEMM2 before dgelu, converts late, and runs GEMM4 itself."""
+    steps = S.stages(_StandIn(build("bf16x3", 8192)))
+    assert [(s.stream, s.stage) for s in steps if s.stage] == [
+        ("S", "convert A"), ("S2", "convert B"), ("S", "GEMM1 grad_gelu"), ("S2", "GEMM2 grad_weight2"),
+        ("S", "dgelu"), ("S", "convert late"), ("S", "GEMM3 grad_hidden"), ("S", "GEMM4 grad_weight1")]
+    gemm2 = next(s for s in steps if s.stage == "GEMM2 grad_weight2")
+    assert gemm2.waits == ("A",) and gemm2.run == (S.Gemm(1),)
+    assert S.FORK[0].records == ("start",) and S.JOIN[-1].waits == ("side",)

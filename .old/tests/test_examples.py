@@ -1,0 +1,88 @@
+"""The training examples (examples/train_cupy.py, examples/train_torch.py) learn: the loss goes down clearly.
+
+CPU runs use the NumPy backend (small sizes); GPU runs are marked gpu (the torch one also needs
+torch.cuda). The measure is mean(loss of the last 10 steps) / mean(loss of the first 10 steps).
+"""
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(f"cupyffn_example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def ratio(losses):
+    assert all(math.isfinite(v) for v in losses), losses
+    return (sum(losses[-10:]) / 10) / (sum(losses[:10]) / 10)
+
+
+def torch_or_skip(cuda=False):
+    torch = pytest.importorskip(
+        "torch", reason="torch not installed: framework tests are opt-in, pip install '.[test-frameworks]'")
+    if cuda and not torch.cuda.is_available():
+        pytest.skip("torch.cuda is not available")
+    return torch
+
+
+def test_cupy_example_on_cpu():
+    example = load("train_cupy")
+    losses = example.main(steps=150, device="cpu")
+    assert len(losses) == 150
+    assert ratio(losses) < 0.35, losses[:10] + losses[-10:]
+    assert example.main(steps=5, device="cpu") == losses[:5]  # seeded: the same run again
+
+
+def test_cupy_example_bf16_on_cpu():
+    losses = load("train_cupy").main(steps=100, device="cpu", precision="bf16")
+    assert ratio(losses) < 0.45, losses[:10] + losses[-10:]
+
+
+@pytest.mark.gpu
+def test_cupy_example_on_gpu():
+    losses = load("train_cupy").main(steps=400, device="gpu")
+    assert len(losses) == 400
+    assert ratio(losses) < 0.5, losses[:10] + losses[-10:]
+
+
+def test_torch_example_on_cpu():
+    torch_or_skip()
+    example = load("train_torch")
+    losses = example.main(steps=60, device="cpu")  # Adam
+    assert len(losses) == 60
+    assert ratio(losses) < 0.25, losses[:10] + losses[-10:]
+    sgd = example.main(steps=60, device="cpu", optimizer="sgd", save="linear1_out")
+    assert ratio(sgd) < 0.3, sgd[:10] + sgd[-10:]
+
+
+@pytest.mark.gpu
+def test_torch_example_on_cuda():
+    torch_or_skip(cuda=True)
+    losses = load("train_torch").main(steps=150, device="cuda")
+    assert len(losses) == 150
+    assert ratio(losses) < 0.1, losses[:10] + losses[-10:]
+
+
+def test_cupy_example_runs_as_a_script():
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)  # the script finds the checkout's cupyffn by itself when it is not installed
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "train_cupy.py"), "--device", "cpu", "--steps", "30"],
+                          cwd=EXAMPLES, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("device=cpu dim=32 hidden_dim=128 batch=256 precision=ieee")  # the CPU default
+    last = lines[-1].split()
+    assert last[:7] == ["mean", "loss", "of", "the", "first", "10", "steps"]
+    assert float(last[-2]) < float(last[7].rstrip(","))  # last-10 mean below first-10 mean

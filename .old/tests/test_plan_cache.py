@@ -1,0 +1,486 @@
+"""Plan lifetime without a GPU: PlanCache in-use counts, eviction, pins, clear(); closed and pinned
+CPU plans; the failure note when the NaN fill fails; the capture query's legacy-stream shortcut; and
+the GPU call's control flow (ordering, events, pins, side stream, failures) with a logging fake engine."""
+
+import threading
+import types
+
+import numpy
+import pytest
+
+import cupyffn
+from cupyffn import _plan_cache
+from cupyffn import workloads as W
+from cupyffn._plan_cache import PlanCache
+
+
+class FakePlan:
+    """Records close(); use() fails if the plan is closed while a call is inside it."""
+
+    def __init__(self, name):
+        self.name = name
+        self.closed = False
+        self.close_calls = 0
+
+    def close(self):
+        self.close_calls += 1
+        self.closed = True
+
+    def use(self):
+        assert not self.closed, f"{self.name} closed before the call started"
+        for _ in range(50):  # give another thread time to evict it
+            pass
+        assert not self.closed, f"{self.name} closed under a call"
+
+
+@pytest.fixture(autouse=True)
+def no_pins_left():
+    yield
+    _plan_cache.release_captured_plans()
+
+
+def build(name):
+    return lambda: FakePlan(name)
+
+
+def test_acquire_builds_once_and_evicts_least_recently_used():
+    cache = PlanCache(2)
+    a = cache.acquire("a", build("a"))
+    assert cache.acquire("a", build("a2")) is a
+    cache.release(a)
+    cache.release(a)
+    b = cache.acquire("b", build("b"))
+    cache.release(b)
+    assert cache.acquire("a") is a  # a is now the most recent
+    cache.release(a)
+    c = cache.acquire("c", build("c"))
+    cache.release(c)
+    assert b.closed and b.close_calls == 1
+    assert not a.closed and not c.closed
+    assert cache.acquire("b") is None  # gone; without build nothing is built
+
+
+def test_in_use_plan_is_evicted_but_closed_by_its_last_user():
+    cache = PlanCache(1)
+    a = cache.acquire("a", build("a"))
+    a2 = cache.acquire("a")  # two calls in flight
+    assert a2 is a
+    b = cache.acquire("b", build("b"))  # evicts a, which is in use
+    assert not a.closed
+    assert not cache.reacquire(a)  # the fast path must not pick up an evicted plan
+    cache.release(a)
+    assert not a.closed
+    cache.release(a)
+    assert a.closed and a.close_calls == 1
+    cache.release(b)
+    assert not b.closed
+
+
+def test_clear_closes_idle_plans_and_defers_in_use_ones():
+    cache = PlanCache(4)
+    idle = cache.acquire("idle", build("idle"))
+    cache.release(idle)
+    busy = cache.acquire("busy", build("busy"))
+    cache.clear()
+    assert idle.closed
+    assert not busy.closed
+    assert len(cache) == 0
+    cache.release(busy)
+    assert busy.closed
+
+
+def test_racing_builds_keep_the_first_and_close_the_duplicate():
+    cache = PlanCache(4)
+    inner = []
+
+    def outer_build():  # another thread builds and inserts the same key meanwhile
+        inner.append(cache.acquire("k", build("first")))
+        return FakePlan("duplicate")
+
+    got = cache.acquire("k", outer_build)
+    assert got is inner[0] and got.name == "first"
+    assert got._users == 2
+    assert not got.closed
+    cache.release(got)
+    cache.release(got)
+    assert not got.closed  # still cached
+
+
+def test_pinned_plans_survive_eviction_and_clear_until_released():
+    cache = PlanCache(2)
+    a = cache.acquire("a", build("a"))
+    _plan_cache.pin(a)  # captured into a graph during this call
+    cache.release(a)
+    others = []
+    for i in range(5):  # churn more plans than the cache holds
+        p = cache.acquire(f"o{i}", build(f"o{i}"))
+        cache.release(p)
+        others.append(p)
+    assert not a.closed
+    assert cache.acquire("a") is a  # still serves calls (a second capture, replays)
+    cache.release(a)
+    assert [p.closed for p in others] == [True, True, True, False, False]
+    cache.clear()
+    assert not a.closed and all(p.closed for p in others)
+    assert cache.acquire("a") is a
+    cache.release(a)
+    assert _plan_cache.release_captured_plans() == 1
+    assert not a.closed  # unpinned, within the cache size: kept
+    cache.clear()
+    assert a.closed
+
+
+def test_release_of_pins_closes_what_is_beyond_the_cache_size():
+    cache = PlanCache(1)
+    pinned = []
+    for i in range(3):
+        p = cache.acquire(i, build(str(i)))
+        _plan_cache.pin(p)
+        cache.release(p)
+        pinned.append(p)
+    assert not any(p.closed for p in pinned)
+    assert _plan_cache.release_captured_plans() == 3
+    assert [p.closed for p in pinned] == [True, True, False]  # the newest stays as the one cached plan
+
+
+def test_pinned_while_evicted_in_use_is_kept_until_released():
+    cache = PlanCache(1)
+    a = cache.acquire("a", build("a"))
+    b = cache.acquire("b", build("b"))  # evicts a while a call is in it
+    cache.release(b)
+    _plan_cache.pin(a)  # that call was being captured
+    cache.release(a)
+    assert not a.closed
+    assert _plan_cache.release_captured_plans() == 1
+    assert a.closed
+
+
+def test_close_failure_during_eviction_does_not_leak_the_use_count():
+    cache = PlanCache(1)
+
+    class Broken(FakePlan):
+        def close(self):
+            raise RuntimeError("device lost")
+
+    old = cache.acquire("old", lambda: Broken("old"))
+    cache.release(old)
+    with pytest.raises(RuntimeError, match="device lost"):
+        cache.acquire("new", build("new"))
+    new = cache.acquire("new")
+    assert new is not None and new._users == 1  # the failed acquire released its count
+    cache.release(new)
+
+
+def test_two_threads_never_see_a_plan_closed_under_a_call():
+    import sys
+
+    cache = PlanCache(2)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # interleave the threads as often as possible
+    errors = []
+
+    def work(keys):
+        try:
+            for i in range(3000):
+                key = keys[i % len(keys)]
+                plan = cache.acquire(key, build(key))
+                try:
+                    plan.use()
+                finally:
+                    cache.release(plan)
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(["fixed"],)),
+               threading.Thread(target=work, args=([f"s{i}" for i in range(8)],))]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+
+
+def _cpu_args(seed=0):
+    inputs = W.make_inputs((16,), 8, 32, xp=numpy, seed=seed)
+    return [inputs[n] for n in W.INPUT_NAMES], inputs
+
+
+def test_closed_cpu_plan_raises():
+    args, inputs = _cpu_args()
+    plan = cupyffn.GeluFFNBackward(16, 8, 32, device="cpu", precision="ieee")
+    grads = plan(*args)
+    ref = W.reference(inputs, xp=numpy)
+    assert W.relative_l2(grads[1], ref[1], xp=numpy) <= 1e-5
+    plan.close()
+    plan.close()  # idempotent
+    with pytest.raises(RuntimeError, match="this GeluFFNBackward plan was closed"):
+        plan(*args)
+
+
+def test_pinned_plan_refuses_close_until_released():
+    args, _ = _cpu_args(1)
+    plan = cupyffn.GeluFFNBackward(16, 8, 32, device="cpu")
+    _plan_cache.pin(plan)
+    with pytest.raises(RuntimeError, match="release_captured_plans"):
+        plan.close()
+    plan(*args)  # still usable
+    assert cupyffn.release_captured_plans() == 1
+    plan.close()
+    with pytest.raises(RuntimeError, match="was closed"):
+        plan(*args)
+
+
+def test_failed_nan_fill_is_reported_on_the_error(monkeypatch):
+    original = ValueError("the call failed")
+    assert _plan_cache.fill_nan_after_failure(original, lambda: None) is original
+    assert not getattr(original, "__notes__", None)
+
+    def broken_fill():
+        raise RuntimeError("sticky CUDA error")
+
+    error = ValueError("the call failed")
+    got = _plan_cache.fill_nan_after_failure(error, broken_fill)
+    assert got is error
+    assert any("filling out= with NaN after this error also failed" in n and "sticky CUDA error" in n
+               for n in error.__notes__)
+    # Pythons without add_note (3.9, 3.10): a RuntimeError that says so, caused by the original
+    monkeypatch.setattr(_plan_cache, "sys", types.SimpleNamespace(version_info=(3, 10)))
+    error = ValueError("the call failed")
+    got = _plan_cache.fill_nan_after_failure(error, broken_fill)
+    assert isinstance(got, RuntimeError) and got.__cause__ is error
+    assert "the call failed" in str(got) and "out= may hold stale or partial values" in str(got)
+
+
+def test_legacy_streams_are_never_queried():
+    # 0 (CuPy's null stream) and 1 (cudaStreamLegacy) cannot capture: answered without a CUDA call
+    assert _plan_cache.is_capturing(0) is False
+    assert _plan_cache.is_capturing(1) is False
+
+
+def test_release_captured_plans_is_exported():
+    assert "release_captured_plans" in cupyffn.__all__
+    assert cupyffn.release_captured_plans() == 0
+
+
+# ---------------------------------------------------------------------- the GPU call's control flow
+class FakeEngine:
+    """Stands in for GpuEngine: logs the ordering, enqueue and event calls a GPU call makes."""
+
+    scratch_bytes = workspace_bytes = 0
+
+    def __init__(self):
+        self.log = []
+        self.side_in_capture = False
+        self.side_capture_stream = 0
+        self.side_busy = False  # the side stream still in a caller's capture
+        self.fail = None
+        self.call_graph = False  # GpuEngine.call_graph: eager calls as one re-pointed graph launch
+
+    def allocates_for(self, inputs):
+        return False
+
+    def order_after_previous(self, sp):
+        self.log.append(("order", sp))
+
+    def set_io(self, inputs, pointers, accumulate):
+        self.log.append(("set_io",))
+
+    def enqueue(self, sp, serial=False, grad_hidden_ready=0):
+        if self.fail is not None:
+            raise self.fail
+        self.log.append(("enqueue", sp, serial))
+
+    def launch_graph(self, sp):
+        if self.fail is not None:
+            raise self.fail
+        self.log.append(("graph", sp))
+
+    def record_done(self, sp):
+        self.log.append(("done", sp))
+
+    def side_stream_free(self):
+        if self.side_busy:
+            return False
+        self.side_in_capture = False
+        return True
+
+    def close(self):
+        self.log.append(("close",))
+
+
+class FakeStream:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.fixture
+def gpu_like(monkeypatch):
+    """A CPU-built plan whose engine is a FakeEngine on "device 0", and a set of capturing streams."""
+    cupy = pytest.importorskip("cupy")
+    from cupyffn import _validate
+
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    capturing = set()
+    monkeypatch.setattr(_plan_cache, "_stream_is_capturing", lambda ptr: ptr in capturing)
+    plan = cupyffn.GeluFFNBackward(16, 8, 32, device="cpu")
+    plan._engine, plan.device = FakeEngine(), 0
+    args, _ = _cpu_args(2)
+    out = [numpy.zeros((16, 8), numpy.float32), numpy.zeros((32, 8), numpy.float32),
+           numpy.zeros((8, 32), numpy.float32)]
+    call = _validate.prepare(args, out)._replace(device=0)
+    yield plan, call, out, capturing
+    _plan_cache.release_captured_plans()
+
+
+def test_a_second_open_capture_keeps_to_its_own_stream(gpu_like):
+    """Two captures open at once (streams 9 and 11) of one plan: the first takes the side stream, the
+    second runs everything on its own stream (joining the first capture's side stream would break both);
+    further calls in the first capture use the side stream again; once it has ended, so may the next one."""
+    plan, call, out, capturing = gpu_like
+    engine = plan._engine
+    plan._run_gpu(call, out, FakeStream(7), False)  # warm-up
+    engine.log.clear()
+    capturing.update({9, 11})
+    plan._run_gpu(call, out, FakeStream(9), False)
+    engine.side_busy = True  # the side stream joined capture 9
+    plan._run_gpu(call, out, FakeStream(11), False)
+    plan._run_gpu(call, out, FakeStream(9), False)
+    assert engine.log == [("enqueue", 9, False), ("enqueue", 11, True), ("enqueue", 9, False)]
+    assert engine.side_capture_stream == 9
+    engine.side_busy = False  # capture 9 ended
+    capturing.discard(9)
+    engine.log.clear()
+    plan._run_gpu(call, out, FakeStream(11), False)
+    assert engine.log == [("enqueue", 11, False)] and engine.side_capture_stream == 11
+    assert cupyffn.release_captured_plans() == 1
+
+
+def test_eager_call_orders_after_the_previous_and_records_done(gpu_like):
+    plan, call, out, _ = gpu_like
+    grads = plan._run_gpu(call, out, FakeStream(7), False)
+    assert all(g is o for g, o in zip(grads, out))
+    assert plan._engine.log == [("order", 7), ("set_io",), ("enqueue", 7, False), ("done", 7)]
+    assert not _plan_cache.is_pinned(plan)
+
+
+def test_eager_calls_take_the_call_graph_where_the_engine_has_one(gpu_like):
+    """An eager call launches the engine's call graph; a call under a caller's capture, one while that capture
+    holds the side stream, and one asking for grad_hidden_ready enqueue launch by launch (the graph records no
+    event for the caller, and a capture must capture the launches themselves)."""
+    plan, call, out, capturing = gpu_like
+    engine = plan._engine
+    engine.call_graph = True
+    plan._run_gpu(call, out, FakeStream(7), False)
+    assert engine.log == [("order", 7), ("set_io",), ("graph", 7), ("done", 7)]
+    engine.log.clear()
+    plan._run_gpu(call, out, FakeStream(7), False, ready=1234)
+    assert engine.log == [("order", 7), ("enqueue", 7, False), ("done", 7)]
+    engine.log.clear()
+    capturing.add(9)
+    plan._run_gpu(call, out, FakeStream(9), False)
+    engine.side_busy = True
+    plan._run_gpu(call, out, FakeStream(7), False)
+    assert engine.log == [("enqueue", 9, False), ("order", 7), ("enqueue", 7, True), ("done", 7)]
+    engine.side_busy = False
+    engine.log.clear()
+    plan._run_gpu(call, out, FakeStream(7), False)
+    assert engine.log == [("order", 7), ("graph", 7), ("done", 7)]
+    engine.fail = ValueError("injected")  # a failed graph launch: done recorded, out= NaN
+    with pytest.raises(ValueError, match="injected"):
+        plan._run_gpu(call, out, FakeStream(7), False)
+    assert engine.log[-1] == ("done", 7) and all(numpy.isnan(o).all() for o in out)
+    assert cupyffn.release_captured_plans() == 1
+
+
+def test_captured_call_pins_and_uses_no_event_from_outside(gpu_like):
+    plan, call, out, capturing = gpu_like
+    engine = plan._engine
+    plan._run_gpu(call, out, FakeStream(7), False)  # warm-up
+    engine.log.clear()
+    capturing.add(9)
+    plan._run_gpu(call, out, FakeStream(9), False)
+    assert engine.log == [("enqueue", 9, False)]  # no order_after_previous wait, no _ev_done record
+    assert _plan_cache.is_pinned(plan) and engine.side_in_capture
+    with pytest.raises(RuntimeError, match="pinned"):
+        plan.close()
+    # an eager call while that capture still holds the side stream: everything on its own stream
+    engine.log.clear()
+    engine.side_busy = True
+    plan._run_gpu(call, out, FakeStream(7), False)
+    assert engine.log == [("order", 7), ("enqueue", 7, True), ("done", 7)]
+    engine.side_busy = False  # the caller ended the capture
+    engine.log.clear()
+    plan._run_gpu(call, out, FakeStream(7), False)
+    assert engine.log == [("order", 7), ("enqueue", 7, False), ("done", 7)] and not engine.side_in_capture
+    assert cupyffn.release_captured_plans() == 1
+    plan.close()
+    assert engine.log[-1] == ("close",)
+    with pytest.raises(RuntimeError, match="this GeluFFNBackward plan was closed"):
+        plan._run_gpu(call, out, FakeStream(7), False)
+
+
+def test_captured_call_without_out_raises_before_anything(gpu_like):
+    plan, call, out, capturing = gpu_like
+    capturing.add(9)
+    partial = call._replace(out=(call.out[0], None, None))
+    with pytest.raises(RuntimeError, match="without out= for grad_weight1, grad_weight2: allocating from CuPy"):
+        plan._run_gpu(partial, [out[0], None, None], FakeStream(9), False)
+    assert plan._engine.log == [] and not _plan_cache.is_pinned(plan)
+
+
+def test_failed_eager_call_records_done_and_fills_nan(gpu_like):
+    plan, call, out, _ = gpu_like
+    plan._engine.fail = ValueError("injected")
+    with pytest.raises(ValueError, match="injected") as info:
+        plan._run_gpu(call, out, FakeStream(7), False)
+    assert ("done", 7) in plan._engine.log  # close() must wait for the partial work too
+    assert all(numpy.isnan(o).all() for o in out)
+    assert not getattr(info.value, "__notes__", None)
+
+
+def test_failed_nan_fill_after_a_failed_call_is_reported(gpu_like, monkeypatch):
+    plan, call, out, _ = gpu_like
+    from cupyffn import _backward_gpu
+
+    def broken(call, stream):
+        raise RuntimeError("sticky CUDA error")
+
+    monkeypatch.setattr(_backward_gpu, "_poison", broken)
+    plan._engine.fail = ValueError("injected")
+    with pytest.raises(ValueError, match="injected") as info:
+        plan._run_gpu(call, out, FakeStream(7), False)
+    assert any("out= may hold stale or partial values" in n for n in info.value.__notes__)
+
+
+def test_failed_call_during_capture_fills_nothing(gpu_like):
+    plan, call, out, capturing = gpu_like
+    capturing.add(9)
+    plan._engine.fail = ValueError("injected")
+    with pytest.raises(ValueError, match="injected"):
+        plan._run_gpu(call, out, FakeStream(9), False)
+    assert plan._engine.log == [("set_io",)]  # no NaN fill (it would be captured), no events
+    assert not any(numpy.isnan(o).any() for o in out)
+
+
+def test_profile_stages_refuses_a_plan_closed_meanwhile(gpu_like):
+    """Another thread may close the plan between profile_stages' ordinary call and its serialized reps
+    (close() frees the scratch once it has the lock): the reps must then raise, not enqueue."""
+    plan, call, out, _ = gpu_like
+
+    class ClosedAfterTheOrdinaryCall(type(plan)):
+        def __call__(self, *args, **kwargs):
+            self.close()
+
+    plan.__class__ = ClosedAfterTheOrdinaryCall
+    with pytest.raises(RuntimeError, match="this GeluFFNBackward plan was closed"):
+        plan.profile_stages(*call.arrays, out=out, stream=FakeStream(7), reps=1)
+    assert plan._engine.log == [("close",)]  # nothing was enqueued on the closed engine
