@@ -3,7 +3,7 @@ back to back on one GPU): which workloads moved by more than a tolerance, and th
 
     python3 dev/bench_diff.py BEFORE.json AFTER.json [--repeat BEFORE2.json] [--impls 'cupyffn-*'] [--tol 0.02]
 
-Each file is bench.py's --json output (format 2). Implementations present in both files are compared on
+Each file is bench.py's --json output or a results/<gpu>.json (format 2). Implementations present in both files are compared on
 their median times; with --repeat, a second run of BEFORE gives the run-to-run spread the tolerance is
 judged against. Prints one line per (workload, implementation), then a summary; exit status 1 if a ratio
 lies outside 1 +- max(tol, spread).
@@ -20,6 +20,7 @@ def medians(path, pattern):
     """{(workload label, implementation): median ms} of one bench.py JSON file, and the file's commit."""
     with open(path) as f:
         data = json.load(f)
+    data = data.get("full") or data  # bench.py --json wraps the run as {"full": ..., "loop": ...}; results/ does not
     table = {}
     for w in data["workloads"]:
         for impl, r in w["results"].items():
