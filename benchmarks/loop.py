@@ -252,7 +252,7 @@ def print_loop_summary(rows):
         values = [r["results"][name][key] for r in rows if name in r["results"]]
         return max(values) if values else float("nan")
 
-    print("\n# Loop targets (issue 4): worst over workloads")
+    print("\n# Loop targets: worst over workloads")
     for p in cupyffn.PRECISIONS:
         g, e = worst(f"cupyffn-{p}-graph", "host_us"), worst(f"cupyffn-{p}", "host_us")
         print(f"cupyffn-{p}: host us/call with graph {g:.1f} (target <= 15) {'MET' if g <= 15 else 'missed'}; "
