@@ -53,11 +53,13 @@ def wheel(tmp_path_factory):
 def test_wheel_contents(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = {"cupyffn/kernels_cu/common.cuh", "cupyffn/workloads.json"}
-    cu_files = sorted(p.name for p in (REPO / "kernels_cu").glob("*.cu"))
-    assert cu_files, "no kernels_cu/*.cu in the repository"
+    kernels = REPO / "kernels_cu"  # every CUDA source and header, the sm90/ headers included
+    cu_files = sorted(p.relative_to(kernels).as_posix() for p in kernels.rglob("*") if p.suffix in (".cu", ".cuh"))
+    assert "gemm_sm90.cu" in cu_files and "sm90/mainloop.cuh" in cu_files, cu_files
     expected |= {f"cupyffn/kernels_cu/{n}" for n in cu_files}
-    py_files = sorted(p.name for p in (REPO / "cupyffn").glob("*.py"))
-    assert "__init__.py" in py_files and "_kernels.py" in py_files
+    package = REPO / "cupyffn"  # every module, the subpackages (engine/, gemm/, gemm/sm90/) included
+    py_files = sorted(p.relative_to(package).as_posix() for p in package.rglob("*.py"))
+    assert "__init__.py" in py_files and "engine/engine.py" in py_files and "gemm/sm90/launch.py" in py_files
     expected |= {f"cupyffn/{n}" for n in py_files}
     missing = expected - names
     assert not missing, f"missing from {wheel.name}: {sorted(missing)}"
