@@ -24,15 +24,15 @@ def _cupy():
     return cupy
 
 
-def import_array(obj, name, stream):
+def import_array(obj, name, stream, torch_devices=None):
     """Return ("cpu", numpy array) or ("gpu", cupy array) for `obj`, without copying.
 
     GPU producers are imported on `stream` (a CuPy stream or None for the current one), so their
     pending work is ordered before anything cupyffn enqueues there (the DLPack stream handshake).
     A float32 CUDA torch tensor is read by pointer instead (`torch_view`, no DLPack import) and ordered
-    by `follow_torch` (here once per tensor; cupyffn._validate.prepare reads torch tensors itself and
-    orders once per call). Other torch tensors (another dtype, the CPU, subclasses) keep DLPack, and
-    with it its messages.
+    by `follow_torch`: at once, or, where the caller passes a set as `torch_devices`, by the caller once per
+    call after it has read every tensor (the tensor's device is added to the set). Other torch tensors
+    (another dtype, the CPU, subclasses) keep DLPack, and with it its messages.
     """
     if isinstance(obj, numpy.ndarray):
         return "cpu", obj
@@ -41,7 +41,10 @@ def import_array(obj, name, stream):
         return "gpu", obj
     viewed = torch_view(obj)
     if viewed is not None:
-        follow_torch(viewed[0], stream)
+        if torch_devices is None:
+            follow_torch(viewed[0], stream)
+        else:
+            torch_devices.add(viewed[0])
         return "gpu", viewed[1]
     if hasattr(obj, "__dlpack_device__") and hasattr(obj, "__dlpack__"):
         try:

@@ -41,7 +41,9 @@ def _prepare(hidden_states, weight1, weight2, out, stream):
     from ._validate import _matrix, _overlaps
 
     names = ("hidden_states", "weight1", "weight2")
-    imported = [_arrays.import_array(a, n, stream) for a, n in zip((hidden_states, weight1, weight2), names)]
+    torch_devices = set()  # torch's stream is followed once per call, after every argument is read and checked
+    imported = [_arrays.import_array(a, n, stream, torch_devices)
+                for a, n in zip((hidden_states, weight1, weight2), names)]
     backends = {b for b, _ in imported}
     if len(backends) > 1:
         raise ValueError("cannot mix NumPy (CPU) and GPU arrays: " +
@@ -79,7 +81,7 @@ def _prepare(hidden_states, weight1, weight2, out, stream):
             if obj is None:
                 continue
             label = f"out[{i}] ({name})"
-            b, a = _arrays.import_array(obj, label, stream)
+            b, a = _arrays.import_array(obj, label, stream, torch_devices)
             if b != backend or _arrays.device_of(a) != _arrays.device_of(x):
                 raise ValueError(f"{label} must be on the inputs' device")
             if a.dtype != numpy.float32:
@@ -96,6 +98,8 @@ def _prepare(hidden_states, weight1, weight2, out, stream):
                 if prev is not None and _overlaps(m, prev):
                     raise ValueError(f"{label} overlaps out[{j}] ({FORWARD_OUTPUTS[j]})")
             outs[i], out_arrays[i] = m, a
+    for device in torch_devices:  # one device: the arrays were checked to share it
+        _arrays.follow_torch(device, stream)
     return backend, arrays, mats, lead, dim, hidden, shapes, outs, out_arrays
 
 

@@ -292,6 +292,33 @@ def test_import_array_follows_per_tensor(fake_torch):
     assert fake_torch.waits == [(TORCH_STREAM, OTHER_STREAM, 0)]
 
 
+def test_import_array_leaves_the_wait_to_a_caller_that_collects_devices(fake_torch):
+    devices = set()
+    _arrays.import_array(FakeTensor(1 << 36, (T, D)), "hidden_states", Stream(OTHER_STREAM), devices)
+    assert devices == {0} and fake_torch.waits == [] and fake_torch.stream_queries == 0
+
+
+def test_the_forward_follows_torch_once_per_call(fake_torch):
+    """gelu_ffn_forward's argument preparation: three inputs and four outputs, all torch tensors, one wait."""
+    from cupyffn import _forward
+
+    x, w1, w2 = tensors(shapes=((T, D), (H, D), (D, H)))
+    outs = tensors(base=1 << 40, shapes=((T, D), (T, H), (T, H), (T, H)))
+    prepared = _forward._prepare(x, w1, w2, outs, Stream(OTHER_STREAM))
+    assert prepared[0] == "gpu" and [a.data.ptr for a in prepared[8]] == [o.ptr for o in outs]
+    assert fake_torch.waits == [(TORCH_STREAM, OTHER_STREAM, 0)] and fake_torch.stream_queries == 1
+
+
+def test_the_forward_waits_for_nothing_when_its_arguments_are_refused(fake_torch):
+    from cupyffn import _forward
+
+    x, w1, w2 = tensors(shapes=((T, D), (H, D), (D, H)))
+    bad = FakeTensor(1 << 40, (T, D + 1))
+    with pytest.raises(ValueError, match=r"out\[0\] \(output\) must have shape"):
+        _forward._prepare(x, w1, w2, (bad, None, None, None), Stream(OTHER_STREAM))
+    assert fake_torch.waits == [] and fake_torch.stream_queries == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # the wait itself (runtime calls recorded)
 # ---------------------------------------------------------------------------------------------
