@@ -9,6 +9,7 @@ measured the way SOL-ExecBench measures L2/068.
     python bench.py --loop               # also the steady-state loop (host time per call, graph replay)
     python bench.py --host-only --no-write   # only the loop mode's host-time table (CuPy arrays, torch tensors, layer)
     python bench.py --timer events --rounds 1 --json /tmp/events.json   # CUDA-event timing, for comparison
+    python bench.py --timer events-idle --rounds 1 --no-write   # events from an idle GPU: the host's part counts
     python bench.py --readme             # regenerate README.md's tables from results/*.json (no GPU needed)
 
 Correctness: per workload, --rounds rounds of freshly seeded inputs for every implementation, each
@@ -18,14 +19,15 @@ NaN/Inf) against the plain-fp32 reference, plus the relative L2 error against fl
 passes the benchmark only when every workload passes in every round.
 Timing (benchmarks/protocol.py): 10 warm-up + 50 timed iterations, median; before each the L2 is
 flushed and the inputs come from another of 3 input sets (other addresses); CUPTI kernel span when
-`cupti-python` imports, CUDA events otherwise (the results name the method).
+`cupti-python` imports, CUDA events otherwise (the results name the method); --timer events-idle
+synchronizes before each call, so the time includes the host's work before the first kernel.
 Summary (benchmarks/report.py): mean and geomean per implementation, % of SOL the leaderboard's way,
 SOL scores and the headline comparison.
 
 Without a GPU, bench.py runs a smoke test of cupyffn's NumPy backend on reduced sizes instead (a banner
 says why and that these are not the benchmark's numbers; benchmarks/cpu.py). There --quick, --rounds,
 --iters, --warmup (defaults 3 and 0 on the CPU), --impls (cupyffn-<precision> names), --json and
---no-write apply; --compile, --loop, --loop-only, --host-only, --loop-calls and --timer events measure GPU work
+--no-write apply; --compile, --loop, --loop-only, --host-only, --loop-calls and --timer events / events-idle measure GPU work
 and are refused with exit status 2, as is an --impls pattern that matches only GPU implementations.
 """
 
@@ -45,8 +47,9 @@ def _parser():
                         help="add torch.compile(max-autotune-no-cudagraphs) baselines, fp32 and TF32")
     parser.add_argument("--rounds", type=int, default=3, help="check rounds of fresh inputs per workload (default 3)")
     parser.add_argument("--impls", default=None, help="comma-separated fnmatch patterns of implementations to run")
-    parser.add_argument("--timer", choices=("auto", "events"), default="auto",
-                        help="auto: CUPTI when cupti-python imports, else CUDA events (on the CPU: host wall time)")
+    parser.add_argument("--timer", choices=("auto", "events", "events-idle"), default="auto",
+                        help="auto: CUPTI when cupti-python imports, else CUDA events (on the CPU: host wall time); "
+                             "events-idle: CUDA events with the GPU idle before each call, so the host's part counts")
     parser.add_argument("--iters", type=int, default=50,
                         help="timed calls per implementation and workload, median reported (default 50; 3 on the CPU)")
     parser.add_argument("--warmup", type=int, default=10,

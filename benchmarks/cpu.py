@@ -60,8 +60,8 @@ def refused(args):
                             f"which the CPU run has neither of")
     if (given is not None and "loop_calls" in given) or (given is None and args.loop_calls != 50):
         messages.append("--loop-calls: it sets the GPU loop mode's calls (--loop), which the CPU run does not have")
-    if args.timer == "events":
-        messages.append("--timer events: CUDA events time GPU work; the CPU run times each call on the host "
+    if args.timer != "auto":
+        messages.append(f"--timer {args.timer}: CUDA events time GPU work; the CPU run times each call on the host "
                         "(time.perf_counter)")
     names = implementations()
     for pattern in _patterns(args.impls):

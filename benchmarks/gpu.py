@@ -121,7 +121,8 @@ def run_gpu(args, cupy):
     stream = cupy.cuda.Stream(non_blocking=True)
     ctx = I.stream_context(cupy, torch, stream)
     flush = P.L2Flush(cupy)
-    timer = P.Timer(cupy, ctx, flush, warmup=args.warmup, iters=args.iters, use_cupti=args.timer != "events")
+    timer = P.Timer(cupy, ctx, flush, warmup=args.warmup, iters=args.iters, use_cupti=args.timer == "auto",
+                    idle=args.timer == "events-idle")
     chosen = [w for w in W.WORKLOADS if not args.quick or w.label in QUICK]
     print(f"# cupyffn {cupyffn.__version__} on {env['device']} (driver {env['driver']}, CUDA runtime "
           f"{env['cuda_runtime']}, cuBLAS {env['cublas']}, CuPy {env['cupy']}, torch {env['torch']})")

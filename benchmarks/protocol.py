@@ -8,6 +8,10 @@ an input address carries over. One iteration's time is, with CUPTI, the span fro
 first GPU activity (kernel, memcpy, memset) launched between two host timestamps around the call to
 the end of the last one, gaps included, the device synchronized after each iteration; without CUPTI,
 CUDA events recorded after the flush and after the call. The median is the workload's figure.
+With `idle=True` (bench.py --timer events-idle) the events are recorded the way an evaluator without CUPTI times a
+call from an idle GPU: the stream is synchronized after the flush, so the start event is recorded with nothing
+queued and the host's work before the first kernel (validation, launches) counts, as it does for a caller whose
+GPU waits on it (small T); the CUPTI span and the plain events timer hide it behind the flush.
 """
 
 import bisect
@@ -71,14 +75,16 @@ def kernel_spans(windows, launches, activities):
 class Timer:
     """Times `run(i)` (which enqueues iteration i's call, on the bench stream) the benchmark's way."""
 
-    def __init__(self, cupy, ctx, flush, warmup=10, iters=50, use_cupti=True):
+    def __init__(self, cupy, ctx, flush, warmup=10, iters=50, use_cupti=True, idle=False):
         self.cupy, self.ctx, self.flush = cupy, ctx, flush
-        self.warmup, self.iters = warmup, iters
-        self.cupti, self.cupti_reason = cupti_or_reason() if use_cupti else (None, "not asked for (--timer events)")
+        self.warmup, self.iters, self.idle = warmup, iters, idle
+        use_cupti = use_cupti and not idle
+        why = "not asked for (--timer events-idle)" if idle else "not asked for (--timer events)"
+        self.cupti, self.cupti_reason = cupti_or_reason() if use_cupti else (None, why)
 
     @property
     def method(self):
-        return "cupti" if self.cupti is not None else "cuda-events"
+        return "cupti" if self.cupti is not None else ("cuda-events-idle" if self.idle else "cuda-events")
 
     def measure(self, run):
         """{"times": [ms per timed iteration], "timing": method, "timing_note": why events, if they were}."""
@@ -98,7 +104,8 @@ class Timer:
             except Exception as e:  # fall back for this measurement and say so; CUPTI stays on for the next
                 note = f"CUPTI failed ({type(e).__name__}: {e}); CUDA events used"
                 print(f"  warning: {note}")
-        return {"times": self._events(run), "timing": "cuda-events", **({"timing_note": note} if note else {})}
+        return {"times": self._events(run), "timing": "cuda-events-idle" if self.idle else "cuda-events",
+                **({"timing_note": note} if note else {})}
 
     def _events(self, run):
         cupy = self.cupy
@@ -108,6 +115,8 @@ class Timer:
             stream = cupy.cuda.get_current_stream()
             for k in range(self.iters):
                 self.flush()
+                if self.idle:  # nothing queued when the clock starts: the host's part of the call counts
+                    stream.synchronize()
                 starts[k].record(stream)
                 run(self.warmup + k)
                 ends[k].record(stream)

@@ -291,7 +291,8 @@ def protocol_text(result):
                 "its verdicts are not recorded (the file applied a stricter rule that is not the benchmark's); the "
                 "next full run records them.")
     method = {"cupti": "CUPTI kernel span (first GPU activity start to last end of each iteration)",
-              "cuda-events": "CUDA events"}.get(p["timing"], p["timing"])
+              "cuda-events": "CUDA events",
+              "cuda-events-idle": "CUDA events from an idle GPU (host work included)"}.get(p["timing"], p["timing"])
     text = (f"Timing: {method}, {p['warmup']} warm-up + {p['iters']} timed iterations, median per workload; "
             f"before each iteration the inputs move to another of {p['input_sets']} input sets (other addresses, "
             f"fresh random contents) and the L2 is flushed ({p['l2_flush_bytes'] >> 20} MiB zero-filled). "

@@ -200,6 +200,7 @@ def cpu_bench(monkeypatch):
     (["--loop-only"], "--loop-only"),
     (["--loop-calls", "50"], "--loop-calls"),  # given, even with its default value
     (["--timer", "events"], "--timer events"),
+    (["--timer", "events-idle"], "--timer events-idle"),
     (["--impls", "torch-*"], "--impls: 'torch-*'"),
     (["--impls", "cupyffn-ieee,cupy-naive-*"], "--impls: 'cupy-naive-*'"),
     (["--quick", "--compile", "--loop"], "--compile"),

@@ -203,6 +203,37 @@ def test_timer_falls_back_to_events_and_says_why():
     assert cupti.finalized == 1
 
 
+def test_idle_events_start_the_clock_on_an_empty_stream():
+    """--timer events-idle: per timed iteration flush, synchronize, start event, call, end event, in that order (so
+    the host's part of the call is inside the events); CUPTI is not used; warm-up iterations do not synchronize."""
+    import contextlib
+
+    order = []
+
+    class Stream:
+        def synchronize(self):
+            order.append("sync")
+
+    class RecordingEvent:
+        def record(self, stream=None):
+            order.append("event")
+
+    class Cupy(_FakeCupy):
+        class cuda(_FakeCupy.cuda):
+            Event = RecordingEvent
+
+            @staticmethod
+            def get_current_stream():
+                return Stream()
+
+    t = P.Timer(Cupy, contextlib.nullcontext, lambda: order.append("flush"), warmup=1, iters=2, idle=True)
+    assert t.cupti is None and t.method == "cuda-events-idle" and "events-idle" in t.cupti_reason
+    got = t.measure(lambda i: order.append(f"call {i}"))
+    assert got["timing"] == "cuda-events-idle" and got["times"] == [0.25, 0.25]
+    assert order == ["flush", "call 0"] + ["flush", "sync", "event", "call 1", "event",
+                                           "flush", "sync", "event", "call 2", "event"]
+
+
 def test_profile_stages_needs_a_gpu_plan():
     import cupyffn
 
