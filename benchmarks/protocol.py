@@ -78,13 +78,13 @@ class Timer:
     def __init__(self, cupy, ctx, flush, warmup=10, iters=50, use_cupti=True, idle=False):
         self.cupy, self.ctx, self.flush = cupy, ctx, flush
         self.warmup, self.iters, self.idle = warmup, iters, idle
-        use_cupti = use_cupti and not idle
-        why = "not asked for (--timer events-idle)" if idle else "not asked for (--timer events)"
-        self.cupti, self.cupti_reason = cupti_or_reason() if use_cupti else (None, why)
+        self._events_method = "cuda-events-idle" if idle else "cuda-events"  # the timing name when CUPTI is not used
+        why = f"not asked for (--timer {'events-idle' if idle else 'events'})"
+        self.cupti, self.cupti_reason = cupti_or_reason() if use_cupti and not idle else (None, why)
 
     @property
     def method(self):
-        return "cupti" if self.cupti is not None else ("cuda-events-idle" if self.idle else "cuda-events")
+        return "cupti" if self.cupti is not None else self._events_method
 
     def measure(self, run):
         """{"times": [ms per timed iteration], "timing": method, "timing_note": why events, if they were}."""
@@ -104,8 +104,7 @@ class Timer:
             except Exception as e:  # fall back for this measurement and say so; CUPTI stays on for the next
                 note = f"CUPTI failed ({type(e).__name__}: {e}); CUDA events used"
                 print(f"  warning: {note}")
-        return {"times": self._events(run), "timing": "cuda-events-idle" if self.idle else "cuda-events",
-                **({"timing_note": note} if note else {})}
+        return {"times": self._events(run), "timing": self._events_method, **({"timing_note": note} if note else {})}
 
     def _events(self, run):
         cupy = self.cupy
