@@ -29,7 +29,7 @@ def import_array(obj, name, stream, torch_devices=None):
 
     GPU producers are imported on `stream` (a CuPy stream or None for the current one), so their
     pending work is ordered before anything cupyffn enqueues there (the DLPack stream handshake).
-    A float32 CUDA torch tensor is read by pointer instead (`torch_view`, no DLPack import) and ordered
+    A float32, bfloat16 or float16 CUDA torch tensor is read by pointer instead (`torch_view`, no DLPack import) and ordered
     by `follow_torch`: at once, or, where the caller passes a set as `torch_devices`, by the caller once per
     call after it has read every tensor (the tensor's device is added to the set). Other torch tensors
     (another dtype, the CPU, subclasses) keep DLPack, and with it its messages.
@@ -156,13 +156,14 @@ def row_stride(shape, strides, itemsize):
 # looking it up in sys.modules, never imported here.
 _torch_types = None  # frozenset of the exact types, once torch is imported
 _torch_f32 = None  # torch.float32 (dtypes are singletons: compared with `is`)
+_torch_16 = {}  # torch.bfloat16 / torch.float16 -> dtype name (the 16-bit activation plans, cupyffn/_lt_ffn.py)
 _torch_stream = None  # device index -> torch's current raw stream on it
 
 
 def torch_types():
     """The torch tensor types read by pointer: frozenset({torch.Tensor, torch.nn.Parameter}); empty while
     torch is not (or not yet completely) imported."""
-    global _torch_types, _torch_f32, _torch_stream
+    global _torch_types, _torch_f32, _torch_stream, _torch_16
     if _torch_types is not None:
         return _torch_types
     torch = sys.modules.get("torch")
@@ -176,18 +177,24 @@ def torch_types():
         def raw(index):
             return torch.cuda.current_stream(index).cuda_stream
     _torch_f32, _torch_stream = f32, raw
+    _torch_16 = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
     _torch_types = frozenset((tensor, parameter))
     return _torch_types
 
 
 def torch_view(obj):
-    """(device id, float32 CuPy view) of a float32 CUDA torch tensor, read from its data_ptr(), shape, stride()
-    and get_device() (the view cached by cupyffn._views; it owns nothing, the caller keeps `obj` alive while it
-    uses it); None for anything else (other dtypes, CPU tensors, subclasses: DLPack's business)."""
+    """(device id, CuPy view) of a float32, bfloat16 or float16 CUDA torch tensor, read from its data_ptr(), shape,
+    stride() and get_device() (the view cached by cupyffn._views; it owns nothing, the caller keeps `obj` alive
+    while it uses it); None for anything else (other dtypes, CPU tensors, subclasses: DLPack's business)."""
     cls = type(obj)
-    if cls in (_torch_types or torch_types()) and obj.dtype is _torch_f32 and obj.is_cuda:
-        device = obj.get_device()
-        return device, _views.float32_view(obj.data_ptr(), obj.shape, obj.stride(), device)
+    if cls in (_torch_types or torch_types()) and obj.is_cuda:
+        if obj.dtype is _torch_f32:
+            device = obj.get_device()
+            return device, _views.float32_view(obj.data_ptr(), obj.shape, obj.stride(), device)
+        name = _torch_16.get(obj.dtype)
+        if name is not None:
+            device = obj.get_device()
+            return device, _views.typed_view(obj.data_ptr(), obj.shape, obj.stride(), device, name)
     return None
 
 

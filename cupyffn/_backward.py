@@ -1,7 +1,7 @@
 """Public backward API: `gelu_ffn_backward` (the functional entry point, with its cache of plans and the keys
 they are cached by); `GeluFFNBackward` (a plan per shape) and `FFNGrads` live in cupyffn/_backward_plan.py."""
 
-from . import _backward_cpu, _checks, _forward, _plan_cache, _precision, _validate
+from . import _backward_cpu, _checks, _forward, _lt_api, _plan_cache, _precision, _validate
 from ._backward_gpu import stream_ptr as _stream_ptr
 from ._backward_plan import FFNGrads, GeluFFNBackward  # noqa: F401 (re-exported by the package)
 from ._plan_cache import PlanCache, release_captured_plans  # noqa: F401 (re-exported by the package)
@@ -24,6 +24,7 @@ def clear_cache():
     _recent.clear()
     _plans.clear()
     _forward.clear_cache()
+    _lt_api.clear_cache()
 
 
 def _no_plan_error(what):
@@ -63,9 +64,9 @@ def _acquire_plan(call, precision, stream, need_grad_hidden, need_weight_grads, 
 
 def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner=None, gelu_out=None, *,
                       precision=None, out=None, stream=None, accumulate=False,
-                      need_grad_hidden=True, need_weight_grads=True, check_activations=False,
-                      grad_hidden_ready=None):
-    """Backward pass of ``y = gelu_tanh(x @ weight1.T) @ weight2.T`` (no biases).
+                      need_grad_hidden=True, need_weight_grads=True, need_bias_grads=False,
+                      check_activations=False, grad_hidden_ready=None):
+    """Backward pass of ``y = gelu_tanh(x @ weight1.T + bias1) @ weight2.T + bias2`` (biases optional).
 
     Parameters
     ----------
@@ -116,6 +117,10 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
         Before computing, compare a sample of tanh_inner / gelu_out with the tanh-GELU of linear1_out
         and raise ``cupyffn.ActivationMismatchError`` naming the likely cause (erf GELU, tanh's
         argument instead of its output, swapped or stale buffers). Synchronizes with the stream.
+    need_bias_grads : bool
+        Also return ``grad_bias1`` (sum over tokens of grad_linear1, [H]) and ``grad_bias2`` (sum over tokens of
+        grad_output, [D]) as attributes of the result (out= then may hold five arrays). Biases do not change the
+        backward's inputs: linear1_out is the pre-activation with bias1 added.
     grad_hidden_ready : cupy.cuda.Event, optional
         Recorded on the stream as soon as grad_hidden_states is written, before the weight gradients
         are finished (tensor parallelism: start its all-reduce on another stream with
@@ -124,14 +129,24 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
         graph=True plans. Under a caller's CUDA stream capture the record is captured too (wait on
         it inside the same capture).
 
+    bfloat16 / float16 activations and bias gradients (docs/precisions.md, "16-bit activations and biases"):
+    grad_output, hidden_states, linear1_out and gelu_out in one 16-bit dtype (or float32 with biases), weights
+    float32 or that dtype, tanh_inner None, precision None (float32 with biases: "ieee"); the GEMMs run on the
+    operands as given with cuBLASLt's fused GELU-derivative and bias-gradient epilogues; grad_hidden_states in
+    the activation dtype, weight and bias gradients float32 (or the weights' dtype, chosen by out=).
+
     Arrays may be NumPy (computed on the CPU), CuPy, or any DLPack / CUDA Array Interface producer
-    (torch.Tensor, jax.Array), all on one device, float32. The last dimension must be contiguous and
+    (torch.Tensor, jax.Array), all on one device, float32 (or as above). The last dimension must be contiguous and
     the leading dimensions must flatten to one row stride. Returns an FFNGrads named tuple (CuPy
     arrays for GPU inputs, NumPy arrays for NumPy inputs; the out= objects themselves where given).
     """
     # None: the default of the arrays' device, known once they are looked at; a bad name is reported first
     prec = _precision.lookup(precision) if precision is not None else None
     args = (grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out)
+    if _lt_api.wants(grad_output, need_bias_grads):  # 16-bit activations or bias gradients: cupyffn/_lt_api.py
+        return _lt_api.backward(args, precision if prec is None else prec.name, out, stream, accumulate,
+                                need_grad_hidden, need_weight_grads, need_bias_grads, check_activations,
+                                grad_hidden_ready)
     sig = _validate.signature(args, out, accumulate)
     options = None  # the GPU plan's EngineOptions (CUPYFFN_ENGINE, parsed once per value), read for GPU arrays only
     if sig is not None:  # CuPy arrays: the plan (and its validated call) may be known already

@@ -30,8 +30,14 @@ def _erf(x):
     return numpy.vectorize(math.erf, otypes=[numpy.float64])(x)
 
 
-def _agree(got, want):
-    return float(numpy.mean(numpy.abs(got - want) <= _ATOL + _RTOL * numpy.abs(want))) >= _MATCH
+def _agree(got, want, atol=_ATOL, rtol=_RTOL):
+    return float(numpy.mean(numpy.abs(got - want) <= atol + rtol * numpy.abs(want))) >= _MATCH
+
+
+def positions(n, cols):
+    """The sampled (rows, cols) of an [n / cols, cols] tensor: at most SAMPLES, fixed seed."""
+    flat = numpy.unique(numpy.random.default_rng(0).integers(0, n, min(n, SAMPLES)))
+    return numpy.divmod(flat, cols)
 
 
 def _sample(call, index, rows, cols):
@@ -51,22 +57,26 @@ def check(call, stream=None):
     n = z_m.rows * z_m.cols
     if n == 0 or (call.inputs[5] is None and call.inputs[6] is None):
         return
-    k = min(n, SAMPLES)
-    flat = numpy.unique(numpy.random.default_rng(0).integers(0, n, k))
-    rows, cols = numpy.divmod(flat, z_m.cols)
+    rows, cols = positions(n, z_m.cols)
     ctx = stream if stream is not None else contextlib.nullcontext()
     with ctx:
         z = _sample(call, 4, rows, cols)
         t = _sample(call, 5, rows, cols) if call.inputs[5] is not None else None
         g = _sample(call, 6, rows, cols) if call.inputs[6] is not None else None
+    judge(z, t, g)
+
+
+def judge(z, t, g, atol=_ATOL, rtol=_RTOL):
+    """Raise ActivationMismatchError unless the float64 samples t (tanh_inner) and g (gelu_out), either may be
+    None, are the tanh-GELU's of z within atol + rtol |value| (the 16-bit plans pass their dtype's rounding)."""
     inner = _C * (z + 0.044715 * z ** 3)
     t_ref = numpy.tanh(inner)
     g_ref = 0.5 * z * (1.0 + t_ref)
     problems = []
-    if t is not None and not _agree(t, t_ref):
-        if _agree(t, inner):
+    if t is not None and not _agree(t, t_ref, atol, rtol):
+        if _agree(t, inner, atol, rtol):
             problems.append("tanh_inner holds the argument of tanh (sqrt(2/pi) * (z + 0.044715 z^3)), not tanh's output")
-        elif g is not None and _agree(t, g_ref) and _agree(g, t_ref):
+        elif g is not None and _agree(t, g_ref, atol, rtol) and _agree(g, t_ref, atol, rtol):
             problems.append("tanh_inner and gelu_out look swapped")
         else:
             problems.append("tanh_inner is not tanh(sqrt(2/pi) * (z + 0.044715 z^3)) of linear1_out: stale or "
@@ -75,11 +85,11 @@ def check(call, stream=None):
         g_erf = 0.5 * z * (1.0 + _erf(z / math.sqrt(2.0)))
         # Where the two GELUs differ clearly, which one does gelu_out follow? (Near 0 they agree to
         # far below fp32 noise, so a tolerance test alone cannot tell them apart.)
-        tol = _ATOL + _RTOL * numpy.abs(g_ref)
+        tol = atol + rtol * numpy.abs(g_ref)
         telling = numpy.abs(g_ref - g_erf) > 10 * tol
         erf_like = telling.sum() >= 16 and float(numpy.mean(
             numpy.abs(g - g_erf)[telling] < numpy.abs(g - g_ref)[telling])) >= 0.9
-    if g is not None and (erf_like or not _agree(g, g_ref)):
+    if g is not None and (erf_like or not _agree(g, g_ref, atol, rtol)):
         if erf_like:
             problems.append("gelu_out is the exact (erf) GELU, but cupyffn implements the tanh approximation: use "
                             "gelu(approximate='tanh') in the forward, or cupyffn.gelu_ffn_forward")
@@ -88,6 +98,6 @@ def check(call, stream=None):
                             "(another step, layer or batch?)")
     if problems:
         raise ActivationMismatchError("check_activations: " + "; ".join(problems) +
-                                      f" ({len(flat)} sampled positions compared)")
+                                      f" ({len(z)} sampled positions compared)")
 
 

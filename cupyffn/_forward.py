@@ -269,8 +269,9 @@ def clear_cache():
     _engines.clear()
 
 
-def gelu_ffn_forward(hidden_states, weight1, weight2, *, precision=None, out=None, stream=None):
-    """Forward pass ``output = gelu_tanh(hidden_states @ weight1.T) @ weight2.T`` (no biases).
+def gelu_ffn_forward(hidden_states, weight1, weight2, *, bias1=None, bias2=None, precision=None, out=None,
+                     stream=None):
+    """Forward pass ``output = gelu_tanh(hidden_states @ weight1.T + bias1) @ weight2.T + bias2``.
 
     Returns FFNForward(output, linear1_out, tanh_inner, gelu_out): ``linear1_out = x @ weight1.T``,
     ``tanh_inner = tanh(sqrt(2/pi) (z + 0.044715 z^3))``, ``gelu_out = 0.5 z (1 + tanh_inner)`` in fp32
@@ -280,7 +281,17 @@ def gelu_ffn_forward(hidden_states, weight1, weight2, *, precision=None, out=Non
     of the four outputs (float32, C-contiguous, not overlapping the inputs); arrays, streams, CUDA
     stream capture (all four outputs in `out`, one call of the shape outside the capture first) and
     failures (given outputs NaN-filled) as in ``gelu_ffn_backward``.
+
+    Biases (bias1 [H], bias2 [D], either optional) or bfloat16 / float16 hidden_states (weights and biases float32
+    or that dtype) take the 16-bit/bias plan: cuBLASLt GEMMs with the bias and GELU fused into their epilogues,
+    fp32 accumulation; linear1_out (with bias1 added), gelu_out and output come back in the activation dtype and
+    tanh_inner is None (the backward recomputes it from linear1_out). float32 activations with biases run in
+    precision "ieee". An fp32 weight or bias is rounded to the activation dtype first, as torch's autocast does.
     """
+    from . import _lt_api
+
+    if _lt_api.wants(hidden_states, bias1 is not None, bias2 is not None):
+        return _lt_api.forward(hidden_states, weight1, weight2, bias1, bias2, precision, out, stream)
     if precision is not None:  # a bad name is reported before the arrays are looked at
         _precision.lookup(precision)
     if stream is not None and not hasattr(stream, "ptr"):

@@ -44,6 +44,7 @@ MODULES = {
     "gelu_forward": ("gelu_forward.cu", ("gelu_forward_kernel<0>", "gelu_forward_kernel<1>",
                                          "gelu_forward_kernel<2>", "gelu_forward_kernel<3>")),
     "split_e4m3": ("split_e4m3.cu", (split_expression(0), split_expression(1))),
+    "half": ("half.cu", ("to_half_kernel<0>", "to_half_kernel<1>", "gelu_half_kernel<0>", "gelu_half_kernel<1>")),
 }
 
 #: Options we pass; CuPy adds -arch, -ftz=true, its include paths and (unless given) --std=c++17.

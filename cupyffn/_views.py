@@ -22,22 +22,43 @@ def float32_view(ptr, shape, strides, device_id):
 
     `shape` and `strides`: tuples, or tuple subclasses that hash and compare as tuples (``torch.Size``).
     """
-    key = (ptr, shape, strides, device_id)
+    return typed_view(ptr, shape, strides, device_id, "float32")
+
+
+def numpy_dtype(name):
+    """The NumPy dtype CuPy uses for `name` ("float32", "float16", "bfloat16": ml_dtypes' type, which CuPy >= 14
+    takes as its bfloat16; ImportError saying so when ml_dtypes is missing)."""
+    import numpy
+
+    if name != "bfloat16":
+        return numpy.dtype(name)
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise ImportError("bfloat16 arrays need ml_dtypes (pip install 'cupyffn[bf16]'): CuPy represents bfloat16 "
+                          "through it") from None
+    return numpy.dtype(ml_dtypes.bfloat16)
+
+
+def typed_view(ptr, shape, strides, device_id, dtype):
+    """A ``cupy.ndarray`` of dtype name `dtype` at device address `ptr` (as float32_view)."""
+    key = (ptr, shape, strides, device_id, dtype)
     view = _views.get(key)
     if view is not None:
         return view
     import cupy
 
     shape, strides = tuple(shape), tuple(strides)
-
+    np_dtype = numpy_dtype(dtype)
+    size = np_dtype.itemsize
     if any(n == 0 for n in shape):
         with cupy.cuda.Device(device_id):  # no memory to point at; nothing is read or written
-            view = cupy.empty(shape, dtype=cupy.float32)
+            view = cupy.empty(shape, dtype=np_dtype)
     else:
-        extent = 4 * (1 + sum((n - 1) * s for n, s in zip(shape, strides)))
+        extent = size * (1 + sum((n - 1) * s for n, s in zip(shape, strides)))
         memory = cupy.cuda.UnownedMemory(ptr, extent, None, device_id)
-        view = cupy.ndarray(shape, cupy.float32, cupy.cuda.MemoryPointer(memory, 0),
-                            strides=tuple(4 * s for s in strides))
+        view = cupy.ndarray(shape, np_dtype, cupy.cuda.MemoryPointer(memory, 0),
+                            strides=tuple(size * s for s in strides))
     if len(_views) >= _MAX:
         _views.clear()
     _views[key] = view

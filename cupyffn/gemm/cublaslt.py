@@ -1,4 +1,5 @@
-"""A thin ctypes binding to cuBLASLt, for the GEMMs cublasGemmEx cannot run (fp8 e4m3 operands).
+"""A thin ctypes binding to cuBLASLt, for the GEMMs cublasGemmEx cannot run: fp8 e4m3 operands, and the fused
+epilogues of the biased 16-bit plans (bias, GELU with its input kept, GELU derivative, bias gradient).
 
 It loads the libcublasLt that CuPy's libcublas itself links (same directory, same version), checks every
 status (cublas.CublasError), and runs each GEMM as a prebuilt call: the matmul descriptor, the four
@@ -21,6 +22,12 @@ from .cublas import OP_N, OP_T, R_8F_E4M3, R_16BF, R_16F, R_32F, WORKSPACE_BYTES
 MATMUL_DESC_POINTER_MODE = 2
 MATMUL_DESC_TRANSA = 3
 MATMUL_DESC_TRANSB = 4
+MATMUL_DESC_EPILOGUE = 7
+MATMUL_DESC_BIAS_POINTER = 8
+MATMUL_DESC_EPILOGUE_AUX_POINTER = 11
+MATMUL_DESC_EPILOGUE_AUX_LD = 12
+MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE = 22
+MATMUL_DESC_BIAS_DATA_TYPE = 26
 MATMUL_DESC_A_SCALE_POINTER = 17
 MATMUL_DESC_B_SCALE_POINTER = 18
 MATMUL_DESC_FAST_ACCUM = 25
@@ -31,6 +38,21 @@ MATMUL_PREF_MIN_ALIGNMENT_C_BYTES = 7
 MATMUL_PREF_MIN_ALIGNMENT_D_BYTES = 8
 POINTER_MODE_DEVICE = 1  # CUBLASLT_POINTER_MODE_DEVICE (= CUBLAS_POINTER_MODE_DEVICE)
 COMPUTE_32F = cublas.COMPUTE_32F
+
+# cublasLtEpilogue_t, in cupyffn's row-major terms (LtMatmul runs C^T = B^T A^T, so cuBLASLt's "rows of D" are
+# our columns N and its B operand is our A): BIAS adds bias[N] to every row; GELU_AUX(_BIAS) also writes the
+# GELU's input to `aux` [M,N]; DGELU multiplies the product by GELU'(aux); BGRADB writes bias_grad[M] = the sum
+# of our A operand over K (grad_bias = column sums of the [K,M] operand, e.g. grad_output over the tokens).
+EPILOGUE_DEFAULT = 1
+EPILOGUE_BIAS = 4
+EPILOGUE_GELU_AUX = 32 | 128
+EPILOGUE_GELU_AUX_BIAS = 32 | 128 | 4
+EPILOGUE_DGELU = 64 | 128
+EPILOGUE_BGRADB = 512
+_EPILOGUES = {EPILOGUE_DEFAULT: "none", EPILOGUE_BIAS: "bias", EPILOGUE_GELU_AUX: "gelu_aux",
+              EPILOGUE_GELU_AUX_BIAS: "gelu_aux_bias", EPILOGUE_DGELU: "dgelu", EPILOGUE_BGRADB: "bgrad_a"}
+_NEEDS_BIAS = (EPILOGUE_BIAS, EPILOGUE_GELU_AUX_BIAS, EPILOGUE_BGRADB)
+_NEEDS_AUX = (EPILOGUE_GELU_AUX, EPILOGUE_GELU_AUX_BIAS, EPILOGUE_DGELU)
 R_8F_E5M2 = 29  # cudaDataType (library_types.h); recognised as fp8 by supports(), not otherwise used
 
 #: The pointer alignment every chosen algorithm must accept (cuBLASLt's default assumption is 256 bytes).
@@ -214,12 +236,17 @@ class LtMatmul:
     (rewritten per call, like the operand pointers `.a .b .c`, which must be 16-byte aligned). `a_scale`,
     `b_scale`: device pointers to one float each, fixed per plan (None: 1); cuBLASLt accepts them for fp8
     operands. With beta = 0, C is not read. Raises LtUnsupported when cuBLASLt cannot run the GEMM.
+
+    `epilogue` (an EPILOGUE_* value, see there): its vectors and matrices are set per call with
+    ``set_epilogue(bias=ptr, aux=ptr)`` (16-byte-aligned device pointers); `aux_ld` is the aux matrix's row
+    stride (default N) and `aux_type` / `bias_type` their cudaDataType (default: cuBLASLt's, the output type).
     """
 
     supports = staticmethod(supports)  # LtMatmul.supports(m, n, k, a_type, ...) -> (ok, reason), as the module's
 
     def __init__(self, m, n, k, a_type, b_type, c_type, a_trans=False, b_trans=False, lda=None, ldb=None,
-                 ldc=None, name="gemm", a_scale=None, b_scale=None, device_id=0):
+                 ldc=None, name="gemm", a_scale=None, b_scale=None, device_id=0, epilogue=EPILOGUE_DEFAULT,
+                 aux_ld=None, aux_type=None, bias_type=None):
         self._args = None
         self._layouts = []
         self._desc = ctypes.c_void_p()
@@ -228,6 +255,15 @@ class LtMatmul:
         self.lda, self.ldb, self.ldc = lda, ldb, ldc
         self.device_id = device_id
         self.description = describe(m, n, k, a_type, b_type, c_type, a_trans, b_trans, lda, ldb, ldc, name)
+        if epilogue not in _EPILOGUES:
+            raise ValueError(f"LtMatmul: epilogue must be one of {sorted(_EPILOGUES)}, got {epilogue!r}")
+        if epilogue != EPILOGUE_DEFAULT:
+            self.description += f", epilogue {_EPILOGUES[epilogue]}"
+        self.epilogue = epilogue
+        self.aux_ld = (n if aux_ld is None else aux_ld) if epilogue in _NEEDS_AUX else None
+        if self.aux_ld is not None and self.aux_ld < n:
+            raise ValueError(f"LtMatmul: aux_ld must be >= N = {n}, got {aux_ld!r}")
+        self._bias_ptr = self._aux_ptr = None
         ok, reason = supports(m, n, k, a_type, b_type, c_type, a_trans, b_trans, lda, ldb, ldc)
         if not ok:
             raise LtUnsupported(f"cuBLASLt cannot run {self.description}: {reason}")
@@ -247,12 +283,12 @@ class LtMatmul:
         self._destroy_layout, self._destroy_desc = lib.cublasLtMatrixLayoutDestroy, lib.cublasLtMatmulDescDestroy
         self._matmul = lib.cublasLtMatmul
         try:
-            self._build(lib, a_type, b_type, c_type, a_trans, b_trans, a_scale, b_scale)
+            self._build(lib, a_type, b_type, c_type, a_trans, b_trans, a_scale, b_scale, aux_type, bias_type)
         except BaseException:
             self.close()
             raise
 
-    def _build(self, lib, a_type, b_type, c_type, a_trans, b_trans, a_scale, b_scale):
+    def _build(self, lib, a_type, b_type, c_type, a_trans, b_trans, a_scale, b_scale, aux_type, bias_type):
         what = self.description
 
         def set_desc(attr, value, label):
@@ -273,6 +309,20 @@ class LtMatmul:
             set_desc(MATMUL_DESC_A_SCALE_POINTER, ctypes.c_void_p(b_scale), "A_SCALE_POINTER")
         if a_type in _FP8:
             set_desc(MATMUL_DESC_FAST_ACCUM, ctypes.c_int8(0), "FAST_ACCUM")  # off: keep fp32 accumulation
+        if self.epilogue != EPILOGUE_DEFAULT:
+            set_desc(MATMUL_DESC_EPILOGUE, ctypes.c_int32(self.epilogue), "EPILOGUE")
+            # The heuristic reads the pointers' alignment from their values: a placeholder aligned to exactly
+            # ALIGNMENT bytes makes it pick an algorithm that accepts any pointer set_epilogue allows.
+            if self.epilogue in _NEEDS_BIAS:
+                set_desc(MATMUL_DESC_BIAS_POINTER, ctypes.c_void_p(ALIGNMENT), "BIAS_POINTER")
+                if bias_type is not None:
+                    set_desc(MATMUL_DESC_BIAS_DATA_TYPE, ctypes.c_int32(bias_type), "BIAS_DATA_TYPE")
+            if self.epilogue in _NEEDS_AUX:
+                set_desc(MATMUL_DESC_EPILOGUE_AUX_POINTER, ctypes.c_void_p(ALIGNMENT), "EPILOGUE_AUX_POINTER")
+                set_desc(MATMUL_DESC_EPILOGUE_AUX_LD, ctypes.c_int64(self.aux_ld), "EPILOGUE_AUX_LD")
+                if aux_type is not None:
+                    set_desc(MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, ctypes.c_int32(aux_type), "EPILOGUE_AUX_DATA_TYPE")
+        self._set_desc = lib.cublasLtMatmulDescSetAttribute
         for dtype, (rows, cols, ld) in ((b_type, lt_a), (a_type, lt_b), (c_type, lt_c), (c_type, lt_c)):
             layout = ctypes.c_void_p()
             check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, ld),
@@ -311,6 +361,25 @@ class LtMatmul:
                                 f"{status_name} ({status}), {count.value} result(s), result state {result.state})")
         check(status, f"cublasLtMatmulAlgoGetHeuristic ({what})")
         return MatmulAlgo.from_buffer_copy(result.algo), result.workspaceSize, result.wavesCount
+
+    def set_epilogue(self, bias=None, aux=None):
+        """Point the epilogue at this call's bias (or bias gradient) vector and aux matrix (device pointers,
+        16-byte aligned; only those the epilogue uses). A host-side descriptor update, made only on a change."""
+        for ptr, needed, attr, label in ((bias, self.epilogue in _NEEDS_BIAS, MATMUL_DESC_BIAS_POINTER, "bias"),
+                                         (aux, self.epilogue in _NEEDS_AUX, MATMUL_DESC_EPILOGUE_AUX_POINTER, "aux")):
+            if not needed:
+                if ptr is not None:
+                    raise ValueError(f"LtMatmul {self.name!r}: its epilogue takes no {label} pointer")
+                continue
+            if not ptr or ptr % ALIGNMENT:
+                raise ValueError(f"LtMatmul {self.name!r}: the {label} pointer must be a {ALIGNMENT}-byte-aligned "
+                                 f"device address; got {ptr!r}")
+            cached = "_bias_ptr" if label == "bias" else "_aux_ptr"
+            if getattr(self, cached) != ptr:
+                value = ctypes.c_void_p(ptr)
+                check(self._set_desc(self._desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
+                      f"cublasLtMatmulDescSetAttribute({label}) ({self.description})")
+                setattr(self, cached, ptr)
 
     def __call__(self, handle):
         """Enqueue on `handle` (a cublas.Handle: its cuBLASLt handle, workspace and bound stream)."""

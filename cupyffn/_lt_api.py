@@ -1,0 +1,401 @@
+"""The functional API's route for 16-bit activations and biases: arguments read and checked, outputs allocated, the
+cached plan of cupyffn/_lt_ffn.py run on the GPU, or the same computation in NumPy on the CPU.
+
+``gelu_ffn_forward`` / ``gelu_ffn_backward`` come here when the activations are bfloat16 or float16, or when biases
+(``bias1`` / ``bias2``, ``need_bias_grads``) are involved (docs/decisions/049-biases-and-16-bit-activations.md).
+"""
+
+import contextlib
+import math
+
+import numpy
+
+from . import _arrays, _checks, _plan_cache
+from ._lt_ffn import ITEMSIZE, LtBackward, LtForward, LtKey
+from ._plan_cache import PlanCache
+from ._views import numpy_dtype
+
+HALF = ("bfloat16", "float16")
+ACTS = HALF + ("float32",)
+INPUTS = ("grad_output", "hidden_states", "weight1", "weight2", "linear1_out", "tanh_inner", "gelu_out")
+GRADS = ("grad_hidden_states", "grad_weight1", "grad_weight2", "grad_bias1", "grad_bias2")
+FORWARD = ("output", "linear1_out", "tanh_inner", "gelu_out")
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+_forwards = PlanCache(4)
+_backwards = PlanCache(4)
+
+
+def clear_cache():
+    _forwards.clear()
+    _backwards.clear()
+
+
+def dtype_name(obj):
+    """'bfloat16', 'float16', 'float32', ... of an array or tensor of any framework (cheap; None without a dtype)."""
+    d = getattr(obj, "dtype", None)
+    if d is None:
+        return None
+    name = getattr(d, "name", None)
+    return name if isinstance(name, str) else str(d).rpartition(".")[2]
+
+
+def wants(first, *biased):
+    """Whether a call with first activation `first` takes this route: 16-bit activations, or any bias."""
+    return any(biased) or dtype_name(first) in HALF
+
+
+def _check_precision(precision, act):
+    if act in HALF:
+        if precision is not None:
+            raise ValueError(f"precision= chooses how float32 operands are multiplied; {act} activations are "
+                             f"multiplied as they are (bf16/fp16 tensor cores, fp32 accumulation): pass precision=None")
+    elif precision not in (None, "ieee"):
+        raise ValueError(f"biases with float32 activations run in precision 'ieee' (plain fp32 GEMMs with fused "
+                         f"bias epilogues); got precision={precision!r}. Drop the biases, or use 'ieee' or None")
+
+
+def _import(objs, names, stream):
+    """import_array of every non-None object (torch's stream followed once); ('cpu'|'gpu', arrays, device)."""
+    devices = set()
+    arrays = [None if o is None else _arrays.import_array(o, n, stream, devices) for o, n in zip(objs, names)]
+    backends = {a[0] for a in arrays if a is not None}
+    if len(backends) > 1:
+        raise ValueError("cannot mix NumPy (CPU) and GPU arrays")
+    backend = backends.pop()
+    arrays = [None if a is None else a[1] for a in arrays]
+    where = {_arrays.device_of(a) for a in arrays if a is not None}
+    if len(where) > 1:
+        raise ValueError("all arrays must be on one device; got " + ", ".join(
+            f"{n} on {_arrays.device_of(a)}" for a, n in zip(arrays, names) if a is not None))
+    if backend == "cpu" and stream is not None:
+        raise ValueError("stream= is for GPU arrays; these inputs are NumPy (CPU) arrays")
+    for device in devices:
+        _arrays.follow_torch(device, stream)
+    return backend, arrays, where.pop()
+
+
+def _contiguous(a, name, gpu):
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous with bfloat16/float16 activations or biases (the cuBLASLt "
+                         f"plans read packed rows); pass ascontiguousarray({name})")
+    if gpu and a.size and a.data.ptr % 16:
+        raise ValueError(f"{name} must start on a 16-byte boundary (cuBLASLt); got address {a.data.ptr:#x}")
+
+
+def _expect(a, name, shape, dtypes):
+    if tuple(a.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}; got {tuple(a.shape)}")
+    if dtype_name(a) not in dtypes:
+        raise TypeError(f"{name} must be {' or '.join(dtypes)}; got {dtype_name(a)}")
+
+
+def _span(a):
+    if isinstance(a, numpy.ndarray):
+        p = a.__array_interface__["data"][0]
+    else:
+        p = a.data.ptr
+    return p, p + a.nbytes
+
+
+def _overlap(a, b):
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a.nbytes and b.nbytes and a0 < b1 and b0 < a1
+
+
+def _outputs(out, names, shapes, dtypes, backend, device, stream, inputs, lengths):
+    """(arrays, given): the caller's out= entries imported and checked, or None where cupyffn allocates."""
+    given = [None] * max(lengths)
+    if out is not None:
+        if not isinstance(out, (tuple, list)) or len(out) not in lengths:
+            raise TypeError(f"out must be a sequence of {' or '.join(map(str, lengths))} arrays "
+                            f"({', '.join(names[:max(lengths)])}); an entry may be None to have cupyffn allocate it")
+        for i, obj in enumerate(out):
+            if obj is None:
+                continue
+            label = f"out[{i}] ({names[i]})"
+            b, a = _arrays.import_array(obj, label, stream)
+            if b != backend or _arrays.device_of(a) != device:
+                raise ValueError(f"{label} must be on the inputs' device")
+            if shapes[i] is None:
+                raise ValueError(f"{label} must be None: this call does not compute {names[i]}")
+            _expect(a, label, shapes[i], dtypes[i])
+            _contiguous(a, label, backend == "gpu")
+            if not getattr(a.flags, "writeable", True):
+                raise ValueError(f"{label} must be writeable")
+            for inp_name, inp in inputs:
+                if inp is not None and _overlap(a, inp):
+                    raise ValueError(f"{label} overlaps the memory of {inp_name}: outputs may not alias inputs")
+            for j in range(i):
+                if given[j] is not None and _overlap(a, given[j]):
+                    raise ValueError(f"{label} overlaps out[{j}] ({names[j]})")
+            given[i] = a
+    return given
+
+
+def _allocate(given, shapes, dtypes, backend, stream, capturing, what):
+    import cupy
+
+    arrays = []
+    for g, shape, dtype, name in zip(given, shapes, dtypes, what):
+        if g is not None or shape is None:
+            arrays.append(g)
+            continue
+        if capturing:
+            raise RuntimeError(f"cupyffn: called during CUDA stream capture without out= for {name}: allocating "
+                               f"inside a capture would tie that memory to the graph. Pass it in out=")
+        if backend == "cpu":
+            arrays.append(numpy.empty(shape, numpy_dtype(dtype)))
+        else:
+            with stream:
+                arrays.append(cupy.empty(shape, numpy_dtype(dtype)))
+    return arrays
+
+
+def _nan_fill(arrays):
+    for a in arrays:
+        if a is not None:
+            a.view(numpy.uint16 if a.dtype.itemsize == 2 else numpy.uint32).fill(
+                {"bfloat16": 0x7FC0, "float16": 0x7E00}.get(dtype_name(a), 0x7FC00000))
+
+
+def _run_gpu(plans, key, build, run, fill, stream, capturing, what):
+    plan = plans.acquire(key)
+    if plan is None:
+        if capturing:
+            raise RuntimeError(f"cupyffn: {what} was called during CUDA stream capture but no plan exists for this "
+                               f"shape and dtypes; call it once outside the capture first (on any stream)")
+        plan = plans.acquire(key, build)
+    try:
+        with plan.lock:
+            if capturing:
+                _plan_cache.pin(plan)
+            run(plan)
+    except BaseException as e:
+        if capturing:
+            raise
+        error = _plan_cache.fill_nan_after_failure(e, fill)
+        if error is e:
+            raise
+        raise error from e
+    finally:
+        plans.release(plan)
+
+
+def _stream(stream, device):
+    import cupy
+
+    with cupy.cuda.Device(device):
+        s = stream if stream is not None else cupy.cuda.get_current_stream()
+    return s, _plan_cache.is_capturing(s.ptr)
+
+
+# ---------------------------------------------------------------------- forward
+def forward(hidden_states, weight1, weight2, bias1, bias2, precision, out, stream):
+    """gelu_ffn_forward's route (see there): FFNForward(output, linear1_out, None, gelu_out)."""
+    from ._forward import FFNForward
+
+    backend, arrays, device = _import((hidden_states, weight1, weight2, bias1, bias2),
+                                      ("hidden_states", "weight1", "weight2", "bias1", "bias2"), stream)
+    x, w1, w2, b1, b2 = arrays
+    act = dtype_name(x)
+    if act not in ACTS:
+        raise TypeError(f"hidden_states must be bfloat16, float16 or float32; got {act}")
+    _check_precision(precision, act)
+    if x.ndim < 1:
+        raise ValueError(f"hidden_states must have shape [..., dim]; got {tuple(x.shape)}")
+    D = x.shape[-1]
+    if w1.ndim != 2 or w1.shape[1] != D:
+        raise ValueError(f"weight1 must have shape (hidden_dim, dim) with dim = {D}; got {tuple(w1.shape)}")
+    H = w1.shape[0]
+    wt = dtype_name(w1)
+    allowed = ("float32", act) if act != "float32" else ("float32",)
+    _expect(w1, "weight1", (H, D), allowed)
+    _expect(w2, "weight2", (D, H), (wt,))
+    for b, name, n in ((b1, "bias1", H), (b2, "bias2", D)):
+        if b is not None:
+            _expect(b, name, (n,), (wt,))
+    gpu = backend == "gpu"
+    for a, name in zip(arrays, ("hidden_states", "weight1", "weight2", "bias1", "bias2")):
+        if a is not None:
+            _contiguous(a, name, gpu)
+    if gpu and (D * ITEMSIZE[act] % 16 or H * ITEMSIZE[act] % 16):
+        raise ValueError(f"dim = {D} and hidden_dim = {H} must be multiples of {16 // ITEMSIZE[act]} for {act} "
+                         f"activations on the GPU (cuBLASLt reads 16-byte-aligned rows)")
+    lead = tuple(x.shape[:-1])
+    shapes = (lead + (D,), lead + (H,), None, lead + (H,))
+    dtypes = ((act,),) * 4
+    if out is not None and len(out) == 4 and out[2] is not None:
+        raise ValueError("out[2] (tanh_inner) must be None: with bfloat16/float16 activations or biases the forward "
+                         "keeps linear1_out and gelu_out only (the backward's GELU derivative is recomputed from "
+                         "linear1_out)")
+    given = _outputs(out, FORWARD, shapes, dtypes, backend, device, stream, list(zip(
+        ("hidden_states", "weight1", "weight2", "bias1", "bias2"), arrays)), (4,))
+    if not gpu:
+        res = _allocate(given, shapes, [act] * 4, backend, None, False, FORWARD)
+        _cpu_forward(x, w1, w2, b1, b2, act, res)
+        return FFNForward(*res)
+    s, capturing = _stream(stream, device)
+    res = _allocate(given, shapes, [act] * 4, backend, s, capturing, FORWARD)
+    T = x.size // D if D else 0
+    if T == 0:
+        return FFNForward(*res)
+    key = LtKey(device, T, D, H, act, wt, act, b1 is not None, b2 is not None)
+    ptr = (lambda a: None if a is None else a.data.ptr)
+    import cupy
+
+    with cupy.cuda.Device(device):
+        _run_gpu(_forwards, key, lambda: LtForward(key),
+                 lambda plan: plan.run(ptr(x), ptr(w1), ptr(w2), ptr(b1), ptr(b2),
+                                       (res[0].data.ptr, res[1].data.ptr, res[3].data.ptr), s.ptr, capturing),
+                 lambda: _fill_on(s, [a for a in given if a is not None]), s, capturing, "gelu_ffn_forward")
+    return FFNForward(*res)
+
+
+def _fill_on(stream, arrays):
+    with stream:
+        _nan_fill(arrays)
+
+
+# ---------------------------------------------------------------------- backward
+def backward(args, precision, out, stream, accumulate, need_grad_hidden, need_weight_grads, need_bias_grads,
+             check_activations, grad_hidden_ready):
+    """gelu_ffn_backward's route (see there): FFNGrads with grad_bias1 / grad_bias2 when need_bias_grads."""
+    from ._backward_plan import FFNGrads
+
+    if args[5] is not None:
+        raise ValueError("tanh_inner must be None with bfloat16/float16 activations or biases: these plans recompute "
+                         "the GELU derivative from linear1_out inside GEMM1 (cuBLASLt's DGELU epilogue)")
+    backend, arrays, device = _import(args, INPUTS, stream)
+    dy, x, w1, w2, z, _, g = arrays
+    act = dtype_name(dy)
+    if act not in ACTS:
+        raise TypeError(f"grad_output must be bfloat16, float16 or float32; got {act}")
+    _check_precision(precision, act)
+    if dy.ndim < 1:
+        raise ValueError(f"grad_output must have shape [..., dim]; got {tuple(dy.shape)}")
+    D = dy.shape[-1]
+    if w1.ndim != 2 or w1.shape[1] != D:
+        raise ValueError(f"weight1 must have shape (hidden_dim, dim) with dim = {D}; got {tuple(w1.shape)}")
+    H = w1.shape[0]
+    lead = tuple(dy.shape[:-1])
+    wt = dtype_name(w1)
+    _expect(x, "hidden_states", dy.shape, (act,))
+    _expect(w1, "weight1", (H, D), ("float32", act) if act != "float32" else ("float32",))
+    _expect(w2, "weight2", (D, H), (wt,))
+    _expect(z, "linear1_out", lead + (H,), (act,))
+    if g is not None:
+        _expect(g, "gelu_out", lead + (H,), (act,))
+    gpu = backend == "gpu"
+    for a, name in zip(arrays, INPUTS):
+        if a is not None:
+            _contiguous(a, name, gpu)
+    if gpu and (D * ITEMSIZE[act] % 16 or H * ITEMSIZE[act] % 16):
+        raise ValueError(f"dim = {D} and hidden_dim = {H} must be multiples of {16 // ITEMSIZE[act]} for {act} "
+                         f"activations on the GPU (cuBLASLt reads 16-byte-aligned rows)")
+    if grad_hidden_ready is not None and (not gpu or not need_grad_hidden):
+        raise ValueError("grad_hidden_ready= needs GPU arrays and need_grad_hidden=True")
+    if accumulate and out is None:
+        raise ValueError("accumulate=True adds into out=: pass the gradients to add into")
+    grads_dt = tuple({"float32", wt})
+    shapes = (lead + (D,) if need_grad_hidden else None, (H, D) if need_weight_grads else None,
+              (D, H) if need_weight_grads else None, (H,) if need_bias_grads else None,
+              (D,) if need_bias_grads else None)
+    dtypes = ((act,), grads_dt, grads_dt, grads_dt, grads_dt)
+    given = _outputs(out, GRADS, shapes, dtypes, backend, device, stream, list(zip(INPUTS, arrays)),
+                     (3, 5) if need_bias_grads else (3,))
+    given += [None] * (5 - len(given))
+    picked = {dtype_name(a) for a in given[1:] if a is not None}
+    if len(picked) > 1:
+        raise TypeError(f"the weight and bias gradients in out= must share one dtype; got {sorted(picked)}")
+    gt = picked.pop() if picked else "float32"
+    if accumulate:
+        missing = [GRADS[i] for i in range(1, 5) if shapes[i] is not None and given[i] is None]
+        if missing:
+            raise ValueError(f"accumulate=True needs out= for {', '.join(missing)}")
+    if check_activations and g is not None:
+        _check(z, g, act, stream)
+    if not gpu:
+        res = _allocate(given, shapes, [act, gt, gt, gt, gt], backend, None, False, GRADS)
+        _cpu_backward(dy, x, w1, w2, z, g, act, res, accumulate)
+        return FFNGrads(*res)
+    s, capturing = _stream(stream, device)
+    res = _allocate(given, shapes, [act, gt, gt, gt, gt], backend, s, capturing, GRADS)
+    T = dy.size // D if D else 0
+    if T == 0:  # nothing to sum: weight and bias gradients are zero (or unchanged when accumulating)
+        if not accumulate:
+            with s:
+                for a in res[1:]:
+                    if a is not None:
+                        a.fill(0)
+        return FFNGrads(*res)
+    key = LtKey(device, T, D, H, act, wt, gt, need_bias_grads, need_bias_grads, need_grad_hidden, need_weight_grads,
+                g is None)
+    ptrs = {n: (None if a is None else a.data.ptr) for n, a in zip(INPUTS, arrays)}
+    outs = {n: (None if a is None else a.data.ptr) for n, a in zip(GRADS, res)}
+    import cupy
+
+    with cupy.cuda.Device(device):
+        _run_gpu(_backwards, key, lambda: LtBackward(key),
+                 lambda plan: plan.run(ptrs, outs, s.ptr, capturing, accumulate, grad_hidden_ready),
+                 lambda: _fill_on(s, [a for a in given if a is not None]), s, capturing, "gelu_ffn_backward")
+    return FFNGrads(*res)
+
+
+def _check(z, g, act, stream):
+    """check_activations for 16-bit (or fp32) gelu_out: judged at two units of its dtype's rounding."""
+    rows, cols = _checks.positions(z.size, z.shape[-1])
+    z2, g2 = z.reshape(-1, z.shape[-1]), g.reshape(-1, g.shape[-1])
+    if isinstance(z, numpy.ndarray):
+        zs, gs = z2[rows, cols], g2[rows, cols]
+    else:
+        import cupy
+
+        with (stream if stream is not None else contextlib.nullcontext()):
+            r, c = cupy.asarray(rows), cupy.asarray(cols)
+            zs, gs = cupy.asnumpy(z2[r, c]), cupy.asnumpy(g2[r, c])
+    eps = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float32": 2.0 ** -24}[act]
+    _checks.judge(zs.astype(numpy.float64), None, gs.astype(numpy.float64), atol=1e-5, rtol=4 * eps)
+
+
+# ---------------------------------------------------------------------- the CPU (NumPy) computation
+def _gelu(z):
+    return 0.5 * z * (1.0 + numpy.tanh(numpy.float32(_GELU_C) * (z + numpy.float32(0.044715) * z ** 3)))
+
+
+def _as_act(a, act):
+    """fp32 copy of `a` after rounding to the activation dtype (what the GPU multiplies)."""
+    return a.astype(numpy_dtype(act)).astype(numpy.float32)
+
+
+def _cpu_forward(x, w1, w2, b1, b2, act, res):
+    xf, w1f, w2f = (_as_act(a, act) for a in (x, w1, w2))
+    zf = xf.reshape(-1, x.shape[-1]) @ w1f.T
+    if b1 is not None:
+        zf += _as_act(b1, act)
+    gf = _gelu(zf)  # from the fp32 value, as cuBLASLt's epilogue
+    yf = _as_act(gf, act) @ w2f.T
+    if b2 is not None:
+        yf += _as_act(b2, act)
+    res[0][...] = yf.reshape(res[0].shape).astype(res[0].dtype)
+    res[1][...] = zf.reshape(res[1].shape).astype(res[1].dtype)
+    res[3][...] = gf.reshape(res[3].shape).astype(res[3].dtype)
+
+
+def _cpu_backward(dy, x, w1, w2, z, g, act, res, accumulate):
+    D, H = dy.shape[-1], w1.shape[0]
+    dyf, xf = dy.reshape(-1, D).astype(numpy.float32), x.reshape(-1, D).astype(numpy.float32)
+    zf = z.reshape(-1, H).astype(numpy.float32)
+    gf = g.reshape(-1, H).astype(numpy.float32) if g is not None else _as_act(_gelu(zf), act)
+    w1f, w2f = _as_act(w1, act), _as_act(w2, act)
+    t = numpy.tanh(numpy.float32(_GELU_C) * (zf + numpy.float32(0.044715) * zf ** 3))
+    dgelu = 0.5 * (1 + t) + 0.5 * zf * (1 - t * t) * numpy.float32(_GELU_C) * (1 + numpy.float32(3 * 0.044715) * zf * zf)
+    gl = _as_act((dyf @ w2f) * dgelu, act)
+    values = [gl @ w1f if res[0] is not None else None, gl.T @ xf, dyf.T @ gf, gl.sum(0), dyf.sum(0)]
+    for i, (r, v) in enumerate(zip(res, values)):
+        if r is None:
+            continue
+        v = v.reshape(r.shape)
+        if accumulate and i > 0:
+            v = r.astype(numpy.float32) + v
+        r[...] = v.astype(r.dtype)
