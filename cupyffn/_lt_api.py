@@ -7,6 +7,7 @@ cached plan of cupyffn/_lt_ffn.py run on the GPU, or the same computation in Num
 
 import contextlib
 import math
+from typing import Any, NamedTuple
 
 import numpy
 
@@ -27,6 +28,7 @@ _backwards = PlanCache(4)
 
 
 def clear_cache():
+    _recent.clear()
     _forwards.clear()
     _backwards.clear()
 
@@ -72,7 +74,7 @@ def _import(objs, names, stream):
         raise ValueError("stream= is for GPU arrays; these inputs are NumPy (CPU) arrays")
     for device in devices:
         _arrays.follow_torch(device, stream)
-    return backend, arrays, where.pop()
+    return backend, arrays, where.pop(), bool(devices)
 
 
 def _contiguous(a, name, gpu):
@@ -190,12 +192,113 @@ def _stream(stream, device):
     return s, _plan_cache.is_capturing(s.ptr)
 
 
+def _callers(out, given, res):
+    """The results as the caller sees them: its own out= objects where given, cupyffn's arrays elsewhere."""
+    return [out[i] if i < len(out or ()) and given[i] is not None else r for i, r in enumerate(res)]
+
+
+class _Prepared(NamedTuple):
+    """A checked GPU call, ready to enqueue (and, keyed by its signature, to replay without checks)."""
+
+    plans: Any
+    key: LtKey
+    build: Any
+    device: int
+    follow: bool          # torch tensors among the arguments: follow torch's stream (on a replay)
+    fill: list            # (pointer, shape, dtype name) of the caller's outputs, NaN-filled after a failure
+    result: Any           # the result type (FFNForward or FFNGrads) with its number of fields
+    enqueue: Any          # enqueue(plan, stream_ptr, capturing, ready_event)
+    what: str
+
+
+# signature -> _Prepared: repeated arrays skip the checks (as the float32 route's validated-call cache, decision
+# 014), only for calls whose every output is the caller's (nothing is allocated per call)
+_recent = {}
+_cupy_ndarray = None
+
+
+def _signature(args, out, flags):
+    """Identity of the call's arrays (pointer, shape, strides, dtype; CuPy arrays and CUDA torch tensors only, else
+    None) and flags."""
+    global _cupy_ndarray
+    if _cupy_ndarray is None:
+        import cupy
+
+        _cupy_ndarray = cupy.ndarray
+    nd, tt = _cupy_ndarray, _arrays._torch_types or ()
+    sig = [flags]
+    for a in (*args, *(out if isinstance(out, (tuple, list)) else (out,))):
+        t = type(a)
+        if a is None:
+            sig.append(None)
+        elif t is nd:
+            sig.append((a.data.ptr, a.shape, a.strides, a.dtype, a.device.id))
+        elif t in tt and a.is_cuda:
+            sig.append((a.data_ptr(), a.shape, a.stride(), a.dtype, a.get_device()))
+        else:
+            return None
+    return tuple(sig)
+
+
+def _remember(sig, prepared):
+    if len(_recent) >= 32:
+        _recent.clear()
+    _recent[sig] = prepared
+
+
+def _replay(prepared, out, stream, ready):
+    """Run a remembered call again; the results are this call's out= objects (every output was given)."""
+    if ready is not None and not prepared.key.need_grad_hidden:
+        raise ValueError("grad_hidden_ready= needs GPU arrays and need_grad_hidden=True")
+    s, capturing = _stream(stream, prepared.device)
+    if prepared.follow:
+        _arrays.follow_torch(prepared.device, s)
+    kind, n = prepared.result
+    _execute(prepared, s, capturing, ready)
+    out = list(out) + [None] * (n - len(out))
+    if kind is not None:  # FFNForward: its tanh_inner is None
+        return kind(*out)
+    from ._backward_plan import FFNGrads
+
+    return FFNGrads(*out)
+
+
+def _execute(prepared, s, capturing, ready):
+    import cupy
+
+    from ._views import typed_view
+
+    def fill():
+        _fill_on(s, [typed_view(p, shape, _strides(shape), prepared.device, dt) for p, shape, dt in prepared.fill])
+
+    with cupy.cuda.Device(prepared.device):
+        _run_gpu(prepared.plans, prepared.key, lambda: prepared.build(prepared.key),
+                 lambda plan: prepared.enqueue(plan, s.ptr, capturing, ready), fill, s, capturing, prepared.what)
+
+
+def _strides(shape):
+    strides, n = [], 1
+    for d in reversed(shape):
+        strides.append(n)
+        n *= d
+    return tuple(reversed(strides))
+
+
+def _geometry(arrays):
+    return [(a.data.ptr, tuple(a.shape), dtype_name(a)) for a in arrays if a is not None]
+
+
 # ---------------------------------------------------------------------- forward
 def forward(hidden_states, weight1, weight2, bias1, bias2, precision, out, stream):
     """gelu_ffn_forward's route (see there): FFNForward(output, linear1_out, None, gelu_out)."""
     from ._forward import FFNForward
 
-    backend, arrays, device = _import((hidden_states, weight1, weight2, bias1, bias2),
+    sig = _signature((hidden_states, weight1, weight2, bias1, bias2), out, ("forward", precision))
+    if sig is not None:
+        prepared = _recent.get(sig)
+        if prepared is not None:
+            return _replay(prepared, out, stream, None)
+    backend, arrays, device, torch_in = _import((hidden_states, weight1, weight2, bias1, bias2),
                                       ("hidden_states", "weight1", "weight2", "bias1", "bias2"), stream)
     x, w1, w2, b1, b2 = arrays
     act = dtype_name(x)
@@ -234,22 +337,22 @@ def forward(hidden_states, weight1, weight2, bias1, bias2, precision, out, strea
     if not gpu:
         res = _allocate(given, shapes, [act] * 4, backend, None, False, FORWARD)
         _cpu_forward(x, w1, w2, b1, b2, act, res)
-        return FFNForward(*res)
+        return FFNForward(*_callers(out, given, res))
     s, capturing = _stream(stream, device)
     res = _allocate(given, shapes, [act] * 4, backend, s, capturing, FORWARD)
+    result = FFNForward(*_callers(out, given, res))
     T = x.size // D if D else 0
     if T == 0:
-        return FFNForward(*res)
+        return result
     key = LtKey(device, T, D, H, act, wt, act, b1 is not None, b2 is not None)
-    ptr = (lambda a: None if a is None else a.data.ptr)
-    import cupy
-
-    with cupy.cuda.Device(device):
-        _run_gpu(_forwards, key, lambda: LtForward(key),
-                 lambda plan: plan.run(ptr(x), ptr(w1), ptr(w2), ptr(b1), ptr(b2),
-                                       (res[0].data.ptr, res[1].data.ptr, res[3].data.ptr), s.ptr, capturing),
-                 lambda: _fill_on(s, [a for a in given if a is not None]), s, capturing, "gelu_ffn_forward")
-    return FFNForward(*res)
+    inputs = [None if a is None else a.data.ptr for a in arrays]
+    outs = (res[0].data.ptr, res[1].data.ptr, res[3].data.ptr)
+    prepared = _Prepared(_forwards, key, LtForward, device, torch_in, _geometry(given), (FFNForward, 4),
+                         lambda plan, sptr, cap, ready: plan.run(*inputs, outs, sptr, cap), "gelu_ffn_forward")
+    if sig is not None and all(g is r for g, r in zip(given, res)):
+        _remember(sig, prepared)
+    _execute(prepared, s, capturing, None)
+    return result
 
 
 def _fill_on(stream, arrays):
@@ -263,10 +366,18 @@ def backward(args, precision, out, stream, accumulate, need_grad_hidden, need_we
     """gelu_ffn_backward's route (see there): FFNGrads with grad_bias1 / grad_bias2 when need_bias_grads."""
     from ._backward_plan import FFNGrads
 
+    sig = None
+    if not check_activations:
+        sig = _signature(args, out, ("backward", precision, accumulate, need_grad_hidden, need_weight_grads,
+                                     need_bias_grads))
+        if sig is not None:
+            prepared = _recent.get(sig)
+            if prepared is not None:
+                return _replay(prepared, out, stream, grad_hidden_ready)
     if args[5] is not None:
         raise ValueError("tanh_inner must be None with bfloat16/float16 activations or biases: these plans recompute "
                          "the GELU derivative from linear1_out inside GEMM1 (cuBLASLt's DGELU epilogue)")
-    backend, arrays, device = _import(args, INPUTS, stream)
+    backend, arrays, device, torch_in = _import(args, INPUTS, stream)
     dy, x, w1, w2, z, _, g = arrays
     act = dtype_name(dy)
     if act not in ACTS:
@@ -318,7 +429,7 @@ def backward(args, precision, out, stream, accumulate, need_grad_hidden, need_we
     if not gpu:
         res = _allocate(given, shapes, [act, gt, gt, gt, gt], backend, None, False, GRADS)
         _cpu_backward(dy, x, w1, w2, z, g, act, res, accumulate)
-        return FFNGrads(*res)
+        return FFNGrads(*_callers(out, given, res))
     s, capturing = _stream(stream, device)
     res = _allocate(given, shapes, [act, gt, gt, gt, gt], backend, s, capturing, GRADS)
     T = dy.size // D if D else 0
@@ -328,18 +439,19 @@ def backward(args, precision, out, stream, accumulate, need_grad_hidden, need_we
                 for a in res[1:]:
                     if a is not None:
                         a.fill(0)
-        return FFNGrads(*res)
+        return FFNGrads(*_callers(out, given, res))
     key = LtKey(device, T, D, H, act, wt, gt, need_bias_grads, need_bias_grads, need_grad_hidden, need_weight_grads,
                 g is None)
     ptrs = {n: (None if a is None else a.data.ptr) for n, a in zip(INPUTS, arrays)}
     outs = {n: (None if a is None else a.data.ptr) for n, a in zip(GRADS, res)}
-    import cupy
-
-    with cupy.cuda.Device(device):
-        _run_gpu(_backwards, key, lambda: LtBackward(key),
-                 lambda plan: plan.run(ptrs, outs, s.ptr, capturing, accumulate, grad_hidden_ready),
-                 lambda: _fill_on(s, [a for a in given if a is not None]), s, capturing, "gelu_ffn_backward")
-    return FFNGrads(*res)
+    result = FFNGrads(*_callers(out, given, res))
+    prepared = _Prepared(_backwards, key, LtBackward, device, torch_in, _geometry(given), (None, 5),
+                         lambda plan, sptr, cap, ready: plan.run(ptrs, outs, sptr, cap, accumulate, ready),
+                         "gelu_ffn_backward")
+    if sig is not None and all(g is r for g, r in zip(given, res)):  # every output the caller's: replayable
+        _remember(sig, prepared)
+    _execute(prepared, s, capturing, grad_hidden_ready)
+    return result
 
 
 def _check(z, g, act, stream):
