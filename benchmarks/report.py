@@ -403,6 +403,11 @@ def readme_sections(results_dir=None):
     if full is not None:
         sections[(BEGIN, END)] = readme_results(full)
         sections[(PBEGIN, PEND)] = precision_table(full)
+    from . import sd35
+
+    runs = sorted(Path(results_dir or RESULTS).glob(f"{sd35.SUITE}-*.json"))
+    if runs:
+        sections[(sd35.BEGIN, sd35.END)] = sd35.readme_section(json.loads(runs[-1].read_text()))
     return sections
 
 

@@ -6,12 +6,11 @@ cached plan of cupyffn/_lt_ffn.py run on the GPU, or the same computation in Num
 """
 
 import contextlib
-import math
 from typing import Any, NamedTuple
 
 import numpy
 
-from . import _arrays, _checks, _plan_cache
+from . import _arrays, _checks, _lt_cpu, _plan_cache
 from ._lt_ffn import ITEMSIZE, LtBackward, LtForward, LtKey
 from ._plan_cache import PlanCache
 from ._views import numpy_dtype
@@ -21,7 +20,6 @@ ACTS = HALF + ("float32",)
 INPUTS = ("grad_output", "hidden_states", "weight1", "weight2", "linear1_out", "tanh_inner", "gelu_out")
 GRADS = ("grad_hidden_states", "grad_weight1", "grad_weight2", "grad_bias1", "grad_bias2")
 FORWARD = ("output", "linear1_out", "tanh_inner", "gelu_out")
-_GELU_C = math.sqrt(2.0 / math.pi)
 
 _forwards = PlanCache(4)
 _backwards = PlanCache(4)
@@ -336,7 +334,7 @@ def forward(hidden_states, weight1, weight2, bias1, bias2, precision, out, strea
         ("hidden_states", "weight1", "weight2", "bias1", "bias2"), arrays)), (4,))
     if not gpu:
         res = _allocate(given, shapes, [act] * 4, backend, None, False, FORWARD)
-        _cpu_forward(x, w1, w2, b1, b2, act, res)
+        _lt_cpu.forward(x, w1, w2, b1, b2, act, res)
         return FFNForward(*_callers(out, given, res))
     s, capturing = _stream(stream, device)
     res = _allocate(given, shapes, [act] * 4, backend, s, capturing, FORWARD)
@@ -428,7 +426,7 @@ def backward(args, precision, out, stream, accumulate, need_grad_hidden, need_we
         _check(z, g, act, stream)
     if not gpu:
         res = _allocate(given, shapes, [act, gt, gt, gt, gt], backend, None, False, GRADS)
-        _cpu_backward(dy, x, w1, w2, z, g, act, res, accumulate)
+        _lt_cpu.backward(dy, x, w1, w2, z, g, act, res, accumulate)
         return FFNGrads(*_callers(out, given, res))
     s, capturing = _stream(stream, device)
     res = _allocate(given, shapes, [act, gt, gt, gt, gt], backend, s, capturing, GRADS)
@@ -468,46 +466,3 @@ def _check(z, g, act, stream):
             zs, gs = cupy.asnumpy(z2[r, c]), cupy.asnumpy(g2[r, c])
     eps = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float32": 2.0 ** -24}[act]
     _checks.judge(zs.astype(numpy.float64), None, gs.astype(numpy.float64), atol=1e-5, rtol=4 * eps)
-
-
-# ---------------------------------------------------------------------- the CPU (NumPy) computation
-def _gelu(z):
-    return 0.5 * z * (1.0 + numpy.tanh(numpy.float32(_GELU_C) * (z + numpy.float32(0.044715) * z ** 3)))
-
-
-def _as_act(a, act):
-    """fp32 copy of `a` after rounding to the activation dtype (what the GPU multiplies)."""
-    return a.astype(numpy_dtype(act)).astype(numpy.float32)
-
-
-def _cpu_forward(x, w1, w2, b1, b2, act, res):
-    xf, w1f, w2f = (_as_act(a, act) for a in (x, w1, w2))
-    zf = xf.reshape(-1, x.shape[-1]) @ w1f.T
-    if b1 is not None:
-        zf += _as_act(b1, act)
-    gf = _gelu(zf)  # from the fp32 value, as cuBLASLt's epilogue
-    yf = _as_act(gf, act) @ w2f.T
-    if b2 is not None:
-        yf += _as_act(b2, act)
-    res[0][...] = yf.reshape(res[0].shape).astype(res[0].dtype)
-    res[1][...] = zf.reshape(res[1].shape).astype(res[1].dtype)
-    res[3][...] = gf.reshape(res[3].shape).astype(res[3].dtype)
-
-
-def _cpu_backward(dy, x, w1, w2, z, g, act, res, accumulate):
-    D, H = dy.shape[-1], w1.shape[0]
-    dyf, xf = dy.reshape(-1, D).astype(numpy.float32), x.reshape(-1, D).astype(numpy.float32)
-    zf = z.reshape(-1, H).astype(numpy.float32)
-    gf = g.reshape(-1, H).astype(numpy.float32) if g is not None else _as_act(_gelu(zf), act)
-    w1f, w2f = _as_act(w1, act), _as_act(w2, act)
-    t = numpy.tanh(numpy.float32(_GELU_C) * (zf + numpy.float32(0.044715) * zf ** 3))
-    dgelu = 0.5 * (1 + t) + 0.5 * zf * (1 - t * t) * numpy.float32(_GELU_C) * (1 + numpy.float32(3 * 0.044715) * zf * zf)
-    gl = _as_act((dyf @ w2f) * dgelu, act)
-    values = [gl @ w1f if res[0] is not None else None, gl.T @ xf, dyf.T @ gf, gl.sum(0), dyf.sum(0)]
-    for i, (r, v) in enumerate(zip(res, values)):
-        if r is None:
-            continue
-        v = v.reshape(r.shape)
-        if accumulate and i > 0:
-            v = r.astype(numpy.float32) + v
-        r[...] = v.astype(r.dtype)

@@ -49,7 +49,6 @@ rules (vmap), untested with ``torch.func``; all three tensors on one device.
 This module imports torch; ``import cupyffn`` does not import it.
 """
 
-import math
 from typing import Optional, Tuple
 
 import torch
@@ -61,7 +60,7 @@ from ._precision import lookup as _lookup_precision
 from ._precision import resolve as _resolve_precision
 
 # the tensor-parallel names are defined in cupyffn/_torch_parallel.py and imported at the end of this module
-__all__ = ["GeluFFN", "GeluFFNFunction", "gelu_ffn", "gelu_ffn_backward",
+__all__ = ["GeluFFN", "GeluFFNFunction", "gelu_ffn", "gelu_ffn_backward", "replace_mlps",
            "TensorParallelGeluFFN", "TensorParallelGeluFFNFunction", "shard_weights", "tensor_parallel_gelu_ffn"]
 
 SAVE_MODES = ("all", "linear1_out")
@@ -454,46 +453,6 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
                           precision, need_grad_hidden, need_weight_grads)
 
 
-class GeluFFN(torch.nn.Module):
-    """``Linear(dim -> hidden_dim, no bias) -> GELU(tanh) -> Linear(hidden_dim -> dim, no bias)`` on cupyffn.
-
-    Parameters ``weight1 [hidden_dim, dim]`` and ``weight2 [dim, hidden_dim]`` (``[out_features,
-    in_features]``), initialized like ``torch.nn.Linear`` (``kaiming_uniform_(a=sqrt(5))``, i.e.
-    U(-1/sqrt(in_features), 1/sqrt(in_features))). ``precision`` and ``save`` as in ``GeluFFNFunction``
-    (precision None, the default: decided per call by the input's device, so it follows ``.to(device)``).
-    Only float32 parameters (``dtype`` other than torch.float32 raises TypeError). Input ``[..., dim]``
-    (float32, or any floating dtype under autocast), output ``[..., dim]`` float32, on the parameters'
-    device. Runs ``gelu_ffn`` (the cupyffn operators): compiles without graph breaks.
-    """
-
-    def __init__(self, dim, hidden_dim, *, precision=None, save="all", device=None,
-                 dtype=torch.float32):
-        super().__init__()
-        if dtype != torch.float32:
-            raise TypeError(f"GeluFFN supports dtype=torch.float32 only; got {dtype}")
-        for name, value in (("dim", dim), ("hidden_dim", hidden_dim)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
-        self.dim = dim
-        self.hidden_dim = hidden_dim
-        self.precision = _precision_name(precision)
-        self.save = _check_save(save)
-        factory = {"device": device, "dtype": dtype}
-        self.weight1 = torch.nn.Parameter(torch.empty((hidden_dim, dim), **factory))
-        self.weight2 = torch.nn.Parameter(torch.empty((dim, hidden_dim), **factory))
-        self.reset_parameters()
-
-    def reset_parameters(self):
-        """``torch.nn.Linear``'s weight initialization for both weights."""
-        torch.nn.init.kaiming_uniform_(self.weight1, a=math.sqrt(5))
-        torch.nn.init.kaiming_uniform_(self.weight2, a=math.sqrt(5))
-
-    def forward(self, x):
-        return _layer(x, self.weight1, self.weight2, self.precision, self.save)
-
-    def extra_repr(self):
-        return f"dim={self.dim}, hidden_dim={self.hidden_dim}, precision={self.precision!r}, save={self.save!r}"
-
-
+from ._torch_lt import GeluFFN, replace_mlps  # noqa: E402,F401 (the layer, the converters: cupyffn/_torch_lt.py)
 from ._torch_parallel import (TensorParallelGeluFFN, TensorParallelGeluFFNFunction,  # noqa: E402,F401 (tensor
                               shard_weights, tensor_parallel_gelu_ffn)  # parallelism, cupyffn/_torch_parallel.py)

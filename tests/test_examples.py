@@ -86,3 +86,29 @@ def test_cupy_example_runs_as_a_script():
     last = lines[-1].split()
     assert last[:7] == ["mean", "loss", "of", "the", "first", "10", "steps"]
     assert float(last[-2]) < float(last[7].rstrip(","))  # last-10 mean below first-10 mean
+
+
+def test_gpt2_example_sd35_stack_on_cpu():
+    torch_or_skip()
+    pytest.importorskip("ml_dtypes")
+    r = load("train_gpt2").main("sd35", steps=40, device="cpu", dim=64, layers=2, seq=16, batch=4, compile=False,
+                                lr=1e-3)
+    assert r["learned"] and r["agree"], r["final_loss_ratio"]
+
+
+def test_gpt2_example_on_cpu():
+    torch_or_skip()
+    pytest.importorskip("transformers", reason="transformers not installed (the GPT-2 example builds its model)")
+    r = load("train_gpt2").main("gpt2", steps=40, device="cpu", dim=64, layers=2, heads=2, vocab=64, seq=32,
+                                batch=4, compile=False, lr=3e-3)
+    assert r["learned"] and r["agree"], r["final_loss_ratio"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["gpt2", "sd35"])
+def test_gpt2_example_on_gpu(model):
+    torch_or_skip(cuda=True)
+    if model == "gpt2":
+        pytest.importorskip("transformers", reason="transformers not installed (the GPT-2 example builds its model)")
+    r = load("train_gpt2").main(model, steps=200, device="cuda", compile=False)
+    assert r["learned"] and r["agree"], r["final_loss_ratio"]

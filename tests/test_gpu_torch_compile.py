@@ -148,19 +148,22 @@ def test_reduce_overhead_mode(rng):
     cupyffn.release_captured_plans()
 
 
-def test_autocast_bf16_input_gives_float32_output_and_correct_grads(rng, ffn):
+def test_autocast_runs_the_bf16_plan_like_nn_linear(rng, ffn):
+    """Under bf16 autocast the layer computes in bf16 as nn.Linear would: bf16 output, fp32 weight gradients,
+    errors against float64 of the bf16 computation's size (the contract against torch's autocast itself is
+    tests/test_gpu_lt.py and tests/test_gpu_torch_layer_lt.py)."""
     x, r = tensors(rng)
     xb = x.bfloat16().requires_grad_()
     ffn.zero_grad(set_to_none=True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         y = ffn(xb)
         after = F.linear(y, torch.eye(DIM, device="cuda"))
-    assert y.dtype == torch.float32 and after.dtype == torch.bfloat16
-    (y * r).sum().backward()
+    assert y.dtype == torch.bfloat16 and after.dtype == torch.bfloat16
+    (y.float() * r).sum().backward()
     assert xb.grad.dtype == torch.bfloat16 and ffn.weight1.grad.dtype == torch.float32
     refs = reference(xb.detach().float(), ffn.weight1, ffn.weight2, r)
-    assert_close((y, ffn.weight1.grad, ffn.weight2.grad), (refs[0], refs[2], refs[3]))
-    assert rel(xb.grad, refs[1]) <= CONTRACT + 2 ** -8  # grad_x rounded to bf16 by autograd
+    for got, want in zip((y, xb.grad, ffn.weight1.grad, ffn.weight2.grad), refs):
+        assert rel(got, want) <= 2e-2
 
 
 def test_repeated_tensors_take_the_view_cache_and_fast_path(rng, ffn, monkeypatch):

@@ -131,7 +131,8 @@ def test_module_matches_float64_autograd(rng, device, precision):
         bound = 1 / fan_in ** 0.5
         assert float(w.abs().max()) <= bound and float(w.abs().max()) > 0.99 * bound
         assert abs(float(w.std()) - bound / 3 ** 0.5) < 0.02 * bound
-    assert repr(ffn) == f"GeluFFN(dim={dim}, hidden_dim={hidden}, precision={precision!r}, save='all')"
+    assert repr(ffn) == (f"GeluFFN(dim={dim}, hidden_dim={hidden}, bias=False, dtype=torch.float32, "
+                         f"precision={precision!r}, save='all')")
     x, _, _, r = make(rng, device)
     x.requires_grad_()
     y = ffn(x)
@@ -218,9 +219,9 @@ def test_only_float32(rng, device):
         with pytest.raises(TypeError, match=f"{name} must be float32.*float64"):
             ct.GeluFFNFunction.apply(bad["hidden_states"], bad["weight1"], bad["weight2"], "bf16x3", "all")
     ffn = ct.GeluFFN(16, 32, device=device)
-    with pytest.raises(TypeError, match="hidden_states must be float32.*float16"):
-        ffn(x.half())
-    with pytest.raises(TypeError, match="float32 only.*float64"):
+    with pytest.raises(TypeError, match="hidden_states must be float32.*float64"):
+        ffn(x.double())
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16.*float64"):
         ct.GeluFFN(16, 32, device=device, dtype=torch.float64)
     with pytest.raises(ValueError, match="save must be one of"):
         ct.gelu_ffn(x, w1, w2, save="nothing")
@@ -342,12 +343,17 @@ def test_compile_with_dynamic_shapes(rng):
 
 @pytest.mark.parametrize("compiled", (False, True), ids=("eager", "compiled"))
 def test_autocast_computes_in_float32(rng, compiled):
-    """Under bf16 autocast the inputs are cast to float32: float32 output, gradients in the inputs' dtypes."""
+    """gelu_ffn (the float32 operators) under bf16 autocast: inputs cast to float32, float32 output, gradients in
+    the inputs' dtypes. (The GeluFFN module runs the 16-bit plan under autocast: test_torch_layer_lt.py.)"""
     torch._dynamo.reset()
     dim, hidden = 64, 256
     torch.manual_seed(9)
     ffn = ct.GeluFFN(dim, hidden, precision="ieee")
-    model = torch.compile(ffn, fullgraph=True, backend="aot_eager") if compiled else ffn
+
+    def block(x):
+        return ct.gelu_ffn(x, ffn.weight1, ffn.weight2, "ieee")
+
+    model = torch.compile(block, fullgraph=True, backend="aot_eager") if compiled else block
     x, _, _, r = make(rng, "cpu", lead=(32,), dim=dim, hidden=hidden)
     xb = x.bfloat16().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):

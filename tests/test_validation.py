@@ -61,6 +61,9 @@ def args_with(inp, **replace):
 @pytest.mark.parametrize("name", INPUT_NAMES)
 def test_wrong_dtype(inp, name, dtype):
     bad = (inp[name] * 100).astype(dtype)
+    if name == "grad_output" and dtype is numpy.float16:  # a 16-bit grad_output takes the 16-bit route, which
+        expect_error(ValueError, r"^tanh_inner must be None with bfloat16/float16", args_with(inp, **{name: bad}))
+        return  # checks its own arguments (tests/test_lt_route.py)
     expect_error(TypeError, rf"^{name} must be float32; got {numpy.dtype(dtype).name}$", args_with(inp, **{name: bad}))
 
 
