@@ -47,6 +47,8 @@ def _models(torch, params, compile):
     models = {"cupyffn": ct.GeluFFN.from_linears(l1, l2), "torch-eager": eager}
     if compile:
         # the backward is timed on a retained graph, which a compiled backward with donated buffers refuses
+        import torch._functorch.config
+
         torch._functorch.config.donated_buffer = False
         models["torch-compile"] = torch.compile(eager, dynamic=True)
     return models, [l1.weight, l2.weight, l1.bias, l2.bias]
