@@ -96,6 +96,8 @@ def newest_results(results_dir=None):
     full, loop = None, None
     for path in sorted(Path(results_dir or RESULTS).glob("*.json")):
         data = json.loads(path.read_text())
+        if "suite" in data:  # another suite's run (benchmarks/sd35.py): its own README section
+            continue
         if "summary" in data and not data.get("protocol", {}).get("quick"):
             if full is None or data["date"] > full["date"]:
                 full = data

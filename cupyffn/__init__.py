@@ -1,14 +1,15 @@
 """cupyffn: the forward and backward pass of a GELU(tanh) feed-forward block, fast on NVIDIA GPUs (CuPy),
 with a NumPy backend of the same semantics for the CPU.
 
-    y = gelu_tanh(x @ weight1.T) @ weight2.T        x, y [..., D], weight1 [H, D], weight2 [D, H], no biases
+    y = gelu_tanh(x @ weight1.T + bias1) @ weight2.T + bias2     x, y [..., D], weight1 [H, D], weight2 [D, H]
 
     import cupyffn
     f = cupyffn.gelu_ffn_forward(x, weight1, weight2)      # output, linear1_out, tanh_inner, gelu_out
     g = cupyffn.gelu_ffn_backward(grad_output, x, weight1, weight2, f.linear1_out, f.tanh_inner, f.gelu_out)
     g.grad_hidden_states, g.grad_weight1, g.grad_weight2
 
-Arrays: float32 NumPy (computed on the CPU), CuPy, or any DLPack / CUDA Array Interface producer (torch, JAX).
+Arrays: float32 NumPy (computed on the CPU), CuPy, or any DLPack / CUDA Array Interface producer (torch, JAX);
+biases (bias1=, need_bias_grads=) and bf16 / fp16 activations take cuBLASLt's fused epilogues (docs/precisions.md).
 
 Functions  gelu_ffn_forward, gelu_ffn_backward; clear_cache and release_captured_plans (cached plans)
 Classes    GeluFFNBackward (a reusable plan for one shape), FFNForward and FFNGrads (the results),

@@ -1,4 +1,4 @@
-"""PyTorch layer: ``y = gelu_tanh(x @ weight1.T) @ weight2.T`` (no biases) with cupyffn's forward and backward.
+"""PyTorch layer: ``y = gelu_tanh(x @ weight1.T + b1) @ weight2.T + b2`` with cupyffn's forward and backward.
 
     from cupyffn.torch import GeluFFN
     ffn = GeluFFN(dim=512, hidden_dim=2048, device="cuda")       # precision: fp16+fp8 on CUDA, save="all"
@@ -25,10 +25,10 @@ plain ``torch.autograd.Function`` instead of the operators, skipping the custom-
 layers (host time per call; ``_eager`` says why that check is sufficient). ``entry_counts`` counts the calls
 of each route. ``gelu_ffn_backward`` is that eager backward as a function (no autograd).
 
-Autocast: under ``torch.autocast`` (CUDA or CPU) the forward casts its floating-point inputs to float32
-(``torch.library.register_autocast``) and computes in float32: the output is always float32, whatever
-the autocast dtype; gradients come back in the inputs' dtypes (autograd casts them). Outside autocast
-only float32 tensors are accepted (TypeError naming the tensor).
+Autocast: ``gelu_ffn`` (the operators) casts its floating-point inputs to float32 under ``torch.autocast``
+(``torch.library.register_autocast``) and returns float32; outside autocast only float32 tensors are accepted
+(TypeError naming the tensor). The ``GeluFFN`` module instead computes under autocast as ``nn.Linear`` would, in
+the autocast dtype, as it does with biases or 16-bit parameters (cupyffn/_torch_lt.py).
 
 Devices and streams: the work is enqueued on torch's current stream of the tensors' device
 (``torch.cuda.current_stream(device)``), so it is ordered like any torch op and the host is never

@@ -195,7 +195,7 @@ def test_repeated_tensors_take_the_view_cache_and_fast_path(rng, ffn, monkeypatc
     views_before = dict(_views._views)
     for value in values[2:]:
         one_step(value)
-    key = (x.data_ptr(), tuple(x.shape), x.stride(), 0)
+    key = (x.data_ptr(), tuple(x.shape), x.stride(), 0, "float32")
     assert key in views_before and _views._views[key] is views_before[key]
     assert prepared == []  # the backward's validated-call fast path served both calls
     assert y_kinds == {"_EagerGeluFFNBackward"}
