@@ -144,7 +144,7 @@ def _requirements(wheel):
 
 def test_dependencies_are_what_cupyffn_loads(wheel):
     by_extra, extras = _requirements(wheel)
-    assert extras == {"cuda12", "cuda13", "test", "test-frameworks", "plot"}, extras
+    assert extras == {"cuda12", "cuda13", "test", "test-frameworks", "plot", "bf16"}, extras
     assert [r[0] for r in by_extra[None]] == ["numpy"], by_extra[None]  # the CPU-only install: cupyffn + NumPy
     for extra, names in CUDA_EXTRAS.items():
         listed = [r[0] for r in by_extra[extra]]
@@ -163,6 +163,7 @@ def test_framework_tests_are_opt_in(wheel):
     by_extra, _ = _requirements(wheel)
     assert not {"torch", "jax", "jaxlib"} & {r[0] for r in by_extra["test"]}, by_extra["test"]
     assert {"pytest", "setuptools", "wheel", "ml-dtypes"} <= {r[0] for r in by_extra["test"]}, by_extra["test"]
+    assert [r[0] for r in by_extra["bf16"]] == ["ml-dtypes"], by_extra["bf16"]  # CuPy's and NumPy's bfloat16
     frameworks = {r[0]: r for r in by_extra["test-frameworks"]}
     assert set(frameworks) == {"torch", "jax"}, frameworks
     # CI's machine keeps the CPU build of torch 2.13.0 for Python 3.11 on x86_64; anywhere else that pin
