@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip(
+    "torch", reason="torch not installed: framework tests are opt-in, pip install '.[test-frameworks]'")
 pytest.importorskip("ml_dtypes")
 import cupyffn.torch as ct  # noqa: E402
 
