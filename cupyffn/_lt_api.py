@@ -20,6 +20,7 @@ ACTS = HALF + ("float32",)
 INPUTS = ("grad_output", "hidden_states", "weight1", "weight2", "linear1_out", "tanh_inner", "gelu_out")
 GRADS = ("grad_hidden_states", "grad_weight1", "grad_weight2", "grad_bias1", "grad_bias2")
 FORWARD = ("output", "linear1_out", "tanh_inner", "gelu_out")
+FORWARD_INPUTS = ("hidden_states", "weight1", "weight2", "bias1", "bias2")
 
 _forwards = PlanCache(4)
 _backwards = PlanCache(4)
@@ -88,6 +89,35 @@ def _expect(a, name, shape, dtypes):
         raise ValueError(f"{name} must have shape {tuple(shape)}; got {tuple(a.shape)}")
     if dtype_name(a) not in dtypes:
         raise TypeError(f"{name} must be {' or '.join(dtypes)}; got {dtype_name(a)}")
+
+
+def _block(first, name, w1, w2, precision):
+    """(activation dtype, D, H, weights' dtype) of a call whose first activation is `first` (named `name`), with
+    the weights and the precision checked against it."""
+    act = dtype_name(first)
+    if act not in ACTS:
+        raise TypeError(f"{name} must be bfloat16, float16 or float32; got {act}")
+    _check_precision(precision, act)
+    if first.ndim < 1:
+        raise ValueError(f"{name} must have shape [..., dim]; got {tuple(first.shape)}")
+    D = first.shape[-1]
+    if w1.ndim != 2 or w1.shape[1] != D:
+        raise ValueError(f"weight1 must have shape (hidden_dim, dim) with dim = {D}; got {tuple(w1.shape)}")
+    H = w1.shape[0]
+    wt = dtype_name(w1)
+    _expect(w1, "weight1", (H, D), ("float32", act) if act != "float32" else ("float32",))
+    _expect(w2, "weight2", (D, H), (wt,))
+    return act, D, H, wt
+
+
+def _layout(arrays, names, gpu, D, H, act):
+    """Every given array C-contiguous (16-byte aligned on the GPU), and rows cuBLASLt can read."""
+    for a, name in zip(arrays, names):
+        if a is not None:
+            _contiguous(a, name, gpu)
+    if gpu and (D * ITEMSIZE[act] % 16 or H * ITEMSIZE[act] % 16):
+        raise ValueError(f"dim = {D} and hidden_dim = {H} must be multiples of {16 // ITEMSIZE[act]} for {act} "
+                         f"activations on the GPU (cuBLASLt reads 16-byte-aligned rows)")
 
 
 def _span(a):
@@ -296,33 +326,15 @@ def forward(hidden_states, weight1, weight2, bias1, bias2, precision, out, strea
         prepared = _recent.get(sig)
         if prepared is not None:
             return _replay(prepared, out, stream, None)
-    backend, arrays, device, torch_in = _import((hidden_states, weight1, weight2, bias1, bias2),
-                                      ("hidden_states", "weight1", "weight2", "bias1", "bias2"), stream)
+    backend, arrays, device, torch_in = _import((hidden_states, weight1, weight2, bias1, bias2), FORWARD_INPUTS,
+                                                stream)
     x, w1, w2, b1, b2 = arrays
-    act = dtype_name(x)
-    if act not in ACTS:
-        raise TypeError(f"hidden_states must be bfloat16, float16 or float32; got {act}")
-    _check_precision(precision, act)
-    if x.ndim < 1:
-        raise ValueError(f"hidden_states must have shape [..., dim]; got {tuple(x.shape)}")
-    D = x.shape[-1]
-    if w1.ndim != 2 or w1.shape[1] != D:
-        raise ValueError(f"weight1 must have shape (hidden_dim, dim) with dim = {D}; got {tuple(w1.shape)}")
-    H = w1.shape[0]
-    wt = dtype_name(w1)
-    allowed = ("float32", act) if act != "float32" else ("float32",)
-    _expect(w1, "weight1", (H, D), allowed)
-    _expect(w2, "weight2", (D, H), (wt,))
+    act, D, H, wt = _block(x, "hidden_states", w1, w2, precision)
     for b, name, n in ((b1, "bias1", H), (b2, "bias2", D)):
         if b is not None:
             _expect(b, name, (n,), (wt,))
     gpu = backend == "gpu"
-    for a, name in zip(arrays, ("hidden_states", "weight1", "weight2", "bias1", "bias2")):
-        if a is not None:
-            _contiguous(a, name, gpu)
-    if gpu and (D * ITEMSIZE[act] % 16 or H * ITEMSIZE[act] % 16):
-        raise ValueError(f"dim = {D} and hidden_dim = {H} must be multiples of {16 // ITEMSIZE[act]} for {act} "
-                         f"activations on the GPU (cuBLASLt reads 16-byte-aligned rows)")
+    _layout(arrays, FORWARD_INPUTS, gpu, D, H, act)
     lead = tuple(x.shape[:-1])
     shapes = (lead + (D,), lead + (H,), None, lead + (H,))
     dtypes = ((act,),) * 4
@@ -330,8 +342,7 @@ def forward(hidden_states, weight1, weight2, bias1, bias2, precision, out, strea
         raise ValueError("out[2] (tanh_inner) must be None: with bfloat16/float16 activations or biases the forward "
                          "keeps linear1_out and gelu_out only (the backward's GELU derivative is recomputed from "
                          "linear1_out)")
-    given = _outputs(out, FORWARD, shapes, dtypes, backend, device, stream, list(zip(
-        ("hidden_states", "weight1", "weight2", "bias1", "bias2"), arrays)), (4,))
+    given = _outputs(out, FORWARD, shapes, dtypes, backend, device, stream, list(zip(FORWARD_INPUTS, arrays)), (4,))
     if not gpu:
         res = _allocate(given, shapes, [act] * 4, backend, None, False, FORWARD)
         _lt_cpu.forward(x, w1, w2, b1, b2, act, res)
@@ -377,31 +388,14 @@ def backward(args, precision, out, stream, accumulate, need_grad_hidden, need_we
                          "the GELU derivative from linear1_out inside GEMM1 (cuBLASLt's DGELU epilogue)")
     backend, arrays, device, torch_in = _import(args, INPUTS, stream)
     dy, x, w1, w2, z, _, g = arrays
-    act = dtype_name(dy)
-    if act not in ACTS:
-        raise TypeError(f"grad_output must be bfloat16, float16 or float32; got {act}")
-    _check_precision(precision, act)
-    if dy.ndim < 1:
-        raise ValueError(f"grad_output must have shape [..., dim]; got {tuple(dy.shape)}")
-    D = dy.shape[-1]
-    if w1.ndim != 2 or w1.shape[1] != D:
-        raise ValueError(f"weight1 must have shape (hidden_dim, dim) with dim = {D}; got {tuple(w1.shape)}")
-    H = w1.shape[0]
+    act, D, H, wt = _block(dy, "grad_output", w1, w2, precision)
     lead = tuple(dy.shape[:-1])
-    wt = dtype_name(w1)
     _expect(x, "hidden_states", dy.shape, (act,))
-    _expect(w1, "weight1", (H, D), ("float32", act) if act != "float32" else ("float32",))
-    _expect(w2, "weight2", (D, H), (wt,))
     _expect(z, "linear1_out", lead + (H,), (act,))
     if g is not None:
         _expect(g, "gelu_out", lead + (H,), (act,))
     gpu = backend == "gpu"
-    for a, name in zip(arrays, INPUTS):
-        if a is not None:
-            _contiguous(a, name, gpu)
-    if gpu and (D * ITEMSIZE[act] % 16 or H * ITEMSIZE[act] % 16):
-        raise ValueError(f"dim = {D} and hidden_dim = {H} must be multiples of {16 // ITEMSIZE[act]} for {act} "
-                         f"activations on the GPU (cuBLASLt reads 16-byte-aligned rows)")
+    _layout(arrays, INPUTS, gpu, D, H, act)
     if grad_hidden_ready is not None and (not gpu or not need_grad_hidden):
         raise ValueError("grad_hidden_ready= needs GPU arrays and need_grad_hidden=True")
     if accumulate and out is None:

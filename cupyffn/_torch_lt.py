@@ -13,7 +13,6 @@ import math
 
 import torch
 
-from . import _views
 from ._backward import gelu_ffn_backward
 from ._forward import gelu_ffn_forward
 
@@ -31,13 +30,16 @@ def activation_dtype(x, weight):
 
 
 def _stream(device):
-    """torch's current stream on a CUDA `device` as a CuPy stream (no ownership), or None on the CPU."""
+    """torch's current stream on a CUDA `device` as a CuPy stream (cupyffn.torch's, the last one kept), or None on
+    the CPU."""
     if device.type != "cuda":
         return None
     import cupy
 
-    with cupy.cuda.Device(device.index):
-        return _views.external_stream(torch._C._cuda_getCurrentRawStream(device.index), device.index)
+    from .torch import _cuda_stream
+
+    with cupy.cuda.Device(device.index):  # a new stream object is made with its device current
+        return _cuda_stream(device.index)
 
 
 def _arg(t):
