@@ -1,7 +1,9 @@
-"""JAX function: ``y = gelu_tanh(x @ weight1.T) @ weight2.T`` (no biases) with cupyffn's forward and backward.
+"""JAX function: ``y = gelu_tanh(x @ weight1.T + bias1) @ weight2.T + bias2`` (biases optional) with cupyffn's
+forward and backward.
 
     from cupyffn.jax import gelu_ffn
     y = gelu_ffn(x, w1, w2)                                  # x [..., D], w1 [H, D], w2 [D, H], float32
+    y = gelu_ffn(x16, w1, w2, bias1=b1, bias2=b2)            # bf16/fp16 x, fp32 (master) or x's dtype weights
     loss, grads = jax.jit(jax.value_and_grad(lambda x, w1, w2: (gelu_ffn(x, w1, w2) * r).sum(),
                                              argnums=(0, 1, 2)))(x, w1, w2)
 
@@ -9,7 +11,14 @@
 ``jax.experimental.buffer_callback`` calls: it works eagerly and inside ``jax.jit``, ``jax.grad``,
 ``jax.value_and_grad``, ``jax.vjp`` (and ``vmap``, one call per batch element). The forward keeps the
 residuals (x, weight1, weight2, linear1_out, tanh_inner, gelu_out) as ordinary JAX arrays; the backward
-computes the three gradients from them. ``weight1`` is ``[H, D]`` and ``weight2`` ``[D, H]``
+computes the three gradients from them (five with biases).
+
+bfloat16 / float16 activations or biases take cupyffn's 16-bit/bias plans (docs/precisions.md, "16-bit
+activations and biases"): the GEMMs on the 16-bit operands with fp32 accumulation and cuBLASLt's fused
+bias, GELU and GELU-derivative epilogues; float32 weights and biases are rounded to the activation dtype as
+torch's autocast does, and their gradients come back float32 (the master-weight convention; a 16-bit weight's
+gradient in its dtype); the residuals are linear1_out and gelu_out in the activation dtype (no tanh_inner).
+float32 activations with biases run in precision "ieee". ``weight1`` is ``[H, D]`` and ``weight2`` ``[D, H]``
 (``[out_features, in_features]``). Results equal the plain JAX expression within the precision's
 contract (``cupyffn.PRECISIONS[precision].contract``, relative L2 error per output).
 
@@ -26,7 +35,7 @@ leaves enough for cupyffn: ``GeluFFNBackward(...).scratch_bytes`` tells how much
 ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` (XLA then allocates as it goes).
 
 Limitations: no forward mode (``jvp`` / ``jacfwd``: JAX's custom_vjp error) and no higher-order
-derivatives; float32 only; under ``jit`` with sharded inputs XLA gathers them to one device first (the
+derivatives; under ``jit`` with sharded inputs XLA gathers them to one device first (the
 callback has no sharding rule): use it on single-device arrays or inside ``shard_map``.
 
 This module imports jax; ``import cupyffn`` does not import it.
@@ -78,7 +87,9 @@ def _on_device(ctx, buffers):
     device = runtime.pointerGetAttributes(next(c["data"][0] for c in cai if c["data"][0])).device \
         if any(c["data"][0] for c in cai) else runtime.getDevice()
     arrays = []
-    for c in cai:
+    for b, c in zip(buffers, cai):
+        dtype = str(b.dtype)
+        size = numpy.dtype(b.dtype).itemsize
         shape = tuple(c["shape"])
         strides = c.get("strides")
         if strides is None:  # C order
@@ -88,8 +99,8 @@ def _on_device(ctx, buffers):
                 step *= max(n, 1)
             strides = tuple(reversed(strides))
         else:
-            strides = tuple(s // 4 for s in strides)
-        arrays.append(_views.float32_view(c["data"][0], shape, strides, device))
+            strides = tuple(s // size for s in strides)
+        arrays.append(_views.typed_view(c["data"][0], shape, strides, device, dtype))
     return arrays, _views.external_stream(stream_ptr, device), device
 
 
@@ -145,25 +156,71 @@ def _backward_callback(precision):
     return callback
 
 
+@functools.lru_cache(maxsize=None)
+def _biased_forward_callback(has_bias1, has_bias2):
+    # the 16-bit/bias plan (cupyffn/_lt_api.py): the given biases follow the weights; outputs y, z, g
+    def callback(ctx, out, x, w1, w2, *biases):
+        def compute(arrays, stream):
+            x, w1, w2 = arrays[:3]
+            given = iter(arrays[3:3 + len(biases)])
+            b1, b2 = (next(given) if has_bias1 else None), (next(given) if has_bias2 else None)
+            y, z, g = arrays[3 + len(biases):]
+            _gelu_ffn_forward(x, w1, w2, bias1=b1, bias2=b2, out=(y, z, None, g), stream=stream)
+
+        _run(ctx, (x, w1, w2) + biases + tuple(out), compute)
+
+    return callback
+
+
+@functools.lru_cache(maxsize=None)
+def _biased_backward_callback(bias_grads):
+    def callback(ctx, out, dy, x, w1, w2, z, g):
+        def compute(arrays, stream):
+            dy, x, w1, w2, z, g, *results = arrays
+            _gelu_ffn_backward(dy, x, w1, w2, z, None, g, need_bias_grads=bias_grads, out=results, stream=stream)
+
+        _run(ctx, (dy, x, w1, w2, z, g) + tuple(out), compute)
+
+    return callback
+
+
 # ---------------------------------------------------------------------- traced side
-def _shapes(x, w1, w2):
+_ACTS = ("float32", "bfloat16", "float16")
+
+
+def _shapes(x, w1, w2, b1=None, b2=None):
     """Check the arguments (concrete or traced); returns (leading dims, D, H)."""
-    for name, a in (("hidden_states (x)", x), ("weight1", w1), ("weight2", w2)):
+    named = (("hidden_states (x)", x), ("weight1", w1), ("weight2", w2), ("bias1", b1), ("bias2", b2))
+    for name, a in named:
+        if a is None:
+            continue
         if not isinstance(a, jax.Array):
             raise TypeError(f"{name} must be a jax.Array; got {type(a).__module__}.{type(a).__name__}")
-        if a.dtype != jnp.float32:
-            raise TypeError(f"{name} must be float32 (cupyffn computes in float32); got {a.dtype}")
         if not isinstance(a, _Tracer) and len(a.devices()) != 1:
             raise ValueError(f"{name} is sharded over {len(a.devices())} devices; cupyffn.jax takes single-device "
                              f"arrays (or use it inside shard_map)")
+    act = str(x.dtype)
+    if act not in _ACTS:
+        raise TypeError(f"hidden_states (x) must be float32, bfloat16 or float16; got {act}")
+    weights = ("float32",) if act == "float32" else ("float32", act)
+    if str(w1.dtype) not in weights:
+        raise TypeError(f"weight1 must be {' or '.join(weights)} with {act} hidden_states; got {w1.dtype}")
     if x.ndim < 1 or x.shape[-1] < 1:
         raise ValueError(f"hidden_states (x) must have shape [..., dim] with dim >= 1; got {x.shape}")
     dim = x.shape[-1]
     if w1.ndim != 2 or w1.shape[1] != dim or w1.shape[0] < 1:
         raise ValueError(f"weight1 must have shape (hidden_dim, dim) with dim = x.shape[-1] = {dim}; got {w1.shape}")
     hidden = w1.shape[0]
-    if w2.shape != (dim, hidden):
-        raise ValueError(f"weight2 must have shape (dim, hidden_dim) = {(dim, hidden)}; got {w2.shape}")
+    for name, a, shape in (("weight2 must have shape (dim, hidden_dim) =", w2, (dim, hidden)),
+                           ("bias1 must have shape (hidden_dim,) =", b1, (hidden,)),
+                           ("bias2 must have shape (dim,) =", b2, (dim,))):
+        if a is None:
+            continue
+        if a.shape != shape:
+            raise ValueError(f"{name} {shape}; got {a.shape}")
+        name = name.split()[0]
+        if a.dtype != w1.dtype:
+            raise TypeError(f"{name} must have weight1's dtype {w1.dtype}; got {a.dtype}")
     return tuple(x.shape[:-1]), dim, hidden
 
 
@@ -201,17 +258,74 @@ def _gelu_ffn_bwd(precision, residuals, dy):
 _gelu_ffn.defvjp(_gelu_ffn_fwd, _gelu_ffn_bwd)
 
 
-def gelu_ffn(x, weight1, weight2, precision=None):
-    """``gelu_tanh(x @ weight1.T) @ weight2.T`` (no biases), differentiable with ``jax.grad`` (custom VJP).
+# the 16-bit/bias route: biases may be None (an empty pytree: its cotangent is None)
+def _biased_forward(x, w1, w2, b1, b2):
+    lead, dim, hidden = _shapes(x, w1, w2, b1, b2)
+    if math.prod(lead) == 0:
+        z = jnp.zeros(lead + (hidden,), x.dtype)
+        return jnp.zeros(lead + (dim,), x.dtype), z, z
+    shapes = (jax.ShapeDtypeStruct(lead + (dim,), x.dtype),) + (jax.ShapeDtypeStruct(lead + (hidden,), x.dtype),) * 2
+    biases = tuple(b for b in (b1, b2) if b is not None)
+    callback = _biased_forward_callback(b1 is not None, b2 is not None)
+    return tuple(buffer_callback(callback, shapes, vmap_method="sequential")(x, w1, w2, *biases))
 
-    x ``[..., D]``, weight1 ``[H, D]``, weight2 ``[D, H]``: float32 ``jax.Array``s on one CPU or CUDA device
-    (or traced values of those). precision: ``"fp16+fp8"``, ``"bf16x3"``, ``"ieee"``, ``"tf32"`` or ``"bf16"``
-    (``cupyffn.PRECISIONS``), or None (the default): the device's default, ``"fp16+fp8"`` on a GPU and ``"ieee"``
-    (plain fp32, the fastest on the CPU) on the CPU; the others remain valid on the CPU, reproducing the GPU's
-    numerics. Returns ``[..., D]`` float32. Works eagerly and under ``jax.jit``.
+
+@jax.custom_vjp
+def _biased_gelu_ffn(x, w1, w2, b1, b2):
+    return _biased_forward(x, w1, w2, b1, b2)[0]
+
+
+def _biased_gelu_ffn_fwd(x, w1, w2, b1, b2):
+    y, z, g = _biased_forward(x, w1, w2, b1, b2)
+    return y, (x, w1, w2, z, g, b1, b2)  # the biases only say which gradients to return
+
+
+def _biased_gelu_ffn_bwd(residuals, dy):
+    x, w1, w2, z, g, b1, b2 = residuals
+    has_b1, has_b2 = b1 is not None, b2 is not None
+    if dy.dtype != x.dtype:
+        raise TypeError(f"the output cotangent must be {x.dtype} (the output's dtype); got {dy.dtype}")
+    lead, dim, hidden = x.shape[:-1], x.shape[-1], w1.shape[0]
+    bias_grads = has_b1 or has_b2
+    if math.prod(lead) == 0:
+        grads = (jnp.zeros_like(x), jnp.zeros_like(w1), jnp.zeros_like(w2),
+                 jnp.zeros((hidden,), w1.dtype), jnp.zeros((dim,), w1.dtype))
+    else:
+        # with any bias both bias gradients are computed (each is a by-product of a GEMM's epilogue)
+        shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, w1, w2))
+        if bias_grads:
+            shapes += (jax.ShapeDtypeStruct((hidden,), w1.dtype), jax.ShapeDtypeStruct((dim,), w1.dtype))
+        grads = tuple(buffer_callback(_biased_backward_callback(bias_grads), shapes, vmap_method="sequential")(
+            dy, x, w1, w2, z, g)) + (None, None)
+    return grads[:3] + (grads[3] if has_b1 else None, grads[4] if has_b2 else None)
+
+
+_biased_gelu_ffn.defvjp(_biased_gelu_ffn_fwd, _biased_gelu_ffn_bwd)
+
+
+def gelu_ffn(x, weight1, weight2, precision=None, *, bias1=None, bias2=None):
+    """``gelu_tanh(x @ weight1.T + bias1) @ weight2.T + bias2``, differentiable with ``jax.grad`` (custom VJP).
+
+    x ``[..., D]``, weight1 ``[H, D]``, weight2 ``[D, H]``, bias1 ``[H]`` and bias2 ``[D]`` (keyword, each
+    optional): ``jax.Array``s on one CPU or CUDA device (or traced values of those).
+
+    float32 x without biases: weights float32; precision: ``"fp16+fp8"``, ``"bf16x3"``, ``"ieee"``, ``"tf32"``
+    or ``"bf16"`` (``cupyffn.PRECISIONS``), or None (the default): the device's default, ``"fp16+fp8"`` on a GPU
+    and ``"ieee"`` (plain fp32, the fastest on the CPU) on the CPU; the others remain valid on the CPU,
+    reproducing the GPU's numerics. Returns ``[..., D]`` float32.
+
+    bfloat16 / float16 x, or any bias: weights and biases float32 or x's dtype (one dtype for all of them);
+    the output in x's dtype; precision None (float32 x with biases: None or "ieee"). On the GPU, D and H
+    must be multiples of 8 for 16-bit x (cuBLASLt's row alignment). Gradients come back in their primal's
+    dtype. Works eagerly and under ``jax.jit``.
     """
+    _shapes(x, weight1, weight2, bias1, bias2)  # errors at the call (trace time under jit), naming the argument
+    if bias1 is not None or bias2 is not None or str(x.dtype) != "float32":
+        from ._lt_api import _check_precision
+
+        _check_precision(None if precision is None else _lookup_precision(precision).name, str(x.dtype))
+        return _biased_gelu_ffn(x, weight1, weight2, bias1, bias2)
     # None travels to the callbacks, where cupyffn sees the buffers and picks the default of their device
     # (a traced value has no device to ask at trace time)
     precision = None if precision is None else _lookup_precision(precision).name
-    _shapes(x, weight1, weight2)  # errors at the call (trace time under jit), naming the argument
     return _gelu_ffn(x, weight1, weight2, precision)

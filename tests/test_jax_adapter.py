@@ -166,9 +166,11 @@ def test_zero_tokens(rng, device):
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
 def test_argument_errors(rng, device):
     host, (x, w1, w2, _) = make(rng, device, lead=(8,), dim=16, hidden=32)
-    with pytest.raises(TypeError, match=r"hidden_states \(x\) must be float32.*float16"):
-        cj.gelu_ffn(x.astype(jnp.float16), w1, w2)
-    with pytest.raises(TypeError, match="weight2 must be float32.*bfloat16"):
+    with pytest.raises(TypeError, match=r"hidden_states \(x\) must be float32, bfloat16 or float16.*int32"):
+        cj.gelu_ffn(x.astype(jnp.int32), w1, w2)
+    with pytest.raises(TypeError, match="weight1 must be float32 with float32 hidden_states; got bfloat16"):
+        cj.gelu_ffn(x, w1.astype(jnp.bfloat16), w2)
+    with pytest.raises(TypeError, match="weight2 must have weight1's dtype float32; got bfloat16"):
         cj.gelu_ffn(x, w1, w2.astype(jnp.bfloat16))
     with pytest.raises(TypeError, match="weight1 must be a jax.Array"):
         cj.gelu_ffn(x, host[1], w2)
@@ -206,8 +208,10 @@ def test_gpu_callback_reads_xlas_buffers_and_stream(monkeypatch):
     from cupyffn import _views
 
     class Buffer:
-        def __init__(self, ptr, shape):
-            self.__cuda_array_interface__ = {"shape": shape, "typestr": "<f4", "data": (ptr, False), "version": 2}
+        def __init__(self, ptr, shape, dtype="float32"):
+            self.dtype = numpy.dtype(dtype) if dtype != "bfloat16" else _views.numpy_dtype(dtype)
+            typestr = "<f4" if dtype == "float32" else "<V2"
+            self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False), "version": 2}
 
         def __dlpack_device__(self):
             return (2, 0)  # kDLCUDA, device 0
@@ -219,14 +223,17 @@ def test_gpu_callback_reads_xlas_buffers_and_stream(monkeypatch):
     monkeypatch.setattr(runtime, "pointerGetAttributes",
                         lambda ptr: seen.append(ptr) or type("A", (), {"device": 0})())
     monkeypatch.setattr(_views, "external_stream", lambda ptr, device: ("stream", ptr, device))
-    buffers = (Buffer(1 << 30, (4, 8, 16)), Buffer((1 << 30) + 4096, (32, 16)))
+    pytest.importorskip("ml_dtypes")
+    buffers = (Buffer(1 << 30, (4, 8, 16)), Buffer((1 << 30) + 4096, (32, 16)),
+               Buffer((1 << 30) + 8192, (16, 8), "bfloat16"))
     for stream in (0x5000, api.PyCapsule_New(0x5000, None, None)):
         ctx = type("Ctx", (), {"stream": stream})()
         arrays, s, device = cj._on_device(ctx, buffers)
         assert s == ("stream", 0x5000, 0) and device == 0 and seen[-1] == 1 << 30
-        assert [a.data.ptr for a in arrays] == [1 << 30, (1 << 30) + 4096]
-        assert [a.shape for a in arrays] == [(4, 8, 16), (32, 16)]
-        assert [a.strides for a in arrays] == [(512, 64, 4), (64, 4)] and all(a.dtype == numpy.float32 for a in arrays)
+        assert [a.data.ptr for a in arrays] == [1 << 30, (1 << 30) + 4096, (1 << 30) + 8192]
+        assert [a.shape for a in arrays] == [(4, 8, 16), (32, 16), (16, 8)]
+        assert [a.strides for a in arrays] == [(512, 64, 4), (64, 4), (16, 2)]
+        assert [a.dtype.name for a in arrays] == ["float32", "float32", "bfloat16"]
 
 
 def test_host_buffers_take_the_numpy_path_and_device_errors_surface():
