@@ -21,6 +21,8 @@ INPUTS = ("grad_output", "hidden_states", "weight1", "weight2", "linear1_out", "
 GRADS = ("grad_hidden_states", "grad_weight1", "grad_weight2", "grad_bias1", "grad_bias2")
 FORWARD = ("output", "linear1_out", "tanh_inner", "gelu_out")
 FORWARD_INPUTS = ("hidden_states", "weight1", "weight2", "bias1", "bias2")
+#: precisions float32 activations with biases may take (None: "ieee")
+FLOAT32_PRECISIONS = (None, "ieee", "tf32", "bf16")
 
 _forwards = PlanCache(4)
 _backwards = PlanCache(4)
@@ -51,9 +53,15 @@ def _check_precision(precision, act):
         if precision is not None:
             raise ValueError(f"precision= chooses how float32 operands are multiplied; {act} activations are "
                              f"multiplied as they are (bf16/fp16 tensor cores, fp32 accumulation): pass precision=None")
-    elif precision not in (None, "ieee"):
-        raise ValueError(f"biases with float32 activations run in precision 'ieee' (plain fp32 GEMMs with fused "
-                         f"bias epilogues); got precision={precision!r}. Drop the biases, or use 'ieee' or None")
+    elif precision not in FLOAT32_PRECISIONS:
+        raise ValueError(f"biases with float32 activations run in precision 'ieee' (the default), 'tf32' or 'bf16' "
+                         f"(cuBLASLt GEMMs with fused bias epilogues; docs/precisions.md); got precision="
+                         f"{precision!r}, whose split forms have no bias epilogue. Drop the biases, or use one of those")
+
+
+def _fp32_precision(precision, act):
+    """The plan's precision: float32 activations' ("ieee" by default), None for 16-bit ones."""
+    return None if act in HALF else (precision or "ieee")
 
 
 def _import(objs, names, stream):
@@ -345,7 +353,7 @@ def forward(hidden_states, weight1, weight2, bias1, bias2, precision, out, strea
     given = _outputs(out, FORWARD, shapes, dtypes, backend, device, stream, list(zip(FORWARD_INPUTS, arrays)), (4,))
     if not gpu:
         res = _allocate(given, shapes, [act] * 4, backend, None, False, FORWARD)
-        _lt_cpu.forward(x, w1, w2, b1, b2, act, res)
+        _lt_cpu.forward(x, w1, w2, b1, b2, act, res, _fp32_precision(precision, act))
         return FFNForward(*_callers(out, given, res))
     s, capturing = _stream(stream, device)
     res = _allocate(given, shapes, [act] * 4, backend, s, capturing, FORWARD)
@@ -353,7 +361,8 @@ def forward(hidden_states, weight1, weight2, bias1, bias2, precision, out, strea
     T = x.size // D if D else 0
     if T == 0:
         return result
-    key = LtKey(device, T, D, H, act, wt, act, b1 is not None, b2 is not None)
+    key = LtKey(device, T, D, H, act, wt, act, b1 is not None, b2 is not None,
+                precision=_fp32_precision(precision, act))
     inputs = [None if a is None else a.data.ptr for a in arrays]
     outs = (res[0].data.ptr, res[1].data.ptr, res[3].data.ptr)
     prepared = _Prepared(_forwards, key, LtForward, device, torch_in, _geometry(given), (FFNForward, 4),
@@ -420,7 +429,7 @@ def backward(args, precision, out, stream, accumulate, need_grad_hidden, need_we
         _check(z, g, act, stream)
     if not gpu:
         res = _allocate(given, shapes, [act, gt, gt, gt, gt], backend, None, False, GRADS)
-        _lt_cpu.backward(dy, x, w1, w2, z, g, act, res, accumulate)
+        _lt_cpu.backward(dy, x, w1, w2, z, g, act, res, accumulate, _fp32_precision(precision, act))
         return FFNGrads(*_callers(out, given, res))
     s, capturing = _stream(stream, device)
     res = _allocate(given, shapes, [act, gt, gt, gt, gt], backend, s, capturing, GRADS)
@@ -433,7 +442,7 @@ def backward(args, precision, out, stream, accumulate, need_grad_hidden, need_we
                         a.fill(0)
         return FFNGrads(*_callers(out, given, res))
     key = LtKey(device, T, D, H, act, wt, gt, need_bias_grads, need_bias_grads, need_grad_hidden, need_weight_grads,
-                g is None)
+                g is None, _fp32_precision(precision, act))
     ptrs = {n: (None if a is None else a.data.ptr) for n, a in zip(INPUTS, arrays)}
     outs = {n: (None if a is None else a.data.ptr) for n, a in zip(GRADS, res)}
     result = FFNGrads(*_callers(out, given, res))

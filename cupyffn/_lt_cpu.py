@@ -1,5 +1,7 @@
 """The 16-bit/bias route on the CPU (cupyffn/_lt_api.py): NumPy in float32, with the GPU plan's roundings (weights,
-biases and grad_linear1 to the activation dtype; GELU from the fp32 pre-activation), so the two agree."""
+biases and grad_linear1 to the activation dtype; GELU from the fp32 pre-activation; float32 activations in precision
+"tf32" / "bf16": every GEMM operand rounded to nearest TF32 / bf16, as the tensor cores take them), so the two
+agree."""
 
 import math
 
@@ -19,13 +21,30 @@ def _as_act(a, act):
     return a.astype(numpy_dtype(act)).astype(numpy.float32)
 
 
-def forward(x, w1, w2, b1, b2, act, res):
+def _tf32(a):
+    """float32 `a` rounded to the nearest TF32 value (10 explicit significand bits, ties to even)."""
+    bits = numpy.ascontiguousarray(a, numpy.float32).view(numpy.uint32)
+    bits = (bits + numpy.uint32(0xFFF) + ((bits >> numpy.uint32(13)) & numpy.uint32(1))) & numpy.uint32(0xFFFFE000)
+    return bits.view(numpy.float32)
+
+
+def _matmul(precision):
+    """a @ b as a GEMM of this float32 precision multiplies (None, "ieee": as given)."""
+    if precision == "tf32":
+        return lambda a, b: _tf32(a) @ _tf32(b)
+    if precision == "bf16":
+        return lambda a, b: _as_act(a, "bfloat16") @ _as_act(b, "bfloat16")
+    return numpy.matmul
+
+
+def forward(x, w1, w2, b1, b2, act, res, precision=None):
     xf, w1f, w2f = (_as_act(a, act) for a in (x, w1, w2))
-    zf = xf.reshape(-1, x.shape[-1]) @ w1f.T
+    mm = _matmul(precision)
+    zf = mm(xf.reshape(-1, x.shape[-1]), w1f.T)
     if b1 is not None:
         zf += _as_act(b1, act)
     gf = _gelu(zf)  # from the fp32 value, as cuBLASLt's epilogue
-    yf = _as_act(gf, act) @ w2f.T
+    yf = mm(_as_act(gf, act), w2f.T)
     if b2 is not None:
         yf += _as_act(b2, act)
     res[0][...] = yf.reshape(res[0].shape).astype(res[0].dtype)
@@ -33,7 +52,7 @@ def forward(x, w1, w2, b1, b2, act, res):
     res[3][...] = gf.reshape(res[3].shape).astype(res[3].dtype)
 
 
-def backward(dy, x, w1, w2, z, g, act, res, accumulate):
+def backward(dy, x, w1, w2, z, g, act, res, accumulate, precision=None):
     D, H = dy.shape[-1], w1.shape[0]
     dyf, xf = dy.reshape(-1, D).astype(numpy.float32), x.reshape(-1, D).astype(numpy.float32)
     zf = z.reshape(-1, H).astype(numpy.float32)
@@ -41,8 +60,9 @@ def backward(dy, x, w1, w2, z, g, act, res, accumulate):
     w1f, w2f = _as_act(w1, act), _as_act(w2, act)
     t = numpy.tanh(numpy.float32(_GELU_C) * (zf + numpy.float32(0.044715) * zf ** 3))
     dgelu = 0.5 * (1 + t) + 0.5 * zf * (1 - t * t) * numpy.float32(_GELU_C) * (1 + numpy.float32(3 * 0.044715) * zf * zf)
-    gl = _as_act((dyf @ w2f) * dgelu, act)
-    values = [gl @ w1f if res[0] is not None else None, gl.T @ xf, dyf.T @ gf, gl.sum(0), dyf.sum(0)]
+    mm = _matmul(precision)
+    gl = _as_act(mm(dyf, w2f) * dgelu, act)
+    values = [mm(gl, w1f) if res[0] is not None else None, mm(gl.T, xf), mm(dyf.T, gf), gl.sum(0), dyf.sum(0)]
     for i, (r, v) in enumerate(zip(res, values)):
         if r is None:
             continue

@@ -1,7 +1,8 @@
 """The block on cuBLASLt's fused epilogues: 16-bit activations (bf16, fp16) and biases (docs/decisions/049).
 
-Every GEMM multiplies its operands as they come (bf16 / fp16 tensor cores, or plain fp32 SGEMM for float32
-activations with biases) and accumulates in fp32; the elementwise work rides in the GEMMs' epilogues:
+Every GEMM multiplies its operands as they come (bf16 / fp16 tensor cores; float32 activations with biases: plain
+fp32 SGEMM for precision "ieee", the operands rounded to TF32 / bf16 on the tensor cores for "tf32" / "bf16") and
+accumulates in fp32; the elementwise work rides in the GEMMs' epilogues:
 
 Forward, one stream:   [fp32 weights and biases to the activation dtype] ─► z = x W1^T + b1, epilogue GELU_AUX_BIAS:
                        gelu_out = GELU(z) and linear1_out = z (aux) ─► output = gelu_out W2^T + b2, epilogue BIAS.
@@ -25,6 +26,9 @@ from .gemm.cublas import R_16BF, R_16F, R_32F
 CUDA_TYPE = {"bfloat16": R_16BF, "float16": R_16F, "float32": R_32F}
 HALF_CODE = {"bfloat16": 0, "float16": 1}
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+#: cuBLAS compute type of each precision float32 activations may take here (16-bit activations: None, COMPUTE_32F).
+COMPUTE = {None: cublaslt.COMPUTE_32F, "ieee": cublaslt.COMPUTE_32F, "tf32": cublaslt.COMPUTE_32F_FAST_TF32,
+           "bf16": cublaslt.COMPUTE_32F_FAST_16BF}
 
 
 class LtKey(NamedTuple):
@@ -42,6 +46,7 @@ class LtKey(NamedTuple):
     need_grad_hidden: bool = True
     need_weight_grads: bool = True
     recompute_gelu: bool = False  # backward: gelu_out not given (memory mode)
+    precision: str = None  # float32 activations: "ieee", "tf32" or "bf16" (COMPUTE); 16-bit activations: None
 
 
 class _Scratch:
@@ -96,7 +101,8 @@ class _Engine:
         ldb = k if b_trans else n
         g = cublaslt.LtMatmul(m, n, k, CUDA_TYPE[a], CUDA_TYPE[b], CUDA_TYPE[c], a_trans, b_trans, lda, ldb, n,
                               name=name, device_id=self.device_id, epilogue=epilogue,
-                              bias_type=None if bias_type is None else CUDA_TYPE[bias_type])
+                              bias_type=None if bias_type is None else CUDA_TYPE[bias_type],
+                              compute=COMPUTE[self.key.precision])
         g.alpha.value, g.beta.value = self.one, self.zero
         self.gemms[name] = g
         return g

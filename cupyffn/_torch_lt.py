@@ -6,7 +6,8 @@ the input, weights and biases are cast to the autocast dtype (the casts kept for
 them), the GEMMs run on those 16-bit operands with fp32 accumulation, and the output is in the autocast dtype.
 Gradients come back in the parameters' own dtypes (fp32 master weights get fp32 gradients straight from the
 GEMMs' fp32 outputs). Outside autocast the tensors' own dtype decides: bf16/fp16 parameters and input run the
-same plan; float32 with biases runs the "ieee" plan (plain fp32 GEMMs with the bias epilogues).
+same plan; float32 with biases runs the layer's precision: "ieee" (None; plain fp32 GEMMs with the bias epilogues),
+"tf32" or "bf16".
 """
 
 import math
@@ -15,6 +16,7 @@ import torch
 
 from ._backward import gelu_ffn_backward
 from ._forward import gelu_ffn_forward
+from ._lt_api import FLOAT32_PRECISIONS
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -62,12 +64,13 @@ class LtFunction(torch.autograd.Function):
     """``gelu_tanh(x W1^T + b1) W2^T + b2`` in `act` (module docstring); x already in `act`."""
 
     @staticmethod
-    def forward(ctx, x, weight1, weight2, bias1, bias2, act, save):
+    def forward(ctx, x, weight1, weight2, bias1, bias2, act, save, precision):
         w1, w2, b1, b2 = (_cast(t, act) for t in (weight1, weight2, bias1, bias2))
+        ctx.precision = precision if act is torch.float32 else None  # 16-bit activations: multiplied as they are
         x = x.contiguous()
         lead, D, H = tuple(x.shape[:-1]), x.shape[-1], w1.shape[0]
         y, z, g = (torch.empty(lead + (n,), dtype=act, device=x.device) for n in (D, H, H))
-        gelu_ffn_forward(*(_arg(t) for t in (x, w1, w2)), bias1=_arg(b1), bias2=_arg(b2),
+        gelu_ffn_forward(*(_arg(t) for t in (x, w1, w2)), bias1=_arg(b1), bias2=_arg(b2), precision=ctx.precision,
                          out=[_arg(y), _arg(z), None, _arg(g)], stream=_stream(x.device))
         ctx.save_for_backward(x, w1, w2, z, g if save == "all" else None)
         ctx.dtypes = (weight1.dtype, None if bias1 is None else bias1.dtype, None if bias2 is None else bias2.dtype)
@@ -93,20 +96,21 @@ class LtFunction(torch.autograd.Function):
         out = [_arg(t) for t in (gx, gw1, gw2, gb1, gb2)]
         gelu_ffn_backward(*(_arg(t) for t in (dy, x, w1, w2, z)), None, _arg(g), out=out if need_b else out[:3],
                           stream=_stream(dev), need_grad_hidden=need_x, need_weight_grads=need_w,
-                          need_bias_grads=need_b)
+                          need_bias_grads=need_b, precision=ctx.precision)
         b1_dt, b2_dt = ctx.dtypes[1:]
         gb1 = gb1 if gb1 is None or b1_dt in (None, wt) else gb1.to(b1_dt)
         gb2 = gb2 if gb2 is None or b2_dt in (None, wt) else gb2.to(b2_dt)
         return (gx, gw1 if need_w1 else None, gw2 if need_w2 else None, gb1 if need_b1 else None,
-                gb2 if need_b2 else None, None, None)
+                gb2 if need_b2 else None, None, None, None)
 
 
-def lt_layer(x, weight1, weight2, bias1, bias2, save):
-    """The layer's forward through LtFunction (biases, or 16-bit activations)."""
+def lt_layer(x, weight1, weight2, bias1, bias2, save, precision=None):
+    """The layer's forward through LtFunction (biases, or 16-bit activations); `precision` applies to float32
+    activations (None, "ieee", "tf32" or "bf16")."""
     act = activation_dtype(x, weight1)
     if act not in HALF + (torch.float32,):
         raise TypeError(f"cupyffn computes in bfloat16, float16 or float32; got {act}")
-    return LtFunction.apply(x.to(act), weight1, weight2, bias1, bias2, act, save)
+    return LtFunction.apply(x.to(act), weight1, weight2, bias1, bias2, act, save, precision)
 
 
 # ---------------------------------------------------------------------- converters
@@ -178,7 +182,7 @@ def _from_linears(cls, linear1, linear2, **options):
     if tuple(w2.shape) != (D, H):
         raise ValueError(f"linear2 must map hidden_dim {H} back to dim {D}; its weight is {tuple(w2.shape)} "
                          f"([out_features, in_features])")
-    ffn = cls(D, H, bias=False, device=w1.device, dtype=w1.dtype, _empty=True, **options)
+    ffn = cls(D, H, bias=b1 is not None or b2 is not None, device=w1.device, dtype=w1.dtype, _empty=True, **options)
     ffn.weight1, ffn.weight2 = w1, w2
     ffn.bias1, ffn.bias2 = b1, b2
     return ffn
@@ -220,7 +224,7 @@ class GeluFFN(torch.nn.Module):
     Parameters ``weight1 [hidden_dim, dim]``, ``weight2 [dim, hidden_dim]`` (``[out_features, in_features]``) and,
     with ``bias=True``, ``bias1 [hidden_dim]``, ``bias2 [dim]``, initialized like ``torch.nn.Linear``; ``dtype``
     float32 (default), bfloat16 or float16. ``precision`` and ``save`` as in ``GeluFFNFunction`` (precision applies
-    to the float32 plans). Without biases, in float32 and outside autocast, the layer runs the float32 plans
+    to float32 computation; with biases it is "ieee" (None), "tf32" or "bf16"). Without biases, in float32 and outside autocast, the layer runs the float32 plans
     (``gelu_ffn``: custom operators, torch.compile without graph breaks). Otherwise (biases, 16-bit parameters or
     input, or under ``torch.autocast``) it runs the 16-bit/bias plan as ``nn.Linear`` would under the same
     autocast: computes in the autocast dtype (else the input's 16-bit dtype, else the parameters' dtype), returns
@@ -243,6 +247,9 @@ class GeluFFN(torch.nn.Module):
                 raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
         self.dim, self.hidden_dim = dim, hidden_dim
         self.precision = _precision_name(precision)
+        if bias and self.precision not in FLOAT32_PRECISIONS:
+            raise ValueError(f"GeluFFN(bias=True) computes float32 in precision 'ieee' (the default), 'tf32' or 'bf16' "
+                             f"(docs/precisions.md); got precision={self.precision!r}")
         self.save = _check_save(save)
         if _empty:  # from_linears sets the Parameters
             return
@@ -274,7 +281,7 @@ class GeluFFN(torch.nn.Module):
         if (self.bias1 is None and self.bias2 is None and w1.dtype == torch.float32 and x.dtype not in HALF
                 and not torch.is_autocast_enabled(x.device.type)):
             return _layer(x, w1, self.weight2, self.precision, self.save)
-        return lt_layer(x, w1, self.weight2, self.bias1, self.bias2, self.save)
+        return lt_layer(x, w1, self.weight2, self.bias1, self.bias2, self.save, self.precision)
 
     def extra_repr(self):
         return (f"dim={self.dim}, hidden_dim={self.hidden_dim}, bias={self.bias1 is not None}, "

@@ -18,7 +18,7 @@ activations and biases"): the GEMMs on the 16-bit operands with fp32 accumulatio
 bias, GELU and GELU-derivative epilogues; float32 weights and biases are rounded to the activation dtype as
 torch's autocast does, and their gradients come back float32 (the master-weight convention; a 16-bit weight's
 gradient in its dtype); the residuals are linear1_out and gelu_out in the activation dtype (no tanh_inner).
-float32 activations with biases run in precision "ieee". ``weight1`` is ``[H, D]`` and ``weight2`` ``[D, H]``
+float32 activations with biases run in precision "ieee" (None), "tf32" or "bf16". ``weight1`` is ``[H, D]`` and ``weight2`` ``[D, H]``
 (``[out_features, in_features]``). Results equal the plain JAX expression within the precision's
 contract (``cupyffn.PRECISIONS[precision].contract``, relative L2 error per output).
 
@@ -157,7 +157,7 @@ def _backward_callback(precision):
 
 
 @functools.lru_cache(maxsize=None)
-def _biased_forward_callback(has_bias1, has_bias2):
+def _biased_forward_callback(has_bias1, has_bias2, precision):
     # the 16-bit/bias plan (cupyffn/_lt_api.py): the given biases follow the weights; outputs y, z, g
     def callback(ctx, out, x, w1, w2, *biases):
         def compute(arrays, stream):
@@ -165,7 +165,8 @@ def _biased_forward_callback(has_bias1, has_bias2):
             given = iter(arrays[3:3 + len(biases)])
             b1, b2 = (next(given) if has_bias1 else None), (next(given) if has_bias2 else None)
             y, z, g = arrays[3 + len(biases):]
-            _gelu_ffn_forward(x, w1, w2, bias1=b1, bias2=b2, out=(y, z, None, g), stream=stream)
+            _gelu_ffn_forward(x, w1, w2, bias1=b1, bias2=b2, precision=precision, out=(y, z, None, g),
+                              stream=stream)
 
         _run(ctx, (x, w1, w2) + biases + tuple(out), compute)
 
@@ -173,11 +174,12 @@ def _biased_forward_callback(has_bias1, has_bias2):
 
 
 @functools.lru_cache(maxsize=None)
-def _biased_backward_callback(bias_grads):
+def _biased_backward_callback(bias_grads, precision):
     def callback(ctx, out, dy, x, w1, w2, z, g):
         def compute(arrays, stream):
             dy, x, w1, w2, z, g, *results = arrays
-            _gelu_ffn_backward(dy, x, w1, w2, z, None, g, need_bias_grads=bias_grads, out=results, stream=stream)
+            _gelu_ffn_backward(dy, x, w1, w2, z, None, g, need_bias_grads=bias_grads, precision=precision,
+                               out=results, stream=stream)
 
         _run(ctx, (dy, x, w1, w2, z, g) + tuple(out), compute)
 
@@ -259,28 +261,28 @@ _gelu_ffn.defvjp(_gelu_ffn_fwd, _gelu_ffn_bwd)
 
 
 # the 16-bit/bias route: biases may be None (an empty pytree: its cotangent is None)
-def _biased_forward(x, w1, w2, b1, b2):
+def _biased_forward(x, w1, w2, b1, b2, precision):
     lead, dim, hidden = _shapes(x, w1, w2, b1, b2)
     if math.prod(lead) == 0:
         z = jnp.zeros(lead + (hidden,), x.dtype)
         return jnp.zeros(lead + (dim,), x.dtype), z, z
     shapes = (jax.ShapeDtypeStruct(lead + (dim,), x.dtype),) + (jax.ShapeDtypeStruct(lead + (hidden,), x.dtype),) * 2
     biases = tuple(b for b in (b1, b2) if b is not None)
-    callback = _biased_forward_callback(b1 is not None, b2 is not None)
+    callback = _biased_forward_callback(b1 is not None, b2 is not None, precision)
     return tuple(buffer_callback(callback, shapes, vmap_method="sequential")(x, w1, w2, *biases))
 
 
-@jax.custom_vjp
-def _biased_gelu_ffn(x, w1, w2, b1, b2):
-    return _biased_forward(x, w1, w2, b1, b2)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _biased_gelu_ffn(x, w1, w2, b1, b2, precision):
+    return _biased_forward(x, w1, w2, b1, b2, precision)[0]
 
 
-def _biased_gelu_ffn_fwd(x, w1, w2, b1, b2):
-    y, z, g = _biased_forward(x, w1, w2, b1, b2)
+def _biased_gelu_ffn_fwd(x, w1, w2, b1, b2, precision):
+    y, z, g = _biased_forward(x, w1, w2, b1, b2, precision)
     return y, (x, w1, w2, z, g, b1, b2)  # the biases only say which gradients to return
 
 
-def _biased_gelu_ffn_bwd(residuals, dy):
+def _biased_gelu_ffn_bwd(precision, residuals, dy):
     x, w1, w2, z, g, b1, b2 = residuals
     has_b1, has_b2 = b1 is not None, b2 is not None
     if dy.dtype != x.dtype:
@@ -295,7 +297,7 @@ def _biased_gelu_ffn_bwd(residuals, dy):
         shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, w1, w2))
         if bias_grads:
             shapes += (jax.ShapeDtypeStruct((hidden,), w1.dtype), jax.ShapeDtypeStruct((dim,), w1.dtype))
-        grads = tuple(buffer_callback(_biased_backward_callback(bias_grads), shapes, vmap_method="sequential")(
+        grads = tuple(buffer_callback(_biased_backward_callback(bias_grads, precision), shapes, vmap_method="sequential")(
             dy, x, w1, w2, z, g)) + (None, None)
     return grads[:3] + (grads[3] if has_b1 else None, grads[4] if has_b2 else None)
 
@@ -315,16 +317,17 @@ def gelu_ffn(x, weight1, weight2, precision=None, *, bias1=None, bias2=None):
     reproducing the GPU's numerics. Returns ``[..., D]`` float32.
 
     bfloat16 / float16 x, or any bias: weights and biases float32 or x's dtype (one dtype for all of them);
-    the output in x's dtype; precision None (float32 x with biases: None or "ieee"). On the GPU, D and H
-    must be multiples of 8 for 16-bit x (cuBLASLt's row alignment). Gradients come back in their primal's
+    the output in x's dtype; precision None (float32 x with biases: None, i.e. "ieee", "tf32" or "bf16"). On
+    the GPU, D and H must be multiples of 8 for 16-bit x (cuBLASLt's row alignment). Gradients come back in their primal's
     dtype. Works eagerly and under ``jax.jit``.
     """
     _shapes(x, weight1, weight2, bias1, bias2)  # errors at the call (trace time under jit), naming the argument
     if bias1 is not None or bias2 is not None or str(x.dtype) != "float32":
         from ._lt_api import _check_precision
 
-        _check_precision(None if precision is None else _lookup_precision(precision).name, str(x.dtype))
-        return _biased_gelu_ffn(x, weight1, weight2, bias1, bias2)
+        precision = None if precision is None else _lookup_precision(precision).name
+        _check_precision(precision, str(x.dtype))
+        return _biased_gelu_ffn(x, weight1, weight2, bias1, bias2, precision)
     # None travels to the callbacks, where cupyffn sees the buffers and picks the default of their device
     # (a traced value has no device to ask at trace time)
     precision = None if precision is None else _lookup_precision(precision).name

@@ -109,6 +109,33 @@ def test_forward_and_backward_match_float64_and_the_numpy_route(act, bias, T):
         assert rel(got, host(want)) < tol, name
 
 
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+@pytest.mark.parametrize("T", [256, 8192])
+def test_float32_with_biases_in_tf32_and_bf16(precision, T):
+    """float32 activations with biases in precision tf32 / bf16 (cuBLASLt's FAST_TF32 / FAST_16BF compute types):
+    every output within the precision's contract against float64 at the SD3.5 block's shape, and close to the
+    NumPy route's rounding model (operands rounded to nearest)."""
+    D, H = 1536, 6144
+    x, dy, w1, w2, b1, b2 = make(T, D, H, "float32", T + 7)
+    (ry, _, _), rgrads = reference(x, dy, w1, w2, b1, b2)
+    out = [nan_like((T, D), "float32"), nan_like((T, H), "float32"), None, nan_like((T, H), "float32")]
+    f = cupyffn.gelu_ffn_forward(*dev(x, w1, w2, b1, b2)[:3], bias1=cupy.asarray(b1), bias2=cupy.asarray(b2),
+                                 precision=precision, out=out)
+    grads = [nan_like((T, D), "float32"), nan_like((H, D), "float32"), nan_like((D, H), "float32"),
+             nan_like((H,), "float32"), nan_like((D,), "float32")]
+    cupyffn.gelu_ffn_backward(*dev(dy, x, w1, w2), f.linear1_out, None, f.gelu_out, out=grads, need_bias_grads=True,
+                              precision=precision)
+    contract = cupyffn.PRECISIONS[precision].contract
+    errors = {n: rel(a, r) for n, a, r in zip(("y", "dx", "dw1", "dw2", "db1", "db2"), [f.output] + grads,
+                                               (ry,) + rgrads)}
+    assert max(errors.values()) <= contract, errors
+    exact = cupyffn.gelu_ffn_forward(*dev(x, w1, w2), bias1=cupy.asarray(b1), bias2=cupy.asarray(b2))
+    assert rel(exact.output, ry) < 1e-5 < errors["y"]  # the compute type took effect ('ieee' is the default)
+    if T == 256:  # the NumPy route's model of the rounding: same order of error
+        cpu = cupyffn.gelu_ffn_forward(x, w1, w2, bias1=b1, bias2=b2, precision=precision)
+        assert 0.5 < rel(cpu.output, ry) / errors["y"] < 2, (rel(cpu.output, ry), errors)
+
+
 @pytest.mark.parametrize("act", ["bfloat16", "float16"])
 def test_memory_mode_accumulate_and_flags(act):
     T, D, H = 1000, 512, 2048

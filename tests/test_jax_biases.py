@@ -137,6 +137,21 @@ def test_argument_errors_with_biases(device):
     with pytest.raises(ValueError, match="pass precision=None"):
         cj.gelu_ffn(x, w1, w2, "tf32")
     with pytest.raises(ValueError, match="biases with float32 activations run in precision 'ieee'"):
-        cj.gelu_ffn(x.astype(jnp.float32), w1, w2, "tf32", bias1=b1)
+        cj.gelu_ffn(x.astype(jnp.float32), w1, w2, "bf16x3", bias1=b1)
     with pytest.raises(ValueError, match="bias1 must have shape"):  # at trace time under jit
         jax.jit(ours)(x, w1, w2, b2, b2)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_float32_biases_in_tf32_and_bf16(device):
+    _, place = make(device)
+    args = place("float32", "float32")
+    x, w1, w2, b1, b2, r = args
+    refs = reference(*args)
+    errors = {}
+    for precision in ("ieee", "tf32", "bf16"):
+        f = lambda x, w1, w2, b1, b2: cj.gelu_ffn(x, w1, w2, precision, bias1=b1, bias2=b2)  # noqa: E731
+        y = jax.jit(f)(x, w1, w2, b1, b2)
+        grads = jax.jit(jax.grad(loss(f, r), argnums=range(5)))(x, w1, w2, b1, b2)
+        errors[precision] = max(rel(a, ref) for a, ref in zip((y,) + tuple(grads), refs))
+    assert errors["ieee"] < 5e-6 < errors["tf32"] < 6e-4 and errors["tf32"] < errors["bf16"] < 5e-3, errors

@@ -2,6 +2,7 @@
 argument checks, and the FFNGrads bias attributes."""
 
 import math
+import re
 
 import numpy
 import pytest
@@ -99,8 +100,9 @@ def test_forward_arguments_are_checked():
     x, dy, w1, w2, b1, b2 = make()
     with pytest.raises(ValueError, match=r"bias1 must have shape \(64,\)"):
         cupyffn.gelu_ffn_forward(x, w1, w2, bias1=b2)
-    with pytest.raises(ValueError, match="precision 'ieee'"):
-        cupyffn.gelu_ffn_forward(x, w1, w2, bias1=b1, precision="tf32")
+    for split in ("bf16x3", "fp16+fp8"):
+        with pytest.raises(ValueError, match=f"run in precision 'ieee' .*'tf32' or 'bf16'.*{re.escape(repr(split))}"):
+            cupyffn.gelu_ffn_forward(x, w1, w2, bias1=b1, precision=split)
     with pytest.raises(ValueError, match=r"out\[2\] \(tanh_inner\) must be None"):
         cupyffn.gelu_ffn_forward(x, w1, w2, bias1=b1, out=[None, None, numpy.zeros((48, 64), numpy.float32), None])
     x16 = x.astype(numpy.float16)
@@ -109,3 +111,23 @@ def test_forward_arguments_are_checked():
     before = x.copy()
     cupyffn.gelu_ffn_forward(x, w1, w2, bias1=b1, precision="ieee")
     assert numpy.array_equal(before, x)  # inputs are never modified
+
+
+@pytest.mark.parametrize("precision,contract,factor", [("tf32", 6e-4, 2.0 ** -11), ("bf16", 5e-3, 2.0 ** -8)])
+def test_float32_with_biases_in_tf32_and_bf16(precision, contract, factor):
+    """float32 activations with biases in precision tf32 / bf16: every GEMM operand rounded to nearest TF32 / bf16
+    (the tensor cores' inputs); within the precision's contract, and measurably less exact than 'ieee'."""
+    x, dy, w1, w2, b1, b2 = make(T=96, D=32, H=128)
+    y, z, g, grads = reference(x, dy, w1, w2, b1, b2)
+    results = {}
+    for p in (precision, "ieee"):
+        f = cupyffn.gelu_ffn_forward(x, w1, w2, bias1=b1, bias2=b2, precision=p)
+        res = cupyffn.gelu_ffn_backward(dy, x, w1, w2, f.linear1_out, None, f.gelu_out, need_bias_grads=True,
+                                        precision=p)
+        got = (f.output, res[0], res[1], res[2], res.grad_bias1, res.grad_bias2)
+        results[p] = [rel(a, r) for a, r in zip(got, (y,) + grads)]
+    mine, exact = results[precision], results["ieee"]
+    assert max(mine) <= contract, mine
+    assert max(exact) <= 1e-6, exact
+    # the GEMM outputs carry the operands' rounding (the bias sums of grad_output do not: no GEMM rounds it)
+    assert min(mine[:4]) >= factor / 8, mine

@@ -38,6 +38,8 @@ MATMUL_PREF_MIN_ALIGNMENT_C_BYTES = 7
 MATMUL_PREF_MIN_ALIGNMENT_D_BYTES = 8
 POINTER_MODE_DEVICE = 1  # CUBLASLT_POINTER_MODE_DEVICE (= CUBLAS_POINTER_MODE_DEVICE)
 COMPUTE_32F = cublas.COMPUTE_32F
+COMPUTE_32F_FAST_TF32 = cublas.COMPUTE_32F_FAST_TF32
+COMPUTE_32F_FAST_16BF = 75  # fp32 operands rounded to bf16 on the tensor cores, fp32 accumulation
 
 # cublasLtEpilogue_t, in cupyffn's row-major terms (LtMatmul runs C^T = B^T A^T, so cuBLASLt's "rows of D" are
 # our columns N and its B operand is our A): BIAS adds bias[N] to every row; GELU_AUX(_BIAS) also writes the
@@ -232,7 +234,8 @@ class LtMatmul:
     cublasLtMatmul call (D = C, in place), with cublas.Gemm's meaning of m, n, k, a_trans, b_trans, lda, ldb,
     ldc (row strides in elements; here fixed at build).
 
-    Compute CUBLAS_COMPUTE_32F, scale type fp32; alpha and beta are device pointers to one float each
+    Compute `compute` (CUBLAS_COMPUTE_32F, or for fp32 operands COMPUTE_32F_FAST_TF32 / COMPUTE_32F_FAST_16BF:
+    rounded to TF32 / bf16 on the tensor cores), fp32 accumulation, scale type fp32; alpha and beta are device pointers to one float each
     (rewritten per call, like the operand pointers `.a .b .c`, which must be 16-byte aligned). `a_scale`,
     `b_scale`: device pointers to one float each, fixed per plan (None: 1); cuBLASLt accepts them for fp8
     operands. With beta = 0, C is not read. Raises LtUnsupported when cuBLASLt cannot run the GEMM.
@@ -246,7 +249,7 @@ class LtMatmul:
 
     def __init__(self, m, n, k, a_type, b_type, c_type, a_trans=False, b_trans=False, lda=None, ldb=None,
                  ldc=None, name="gemm", a_scale=None, b_scale=None, device_id=0, epilogue=EPILOGUE_DEFAULT,
-                 aux_ld=None, aux_type=None, bias_type=None):
+                 aux_ld=None, aux_type=None, bias_type=None, compute=COMPUTE_32F):
         self._args = None
         self._layouts = []
         self._desc = ctypes.c_void_p()
@@ -283,12 +286,12 @@ class LtMatmul:
         self._destroy_layout, self._destroy_desc = lib.cublasLtMatrixLayoutDestroy, lib.cublasLtMatmulDescDestroy
         self._matmul = lib.cublasLtMatmul
         try:
-            self._build(lib, a_type, b_type, c_type, a_trans, b_trans, a_scale, b_scale, aux_type, bias_type)
+            self._build(lib, a_type, b_type, c_type, a_trans, b_trans, a_scale, b_scale, aux_type, bias_type, compute)
         except BaseException:
             self.close()
             raise
 
-    def _build(self, lib, a_type, b_type, c_type, a_trans, b_trans, a_scale, b_scale, aux_type, bias_type):
+    def _build(self, lib, a_type, b_type, c_type, a_trans, b_trans, a_scale, b_scale, aux_type, bias_type, compute):
         what = self.description
 
         def set_desc(attr, value, label):
@@ -297,7 +300,7 @@ class LtMatmul:
 
         transa, transb, lt_a, lt_b, lt_c = lt_layouts(self.m, self.n, self.k, a_trans, b_trans, self.lda, self.ldb,
                                                       self.ldc)
-        check(lib.cublasLtMatmulDescCreate(ctypes.byref(self._desc), COMPUTE_32F, R_32F),
+        check(lib.cublasLtMatmulDescCreate(ctypes.byref(self._desc), compute, R_32F),
               f"cublasLtMatmulDescCreate ({what})")
         set_desc(MATMUL_DESC_POINTER_MODE, ctypes.c_int32(POINTER_MODE_DEVICE), "POINTER_MODE")
         set_desc(MATMUL_DESC_TRANSA, ctypes.c_int32(transa), "TRANSA")
