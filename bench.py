@@ -11,6 +11,7 @@ measured the way SOL-ExecBench measures L2/068.
     python bench.py --timer events --rounds 1 --json /tmp/events.json   # CUDA-event timing, for comparison
     python bench.py --timer events-idle --rounds 1 --no-write   # events from an idle GPU: the host's part counts
     python bench.py --suite sd35-bf16 --compile   # SD3.5's MLP with biases, bf16 autocast, vs torch eager/compile
+    python bench.py --suite train-bf16            # whole training steps of GPT-2 / an SD3.5 stack, torch vs cupyffn
     python bench.py --readme             # regenerate README.md's tables from results/*.json (no GPU needed)
 
 Correctness: per workload, --rounds rounds of freshly seeded inputs for every implementation, each
@@ -67,10 +68,12 @@ def _parser():
     parser.add_argument("--json", default=None, metavar="PATH",
                         help="write the run's results JSON to PATH instead of results/ (e.g. a comparison run)")
     parser.add_argument("--readme", action="store_true", help="regenerate README.md from results/ and exit")
-    parser.add_argument("--suite", choices=("official", "sd35-bf16"), default="official",
+    parser.add_argument("--suite", choices=("official", "sd35-bf16", "train-bf16"), default="official",
                         help="official: the benchmark's fp32 block (default); sd35-bf16: SD3.5's MLP with biases under "
                              "bf16 autocast, cupyffn's layer against torch eager and torch.compile (benchmarks/sd35.py; "
-                             "needs torch; writes results/sd35-bf16-<gpu>.json and .md)")
+                             "needs torch; writes results/sd35-bf16-<gpu>.json and .md); train-bf16: training steps of "
+                             "examples/train_gpt2.py's two models, torch eager / torch.compile / cupyffn "
+                             "(benchmarks/training.py; needs torch and transformers; results/train-bf16-<gpu>.*)")
     return parser
 
 
@@ -118,17 +121,18 @@ def main(argv=None):
             print("bench.py: --host-only: the host-time table times GPU calls; it is a part of the loop mode "
                   "(--loop-only)", file=sys.stderr)
         return run_cpu(args, reason)
-    if args.suite == "sd35-bf16":
-        from benchmarks import sd35
+    if args.suite in ("sd35-bf16", "train-bf16"):
+        from benchmarks import sd35, training
 
-        result = sd35.run_suite(args, cupy)
+        suite = sd35 if args.suite == "sd35-bf16" else training
+        result = suite.run_suite(args, cupy)
         if args.json:
             import json
             from pathlib import Path
 
             Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
         elif not args.no_write:
-            sd35.write(result, R.RESULTS, R.slug)
+            suite.write(result, R.RESULTS, R.slug)
         return 0
     result = None if args.loop_only else gpu.run_gpu(args, cupy)
     loop = None
