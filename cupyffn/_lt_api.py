@@ -22,7 +22,7 @@ GRADS = ("grad_hidden_states", "grad_weight1", "grad_weight2", "grad_bias1", "gr
 FORWARD = ("output", "linear1_out", "tanh_inner", "gelu_out")
 FORWARD_INPUTS = ("hidden_states", "weight1", "weight2", "bias1", "bias2")
 #: precisions float32 activations with biases may take (None: "ieee")
-FLOAT32_PRECISIONS = (None, "ieee", "tf32", "bf16")
+FLOAT32_PRECISIONS = (None, "ieee", "tf32")
 
 _forwards = PlanCache(4)
 _backwards = PlanCache(4)
@@ -54,9 +54,9 @@ def _check_precision(precision, act):
             raise ValueError(f"precision= chooses how float32 operands are multiplied; {act} activations are "
                              f"multiplied as they are (bf16/fp16 tensor cores, fp32 accumulation): pass precision=None")
     elif precision not in FLOAT32_PRECISIONS:
-        raise ValueError(f"biases with float32 activations run in precision 'ieee' (the default), 'tf32' or 'bf16' "
-                         f"(cuBLASLt GEMMs with fused bias epilogues; docs/precisions.md); got precision="
-                         f"{precision!r}, whose split forms have no bias epilogue. Drop the biases, or use one of those")
+        raise ValueError(f"biases with float32 activations run in precision 'ieee' (the default) or 'tf32' (cuBLASLt "
+                         f"GEMMs with fused bias epilogues; docs/precisions.md); got precision={precision!r}, which has "
+                         f"no bias epilogue. Use one of those, or bfloat16 activations (autocast) for bf16 GEMMs")
 
 
 def _fp32_precision(precision, act):

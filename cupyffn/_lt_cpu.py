@@ -1,7 +1,6 @@
 """The 16-bit/bias route on the CPU (cupyffn/_lt_api.py): NumPy in float32, with the GPU plan's roundings (weights,
 biases and grad_linear1 to the activation dtype; GELU from the fp32 pre-activation; float32 activations in precision
-"tf32" / "bf16": every GEMM operand rounded to nearest TF32 / bf16, as the tensor cores take them), so the two
-agree."""
+"tf32": every GEMM operand rounded to nearest TF32, as the tensor cores take them), so the two agree."""
 
 import math
 
@@ -32,8 +31,6 @@ def _matmul(precision):
     """a @ b as a GEMM of this float32 precision multiplies (None, "ieee": as given)."""
     if precision == "tf32":
         return lambda a, b: _tf32(a) @ _tf32(b)
-    if precision == "bf16":
-        return lambda a, b: _as_act(a, "bfloat16") @ _as_act(b, "bfloat16")
     return numpy.matmul
 
 

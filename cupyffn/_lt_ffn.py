@@ -1,7 +1,7 @@
 """The block on cuBLASLt's fused epilogues: 16-bit activations (bf16, fp16) and biases (docs/decisions/049).
 
 Every GEMM multiplies its operands as they come (bf16 / fp16 tensor cores; float32 activations with biases: plain
-fp32 SGEMM for precision "ieee", the operands rounded to TF32 / bf16 on the tensor cores for "tf32" / "bf16") and
+fp32 SGEMM for precision "ieee", the operands rounded to TF32 on the tensor cores for "tf32") and
 accumulates in fp32; the elementwise work rides in the GEMMs' epilogues:
 
 Forward, one stream:   [fp32 weights and biases to the activation dtype] ─► z = x W1^T + b1, epilogue GELU_AUX_BIAS:
@@ -27,8 +27,9 @@ CUDA_TYPE = {"bfloat16": R_16BF, "float16": R_16F, "float32": R_32F}
 HALF_CODE = {"bfloat16": 0, "float16": 1}
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 #: cuBLAS compute type of each precision float32 activations may take here (16-bit activations: None, COMPUTE_32F).
-COMPUTE = {None: cublaslt.COMPUTE_32F, "ieee": cublaslt.COMPUTE_32F, "tf32": cublaslt.COMPUTE_32F_FAST_TF32,
-           "bf16": cublaslt.COMPUTE_32F_FAST_16BF}
+# (COMPUTE_32F_FAST_16BF is not offered for "bf16": measured on the H200, cuBLASLt then runs its TF32 kernels;
+# docs/decisions/049-biases-and-16-bit-activations.md)
+COMPUTE = {None: cublaslt.COMPUTE_32F, "ieee": cublaslt.COMPUTE_32F, "tf32": cublaslt.COMPUTE_32F_FAST_TF32}
 
 
 class LtKey(NamedTuple):
@@ -46,7 +47,7 @@ class LtKey(NamedTuple):
     need_grad_hidden: bool = True
     need_weight_grads: bool = True
     recompute_gelu: bool = False  # backward: gelu_out not given (memory mode)
-    precision: str = None  # float32 activations: "ieee", "tf32" or "bf16" (COMPUTE); 16-bit activations: None
+    precision: str = None  # float32 activations: "ieee" or "tf32" (COMPUTE); 16-bit activations: None
 
 
 class _Scratch:

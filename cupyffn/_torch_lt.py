@@ -7,7 +7,7 @@ them), the GEMMs run on those 16-bit operands with fp32 accumulation, and the ou
 Gradients come back in the parameters' own dtypes (fp32 master weights get fp32 gradients straight from the
 GEMMs' fp32 outputs). Outside autocast the tensors' own dtype decides: bf16/fp16 parameters and input run the
 same plan; float32 with biases runs the layer's precision: "ieee" (None; plain fp32 GEMMs with the bias epilogues),
-"tf32" or "bf16".
+or "tf32".
 """
 
 import math
@@ -106,7 +106,7 @@ class LtFunction(torch.autograd.Function):
 
 def lt_layer(x, weight1, weight2, bias1, bias2, save, precision=None):
     """The layer's forward through LtFunction (biases, or 16-bit activations); `precision` applies to float32
-    activations (None, "ieee", "tf32" or "bf16")."""
+    activations (None, "ieee" or "tf32")."""
     act = activation_dtype(x, weight1)
     if act not in HALF + (torch.float32,):
         raise TypeError(f"cupyffn computes in bfloat16, float16 or float32; got {act}")
@@ -224,7 +224,7 @@ class GeluFFN(torch.nn.Module):
     Parameters ``weight1 [hidden_dim, dim]``, ``weight2 [dim, hidden_dim]`` (``[out_features, in_features]``) and,
     with ``bias=True``, ``bias1 [hidden_dim]``, ``bias2 [dim]``, initialized like ``torch.nn.Linear``; ``dtype``
     float32 (default), bfloat16 or float16. ``precision`` and ``save`` as in ``GeluFFNFunction`` (precision applies
-    to float32 computation; with biases it is "ieee" (None), "tf32" or "bf16"). Without biases, in float32 and outside autocast, the layer runs the float32 plans
+    to float32 computation; with biases it is "ieee" (None) or "tf32"). Without biases, in float32 and outside autocast, the layer runs the float32 plans
     (``gelu_ffn``: custom operators, torch.compile without graph breaks). Otherwise (biases, 16-bit parameters or
     input, or under ``torch.autocast``) it runs the 16-bit/bias plan as ``nn.Linear`` would under the same
     autocast: computes in the autocast dtype (else the input's 16-bit dtype, else the parameters' dtype), returns
@@ -248,7 +248,7 @@ class GeluFFN(torch.nn.Module):
         self.dim, self.hidden_dim = dim, hidden_dim
         self.precision = _precision_name(precision)
         if bias and self.precision not in FLOAT32_PRECISIONS:
-            raise ValueError(f"GeluFFN(bias=True) computes float32 in precision 'ieee' (the default), 'tf32' or 'bf16' "
+            raise ValueError(f"GeluFFN(bias=True) computes float32 in precision 'ieee' (the default) or 'tf32' "
                              f"(docs/precisions.md); got precision={self.precision!r}")
         self.save = _check_save(save)
         if _empty:  # from_linears sets the Parameters

@@ -18,7 +18,7 @@ activations and biases"): the GEMMs on the 16-bit operands with fp32 accumulatio
 bias, GELU and GELU-derivative epilogues; float32 weights and biases are rounded to the activation dtype as
 torch's autocast does, and their gradients come back float32 (the master-weight convention; a 16-bit weight's
 gradient in its dtype); the residuals are linear1_out and gelu_out in the activation dtype (no tanh_inner).
-float32 activations with biases run in precision "ieee" (None), "tf32" or "bf16". ``weight1`` is ``[H, D]`` and ``weight2`` ``[D, H]``
+float32 activations with biases run in precision "ieee" (None) or "tf32". ``weight1`` is ``[H, D]`` and ``weight2`` ``[D, H]``
 (``[out_features, in_features]``). Results equal the plain JAX expression within the precision's
 contract (``cupyffn.PRECISIONS[precision].contract``, relative L2 error per output).
 
@@ -317,7 +317,7 @@ def gelu_ffn(x, weight1, weight2, precision=None, *, bias1=None, bias2=None):
     reproducing the GPU's numerics. Returns ``[..., D]`` float32.
 
     bfloat16 / float16 x, or any bias: weights and biases float32 or x's dtype (one dtype for all of them);
-    the output in x's dtype; precision None (float32 x with biases: None, i.e. "ieee", "tf32" or "bf16"). On
+    the output in x's dtype; precision None (float32 x with biases: None, i.e. "ieee", or "tf32"). On
     the GPU, D and H must be multiples of 8 for 16-bit x (cuBLASLt's row alignment). Gradients come back in their primal's
     dtype. Works eagerly and under ``jax.jit``.
     """

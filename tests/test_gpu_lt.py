@@ -109,10 +109,10 @@ def test_forward_and_backward_match_float64_and_the_numpy_route(act, bias, T):
         assert rel(got, host(want)) < tol, name
 
 
-@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+@pytest.mark.parametrize("precision", ["tf32"])
 @pytest.mark.parametrize("T", [256, 8192])
-def test_float32_with_biases_in_tf32_and_bf16(precision, T):
-    """float32 activations with biases in precision tf32 / bf16 (cuBLASLt's FAST_TF32 / FAST_16BF compute types):
+def test_float32_with_biases_in_tf32(precision, T):
+    """float32 activations with biases in precision tf32 (cuBLASLt's FAST_TF32 compute type):
     every output within the precision's contract against float64 at the SD3.5 block's shape, and close to the
     NumPy route's rounding model (operands rounded to nearest)."""
     D, H = 1536, 6144

@@ -143,15 +143,17 @@ def test_argument_errors_with_biases(device):
 
 
 @pytest.mark.parametrize("device", DEVICES, indirect=True)
-def test_float32_biases_in_tf32_and_bf16(device):
+def test_float32_biases_in_tf32(device):
     _, place = make(device)
     args = place("float32", "float32")
     x, w1, w2, b1, b2, r = args
     refs = reference(*args)
     errors = {}
-    for precision in ("ieee", "tf32", "bf16"):
+    for precision in ("ieee", "tf32"):
         f = lambda x, w1, w2, b1, b2: cj.gelu_ffn(x, w1, w2, precision, bias1=b1, bias2=b2)  # noqa: E731
         y = jax.jit(f)(x, w1, w2, b1, b2)
         grads = jax.jit(jax.grad(loss(f, r), argnums=range(5)))(x, w1, w2, b1, b2)
         errors[precision] = max(rel(a, ref) for a, ref in zip((y,) + tuple(grads), refs))
-    assert errors["ieee"] < 5e-6 < errors["tf32"] < 6e-4 and errors["tf32"] < errors["bf16"] < 5e-3, errors
+    assert errors["ieee"] < 5e-6 < 1e-4 < errors["tf32"] < 6e-4, errors  # GPU: 4.4e-4 measured on the H200
+    with pytest.raises(ValueError, match="'ieee' .* or 'tf32'"):
+        cj.gelu_ffn(x, w1, w2, "bf16", bias1=b1)

@@ -39,7 +39,6 @@ MATMUL_PREF_MIN_ALIGNMENT_D_BYTES = 8
 POINTER_MODE_DEVICE = 1  # CUBLASLT_POINTER_MODE_DEVICE (= CUBLAS_POINTER_MODE_DEVICE)
 COMPUTE_32F = cublas.COMPUTE_32F
 COMPUTE_32F_FAST_TF32 = cublas.COMPUTE_32F_FAST_TF32
-COMPUTE_32F_FAST_16BF = 75  # fp32 operands rounded to bf16 on the tensor cores, fp32 accumulation
 
 # cublasLtEpilogue_t, in cupyffn's row-major terms (LtMatmul runs C^T = B^T A^T, so cuBLASLt's "rows of D" are
 # our columns N and its B operand is our A): BIAS adds bias[N] to every row; GELU_AUX(_BIAS) also writes the
@@ -234,8 +233,8 @@ class LtMatmul:
     cublasLtMatmul call (D = C, in place), with cublas.Gemm's meaning of m, n, k, a_trans, b_trans, lda, ldb,
     ldc (row strides in elements; here fixed at build).
 
-    Compute `compute` (CUBLAS_COMPUTE_32F, or for fp32 operands COMPUTE_32F_FAST_TF32 / COMPUTE_32F_FAST_16BF:
-    rounded to TF32 / bf16 on the tensor cores), fp32 accumulation, scale type fp32; alpha and beta are device pointers to one float each
+    Compute `compute` (CUBLAS_COMPUTE_32F, or COMPUTE_32F_FAST_TF32: fp32 operands rounded to TF32 on the tensor
+    cores), fp32 accumulation, scale type fp32; alpha and beta are device pointers to one float each
     (rewritten per call, like the operand pointers `.a .b .c`, which must be 16-byte aligned). `a_scale`,
     `b_scale`: device pointers to one float each, fixed per plan (None: 1); cuBLASLt accepts them for fp8
     operands. With beta = 0, C is not read. Raises LtUnsupported when cuBLASLt cannot run the GEMM.
