@@ -2,7 +2,7 @@
 
 Builds a transformers GPT-2 from a config (no downloaded weights), clones it, swaps the clone's MLPs for
 ``cupyffn.torch.GeluFFN`` with ``cupyffn.torch.replace_mlps``, trains both from the same initial weights on the
-same synthetic batches, and checks that the loss curves agree: the mean loss of the last 20 steps within
+same synthetic batches, and checks that the loss curves agree: the mean loss of the last fifth of the steps (at least 20) within
 `tolerance` (relative). Reports the median step time of eager torch, torch.compile (optional) and cupyffn.
 
     python examples/train_gpt2.py                  # dim 1536, hidden 6144 (SD3.5 medium's MLP shape), 4 layers
@@ -102,9 +102,13 @@ def train(model, kind, data, device, lr):
 
 
 def main(model="gpt2", steps=300, device="cuda", dim=1536, layers=4, heads=12, vocab=512, seq=256, batch=8,
-         lr=3e-4, compile=True, tolerance=0.03):
+         lr=None, compile=True, tolerance=0.03):
     """Train the torch model and its cupyffn clone (and torch.compile of the former); returns a dict of the losses,
-    median step times and whether the curves agree."""
+    median step times and whether the curves agree (the mean loss of the last fifth of the steps, at least 20,
+    within `tolerance`, relative). lr: AdamW's (default 3e-4 for gpt2; 1e-4 for sd35, whose regression at 3e-4
+    spikes: measured on the H200, eager and torch.compile then ended 17% apart)."""
+    if lr is None:
+        lr = 3e-4 if model == "gpt2" else 1e-4
     if model == "gpt2":
         base = gpt2(dim, layers, heads, vocab, seq, device)
     else:
@@ -121,9 +125,11 @@ def main(model="gpt2", steps=300, device="cuda", dim=1536, layers=4, heads=12, v
     for name, m in runs.items():
         losses, times = train(m, model, batches(model, steps, batch, seq, dim, vocab, device), device, lr)
         results[name] = {"losses": losses, "median_step_ms": statistics.median(times[5:] or times)}
-    mine, theirs = results["cupyffn"]["losses"], results["torch eager"]["losses"]
-    tail = min(20, steps)
-    end_mine, end_theirs = sum(mine[-tail:]) / tail, sum(theirs[-tail:]) / tail
+    theirs = results["torch eager"]["losses"]
+    tail = min(max(20, steps // 5), steps)
+    for r in results.values():
+        r["final_loss"] = sum(r["losses"][-tail:]) / tail
+    end_mine, end_theirs = results["cupyffn"]["final_loss"], results["torch eager"]["final_loss"]
     results["final_loss_ratio"] = end_mine / end_theirs
     results["agree"] = abs(end_mine / end_theirs - 1) <= tolerance
     results["learned"] = end_theirs < 0.8 * sum(theirs[:tail]) / tail
@@ -143,5 +149,5 @@ if __name__ == "__main__":
     for name in ("torch eager", "torch.compile", "cupyffn"):
         if name in r:
             print(f"{name:14s} median step {r[name]['median_step_ms']:8.2f} ms   final loss "
-                  f"{sum(r[name]['losses'][-20:]) / len(r[name]['losses'][-20:]):.4f}")
+                  f"{r[name]['final_loss']:.4f}")
     print(f"final loss cupyffn / torch eager = {r['final_loss_ratio']:.4f}  agree: {r['agree']}")

@@ -13,7 +13,7 @@ def test_summary_and_markdown_from_a_cpu_run():
     example = training._example()
     r = example.main("sd35", steps=30, device="cpu", dim=64, layers=2, heads=2, vocab=64, seq=32, batch=4,
                      compile=False, tolerance=0.05)
-    entry = training.summarize(r, 30)
+    entry = training.summarize(r)
     assert set(entry["runs"]) == {"torch eager", "cupyffn"}
     assert entry["runs"]["cupyffn"]["losses"] == r["cupyffn"]["losses"] and len(r["cupyffn"]["losses"]) == 30
     assert entry["step_speedup"]["torch eager"] == pytest.approx(
@@ -24,4 +24,5 @@ def test_summary_and_markdown_from_a_cpu_run():
     text = training.markdown(result)
     row = [line for line in text.splitlines() if line.startswith("| sd35 |")][0].split(" | ")
     assert row[2] == "n/a" and float(row[1]) == pytest.approx(entry["runs"]["torch eager"]["median_step_ms"], abs=0.01)
-    assert row[6] == f"{r['final_loss_ratio']:.4f}"
+    assert row[6] == f"{r['final_loss_ratio']:.4f}" and row[7] == "n/a"
+    assert entry["final_loss_vs_eager"]["cupyffn"] == pytest.approx(r["final_loss_ratio"])
