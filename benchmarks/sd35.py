@@ -235,9 +235,14 @@ def markdown(result):
 
 
 def write(result, results_dir, slug):
-    base = results_dir / f"{SUITE}-{slug(result['env']['device'])}"
+    write_suite(result, SUITE, markdown(result), results_dir, slug)
+
+
+def write_suite(result, suite, text, results_dir, slug):
+    """results/<suite>-<gpu>.json (the run) and .md (`text`), for a suite other than the official one."""
+    base = results_dir / f"{suite}-{slug(result['env']['device'])}"
     base.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    base.with_suffix(".md").write_text(markdown(result))
+    base.with_suffix(".md").write_text(text)
     print(f"wrote {base.with_suffix('.json')} and .md")
 
 

@@ -13,7 +13,6 @@ ratio to eager is the spread two torch implementations of the same model show.
 
 import datetime
 import importlib.util
-import json
 import sys
 import time
 
@@ -83,7 +82,6 @@ def markdown(result):
 
 
 def write(result, results_dir, slug):
-    base = results_dir / f"{SUITE}-{slug(result['env']['device'])}"
-    base.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    base.with_suffix(".md").write_text(markdown(result))
-    print(f"wrote {base.with_suffix('.json')} and .md")
+    from .sd35 import write_suite
+
+    write_suite(result, SUITE, markdown(result), results_dir, slug)

@@ -9,7 +9,7 @@ pytest.importorskip("ml_dtypes")
 from benchmarks import training  # noqa: E402
 
 
-def test_summary_and_markdown_from_a_cpu_run():
+def test_summary_markdown_and_files_from_a_cpu_run(tmp_path):
     example = training._example()
     r = example.main("sd35", steps=30, device="cpu", dim=64, layers=2, heads=2, vocab=64, seq=32, batch=4,
                      compile=False, tolerance=0.05)
@@ -26,3 +26,6 @@ def test_summary_and_markdown_from_a_cpu_run():
     assert row[2] == "n/a" and float(row[1]) == pytest.approx(entry["runs"]["torch eager"]["median_step_ms"], abs=0.01)
     assert row[6] == f"{r['final_loss_ratio']:.4f}" and row[7] == "n/a"
     assert entry["final_loss_vs_eager"]["cupyffn"] == pytest.approx(r["final_loss_ratio"])
+    training.write(result, tmp_path, lambda device: device.lower())
+    assert (tmp_path / "train-bf16-cpu.md").read_text() == text
+    assert '"final_loss_vs_eager"' in (tmp_path / "train-bf16-cpu.json").read_text()
