@@ -157,3 +157,19 @@ def test_float32_biases_in_tf32(device):
     assert errors["ieee"] < 5e-6 < 1e-4 < errors["tf32"] < 6e-4, errors  # GPU: 4.4e-4 measured on the H200
     with pytest.raises(ValueError, match="'ieee' .* or 'tf32'"):
         cj.gelu_ffn(x, w1, w2, "bf16", bias1=b1)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_vmap_with_biases_runs_one_call_per_element(device):
+    _, place = make(device, T=48)
+    x, w1, w2, b1, b2, _ = place("bfloat16", "float32")
+    xs = x.reshape(3, 16, -1)
+    y = jax.jit(jax.vmap(lambda xi: ours(xi, w1, w2, b1, b2)))(xs)
+    whole_y = ours(x, w1, w2, b1, b2).astype(jnp.float32)
+    # per element: the same sums, perhaps split differently by cuBLASLt at T = 16: within one bf16 rounding
+    assert y.dtype == jnp.bfloat16
+    assert float(jnp.abs(y.reshape(x.shape).astype(jnp.float32) - whole_y).max()) <= 2.0 ** -7 * float(
+        jnp.abs(whole_y).max())
+    gw = jax.grad(lambda w1: jax.vmap(lambda xi: ours(xi, w1, w2, b1, b2))(xs).astype(jnp.float32).sum())(w1)
+    whole = jax.grad(lambda w1: ours(x, w1, w2, b1, b2).astype(jnp.float32).sum())(w1)
+    assert float(jnp.abs(gw - whole).max()) <= 1e-5 * float(jnp.abs(whole).max())  # fp32 sums in another order
