@@ -172,4 +172,7 @@ def test_vmap_with_biases_runs_one_call_per_element(device):
         jnp.abs(whole_y).max())
     gw = jax.grad(lambda w1: jax.vmap(lambda xi: ours(xi, w1, w2, b1, b2))(xs).astype(jnp.float32).sum())(w1)
     whole = jax.grad(lambda w1: ours(x, w1, w2, b1, b2).astype(jnp.float32).sum())(w1)
-    assert float(jnp.abs(gw - whole).max()) <= 1e-5 * float(jnp.abs(whole).max())  # fp32 sums in another order
+    # grad_linear1 is rounded to bf16 per element, from pre-activations that may differ by a bf16 rounding (GPU:
+    # measured 3.4e-3 of the largest entry at worst)
+    assert float(jnp.abs(gw - whole).max()) <= 2.0 ** -6 * float(jnp.abs(whole).max())
+    assert float(jnp.linalg.norm(gw - whole)) <= 2.0 ** -8 * float(jnp.linalg.norm(whole))
