@@ -427,6 +427,14 @@ def slug(name):
     return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
 
 
+def write_suite(result, suite, text, results_dir, slug):
+    """results/<suite>-<gpu>.json (the run) and .md (`text`), for a suite other than the official one."""
+    base = results_dir / f"{suite}-{slug(result['env']['device'])}"
+    base.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    base.with_suffix(".md").write_text(text)
+    print(f"wrote {base.with_suffix('.json')} and .md")
+
+
 def write_results(result, loop):
     RESULTS.mkdir(exist_ok=True)
     device = (result or {}).get("env", {}).get("device") or "gpu"

@@ -13,6 +13,7 @@ ratio to eager is the spread two torch implementations of the same model show.
 
 import datetime
 import importlib.util
+import inspect
 import sys
 import time
 
@@ -45,7 +46,7 @@ def run_suite(args, cupy, steps=300):
     return {"suite": SUITE, "env": environment(cupy, torch), "git_commit": git_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "python bench.py " + " ".join(sys.argv[1:]), "steps": steps,
-            "tolerance": example.main.__defaults__[-1], "models": models,
+            "tolerance": inspect.signature(example.main).parameters["tolerance"].default, "models": models,
             "wall_s": round(time.perf_counter() - started, 1)}
 
 
@@ -82,6 +83,4 @@ def markdown(result):
 
 
 def write(result, results_dir, slug):
-    from .sd35 import write_suite
-
-    write_suite(result, SUITE, markdown(result), results_dir, slug)
+    R.write_suite(result, SUITE, markdown(result), results_dir, slug)

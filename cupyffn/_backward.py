@@ -131,8 +131,8 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
 
     bfloat16 / float16 activations and bias gradients (docs/precisions.md, "16-bit activations and biases"):
     grad_output, hidden_states, linear1_out and gelu_out in one 16-bit dtype (or float32 with biases), weights
-    float32 or that dtype, tanh_inner None, precision None (float32 with biases: "ieee" or "tf32"); the GEMMs run on the
-    operands as given with cuBLASLt's fused GELU-derivative and bias-gradient epilogues; grad_hidden_states in
+    float32 or that dtype, tanh_inner None, precision None (float32 with biases: "ieee" or "tf32"); the GEMMs run
+    on the operands as given with cuBLASLt's fused GELU-derivative and bias-gradient epilogues; grad_hidden_states in
     the activation dtype, weight and bias gradients float32 (or the weights' dtype, chosen by out=).
 
     Arrays may be NumPy (computed on the CPU), CuPy, or any DLPack / CUDA Array Interface producer

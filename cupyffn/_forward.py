@@ -286,7 +286,8 @@ def gelu_ffn_forward(hidden_states, weight1, weight2, *, bias1=None, bias2=None,
     or that dtype) take the 16-bit/bias plan: cuBLASLt GEMMs with the bias and GELU fused into their epilogues,
     fp32 accumulation; linear1_out (with bias1 added), gelu_out and output come back in the activation dtype and
     tanh_inner is None (the backward recomputes it from linear1_out). float32 activations with biases run in
-    precision "ieee" (the default) or "tf32" (cuBLASLt's TF32 compute type). An fp32 weight or bias is rounded to the activation dtype first, as torch's autocast does.
+    precision "ieee" (the default) or "tf32" (cuBLASLt's TF32 compute type). An fp32 weight or bias is rounded to
+    the activation dtype first, as torch's autocast does.
     """
     from . import _lt_api
 

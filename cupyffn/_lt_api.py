@@ -54,9 +54,10 @@ def _check_precision(precision, act):
             raise ValueError(f"precision= chooses how float32 operands are multiplied; {act} activations are "
                              f"multiplied as they are (bf16/fp16 tensor cores, fp32 accumulation): pass precision=None")
     elif precision not in FLOAT32_PRECISIONS:
-        raise ValueError(f"biases with float32 activations run in precision 'ieee' (the default) or 'tf32' (cuBLASLt "
-                         f"GEMMs with fused bias epilogues; docs/precisions.md); got precision={precision!r}, which has "
-                         f"no bias epilogue. Use one of those, or bfloat16 activations (autocast) for bf16 GEMMs")
+        raise ValueError(f"biases with float32 activations run in precision 'ieee' (the default) or 'tf32' "
+                         f"(cuBLASLt GEMMs with fused bias epilogues; docs/precisions.md); got precision="
+                         f"{precision!r}, which has no bias epilogue. Use one of those, or bfloat16 activations "
+                         f"(autocast) for bf16 GEMMs")
 
 
 def _fp32_precision(precision, act):

@@ -21,10 +21,12 @@ def _as_act(a, act):
 
 
 def _tf32(a):
-    """float32 `a` rounded to the nearest TF32 value (10 explicit significand bits, ties to even)."""
-    bits = numpy.ascontiguousarray(a, numpy.float32).view(numpy.uint32)
+    """float32 `a` rounded to the nearest TF32 value (10 explicit significand bits, ties to even); NaN stays NaN
+    (a payload in the dropped bits alone would otherwise round to inf)."""
+    a = numpy.ascontiguousarray(a, numpy.float32)
+    bits = a.view(numpy.uint32)
     bits = (bits + numpy.uint32(0xFFF) + ((bits >> numpy.uint32(13)) & numpy.uint32(1))) & numpy.uint32(0xFFFFE000)
-    return bits.view(numpy.float32)
+    return numpy.where(numpy.isnan(a), a, bits.view(numpy.float32))
 
 
 def _matmul(precision):

@@ -1,7 +1,7 @@
 """The block on cuBLASLt's fused epilogues: 16-bit activations (bf16, fp16) and biases (docs/decisions/049).
 
-Every GEMM multiplies its operands as they come (bf16 / fp16 tensor cores; float32 activations with biases: plain
-fp32 SGEMM for precision "ieee", the operands rounded to TF32 on the tensor cores for "tf32") and
+Every GEMM multiplies its operands as they come (bf16 / fp16 tensor cores; float32 activations with biases:
+plain fp32 SGEMM for precision "ieee", the operands rounded to TF32 on the tensor cores for "tf32") and
 accumulates in fp32; the elementwise work rides in the GEMMs' epilogues:
 
 Forward, one stream:   [fp32 weights and biases to the activation dtype] ─► z = x W1^T + b1, epilogue GELU_AUX_BIAS:

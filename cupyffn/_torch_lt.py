@@ -16,7 +16,7 @@ import torch
 
 from ._backward import gelu_ffn_backward
 from ._forward import gelu_ffn_forward
-from ._lt_api import FLOAT32_PRECISIONS
+from ._lt_api import _check_precision
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -224,12 +224,12 @@ class GeluFFN(torch.nn.Module):
     Parameters ``weight1 [hidden_dim, dim]``, ``weight2 [dim, hidden_dim]`` (``[out_features, in_features]``) and,
     with ``bias=True``, ``bias1 [hidden_dim]``, ``bias2 [dim]``, initialized like ``torch.nn.Linear``; ``dtype``
     float32 (default), bfloat16 or float16. ``precision`` and ``save`` as in ``GeluFFNFunction`` (precision applies
-    to float32 computation; with biases it is "ieee" (None) or "tf32"). Without biases, in float32 and outside autocast, the layer runs the float32 plans
-    (``gelu_ffn``: custom operators, torch.compile without graph breaks). Otherwise (biases, 16-bit parameters or
-    input, or under ``torch.autocast``) it runs the 16-bit/bias plan as ``nn.Linear`` would under the same
-    autocast: computes in the autocast dtype (else the input's 16-bit dtype, else the parameters' dtype), returns
-    that dtype, and gives gradients in the parameters' dtypes (docs/precisions.md). That route is an eager
-    autograd.Function (torch.compile treats it as a graph break).
+    to float32 computation; with biases it is "ieee" (None) or "tf32"). Without biases, in float32 and outside
+    autocast, the layer runs the float32 plans (``gelu_ffn``: custom operators, torch.compile without graph
+    breaks). Otherwise (biases, 16-bit parameters or input, or under ``torch.autocast``) it runs the 16-bit/bias
+    plan as ``nn.Linear`` would under the same autocast: computes in the autocast dtype (else the input's 16-bit
+    dtype, else the parameters' dtype), returns that dtype, and gives gradients in the parameters' dtypes
+    (docs/precisions.md). That route is an eager autograd.Function (torch.compile treats it as a graph break).
 
     ``GeluFFN.from_linears(linear1, linear2)`` wraps two existing layers (their Parameters, shared);
     ``cupyffn.torch.replace_mlps(model)`` swaps a model's MLPs.
@@ -247,9 +247,8 @@ class GeluFFN(torch.nn.Module):
                 raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
         self.dim, self.hidden_dim = dim, hidden_dim
         self.precision = _precision_name(precision)
-        if bias and self.precision not in FLOAT32_PRECISIONS:
-            raise ValueError(f"GeluFFN(bias=True) computes float32 in precision 'ieee' (the default) or 'tf32' "
-                             f"(docs/precisions.md); got precision={self.precision!r}")
+        if bias:  # refused here rather than at the first float32 call
+            _check_precision(self.precision, "float32")
         self.save = _check_save(save)
         if _empty:  # from_linears sets the Parameters
             return

@@ -11,16 +11,16 @@ forward and backward.
 ``jax.experimental.buffer_callback`` calls: it works eagerly and inside ``jax.jit``, ``jax.grad``,
 ``jax.value_and_grad``, ``jax.vjp`` (and ``vmap``, one call per batch element). The forward keeps the
 residuals (x, weight1, weight2, linear1_out, tanh_inner, gelu_out) as ordinary JAX arrays; the backward
-computes the three gradients from them (five with biases).
+computes the three gradients from them (five with biases). ``weight1`` is ``[H, D]`` and ``weight2`` ``[D, H]``
+(``[out_features, in_features]``). Results equal the plain JAX expression within the precision's
+contract (``cupyffn.PRECISIONS[precision].contract``, relative L2 error per output).
 
 bfloat16 / float16 activations or biases take cupyffn's 16-bit/bias plans (docs/precisions.md, "16-bit
 activations and biases"): the GEMMs on the 16-bit operands with fp32 accumulation and cuBLASLt's fused
 bias, GELU and GELU-derivative epilogues; float32 weights and biases are rounded to the activation dtype as
 torch's autocast does, and their gradients come back float32 (the master-weight convention; a 16-bit weight's
 gradient in its dtype); the residuals are linear1_out and gelu_out in the activation dtype (no tanh_inner).
-float32 activations with biases run in precision "ieee" (None) or "tf32". ``weight1`` is ``[H, D]`` and ``weight2`` ``[D, H]``
-(``[out_features, in_features]``). Results equal the plain JAX expression within the precision's
-contract (``cupyffn.PRECISIONS[precision].contract``, relative L2 error per output).
+float32 activations with biases run in precision "ieee" (None) or "tf32".
 
 GPU: XLA calls cupyffn while it runs the compiled program, with XLA's own device buffers (outputs
 allocated by XLA, written in place) and XLA's stream: the work is enqueued on that stream, in order with
@@ -213,14 +213,12 @@ def _shapes(x, w1, w2, b1=None, b2=None):
     if w1.ndim != 2 or w1.shape[1] != dim or w1.shape[0] < 1:
         raise ValueError(f"weight1 must have shape (hidden_dim, dim) with dim = x.shape[-1] = {dim}; got {w1.shape}")
     hidden = w1.shape[0]
-    for name, a, shape in (("weight2 must have shape (dim, hidden_dim) =", w2, (dim, hidden)),
-                           ("bias1 must have shape (hidden_dim,) =", b1, (hidden,)),
-                           ("bias2 must have shape (dim,) =", b2, (dim,))):
+    for name, dims, a, shape in (("weight2", "(dim, hidden_dim)", w2, (dim, hidden)),
+                                 ("bias1", "(hidden_dim,)", b1, (hidden,)), ("bias2", "(dim,)", b2, (dim,))):
         if a is None:
             continue
         if a.shape != shape:
-            raise ValueError(f"{name} {shape}; got {a.shape}")
-        name = name.split()[0]
+            raise ValueError(f"{name} must have shape {dims} = {shape}; got {a.shape}")
         if a.dtype != w1.dtype:
             raise TypeError(f"{name} must have weight1's dtype {w1.dtype}; got {a.dtype}")
     return tuple(x.shape[:-1]), dim, hidden
@@ -297,8 +295,8 @@ def _biased_gelu_ffn_bwd(precision, residuals, dy):
         shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, w1, w2))
         if bias_grads:
             shapes += (jax.ShapeDtypeStruct((hidden,), w1.dtype), jax.ShapeDtypeStruct((dim,), w1.dtype))
-        grads = tuple(buffer_callback(_biased_backward_callback(bias_grads, precision), shapes, vmap_method="sequential")(
-            dy, x, w1, w2, z, g)) + (None, None)
+        callback = _biased_backward_callback(bias_grads, precision)
+        grads = tuple(buffer_callback(callback, shapes, vmap_method="sequential")(dy, x, w1, w2, z, g)) + (None, None)
     return grads[:3] + (grads[3] if has_b1 else None, grads[4] if has_b2 else None)
 
 
@@ -318,17 +316,16 @@ def gelu_ffn(x, weight1, weight2, precision=None, *, bias1=None, bias2=None):
 
     bfloat16 / float16 x, or any bias: weights and biases float32 or x's dtype (one dtype for all of them);
     the output in x's dtype; precision None (float32 x with biases: None, i.e. "ieee", or "tf32"). On
-    the GPU, D and H must be multiples of 8 for 16-bit x (cuBLASLt's row alignment). Gradients come back in their primal's
-    dtype. Works eagerly and under ``jax.jit``.
+    the GPU, D and H must be multiples of 8 for 16-bit x (cuBLASLt's row alignment). Gradients come back in
+    their primal's dtype. Works eagerly and under ``jax.jit``.
     """
     _shapes(x, weight1, weight2, bias1, bias2)  # errors at the call (trace time under jit), naming the argument
-    if bias1 is not None or bias2 is not None or str(x.dtype) != "float32":
-        from ._lt_api import _check_precision
-
-        precision = None if precision is None else _lookup_precision(precision).name
-        _check_precision(precision, str(x.dtype))
-        return _biased_gelu_ffn(x, weight1, weight2, bias1, bias2, precision)
     # None travels to the callbacks, where cupyffn sees the buffers and picks the default of their device
     # (a traced value has no device to ask at trace time)
     precision = None if precision is None else _lookup_precision(precision).name
+    if bias1 is not None or bias2 is not None or str(x.dtype) != "float32":
+        from ._lt_api import _check_precision
+
+        _check_precision(precision, str(x.dtype))
+        return _biased_gelu_ffn(x, weight1, weight2, bias1, bias2, precision)
     return _gelu_ffn(x, weight1, weight2, precision)

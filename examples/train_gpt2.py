@@ -2,8 +2,8 @@
 
 Builds a transformers GPT-2 from a config (no downloaded weights), clones it, swaps the clone's MLPs for
 ``cupyffn.torch.GeluFFN`` with ``cupyffn.torch.replace_mlps``, trains both from the same initial weights on the
-same synthetic batches, and checks that the loss curves agree: the mean loss of the last fifth of the steps (at least 20) within
-`tolerance` (relative). Reports the median step time of eager torch, torch.compile (optional) and cupyffn.
+same synthetic batches, and checks that the loss curves agree: the mean loss of the last fifth of the steps (at
+least 20) within `tolerance` (relative). Reports the median step time of eager torch, torch.compile (optional) and cupyffn.
 
     python examples/train_gpt2.py                  # dim 1536, hidden 6144 (SD3.5 medium's MLP shape), 4 layers
     python examples/train_gpt2.py --small --cpu    # a tiny config on the CPU (NumPy backend)
