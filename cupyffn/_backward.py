@@ -33,24 +33,24 @@ def _no_plan_error(what):
 
 
 
-def _plan_key(call, precision, need_grad_hidden, need_weight_grads, options):
+def _plan_key(call, precision, need_grad_hidden, need_weight_grads, options, need_bias_grads=False):
     """The plan cache's key of `call`: device, shape, precision, flags and the EngineOptions the plan is built with
     (EngineOptions.from_env at each call: a plan built under another CUPYFFN_ENGINE is never reused)."""
     return (call.device, call.tokens, call.dim, call.hidden_dim, precision.name, need_grad_hidden,
-            need_weight_grads, options)
+            need_weight_grads, need_bias_grads, options)
 
 
-def _recent_key(sig, precision, need_grad_hidden, need_weight_grads, options):
+def _recent_key(sig, precision, need_grad_hidden, need_weight_grads, options, need_bias_grads=False):
     """The key of `_recent` (the fast path for repeated arrays): the validated signature and the rest of the plan's
     key (_plan_key)."""
-    return (sig, precision.name, need_grad_hidden, need_weight_grads, options)
+    return (sig, precision.name, need_grad_hidden, need_weight_grads, need_bias_grads, options)
 
 
-def _acquire_plan(call, precision, stream, need_grad_hidden, need_weight_grads, options):
+def _acquire_plan(call, precision, stream, need_grad_hidden, need_weight_grads, options, need_bias_grads=False):
     """The cached plan for `call` (keyed by _plan_key; in use until released), built with `options`."""
     import cupy
 
-    key = _plan_key(call, precision, need_grad_hidden, need_weight_grads, options)
+    key = _plan_key(call, precision, need_grad_hidden, need_weight_grads, options, need_bias_grads)
     plan = _plans.acquire(key)
     if plan is not None:
         return plan
@@ -59,7 +59,8 @@ def _acquire_plan(call, precision, stream, need_grad_hidden, need_weight_grads, 
             raise _no_plan_error("gelu_ffn_backward")  # building allocates and zero-fills
     return _plans.acquire(key, lambda: GeluFFNBackward(
         call.tokens, call.dim, call.hidden_dim, precision=precision.name, device=call.device,
-        need_grad_hidden=need_grad_hidden, need_weight_grads=need_weight_grads, _options=options))
+        need_grad_hidden=need_grad_hidden, need_weight_grads=need_weight_grads, need_bias_grads=need_bias_grads,
+        _options=options))
 
 
 def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner=None, gelu_out=None, *,
@@ -143,7 +144,10 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
     # None: the default of the arrays' device, known once they are looked at; a bad name is reported first
     prec = _precision.lookup(precision) if precision is not None else None
     args = (grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out)
-    if _lt_api.wants(grad_output, need_bias_grads):  # 16-bit activations or bias gradients: cupyffn/_lt_api.py
+    # 16-bit activations, or bias gradients in ieee / tf32: cupyffn/_lt_api.py (the split precisions' bias gradients
+    # are the float32 engine's)
+    if _lt_api.wants(grad_output, need_bias_grads) and not (prec is not None and _lt_api.engine_biases(grad_output,
+                                                                                                       prec.name)):
         return _lt_api.backward(args, precision if prec is None else prec.name, out, stream, accumulate,
                                 need_grad_hidden, need_weight_grads, need_bias_grads, check_activations,
                                 grad_hidden_ready)
@@ -153,14 +157,14 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
         if prec is None:
             prec = _GPU_DEFAULT
         options = EngineOptions.from_env()
-        plan = _recent.get(_recent_key(sig, prec, need_grad_hidden, need_weight_grads, options))
+        plan = _recent.get(_recent_key(sig, prec, need_grad_hidden, need_weight_grads, options, need_bias_grads))
         if plan is not None and _plans.reacquire(plan):  # not if evicted meanwhile
             try:
                 return plan._run(args, out, stream, accumulate, sig, check_activations=check_activations,
                                  grad_hidden_ready=grad_hidden_ready)
             finally:
                 _plans.release(plan)
-    call = _validate.prepare(args, out, stream, need_grad_hidden, need_weight_grads, accumulate)
+    call = _validate.prepare(args, out, stream, need_grad_hidden, need_weight_grads, accumulate, need_bias_grads)
     if prec is None:
         prec = _precision.resolve(None, cpu=call.backend == "cpu")
     if call.backend == "cpu":
@@ -169,15 +173,16 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
                              "arrays, whose results are all ready when the call returns")
         if check_activations:
             _checks.check(call)
-        return FFNGrads(*_backward_cpu.run(call, out, prec, need_grad_hidden, need_weight_grads, accumulate))
+        return FFNGrads(*_backward_cpu.run(call, out, prec, need_grad_hidden, need_weight_grads, accumulate,
+                                           need_bias_grads))
     if options is None:
         options = EngineOptions.from_env()
-    plan = _acquire_plan(call, prec, stream, need_grad_hidden, need_weight_grads, options)
+    plan = _acquire_plan(call, prec, stream, need_grad_hidden, need_weight_grads, options, need_bias_grads)
     try:
         if sig is not None:
             if len(_recent) >= 4 * _CACHE_SIZE:
                 _recent.clear()
-            _recent[_recent_key(sig, prec, need_grad_hidden, need_weight_grads, options)] = plan
+            _recent[_recent_key(sig, prec, need_grad_hidden, need_weight_grads, options, need_bias_grads)] = plan
         return plan._run(args, out, stream, accumulate, sig, call, check_activations=check_activations,
                          grad_hidden_ready=grad_hidden_ready)
     finally:

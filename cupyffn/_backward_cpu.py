@@ -6,9 +6,10 @@ import numpy
 from . import _arrays, _numpy_backend
 
 
-def run(call, out, precision, need_grad_hidden, need_weight_grads, accumulate):
-    shapes = (call.lead_shape + (call.dim,), (call.hidden_dim, call.dim), (call.dim, call.hidden_dim))
-    needed = (need_grad_hidden, need_weight_grads, need_weight_grads)
+def run(call, out, precision, need_grad_hidden, need_weight_grads, accumulate, need_bias_grads=False):
+    shapes = (call.lead_shape + (call.dim,), (call.hidden_dim, call.dim), (call.dim, call.hidden_dim),
+              (call.hidden_dim,), (call.dim,))
+    needed = (need_grad_hidden, need_weight_grads, need_weight_grads) + ((True, True) if need_bias_grads else ())
     results, views = [], []
     for i, (shape, need) in enumerate(zip(shapes, needed)):
         if not need:
@@ -22,8 +23,8 @@ def run(call, out, precision, need_grad_hidden, need_weight_grads, accumulate):
             results.append(array)
             views.append(array.reshape(-1, shape[-1]))
     if call.tokens == 0:
-        for v, need in zip(views[1:], needed[1:]):
-            if need and not accumulate:
+        for v in views[1:]:
+            if v is not None and not accumulate:
                 v[...] = 0
         return results
     try:

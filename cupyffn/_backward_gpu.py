@@ -37,8 +37,8 @@ def run(plan, call, out, stream, accumulate, ready=None):
                 if ready:  # grad_hidden_states is empty: ready at once, in stream order
                     cupy.cuda.runtime.eventRecord(ready, sp)
                 with s:
-                    for r, needed in zip(results[1:], (plan.need_weight_grads,) * 2):
-                        if needed and not accumulate:
+                    for r in results[1:]:
+                        if r is not None and not accumulate:
                             _as_cupy(r).fill(0)
                 return results
             io = (call.inputs, tuple(pointers), bool(accumulate))
@@ -81,8 +81,8 @@ def run(plan, call, out, stream, accumulate, ready=None):
 
 def _check_capturable(plan, call):
     """Raise, before anything is enqueued, if this call would have to allocate during capture."""
-    names = [n for i, n in enumerate(_validate.OUTPUT_NAMES)
-             if (plan.need_grad_hidden, plan.need_weight_grads, plan.need_weight_grads)[i]
+    names = [n for i, n in enumerate(_validate.OUTPUT_NAMES + _validate.BIAS_NAMES[:len(call.out) - 3])
+             if _needed(plan)[i]
              and call.out[i] is None and not (plan.graph and plan._owned_out and plan._owned_out[i] is not None)]
     if names:
         raise RuntimeError(
@@ -106,10 +106,12 @@ def _outputs(plan, call, out, stream):
     """(results to return, device pointers to write): the caller's out= objects, else new (or plan-owned) arrays."""
     import cupy
 
-    shapes = (call.lead_shape + (plan.dim,), (plan.hidden_dim, plan.dim), (plan.dim, plan.hidden_dim))
-    needed = (plan.need_grad_hidden, plan.need_weight_grads, plan.need_weight_grads)
+    shapes = (call.lead_shape + (plan.dim,), (plan.hidden_dim, plan.dim), (plan.dim, plan.hidden_dim),
+              (plan.hidden_dim,), (plan.dim,))
+    needed = _needed(plan)
+    shapes = shapes[:len(needed)]
     if plan.graph and plan._owned_out is None:
-        plan._owned_out = [None, None, None]
+        plan._owned_out = [None] * len(needed)
     results, pointers = [], []
     for i, (shape, need) in enumerate(zip(shapes, needed)):
         if not need:
@@ -128,6 +130,12 @@ def _outputs(plan, call, out, stream):
             results.append(array)
             pointers.append(array.data.ptr)
     return results, pointers
+
+
+def _needed(plan):
+    """Which outputs `plan` computes: grad_hidden_states, the weight gradients (and the bias gradients)."""
+    needed = (plan.need_grad_hidden, plan.need_weight_grads, plan.need_weight_grads)
+    return needed + (True, True) if plan.need_bias_grads else needed
 
 
 def _replay_or_capture(plan, key, stream):

@@ -92,6 +92,12 @@ class GeluFFNBackward:
         each call's arrays: docs/cuda-graphs.md.)
     need_grad_hidden, need_weight_grads : bool
         Skip the GEMM(s) of the gradients not needed (frozen weights, first layer).
+    need_bias_grads : bool
+        Also compute grad_bias1 (the sum over tokens of grad_linear1, [hidden_dim]) and grad_bias2 (of grad_output,
+        [dim]), returned as FFNGrads attributes; ``out=`` may then hold five arrays. Summed in fp32 in a fixed
+        order (bit-identical across calls): grad_bias1 from column sums the GELU-derivative pass forms as it writes
+        grad_linear1, grad_bias2 on the side stream (docs/decisions/050-biases-in-the-split-precisions.md). GEMM1
+        and the GELU derivative then run as two launches ("tf32" fuses them otherwise).
 
     The plan owns its scratch buffers, cuBLAS handles and side stream: in steady state a call
     allocates nothing on the device beyond the outputs it is not given. Calls from several threads
@@ -107,7 +113,7 @@ class GeluFFNBackward:
     """
 
     def __init__(self, tokens, dim, hidden_dim, *, precision=None, device=None, graph=False,
-                 need_grad_hidden=True, need_weight_grads=True, _options=None):
+                 need_grad_hidden=True, need_weight_grads=True, need_bias_grads=False, _options=None):
         self.tokens = _check_size("tokens", tokens, 0)
         self.dim = _check_size("dim", dim, 1)
         self.hidden_dim = _check_size("hidden_dim", hidden_dim, 1)
@@ -117,6 +123,7 @@ class GeluFFNBackward:
             raise ValueError("need_grad_hidden and need_weight_grads are both False: there is nothing to compute")
         self.need_grad_hidden = bool(need_grad_hidden)
         self.need_weight_grads = bool(need_weight_grads)
+        self.need_bias_grads = bool(need_bias_grads)
         # _options (private, for comparisons and measurements): the mechanisms the GPU engine uses
         # (cupyffn/engine/options.py); None: the defaults, or what the debug variable CUPYFFN_ENGINE asks for
         if _options is not None and not isinstance(_options, EngineOptions):
@@ -141,7 +148,8 @@ class GeluFFNBackward:
 
             options = _options if _options is not None else EngineOptions.from_env()
             self._engine = GpuEngine(self.tokens, self.dim, self.hidden_dim, self.precision, self.device,
-                                     self.need_grad_hidden, self.need_weight_grads, options=options)
+                                     self.need_grad_hidden, self.need_weight_grads, options=options,
+                                     need_bias_grads=self.need_bias_grads)
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -172,8 +180,9 @@ class GeluFFNBackward:
         return bool(self._engine is not None and self._engine.fused_gemm1)
 
     def __repr__(self):
+        bias = ", need_bias_grads=True" if self.need_bias_grads else ""
         return (f"GeluFFNBackward(tokens={self.tokens}, dim={self.dim}, hidden_dim={self.hidden_dim}, "
-                f"precision={self.precision.name!r}, device={self.device!r}, graph={self.graph})")
+                f"precision={self.precision.name!r}, device={self.device!r}, graph={self.graph}{bias})")
 
     # ------------------------------------------------------------------ calls
     def __call__(self, grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner=None, gelu_out=None, *,
@@ -200,7 +209,8 @@ class GeluFFNBackward:
                                     f"got {type(stream).__name__}")
                 call = _validate.reuse(known, args, out, stream)
             else:
-                call = _validate.prepare(args, out, stream, self.need_grad_hidden, self.need_weight_grads, accumulate)
+                call = _validate.prepare(args, out, stream, self.need_grad_hidden, self.need_weight_grads, accumulate,
+                                         self.need_bias_grads)
                 self._check_call(call)
                 self._remember(sig, call)
         else:
@@ -235,7 +245,7 @@ class GeluFFNBackward:
     def _execute(self, call, out, stream, accumulate, ready=None):
         if self._engine is None:
             return FFNGrads(*_backward_cpu.run(call, out, self.precision, self.need_grad_hidden, self.need_weight_grads,
-                                               accumulate))
+                                               accumulate, self.need_bias_grads))
         return self._run_gpu(call, out, stream, accumulate, ready)
 
     def _run_gpu(self, call, out, stream, accumulate, ready=None):
@@ -275,12 +285,14 @@ class GeluFFNBackward:
         Serialized steps do not overlap, so their sum exceeds an ordinary call's time at small T.
         Returns ``{stage: {"ms": median ms, "bytes": bytes moved}}`` in issue order; "bytes" only for
         memory-bound stages; a stage issued twice in one call gets " #2" (the fp16 rescue launches).
-        GPU plans only; `out` (all three outputs) receives the results, as in an ordinary call.
+        GPU plans only; `out` (every output: three, five with need_bias_grads) receives the results, as in an
+        ordinary call.
         """
         if self._engine is None:
             raise RuntimeError("profile_stages needs a GPU plan; a device='cpu' plan has no GPU stages")
-        if out is None or len(out) != 3 or any(o is None for o in out):
-            raise ValueError("profile_stages needs out= with all three output arrays")
+        n = 5 if self.need_bias_grads else 3
+        if out is None or len(out) != n or any(o is None for o in out):
+            raise ValueError(f"profile_stages needs out= with all {n} output arrays")
         if isinstance(reps, bool) or not isinstance(reps, (int, numpy.integer)) or reps < 1:
             raise ValueError(f"reps must be an integer >= 1; got {reps!r}")
         import cupy

@@ -37,13 +37,14 @@ class FFNForward(NamedTuple):
     gelu_out: Any
 
 
-def _prepare(hidden_states, weight1, weight2, out, stream):
+def _prepare(hidden_states, weight1, weight2, out, stream, biases=(None, None)):
     from ._validate import _matrix, _overlaps
 
-    names = ("hidden_states", "weight1", "weight2")
+    names = ("hidden_states", "weight1", "weight2") + tuple(n for n, b in zip(("bias1", "bias2"), biases)
+                                                            if b is not None)
+    given = (hidden_states, weight1, weight2) + tuple(b for b in biases if b is not None)
     torch_devices = set()  # torch's stream is followed once per call, after every argument is read and checked
-    imported = [_arrays.import_array(a, n, stream, torch_devices)
-                for a, n in zip((hidden_states, weight1, weight2), names)]
+    imported = [_arrays.import_array(a, n, stream, torch_devices) for a, n in zip(given, names)]
     backends = {b for b, _ in imported}
     if len(backends) > 1:
         raise ValueError("cannot mix NumPy (CPU) and GPU arrays: " +
@@ -59,7 +60,7 @@ def _prepare(hidden_states, weight1, weight2, out, stream):
     if len(devices) > 1:
         raise ValueError("all arrays must be on one device; got " +
                          ", ".join(f"{n} on {_arrays.device_of(a)}" for a, n in zip(arrays, names)))
-    x, w1, w2 = arrays
+    x, w1, w2 = arrays[:3]
     if x.ndim < 1 or x.shape[-1] < 1:
         raise ValueError(f"hidden_states must have shape [..., dim] with dim >= 1; got {tuple(x.shape)}")
     dim = x.shape[-1]
@@ -69,7 +70,14 @@ def _prepare(hidden_states, weight1, weight2, out, stream):
     hidden = w1.shape[0]
     if tuple(w2.shape) != (dim, hidden):
         raise ValueError(f"weight2 must have shape (dim, hidden_dim) = {(dim, hidden)}; got {tuple(w2.shape)}")
-    mats = [_matrix(a, n) for a, n in zip(arrays, names)]
+    for a, n in zip(arrays[3:], names[3:]):
+        length = hidden if n == "bias1" else dim
+        if tuple(a.shape) != (length,):
+            raise ValueError(f"{n} must have shape ({length},); got {tuple(a.shape)}")
+    every = [_matrix(a, n) for a, n in zip(arrays, names)]  # outputs may overlap none of them
+    given_biases = iter(every[3:])
+    bias_mats = [next(given_biases) if b is not None else None for b in biases]
+    mats = every[:3]
     lead = tuple(x.shape[:-1])
     shapes = (lead + (dim,), lead + (hidden,), lead + (hidden,), lead + (hidden,))
     outs, out_arrays = [None] * 4, [None] * 4
@@ -91,7 +99,7 @@ def _prepare(hidden_states, weight1, weight2, out, stream):
             if not a.flags.c_contiguous or not getattr(a.flags, "writeable", True):
                 raise ValueError(f"{label} must be a writeable C-contiguous array")
             m = _matrix(a, label)
-            for inp, n in zip(mats, names):
+            for inp, n in zip(every, names):
                 if _overlaps(m, inp):
                     raise ValueError(f"{label} overlaps the memory of {n}: outputs may not alias inputs")
             for j, prev in enumerate(outs):
@@ -100,17 +108,18 @@ def _prepare(hidden_states, weight1, weight2, out, stream):
             outs[i], out_arrays[i] = m, a
     for device in torch_devices:  # one device: the arrays were checked to share it
         _arrays.follow_torch(device, stream)
-    return backend, arrays, mats, lead, dim, hidden, shapes, outs, out_arrays
+    return backend, arrays, mats, bias_mats, lead, dim, hidden, shapes, outs, out_arrays
 
 
 class GpuForward:
     """Buffers, launches and GEMMs of one forward shape (see the module docstring)."""
 
-    def __init__(self, tokens, dim, hidden_dim, precision, device_id):
+    def __init__(self, tokens, dim, hidden_dim, precision, device_id, bias2=False):
         import cupy
 
         self.T, self.D, self.H = tokens, dim, hidden_dim
         self.precision = precision
+        self.bias2 = bias2  # output starts as bias2's rows and the second GEMM adds onto it (beta = 1)
         self.form = precision.forward  # the recipe's form of both forward GEMMs
         self.planes = self.form.planes
         self.device_id = device_id
@@ -188,19 +197,27 @@ class GpuForward:
         self.gemm_y = gemm(self.T, self.D, kp * self.H, "output = gelu_out @ weight2^T")
         consts = self._consts.data.ptr
         self.gemm_z.alpha.value, self.gemm_z.beta.value = consts + 4 * 2, consts
-        self.gemm_y.alpha.value, self.gemm_y.beta.value = consts + 4 * 4, consts
+        self.gemm_y.alpha.value, self.gemm_y.beta.value = consts + 4 * 4, consts + (4 if self.bias2 else 0)
+        self._bias_rows = None
+        if self.bias2:
+            self._bias_rows = _kernels.KernelLaunch(_kernels.get_function("bias", "bias_rows_kernel", dev),
+                                                    ctypes.c_void_p(), ctypes.c_longlong(self.D),
+                                                    ctypes.c_longlong(self.T), ctypes.c_int(self.D), ctypes.c_void_p())
+            self._bias_rows.grid = max(1, min(self.T, 4 * sms))
         if p:
             self.gemm_z.a.value, self.gemm_z.lda.value = self._addr("hidden_states"), p * self.D
             self.gemm_z.b.value, self.gemm_z.ldb.value = self._addr("weight1"), p * self.D
             self.gemm_y.a.value, self.gemm_y.lda.value = self._addr("gelu_out"), p * self.H
             self.gemm_y.b.value, self.gemm_y.ldb.value = self._addr("weight2"), p * self.H
 
-    def run(self, mats, out_ptrs, stream_ptr, capturing=False):
-        """Enqueue one forward (hold `lock`). During a caller's capture `_ev_done` is neither waited on
+    def run(self, mats, out_ptrs, stream_ptr, capturing=False, biases=(0, 0)):
+        """Enqueue one forward (hold `lock`); `biases`: device pointers of bias1 and bias2 (0: none; bias2 given
+        exactly when the engine was built for it). During a caller's capture `_ev_done` is neither waited on
         nor recorded (as in the backward engine): ordering replays with eager calls is the caller's."""
         from cupy_backends.cuda.api import runtime
 
         x, w1, w2 = mats
+        b1, b2 = biases
         y_ptr, z_ptr, t_ptr, g_ptr = out_ptrs
         if not capturing:
             runtime.streamWaitEvent(stream_ptr, self._ev_done.ptr, 0)  # scratch of a call on another stream
@@ -223,10 +240,12 @@ class GpuForward:
             job.src, job.src_ld, job.kind = g_ptr, self.H, 0
             job.vec = int(vec_ok(g_ptr, self.H, self.H) and vec_ok(job.dst, job.dst_ld, self.H, 2))
         gj = self._gelu.args[0]
-        gj.z, gj.t, gj.g = z_ptr, t_ptr, g_ptr
+        gj.z, gj.t, gj.g, gj.bias = z_ptr, t_ptr, g_ptr, b1
         gj.z_ld = gj.t_ld = gj.g_ld = self.H
         gj.vec = int(vec_ok(z_ptr, self.H, self.H) and vec_ok(t_ptr, self.H, self.H) and vec_ok(g_ptr, self.H, self.H)
-                     and (not self.planes or vec_ok(gj.dst, gj.dst_ld, self.H, 2)))
+                     and (not self.planes or vec_ok(gj.dst, gj.dst_ld, self.H, 2)) and b1 % 16 == 0)
+        if self._bias_rows is not None:
+            self._bias_rows.args[0].value, self._bias_rows.args[4].value = y_ptr, b2
         self.gemm_z.c.value, self.gemm_z.ldc.value = z_ptr, self.H
         self.gemm_y.c.value, self.gemm_y.ldc.value = y_ptr, self.D
         try:
@@ -238,6 +257,8 @@ class GpuForward:
             self._gelu(stream_ptr)
             if self._g_rescue is not None:
                 self._g_rescue(stream_ptr)
+            if self._bias_rows is not None:
+                self._bias_rows(stream_ptr)
             self.gemm_y(self._handle)
         finally:  # also after a failure: close() must wait for the part that was enqueued
             if not capturing:
@@ -285,19 +306,23 @@ def gelu_ffn_forward(hidden_states, weight1, weight2, *, bias1=None, bias2=None,
     Biases (bias1 [H], bias2 [D], either optional) or bfloat16 / float16 hidden_states (weights and biases float32
     or that dtype) take the 16-bit/bias plan: cuBLASLt GEMMs with the bias and GELU fused into their epilogues,
     fp32 accumulation; linear1_out (with bias1 added), gelu_out and output come back in the activation dtype and
-    tanh_inner is None (the backward recomputes it from linear1_out). float32 activations with biases run in
-    precision "ieee" (the default) or "tf32" (cuBLASLt's TF32 compute type). An fp32 weight or bias is rounded to
-    the activation dtype first, as torch's autocast does.
+    tanh_inner is None (the backward recomputes it from linear1_out). float32 activations with biases run there
+    in precision "ieee" (the default) or "tf32" (cuBLASLt's TF32 compute type); in "bf16x3" or "fp16+fp8" they run
+    on the float32 engine, which returns all four tensors in float32 (bias1 added into linear1_out by the GELU
+    pass, output starting from bias2's rows). An fp32 weight or bias is rounded to the activation dtype first, as
+    torch's autocast does.
     """
     from . import _lt_api
 
-    if _lt_api.wants(hidden_states, bias1 is not None, bias2 is not None):
+    if _lt_api.wants(hidden_states, bias1 is not None, bias2 is not None) and \
+            not _lt_api.engine_biases(hidden_states, precision):
         return _lt_api.forward(hidden_states, weight1, weight2, bias1, bias2, precision, out, stream)
     if precision is not None:  # a bad name is reported before the arrays are looked at
         _precision.lookup(precision)
     if stream is not None and not hasattr(stream, "ptr"):
         raise TypeError(f"stream must be a cupy.cuda.Stream (or ExternalStream) or None; got {type(stream).__name__}")
-    backend, arrays, mats, lead, D, H, shapes, outs, out_arrays = _prepare(hidden_states, weight1, weight2, out, stream)
+    backend, arrays, mats, bias_mats, lead, D, H, shapes, outs, out_arrays = _prepare(
+        hidden_states, weight1, weight2, out, stream, (bias1, bias2))
     prec = _precision.resolve(precision, cpu=backend == "cpu")  # None: the default of the arrays' device
     T = mats[0].rows
     given = out if out is not None else (None,) * 4
@@ -306,7 +331,8 @@ def gelu_ffn_forward(hidden_states, weight1, weight2, *, bias1=None, bias2=None,
         views = [(_arrays.view2d(out_arrays[i], outs[i]) if outs[i] is not None else r.reshape(-1, r.shape[-1]))
                  for i, r in enumerate(results)]
         x, w1, w2 = (_arrays.view2d(a, m) for a, m in zip(arrays, mats))
-        _numpy_backend.forward(x, w1, w2, prec, views)
+        b1, b2 = (None if b is None else numpy.asarray(b) for b in (bias1, bias2))
+        _numpy_backend.forward(x, w1, w2, prec, views, b1, b2)
         return FFNForward(*results)
     import cupy
 
@@ -319,7 +345,8 @@ def gelu_ffn_forward(hidden_states, weight1, weight2, *, bias1=None, bias2=None,
             raise RuntimeError(f"cupyffn: gelu_ffn_forward was called during CUDA stream capture without out= for "
                                f"{missing}: allocating from CuPy's memory pool inside a capture would tie that memory "
                                f"to the graph with nothing keeping it alive. Pass all four outputs in out=")
-        key = (device, T, D, H, prec.name)  # not by stream: a warm-up on any stream serves a capture
+        has_b2 = bias_mats[1] is not None
+        key = (device, T, D, H, prec.name, has_b2)  # not by stream: a warm-up on any stream serves a capture
         engine = None
         if T > 0:
             engine = _engines.acquire(key)
@@ -328,7 +355,7 @@ def gelu_ffn_forward(hidden_states, weight1, weight2, *, bias1=None, bias2=None,
                     raise RuntimeError("cupyffn: gelu_ffn_forward was called during CUDA stream capture but no plan "
                                        "exists for this shape/precision; call it once outside the capture first "
                                        "(on any stream)")
-                engine = _engines.acquire(key, lambda: GpuForward(T, D, H, prec, device))
+                engine = _engines.acquire(key, lambda: GpuForward(T, D, H, prec, device, has_b2))
         try:
             results, ptrs = [], []
             for i in range(4):
@@ -348,7 +375,7 @@ def gelu_ffn_forward(hidden_states, weight1, weight2, *, bias1=None, bias2=None,
                         raise RuntimeError("this forward engine was closed")
                     if capturing:
                         _plan_cache.pin(engine)  # a graph may replay its scratch from now on
-                    engine.run(mats, ptrs, s.ptr, capturing)
+                    engine.run(mats, ptrs, s.ptr, capturing, tuple(0 if b is None else b.ptr for b in bias_mats))
             except BaseException as e:
                 if capturing:  # no NaN fill: it would be captured too; the caller must discard the capture
                     raise

@@ -39,7 +39,9 @@ def split_expression(kind):
 MODULES = {
     "convert": ("convert.cu", ("convert_kernel<0>", "convert_kernel<1>", "convert_kernel<2>", "convert_kernel<3>")),
     "dgelu": ("dgelu.cu", ("dgelu_kernel<0>", "dgelu_kernel<1>", "dgelu_kernel<2>", "dgelu_kernel<3>",
-                           "f16_decide_kernel")),
+                           "dgelu_sums_kernel<0>", "dgelu_sums_kernel<1>", "dgelu_sums_kernel<2>",
+                           "dgelu_sums_kernel<3>", "f16_decide_kernel")),
+    "bias": ("bias.cu", ("colsum_kernel", "bias_rows_kernel")),
     "call_table": ("call_table.cu", ("store_call_table",)),
     "gelu_forward": ("gelu_forward.cu", ("gelu_forward_kernel<0>", "gelu_forward_kernel<1>",
                                          "gelu_forward_kernel<2>", "gelu_forward_kernel<3>")),
@@ -184,7 +186,7 @@ class ConvertJobs(ctypes.Structure):
 
 
 class DgeluJob(ctypes.Structure):
-    """Mirror of ``struct DgeluJob`` in dgelu.cu (112 bytes)."""
+    """Mirror of ``struct DgeluJob`` in dgelu.cu (120 bytes)."""
 
     _fields_ = [
         ("grad_gelu", ctypes.c_void_p),
@@ -205,7 +207,16 @@ class DgeluJob(ctypes.Structure):
         ("counter", ctypes.c_int),
         ("alpha_mask", ctypes.c_int),
         ("unused", ctypes.c_int),
+        ("colsum", ctypes.c_void_p),
     ]
+
+
+class ColsumJob(ctypes.Structure):
+    """Mirror of ``struct ColsumJob`` in bias.cu (56 bytes)."""
+
+    _fields_ = [("src", ctypes.c_void_p), ("dst", ctypes.c_void_p), ("ld", ctypes.c_longlong),
+                ("rows", ctypes.c_longlong), ("band", ctypes.c_longlong), ("cols", ctypes.c_int),
+                ("vec", ctypes.c_int), ("accumulate", ctypes.c_int), ("col_blocks", ctypes.c_int)]
 
 
 #: GEMMs of a CallTable (kCallGemms in call_table.cu).
@@ -225,7 +236,7 @@ class CallTable(ctypes.Structure):
 
 
 class GeluForwardJob(ctypes.Structure):
-    """Mirror of ``struct GeluForwardJob`` in gelu_forward.cu (104 bytes)."""
+    """Mirror of ``struct GeluForwardJob`` in gelu_forward.cu (112 bytes)."""
 
     _fields_ = [
         ("z", ctypes.c_void_p),
@@ -244,6 +255,7 @@ class GeluForwardJob(ctypes.Structure):
         ("vec", ctypes.c_int),
         ("counter", ctypes.c_int),
         ("unused", ctypes.c_int),
+        ("bias", ctypes.c_void_p),
     ]
 
 
@@ -318,7 +330,7 @@ class SplitJobs(ctypes.Structure):
 
     _fields_ = [("job", SplitJob * SPLIT_MAX_JOBS), ("count", ctypes.c_int), ("rescue", ctypes.c_int),
                 ("counter", ctypes.c_int), ("slot_mask", ctypes.c_int), ("alpha_mask", ctypes.c_int),
-                ("unused", ctypes.c_int)]
+                ("unused", ctypes.c_int), ("colsum", ctypes.c_void_p)]
 
 
 def e4m3_kpad(k):
@@ -448,11 +460,10 @@ def split_launch(kernel, jobs, total_blocks, rescue, counter, alpha_mask, state_
 
 
 def split_set_sources(job, src, src2=None, src3=None, kind=None):
-    """Point one SplitJob (launch.args[0].job[k]) at this call's fp32 sources, each (device address, row
-    stride in elements) or None, and set its vec flag (16-byte loads: cols % 4 == 0 and every row start of
-    every source 16-byte aligned). KIND 0: src = the matrix (kind 0) or linear1_out (kind 1, src2 =
-    tanh_inner or None: recomputed). KIND 1: src = grad_gelu, src2 = linear1_out, src3 = tanh_inner or
-    None. `kind` (KIND 0): None keeps the job's kind."""
+    """Point one SplitJob (launch.args[0].job[k]) at this call's fp32 sources, each (device address, row stride) or
+    None, and set its vec flag (cols % 4 == 0, every source row 16-byte aligned). KIND 0: src = the matrix (kind 0)
+    or linear1_out (kind 1, src2 = tanh_inner or None: recomputed). KIND 1: src = grad_gelu, src2 = linear1_out,
+    src3 = tanh_inner or None. `kind` (KIND 0): None keeps the job's kind."""
     if src is None or not src[0]:
         raise ValueError("src must be (device address != 0, row stride)")
     if kind is not None:
@@ -472,9 +483,8 @@ def split_set_sources(job, src, src2=None, src3=None, kind=None):
 
 
 def cuda_include_dir():
-    """Folder with cuda_fp16.h / cuda_bf16.h, for compiling kernels_cu/ with NVRTC outside CuPy (tests, tools;
-    CuPy's own compiles find them by themselves): the pip CUDA runtime headers (cupy-cuda12x[ctk]), else a
-    system toolkit (CUDA_PATH, /usr/local/cuda) as on a GPU machine without the pip headers."""
+    """Folder with cuda_fp16.h / cuda_bf16.h, for compiling kernels_cu/ with NVRTC outside CuPy (tests, tools; CuPy's
+    own compiles find them): the pip CUDA runtime headers (cupy-cuda12x[ctk]), else a system toolkit (CUDA_PATH)."""
     try:
         from cuda import pathfinder
 

@@ -48,16 +48,31 @@ def wants(first, *biased):
     return any(biased) or dtype_name(first) in HALF
 
 
-def _check_precision(precision, act):
+#: float32 precisions whose biases the float32 engine takes (cupyffn/_forward.py, the backward plans)
+ENGINE_BIAS_PRECISIONS = ("bf16x3", "fp16+fp8")
+
+
+def engine_biases(first, precision):
+    """Whether a biased call with first activation `first` in precision `precision` (a name or None) runs on the
+    float32 engine rather than here: float32 activations in a split precision."""
+    return precision in ENGINE_BIAS_PRECISIONS and dtype_name(first) == "float32"
+
+
+def _check_precision(precision, act, layer=False):
+    """Refuse a precision 16-bit activations, or float32 ones with biases, cannot take here; `layer`: for the torch
+    layer and cupyffn.jax, which run biases on this route only."""
     if act in HALF:
         if precision is not None:
             raise ValueError(f"precision= chooses how float32 operands are multiplied; {act} activations are "
                              f"multiplied as they are (bf16/fp16 tensor cores, fp32 accumulation): pass precision=None")
     elif precision not in FLOAT32_PRECISIONS:
-        raise ValueError(f"biases with float32 activations run in precision 'ieee' (the default) or 'tf32' "
-                         f"(cuBLASLt GEMMs with fused bias epilogues; docs/precisions.md); got precision="
-                         f"{precision!r}, which has no bias epilogue. Use one of those, or bfloat16 activations "
-                         f"(autocast) for bf16 GEMMs")
+        if layer:
+            raise ValueError(f"biases with float32 activations run in precision 'ieee' (the default) or 'tf32' in "
+                             f"this layer (cuBLASLt GEMMs with fused bias epilogues; 'bf16x3' and 'fp16+fp8' take "
+                             f"biases in cupyffn.gelu_ffn_forward / gelu_ffn_backward only: docs/precisions.md); got "
+                             f"precision={precision!r}")
+        raise ValueError(f"biases with float32 activations run in precision 'ieee' (the default), 'tf32', "
+                         f"'bf16x3' or 'fp16+fp8' (docs/precisions.md); got precision={precision!r}")
 
 
 def _fp32_precision(precision, act):

@@ -149,8 +149,11 @@ def backward(call, precision, need_grad_hidden, need_weight_grads, accumulate, o
 
 def backward_2d(dy, x, w1, w2, l1, t, g, precision, need_grad_hidden, need_weight_grads, accumulate, outputs):
     """backward on 2-D fp32 arrays ([T, D], [T, D], [H, D], [D, H], [T, H], [T, H] or None, [T, H] or None);
-    each GEMM in the form `precision`'s recipe gives it at this shape (_precision.effective_forms)."""
-    grad_hidden, grad_w1, grad_w2 = outputs
+    each GEMM in the form `precision`'s recipe gives it at this shape (_precision.effective_forms). `outputs`:
+    grad_hidden, grad_w1, grad_w2 (2-D views or None), and with bias gradients grad_b1 [H] and grad_b2 [D]: column
+    sums of grad_linear1 (as formed in fp32 before its GEMMs' rounding) and of grad_output."""
+    grad_hidden, grad_w1, grad_w2 = outputs[:3]
+    grad_b1, grad_b2 = outputs[3:] if len(outputs) == 5 else (None, None)
     forms = _precision.effective_forms(precision, dy.shape[0], dy.shape[1], w1.shape[0])
     with numpy.errstate(all="ignore"):
         if t is None:
@@ -161,21 +164,27 @@ def backward_2d(dy, x, w1, w2, l1, t, g, precision, need_grad_hidden, need_weigh
         if need_weight_grads:
             _store(grad_w2, _matmul(dy.T, g, forms["gemm2"]), accumulate)
         grad_linear1 = grad_gelu * gelu_grad(l1, t)
+        if grad_b1 is not None:
+            _store(grad_b1, grad_linear1.sum(axis=0, dtype=numpy.float32), accumulate)
+            _store(grad_b2, dy.sum(axis=0, dtype=numpy.float32), accumulate)
         if need_grad_hidden:
             _store(grad_hidden, _matmul(grad_linear1, w1, forms["gemm3"]), False)
         if need_weight_grads:
             _store(grad_w1, _matmul(grad_linear1.T, x, forms["gemm4"]), accumulate)
 
 
-def forward(x, w1, w2, precision, outputs):
-    """output, linear1_out, tanh_inner, gelu_out of the 2-D fp32 arrays x, w1, w2 into `outputs` (2-D views)."""
+def forward(x, w1, w2, precision, outputs, bias1=None, bias2=None):
+    """output, linear1_out, tanh_inner, gelu_out of the 2-D fp32 arrays x, w1, w2 (and the fp32 biases, each
+    optional) into `outputs` (2-D views)."""
     y, z_out, t_out, g_out = outputs
     with numpy.errstate(all="ignore"):
         z = _matmul(x, w1.T, precision.forward)
+        if bias1 is not None:
+            z = z + bias1
         t = tanh_inner(z)
         g = numpy.float32(0.5) * z * (numpy.float32(1) + t)
         z_out[...], t_out[...], g_out[...] = z, t, g
-        y[...] = _matmul(g, w2.T, precision.forward)
+        y[...] = _matmul(g, w2.T, precision.forward) if bias2 is None else bias2 + _matmul(g, w2.T, precision.forward)
 
 
 def _store(dst, value, accumulate):

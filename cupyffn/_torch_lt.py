@@ -248,7 +248,7 @@ class GeluFFN(torch.nn.Module):
         self.dim, self.hidden_dim = dim, hidden_dim
         self.precision = _precision_name(precision)
         if bias:  # refused here rather than at the first float32 call
-            _check_precision(self.precision, "float32")
+            _check_precision(self.precision, "float32", layer=True)
         self.save = _check_save(save)
         if _empty:  # from_linears sets the Parameters
             return

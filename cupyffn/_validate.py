@@ -24,6 +24,8 @@ from . import _arrays
 
 INPUT_NAMES = ("grad_output", "hidden_states", "weight1", "weight2", "linear1_out", "tanh_inner", "gelu_out")
 OUTPUT_NAMES = ("grad_hidden_states", "grad_weight1", "grad_weight2")
+#: out= entries 3 and 4 of a call with need_bias_grads
+BIAS_NAMES = ("grad_bias1", "grad_bias2")
 
 
 class Call(NamedTuple):
@@ -34,7 +36,7 @@ class Call(NamedTuple):
     hidden_dim: int              # H
     lead_shape: Tuple[int, ...]  # leading dimensions of the activations
     inputs: Tuple[Optional[_arrays.Matrix], ...]  # geometry, INPUT_NAMES order (None: not kept, recomputed)
-    out: Tuple[Optional[_arrays.Matrix], ...]    # in OUTPUT_NAMES order; None where not given
+    out: Tuple[Optional[_arrays.Matrix], ...]    # OUTPUT_NAMES (+ BIAS_NAMES) order; None where not given
     arrays: Tuple[Any, ...]                      # the (imported) input arrays
     out_arrays: Tuple[Any, ...]                  # the (imported) out= arrays, or None entries
     follow: Any = None           # device id whose torch current stream the call follows (torch tensors), or None
@@ -135,11 +137,12 @@ def reuse(call, args, out, stream=None):
     """
     if call.follow is not None:
         _arrays.follow_torch(call.follow, stream)
-    return call._replace(arrays=tuple(args), out_arrays=tuple(out) if out is not None else (None, None, None))
+    return call._replace(arrays=tuple(args), out_arrays=tuple(out) if out is not None else (None,) * len(call.out))
 
 
-def prepare(args, out=None, stream=None, need_grad_hidden=True, need_weight_grads=True, accumulate=False):
-    """Check the seven inputs (INPUT_NAMES order) and `out`; return a Call."""
+def prepare(args, out=None, stream=None, need_grad_hidden=True, need_weight_grads=True, accumulate=False,
+            need_bias_grads=False):
+    """Check the seven inputs (INPUT_NAMES order) and `out` (3 arrays, or 5 with need_bias_grads); return a Call."""
     if not need_grad_hidden and not need_weight_grads:
         raise ValueError("need_grad_hidden and need_weight_grads are both False: there is nothing to compute")
     if stream is not None and not hasattr(stream, "ptr"):
@@ -198,7 +201,7 @@ def prepare(args, out=None, stream=None, need_grad_hidden=True, need_weight_grad
 
     inputs = tuple(None if a is None else _matrix(a, n) for a, n in zip(arrays, INPUT_NAMES))
     outs, out_arrays = _prepare_out(out, backend, devices[0], stream, inputs, arrays,
-                                    need_grad_hidden, need_weight_grads, accumulate, torch_devices)
+                                    need_grad_hidden, need_weight_grads, accumulate, torch_devices, need_bias_grads)
     tokens = inputs[0].rows
     follow = None
     if torch_devices:  # all on devices[0], checked above: one wait, not one per tensor (the DLPack handshake's)
@@ -208,20 +211,26 @@ def prepare(args, out=None, stream=None, need_grad_hidden=True, need_weight_grad
 
 
 def _prepare_out(out, backend, device, stream, inputs, arrays, need_grad_hidden, need_weight_grads, accumulate,
-                 torch_devices=None):
+                 torch_devices=None, need_bias_grads=False):
+    n = 5 if need_bias_grads else 3
     if out is None:
-        if accumulate and need_weight_grads:
+        if accumulate and (need_weight_grads or need_bias_grads):
             raise ValueError("accumulate=True adds into existing gradients: pass "
-                             "out=(grad_hidden_states or None, grad_weight1, grad_weight2)")
-        return (None, None, None), (None, None, None)
-    if not isinstance(out, (tuple, list)) or len(out) != 3:
-        raise TypeError("out must be a sequence of three arrays (grad_hidden_states, grad_weight1, grad_weight2); "
+                             "out=(grad_hidden_states or None, grad_weight1, grad_weight2"
+                             f"{', grad_bias1, grad_bias2' if need_bias_grads else ''})")
+        return (None,) * n, (None,) * n
+    lengths = (3, 5) if need_bias_grads else (3,)
+    if not isinstance(out, (tuple, list)) or len(out) not in lengths:
+        raise TypeError("out must be a sequence of three arrays (grad_hidden_states, grad_weight1, grad_weight2)"
+                        f"{', or five with grad_bias1, grad_bias2 (need_bias_grads=True)' if need_bias_grads else ''}; "
                         "an entry may be None to have cupyffn allocate it")
-    expected = (tuple(arrays[1].shape), tuple(arrays[2].shape), tuple(arrays[3].shape))
-    needed = (need_grad_hidden, need_weight_grads, need_weight_grads)
+    out = tuple(out) + (None,) * (n - len(out))
+    expected = (tuple(arrays[1].shape), tuple(arrays[2].shape), tuple(arrays[3].shape), (arrays[2].shape[0],),
+                (arrays[2].shape[1],))
+    needed = (need_grad_hidden, need_weight_grads, need_weight_grads, need_bias_grads, need_bias_grads)
     spans = [(m.span, n) for m, n in zip(inputs, INPUT_NAMES) if m is not None]
     result, imported_out = [], []
-    for i, (obj, name) in enumerate(zip(out, OUTPUT_NAMES)):
+    for i, (obj, name) in enumerate(zip(out, OUTPUT_NAMES + BIAS_NAMES)):
         label = f"out[{i}] ({name})"
         if obj is None:
             if accumulate and i > 0 and needed[i]:
@@ -253,7 +262,7 @@ def _prepare_out(out, backend, device, stream, inputs, arrays, need_grad_hidden,
                 raise ValueError(f"{label} overlaps the memory of {iname}: outputs may not alias inputs")
         for j, prev in enumerate(result):
             if prev is not None and _overlaps(m, prev):
-                raise ValueError(f"{label} overlaps out[{j}] ({OUTPUT_NAMES[j]})")
+                raise ValueError(f"{label} overlaps out[{j}] ({(OUTPUT_NAMES + BIAS_NAMES)[j]})")
         result.append(m)
         imported_out.append(a)
     return tuple(result), tuple(imported_out)

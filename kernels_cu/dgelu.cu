@@ -23,14 +23,16 @@ struct DgeluJob {
   int counter;             // FMT_F16S: arrival counter of this launch
   int alpha_mask;          // FMT_F16S: GEMM alphas the rescue pass writes
   int unused;
+  float* colsum;           // dgelu_sums_kernel: [gridDim.x / per_row, cols] column sums of grad_linear1
 };
-static_assert(sizeof(DgeluJob) == 112, "DgeluJob layout is mirrored in cupyffn/_kernels.py");
+static_assert(sizeof(DgeluJob) == 120, "DgeluJob layout is mirrored in cupyffn/_kernels.py");
 
-template <int FMT>
-// 6 blocks of 256 per SM leave ptxas room to keep all six 16-byte loads of a thread in flight at
-// once (at its default of 32 registers it issued two, waited, then four: 3.0 instead of 3.9 TB/s).
-__global__ void __launch_bounds__(256, 6) dgelu_kernel(const __grid_constant__ DgeluJob job, int* state,
-                                                    float* consts) {
+// SUMS (grad_bias1 wanted): the gathering pass also writes column sums of grad_linear1. The grid is a multiple of
+// the row's chunk count (per_row), so every item of a block is the same chunk of columns and each thread sums its
+// own columns over the block's rows, in order; block b writes row b / per_row of job.colsum, and
+// kernels_cu/bias.cu's colsum_kernel adds those rows (a fixed order: bit-identical sums).
+template <int FMT, bool SUMS>
+__device__ __forceinline__ void dgelu_body(const DgeluJob& job, int* state, float* consts) {
   float scale = 1.0f;
   if constexpr (FMT == FMT_F16S) {
     if (job.rescue) {
@@ -40,6 +42,7 @@ __global__ void __launch_bounds__(256, 6) dgelu_kernel(const __grid_constant__ D
     scale = ldexpf(1.0f, state[job.slot]);
   }
   float amax = 0.0f;
+  float sum[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
   const int cols = job.cols;
   const cupyffn::RowChunks items(job.rows, cols, job.vec);
   for (long long w = blockIdx.x; w < items.count; w += gridDim.x) {
@@ -63,6 +66,10 @@ __global__ void __launch_bounds__(256, 6) dgelu_kernel(const __grid_constant__ D
       float d[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) d[i] = g.v[i] * cupyffn::gelu_grad(x.v[i], t.v[i]);
+      if constexpr (SUMS) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sum[i] += d[i];
+      }
       if constexpr (FMT == FMT_F32) {
         float4* out = reinterpret_cast<float4*>(static_cast<float*>(job.dst) + r * job.dst_ld + c);
         __stcg(out, make_float4(d[0], d[1], d[2], d[3]));  // intrinsic: see store_codes
@@ -75,6 +82,7 @@ __global__ void __launch_bounds__(256, 6) dgelu_kernel(const __grid_constant__ D
       const float x = __ldcs(xr);
       const float t = job.t != nullptr ? __ldcs(tr) : cupyffn::tanh_inner_of(x);
       const float d[1] = {__ldcs(gg) * cupyffn::gelu_grad(x, t)};
+      if constexpr (SUMS) sum[0] += d[0];
       if constexpr (FMT == FMT_F32) {
         static_cast<float*>(job.dst)[r * job.dst_ld + c] = d[0];
       } else {
@@ -83,12 +91,36 @@ __global__ void __launch_bounds__(256, 6) dgelu_kernel(const __grid_constant__ D
       }
     }
   }
+  if constexpr (SUMS) {
+    if (FMT != FMT_F16S || !job.rescue) {  // the rescue pass forms the same values again
+      const int c = (int)(blockIdx.x % items.per_row) * items.chunk + items.width * (int)threadIdx.x;
+      float* dst = job.colsum + (long long)(blockIdx.x / items.per_row) * cols + c;
+#pragma unroll
+      for (int i = 0; i < 8; ++i)  // a constant trip count keeps sum[] in registers
+        if (i < items.width && c + i < cols) dst[i] = sum[i];
+    }
+  }
   if constexpr (FMT == FMT_F16S) {
     if (!job.rescue) {
       cupyffn::block_absmax_to(reinterpret_cast<unsigned int*>(state + kSlots + job.slot), amax);
       cupyffn::last_block_decides(state, job.counter, 1 << job.slot);
     }
   }
+}
+
+template <int FMT>
+// 6 blocks of 256 per SM leave ptxas room to keep all six 16-byte loads of a thread in flight at
+// once (at its default of 32 registers it issued two, waited, then four: 3.0 instead of 3.9 TB/s).
+__global__ void __launch_bounds__(256, 6) dgelu_kernel(const __grid_constant__ DgeluJob job, int* state,
+                                                    float* consts) {
+  dgelu_body<FMT, false>(job, state, consts);
+}
+
+template <int FMT>
+// Eight more registers per thread (the sums): 4 blocks per SM.
+__global__ void __launch_bounds__(256, 4) dgelu_sums_kernel(const __grid_constant__ DgeluJob job, int* state,
+                                                         float* consts) {
+  dgelu_body<FMT, true>(job, state, consts);
 }
 
 // The decision after a fused GEMM1 + dgelu gathering launch (kernels_cu/gemm_sm90.cu gathers max |g| of

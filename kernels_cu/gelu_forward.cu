@@ -4,10 +4,12 @@
 // (output = gelu_out @ weight2^T) in the plan's format. FMT_F32 ("ieee") writes no operand: that
 // GEMM reads gelu_out itself. FMT_F16S gathers max |gelu_out| and its last block decides the scale;
 // the rescue pass is a convert.cu launch that re-reads gelu_out.
+// With bias1 (job.bias): z = linear1_out + bias1 is written back into linear1_out first (the saved pre-activation
+// includes the bias, as the backward expects).
 #include "common.cuh"
 
 struct GeluForwardJob {
-  const float* z;          // linear1_out [rows, cols]
+  float* z;                // linear1_out [rows, cols] (bias1 added in place when bias is given)
   float* t;                // tanh_inner (output)
   float* g;                // gelu_out (output)
   unsigned short* dst;     // operand planes of gelu_out (not FMT_F32)
@@ -23,8 +25,9 @@ struct GeluForwardJob {
   int vec;                 // 1: cols % 8 == 0 and every row start is 16-byte aligned
   int counter;             // FMT_F16S: arrival counter of this launch
   int unused;
+  const float* bias;       // bias1 [cols] or nullptr (16-byte aligned when vec)
 };
-static_assert(sizeof(GeluForwardJob) == 104, "GeluForwardJob layout is mirrored in cupyffn/_kernels.py");
+static_assert(sizeof(GeluForwardJob) == 112, "GeluForwardJob layout is mirrored in cupyffn/_kernels.py");
 
 template <int FMT>
 __global__ void __launch_bounds__(256, 6) gelu_forward_kernel(const __grid_constant__ GeluForwardJob job, int* state) {
@@ -41,7 +44,16 @@ __global__ void __launch_bounds__(256, 6) gelu_forward_kernel(const __grid_const
     float* tr = job.t + r * job.t_ld + c;
     float* gr = job.g + r * job.g_ld + c;
     if (job.vec) {
-      const cupyffn::F8 z = cupyffn::load8_stream(job.z + r * job.z_ld + c);
+      cupyffn::F8 z = cupyffn::load8_stream(job.z + r * job.z_ld + c);
+      if (job.bias != nullptr) {
+        const float4 b0 = __ldg(reinterpret_cast<const float4*>(job.bias + c));
+        const float4 b1 = __ldg(reinterpret_cast<const float4*>(job.bias + c) + 1);
+        z.v[0] += b0.x; z.v[1] += b0.y; z.v[2] += b0.z; z.v[3] += b0.w;
+        z.v[4] += b1.x; z.v[5] += b1.y; z.v[6] += b1.z; z.v[7] += b1.w;
+        float4* zr = reinterpret_cast<float4*>(job.z + r * job.z_ld + c);
+        __stcs(zr, make_float4(z.v[0], z.v[1], z.v[2], z.v[3]));
+        __stcs(zr + 1, make_float4(z.v[4], z.v[5], z.v[6], z.v[7]));
+      }
       float t[8], g[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) cupyffn::gelu(z.v[i], t[i], g[i]);
@@ -54,7 +66,12 @@ __global__ void __launch_bounds__(256, 6) gelu_forward_kernel(const __grid_const
       }
     } else {
       float t[1], g[1];
-      cupyffn::gelu(__ldcs(job.z + r * job.z_ld + c), t[0], g[0]);
+      float z = __ldcs(job.z + r * job.z_ld + c);
+      if (job.bias != nullptr) {
+        z += __ldg(job.bias + c);
+        job.z[r * job.z_ld + c] = z;
+      }
+      cupyffn::gelu(z, t[0], g[0]);
       *tr = t[0];
       *gr = g[0];
       if constexpr (FMT != FMT_F32) {

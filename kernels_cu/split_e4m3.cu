@@ -77,8 +77,9 @@ struct SplitJobs {
   int slot_mask;   // slots this launch decides
   int alpha_mask;  // GEMM alphas the rescue pass writes
   int unused;
+  float* colsum;   // KIND 1, gathering pass: [row tiles, cols] column sums of X per step's rows (nullptr: none)
 };
-static_assert(sizeof(SplitJobs) == 176 * kSplitMaxJobs + 24, "SplitJobs layout is mirrored in cupyffn/_kernels.py");
+static_assert(sizeof(SplitJobs) == 176 * kSplitMaxJobs + 32, "SplitJobs layout is mirrored in cupyffn/_kernels.py");
 
 namespace split {
 
@@ -269,6 +270,8 @@ __global__ void __launch_bounds__(256, split::Variant<ID>::MINB) split_e4m3_kern
     c0 = (int)(tile - tr * tiles_c) * kTile;
   };
   float amax = 0.0f;
+  __shared__ float part[KIND == 1 ? 2 : 1][16][kTile];  // jobs.colsum: a step's column sums per row group
+  int sbuf = 0;
   int buf = 0;
   Sources<R> src;
   long long tile = (int)blockIdx.x - job.block_begin;
@@ -288,6 +291,28 @@ __global__ void __launch_bounds__(256, split::Variant<ID>::MINB) split_e4m3_kern
     if constexpr (!PIPE) load_sources<KIND, R>(job, r, c, src);
     float x[R][4];
     combine<KIND, R>(job, src, x);
+    if constexpr (KIND == 1) {
+      // grad_bias1's partial sums: this step's column sums over its rows (each step is one block's, so the
+      // partial rows do not depend on the grid), its 16 row groups added in order; kernels_cu/bias.cu adds the
+      // rows of all steps (a fixed order: bit-identical sums). Double-buffered: one barrier per step.
+      if (jobs.colsum != nullptr && !jobs.rescue) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float t = 0.0f;
+#pragma unroll
+          for (int j = 0; j < R; ++j) t += x[j][i];  // rows outside the matrix were loaded as 0: x = 0
+          part[sbuf][rg][4 * cg + i] = t;
+        }
+        __syncthreads();
+        if (tid < kTile && c0 + tid < cols) {
+          float t = part[sbuf][0][tid];
+#pragma unroll
+          for (int g = 1; g < 16; ++g) t += part[sbuf][g][tid];
+          jobs.colsum[(tile / tiles_c) * cols + c0 + tid] = t;
+        }
+        sbuf ^= 1;
+      }
+    }
     if constexpr (PIPE) {  // the next step's loads, in flight while this step encodes and stores
       long long rn;
       int cn;

@@ -11,7 +11,8 @@ from benchmarks import timing
 
 
 @pytest.mark.parametrize("name,option", [("sm90_precompile", "--match"), ("sm90_trace", "--rasters"),
-                                         ("sm90_sass", "--dump"), ("sm90_ptx_diff", "--against")])
+                                         ("sm90_sass", "--dump"), ("sm90_ptx_diff", "--against"),
+                                         ("bias_cost", "--tokens")])
 def test_loads_without_cupy_and_answers_help(name, option, capsys):
     tool = load_tool(name)
     with pytest.raises(SystemExit) as info:

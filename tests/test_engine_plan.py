@@ -163,6 +163,7 @@ class _StandIn:
         self._recompute_g, self._ieee_gelu = False, None
         self._fused, self._fused_rescue, self._decide = "fused", "fused rescue" if f16 else None, "decide"
         self._dgelu, self._dgelu_rescue = "dgelu", "dgelu rescue" if f16 else None
+        self._bias1, self._bias2 = ("bias1", ("bias2 bands", "bias2 rows")) if plan.need_bias_grads else (None, None)
         for g in ("gemm1", "gemm2", "gemm3", "gemm4"):
             setattr(self, g, g if g in plan.forms else None)
 
@@ -193,3 +194,23 @@ def test_stage_graph_bf16x3_lean():
     gemm2 = next(s for s in steps if s.stage == "GEMM2 grad_weight2")
     assert gemm2.waits == ("A",) and gemm2.run == (S.Gemm(1),)
     assert S.FORK[0].records == ("start",) and S.JOIN[-1].waits == ("side",)
+
+
+@pytest.mark.parametrize("precision, tokens", [("tf32", 8192), ("bf16x3", 8192), ("fp16+fp8", 8192),
+                                               ("fp16+fp8", 256)])
+def test_stage_graph_with_bias_gradients(precision, tokens):
+    """need_bias_grads: GEMM1 and the GELU derivative are two launches (the dgelu pass forms grad_bias1's column
+    sums; tf32 would fuse them otherwise); grad_output's column sums go first on S2, which is idle until convert A
+    ends; grad_bias1's rows are added on S2 once dgelu is done (D), before GEMM4 there."""
+    plan = build(precision, tokens, need_bias_grads=True)
+    assert not plan.fused_gemm1 and build(precision, tokens).need_bias_grads is False
+    steps = S.stages(_StandIn(plan))
+    staged = [(s.stream, s.stage) for s in steps if s.stage]
+    assert staged[0] == ("S2", "grad_bias2") and steps[0].run == ("bias2 bands", "bias2 rows")
+    assert ("S", "dgelu") in staged and ("S", "GEMM1 grad_gelu") in staged
+    bias1 = next(s for s in steps if s.stage == "grad_bias1")
+    assert bias1.stream == "S2" and bias1.waits == ("D",) and bias1.run == ("bias1",)
+    order = [s.stage for s in steps]
+    assert order.index("dgelu") < order.index("grad_bias1")
+    d = next(i for i, s in enumerate(steps) if "D" in s.records)
+    assert d < steps.index(bias1)

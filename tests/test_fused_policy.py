@@ -18,7 +18,8 @@ def stand_in(fmt, tokens, dim, hidden, hopper, monkeypatch, options=AUTO):
     """A plan's fields the sm90 choices read, with Plan._sm90_fits, mnk and dims bound to them; `hopper`: what the
     plan's device question sm90_supported() answers."""
     engine = types.SimpleNamespace(fmt=fmt, T=tokens, D=dim, H=hidden, options=options, max_k=options.max_k,
-                                   planes=3 if fmt == P.FMT_BF16X3 else 1, _sm90_supported=lambda: hopper)
+                                   planes=3 if fmt == P.FMT_BF16X3 else 1, _sm90_supported=lambda: hopper,
+                                   need_bias_grads=False)
     engine._sm90_fits = lambda: E.Plan._sm90_fits(engine)
     engine.mnk = lambda g: E.Plan.mnk(engine, g)
     engine.dims = lambda letters: E.Plan.dims(engine, letters)

@@ -240,6 +240,7 @@ def _plan():
     plan = object.__new__(_backward_plan.GeluFFNBackward)
     plan.tokens, plan.dim, plan.hidden_dim, plan.device = T, D, H, 0
     plan.need_grad_hidden = plan.need_weight_grads = True
+    plan.need_bias_grads = False
     plan.graph, plan._closed, plan._validated, plan._engine = False, False, {}, object()
     plan._execute = lambda call, out, stream, accumulate, ready=None: call
     return plan
@@ -305,7 +306,7 @@ def test_the_forward_follows_torch_once_per_call(fake_torch):
     x, w1, w2 = tensors(shapes=((T, D), (H, D), (D, H)))
     outs = tensors(base=1 << 40, shapes=((T, D), (T, H), (T, H), (T, H)))
     prepared = _forward._prepare(x, w1, w2, outs, Stream(OTHER_STREAM))
-    assert prepared[0] == "gpu" and [a.data.ptr for a in prepared[8]] == [o.ptr for o in outs]
+    assert prepared[0] == "gpu" and [a.data.ptr for a in prepared[-1]] == [o.ptr for o in outs]
     assert fake_torch.waits == [(TORCH_STREAM, OTHER_STREAM, 0)] and fake_torch.stream_queries == 1
 
 

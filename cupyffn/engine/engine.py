@@ -42,15 +42,19 @@ class GpuEngine:
     gemm1, gemm2, gemm3, gemm4 = (_of("gemms", g) for g in ("gemm1", "gemm2", "gemm3", "gemm4"))
     _dgelu, _dgelu_rescue = _of("kernels", "dgelu"), _of("kernels", "dgelu_rescue")
     _ieee_gelu = _of("kernels", "ieee_gelu")
+    _bias = _of("kernels", "bias")
+    _bias1 = property(lambda self: self._bias.bias1 if self._bias is not None else None)
+    _bias2 = property(lambda self: self._bias.bias2 if self._bias is not None else None)
     _call_graphs = _of("_executor", "call_graphs")
 
     def __init__(self, tokens, dim, hidden_dim, precision, device_id, need_grad_hidden=True,
-                 need_weight_grads=True, options=_options.DEFAULT):
+                 need_weight_grads=True, options=_options.DEFAULT, need_bias_grads=False):
         import cupy
 
         self.device_id = device_id
         self.need_grad_hidden = need_grad_hidden
         self.need_weight_grads = need_weight_grads
+        self.need_bias_grads = need_bias_grads
         self._closed = False
         self._handles = []
         self.plan = self.kernels = self.gemms = None
@@ -63,7 +67,7 @@ class GpuEngine:
             self._fp8 = {}  # gemm -> its e4m3 cuBLASLt plan (fp16+fp8), built while the plan chooses the forms
             self.plan = Plan(tokens, dim, hidden_dim, precision, need_grad_hidden, need_weight_grads, options,
                              sm90_supported=lambda: sm90.device_supported(device_id),
-                             build_fp8=self._build_fp8)
+                             build_fp8=self._build_fp8, need_bias_grads=need_bias_grads)
             self.layout = self.plan.layout
             self.gelu_in_gemm1 = False  # this call's: the epilogue forms gelu_out (memory mode; _select_mode)
             self._allocate()
@@ -108,8 +112,12 @@ class GpuEngine:
 
     @property
     def scratch_bytes(self):
-        """Device scratch this engine holds: the layout's, and ieee memory mode's gelu_out once built."""
-        return self.layout.scratch_bytes + (self.kernels.ieee_bytes if self.kernels is not None else 0)
+        """Device scratch this engine holds: the layout's, the bias gradients' partial sums, and ieee memory mode's
+        gelu_out once built."""
+        if self.kernels is None:
+            return self.layout.scratch_bytes
+        bias = self.kernels.bias.nbytes if self.kernels.bias is not None else 0
+        return self.layout.scratch_bytes + self.kernels.ieee_bytes + bias
 
     @property
     def workspace_bytes(self):
@@ -158,7 +166,8 @@ class GpuEngine:
         self._convert, self._fused, self._fused_rescue, self._decide = self.kernels.modes[self.gelu_in_gemm1]
 
     def set_io(self, inputs, outputs, accumulate):
-        """Point the prebuilt launches at this call's arrays (Matrix views) and outputs (device pointers)."""
+        """Point the prebuilt launches at this call's arrays (Matrix views) and outputs (device pointers:
+        grad_hidden_states, grad_weight1, grad_weight2, then grad_bias1, grad_bias2 with need_bias_grads)."""
         dy, x, w1, w2, l1, t, g = inputs
         src = {"grad_output": dy, "hidden_states": x, "weight1": w1, "weight2": w2, "gelu_out": g}
         self._recompute_g = g is None and self.need_weight_grads  # memory mode: gelu_out from linear1_out
@@ -170,7 +179,9 @@ class GpuEngine:
         if self.fmt != P.FMT_F16E4M3 and not self.planes:
             self.gemms.bind(dy, x, w1, w2, g, self.kernels.ieee_g)
         self._accumulate = bool(accumulate)
-        self.gemms.set_outputs(outputs, accumulate)
+        self.gemms.set_outputs(outputs[:3], accumulate)
+        if self.need_bias_grads:
+            self._bias.bind(dy, outputs[3], outputs[4], accumulate, self.kernels.dgelu)
 
     def enqueue(self, stream_ptr, serial=False, mark=None, grad_hidden_ready=0):
         """Issue the whole backward on `stream_ptr` and the side stream (schedule.Executor.enqueue)."""

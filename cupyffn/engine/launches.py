@@ -15,6 +15,7 @@ from .. import _precision as P
 from ..gemm import cublas
 from ..gemm import desc as gemm_desc
 from ..gemm import sm90
+from .bias_sums import BiasSums
 from .layout import E4M3_USES, ROWS_COLS, Operand
 
 
@@ -59,7 +60,8 @@ class Kernels:
     """Our kernels' launches of one plan (T > 0). `modes[gelu_in_gemm1]` = (convert, fused, fused_rescue, decide):
     convert {stage: (names, launch, rescue launch or None)} for "convert A", "convert B", "convert late", and the
     fused GEMM1 + dgelu's launches (None without it); `dgelu`, `dgelu_rescue` (None with the fused GEMM1);
-    `ieee_gelu` (ieee memory mode's gelu_out recomputed in fp32: built on first use, `ieee_bytes` its buffer)."""
+    `ieee_gelu` (ieee memory mode's gelu_out recomputed in fp32: built on first use, `ieee_bytes` its buffer);
+    `bias` (need_bias_grads: the bias gradients' launches and scratch, cupyffn/engine/bias_sums.py)."""
 
     def __init__(self, plan, base, state, consts, device_id):
         self.plan, self.ops = plan, plan.layout.ops
@@ -71,6 +73,7 @@ class Kernels:
         self._consts_ptr = vp(consts.data.ptr)
         self.ieee_gelu = None  # (names, launch, None) once memory mode needs it (ieee only)
         self.ieee_g, self.ieee_bytes = None, 0
+        self.bias = BiasSums(plan, device_id) if plan.need_bias_grads else None
         if self.fmt == P.FMT_F16E4M3:
             self._build_split_launches()
         else:
@@ -117,6 +120,8 @@ class Kernels:
         kernel, full = _kernels.split_kernel(1, dev)
         spec = [self.split_spec("grad_linear1")]
         self.dgelu = _kernels.split_launch(kernel, spec, full, 0, 2, 0, self._state_ptr, self._consts_ptr)
+        if self.bias is not None:  # one row of column sums per step's rows (split_e4m3.cu)
+            self.dgelu.args[0].colsum = self.bias.dgelu_rows
         self.dgelu_rescue = _kernels.split_launch(kernel, spec, 2 * sms, 1, 2, 0b1100, self._state_ptr,
                                                   self._consts_ptr)
 
@@ -171,7 +176,12 @@ class Kernels:
         expr = f"dgelu_kernel<{fmt}>"
         kernel = _kernels.get_function("dgelu", expr, dev)
         grid = max(1, min(items(self.T, self.H), sms * _kernels.blocks_per_sm("dgelu", expr, dev) * 2))
-        self.dgelu = self._dgelu_launch(kernel, grid, rescue=0)
+        if self.bias is not None:  # the gathering pass also leaves column sums (its grid: BiasSums.bind)
+            sums = f"dgelu_sums_kernel<{fmt}>"
+            self.dgelu = self._dgelu_launch(_kernels.get_function("dgelu", sums, dev), grid, rescue=0)
+            self.dgelu.args[0].colsum = self.bias.dgelu_rows
+        else:
+            self.dgelu = self._dgelu_launch(kernel, grid, rescue=0)
         self.dgelu_rescue = self._dgelu_launch(kernel, min(grid, 2 * sms), rescue=1) if f16 else None
 
     def _build_fused_gemm1(self, gelu_epilogue):

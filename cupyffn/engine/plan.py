@@ -134,7 +134,8 @@ class Plan:
     """
 
     def __init__(self, tokens, dim, hidden_dim, precision, need_grad_hidden=True, need_weight_grads=True,
-                 options=_options.DEFAULT, sm90_supported=lambda: False, build_fp8=lambda plan, gemm: None):
+                 options=_options.DEFAULT, sm90_supported=lambda: False, build_fp8=lambda plan, gemm: None,
+                 need_bias_grads=False):
         if not isinstance(options, _options.EngineOptions):
             raise TypeError(f"options must be a cupyffn.engine.options.EngineOptions; got {options!r}")
         self.T, self.D, self.H = tokens, dim, hidden_dim
@@ -142,6 +143,7 @@ class Plan:
         self.precision = precision
         self.need_grad_hidden = need_grad_hidden
         self.need_weight_grads = need_weight_grads
+        self.need_bias_grads = need_bias_grads
         self._sm90_supported = sm90_supported
         self._choose_forms(build_fp8)
         self.fused_gemm1 = self._fused_gemm1_ok()
@@ -234,9 +236,11 @@ class Plan:
     def _fused_gemm1_ok(self):
         """GEMM1 + dgelu as one sm90 kernel (module docstring): the tf32 plan's fp16 or the bf16x3 plan's bf16
         operands, a compute capability 9.0 GPU, rows of 16-byte multiples for the TMA unit (D, H multiples of 8)."""
-        # a format FUSED_GEMM1_TOKENS does not list fuses only when asked to (True)
+        # a format FUSED_GEMM1_TOKENS does not list fuses only when asked to (True); grad_bias1's column sums are
+        # formed by the dgelu pass, not by the fused epilogue (docs/decisions/050-biases-in-the-split-precisions.md)
         wanted = option_wanted(self.options.fused_gemm1, FUSED_GEMM1_TOKENS, self.fmt, self.T)
-        return (wanted and self.fmt in FUSABLE_FORMATS and self.T > 0 and self._sm90_fits()
+        return (wanted and not self.need_bias_grads and self.fmt in FUSABLE_FORMATS and self.T > 0
+                and self._sm90_fits()
                 and not ksplit.chunked(max(self.planes, 1) * self.D, self.max_k))  # one accumulator sums all of K
 
     def _gelu_epilogue_ok(self):
