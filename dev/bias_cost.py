@@ -3,9 +3,9 @@
     PYTHONPATH=. python3 dev/bias_cost.py [--tokens 256 1024 2048 4096 8192] [--out results/bias-cost.json]
 
 Per precision ("bf16x3", "fp16+fp8") and T, at SD3.5's dim 1536 / hidden 6144: the backward plan with and without
-need_bias_grads, the forward with and without both biases (CUDA events, L2 flushed before each sample, the median:
-benchmarks/timing.py), and the bias plan's own stages serialized (GeluFFNBackward.profile_stages: "grad_bias2",
-"grad_bias1", "dgelu"). Prints a markdown table and writes the JSON.
+need_bias_grads (alternated over --rounds, the median round), the forward with and without both biases (CUDA events,
+L2 flushed before each sample, the median: benchmarks/timing.py), and both plans' stages serialized
+(GeluFFNBackward.profile_stages: "grad_bias2", "grad_bias1", "dgelu"). Prints a markdown table and writes the JSON.
 """
 
 import argparse
@@ -20,7 +20,7 @@ from _json_out import save_json  # noqa: E402
 D, H = 1536, 6144
 
 
-def measure(cupy, cupyffn, precision, T, reps):
+def measure(cupy, cupyffn, precision, T, reps, rounds):
     rng = cupy.random.default_rng(T)
     x, dy = (rng.standard_normal((T, D), dtype=cupy.float32) for _ in range(2))
     w1 = rng.standard_normal((H, D), dtype=cupy.float32) / 40
@@ -34,14 +34,25 @@ def measure(cupy, cupyffn, precision, T, reps):
         row[name] = flushed_median_ms(cupy, s, lambda: cupyffn.gelu_ffn_forward(
             x, w1, w2, precision=precision, out=fwd, stream=s, **kw), lambda: flush_buf.fill(1), reps, 3)
     args = (dy, x, w1, w2, fwd[1], fwd[2], fwd[3])
-    for name, bias in (("backward", False), ("backward + bias grads", True)):
-        plan = cupyffn.GeluFFNBackward(T, D, H, precision=precision, need_bias_grads=bias)
-        out = [cupy.empty(sh, cupy.float32) for sh in ((T, D), (H, D), (D, H), (H,), (D,))][:5 if bias else 3]
-        row[name] = flushed_median_ms(cupy, s, lambda: plan(*args, out=out, stream=s),
-                                      lambda: flush_buf.fill(1), reps, 3)
-        if bias:
-            stages = plan.profile_stages(*args, out=out, stream=s, reps=5, before_each=lambda: flush_buf.fill(1))
-            row["stages ms"] = {k: round(v["ms"], 4) for k, v in stages.items()}
+    plans = {name: cupyffn.GeluFFNBackward(T, D, H, precision=precision, need_bias_grads=bias)
+             for name, bias in (("backward", False), ("backward + bias grads", True))}
+    outs = {name: [cupy.empty(sh, cupy.float32) for sh in ((T, D), (H, D), (D, H), (H,), (D,))][:5 if bias else 3]
+            for name, bias in (("backward", False), ("backward + bias grads", True))}
+    samples = {name: [] for name in plans}
+    for _ in range(rounds):  # alternated, so that a drift of the GPU's clocks falls on both
+        for name, plan in plans.items():
+            samples[name].append(flushed_median_ms(cupy, s, lambda: plan(*args, out=outs[name], stream=s),
+                                                   lambda: flush_buf.fill(1), reps, 3))
+    for name, values in samples.items():
+        row[name] = sorted(values)[len(values) // 2]
+        row[name + " rounds"] = values
+    name = "backward + bias grads"
+    stages = plans[name].profile_stages(*args, out=outs[name], stream=s, reps=5, before_each=lambda: flush_buf.fill(1))
+    row["stages ms"] = {k: round(v["ms"], 4) for k, v in stages.items()}
+    stages = plans["backward"].profile_stages(*args, out=outs["backward"], stream=s, reps=5,
+                                              before_each=lambda: flush_buf.fill(1))
+    row["stages ms without"] = {k: round(v["ms"], 4) for k, v in stages.items()}
+    for plan in plans.values():
         plan.close()
     return row
 
@@ -50,25 +61,26 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 2048, 4096, 8192])
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "results"), "bias-cost.json"))
     a = p.parse_args(argv)
     import cupy
 
     import cupyffn
 
-    rows = [measure(cupy, cupyffn, prec, T, a.reps) for prec in ("bf16x3", "fp16+fp8") for T in a.tokens]
+    rows = [measure(cupy, cupyffn, prec, T, a.reps, a.rounds) for prec in ("bf16x3", "fp16+fp8") for T in a.tokens]
     props = cupy.cuda.runtime.getDeviceProperties(0)
     save_json({"device": props["name"].decode(), "cupy": cupy.__version__, "dim": D, "hidden_dim": H,
                "rows": rows}, a.out)
     print("| precision | T | backward ms | + bias grads | ratio | forward ms | + biases | ratio | grad_bias2 / "
-          "grad_bias1 stage ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "grad_bias1 stage ms | dgelu stage ms with / without |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         st = r["stages ms"]
         print(f"| {r['precision']} | {r['tokens']} | {r['backward']:.4f} | {r['backward + bias grads']:.4f} | "
               f"{r['backward + bias grads'] / r['backward']:.3f} | {r['forward']:.4f} | {r['forward + biases']:.4f} | "
               f"{r['forward + biases'] / r['forward']:.3f} | {st.get('grad_bias2', 0):.4f} / "
-              f"{st.get('grad_bias1', 0):.4f} |")
+              f"{st.get('grad_bias1', 0):.4f} | {st['dgelu']:.4f} / {r['stages ms without']['dgelu']:.4f} |")
 
 
 if __name__ == "__main__":

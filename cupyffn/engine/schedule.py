@@ -8,8 +8,9 @@ Work of one call (S = the caller's stream, S2 = the engine's side stream):
                    │                     ▲         │                                ▲
     S2: convert B ─┴─► GEMM2 grad_weight2 ┘(B)      └─► GEMM4 grad_weight1 ─────────┘
 
-(With bias gradients, S2 first sums grad_output's columns into grad_bias2, and after dgelu adds the rows of
-column sums that the dgelu pass left into grad_bias1, before GEMM4.)
+(With bias gradients, S2 sums grad_output's columns into grad_bias2 and adds the rows of column sums the dgelu
+pass left into grad_bias1 once dgelu is done (D), beside GEMM3 and before GEMM4: bandwidth-bound work beside a
+compute-bound GEMM. At the start of S2 it was on the critical path of the lean layout, where S waits for GEMM2.)
 
 `convert A` writes the operands of GEMM1 (grad_output, weight2) and `convert B` those of the rest
 (gelu_out, hidden_states, weight1), each in one launch (tf32 at T <= 512: both in one launch on S,
@@ -80,8 +81,6 @@ def stages(engine):
             if rescue is not None:
                 steps.append(Step(stream, (rescue,), "f16 rescue"))
 
-    if e._bias2 is not None:  # grad_output's column sums: S2 is idle until convert A ends
-        steps.append(Step("S2", e._bias2, "grad_bias2"))
     convert("convert A", "S")
     steps.append(Step("S", records=("A",)))
     # convert B's rescue writes alpha2, which needs grad_output's scale (with gelu_in_gemm1 it writes no alpha;
@@ -113,8 +112,9 @@ def stages(engine):
             steps.append(Step("S", (e._dgelu_rescue,), "f16 rescue"))
     convert("convert late", "S")
     steps.append(Step("S", records=("D",)))
-    if e._bias1 is not None:  # the dgelu pass's rows of column sums added: off the critical path
-        steps.append(Step("S2", (e._bias1,), "grad_bias1", waits=("D",)))
+    if e._bias1 is not None:  # bandwidth-bound sums beside GEMM3 (compute-bound), before GEMM4 on S2
+        steps.append(Step("S2", e._bias2, "grad_bias2", waits=("D",)))
+        steps.append(Step("S2", (e._bias1,), "grad_bias1"))
     if e.gemm2 is not None and e.gelu_in_gemm1:  # gelu_out's codes and GEMM2's alpha are final
         steps.append(Step("S2", (Gemm(1),), "GEMM2 grad_weight2", waits=("D",)))
     if e.gemm3 is not None:
