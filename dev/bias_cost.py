@@ -5,7 +5,7 @@
 Per precision ("bf16x3", "fp16+fp8") and T, at SD3.5's dim 1536 / hidden 6144: the backward plan with and without
 need_bias_grads (alternated over --rounds, the median round), the forward with and without both biases (CUDA events,
 L2 flushed before each sample, the median: benchmarks/timing.py), and both plans' stages serialized
-(GeluFFNBackward.profile_stages: "grad_bias2", "grad_bias1", "dgelu"). Prints a markdown table and writes the JSON.
+(GeluFFNBackward.profile_stages: "grad_bias2", "grad_bias1", "dgelu"). Writes the JSON and a markdown table beside it (same name, .md), and prints the table.
 """
 
 import argparse
@@ -57,6 +57,23 @@ def measure(cupy, cupyffn, precision, T, reps, rounds):
     return row
 
 
+def markdown(rows, device):
+    lines = [f"# Biases in the split float32 precisions: cost on the {device} (dev/bias_cost.py)", "",
+             f"dim {D}, hidden {H}; ms by CUDA events, L2 flushed, median (backward: median of alternated rounds); "
+             "stage ms serialized (profile_stages).", "",
+             "| precision | T | backward ms | + bias grads | ratio | forward ms | + biases | ratio | grad_bias2 / "
+             "grad_bias1 stage ms | dgelu stage ms with / without sums |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        st = r["stages ms"]
+        lines.append(f"| {r['precision']} | {r['tokens']} | {r['backward']:.4f} | {r['backward + bias grads']:.4f} | "
+                     f"{r['backward + bias grads'] / r['backward']:.3f} | {r['forward']:.4f} | "
+                     f"{r['forward + biases']:.4f} | {r['forward + biases'] / r['forward']:.3f} | "
+                     f"{st['grad_bias2']:.4f} / {st['grad_bias1']:.4f} | {st['dgelu']:.4f} / "
+                     f"{r['stages ms without']['dgelu']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 2048, 4096, 8192])
@@ -69,19 +86,17 @@ def main(argv=None):
     import cupyffn
 
     rows = [measure(cupy, cupyffn, prec, T, a.reps, a.rounds) for prec in ("bf16x3", "fp16+fp8") for T in a.tokens]
-    props = cupy.cuda.runtime.getDeviceProperties(0)
-    save_json({"device": props["name"].decode(), "cupy": cupy.__version__, "dim": D, "hidden_dim": H,
-               "rows": rows}, a.out)
-    print("| precision | T | backward ms | + bias grads | ratio | forward ms | + biases | ratio | grad_bias2 / "
-          "grad_bias1 stage ms | dgelu stage ms with / without |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        st = r["stages ms"]
-        print(f"| {r['precision']} | {r['tokens']} | {r['backward']:.4f} | {r['backward + bias grads']:.4f} | "
-              f"{r['backward + bias grads'] / r['backward']:.3f} | {r['forward']:.4f} | {r['forward + biases']:.4f} | "
-              f"{r['forward + biases'] / r['forward']:.3f} | {st.get('grad_bias2', 0):.4f} / "
-              f"{st.get('grad_bias1', 0):.4f} | {st['dgelu']:.4f} / {r['stages ms without']['dgelu']:.4f} |")
+    import datetime
 
+    from benchmarks.gpu import environment, git_commit
+
+    env = environment(cupy, None)
+    save_json({"environment": env, "commit": git_commit(), "date": datetime.date.today().isoformat(), "dim": D,
+               "hidden_dim": H, "rows": rows}, a.out)
+    text = markdown(rows, env["device"])
+    with open(os.path.splitext(a.out)[0] + ".md", "w") as f:
+        f.write(text)
+    print(text)
 
 if __name__ == "__main__":
     main()
