@@ -58,19 +58,19 @@ def engine_biases(first, precision):
     return precision in ENGINE_BIAS_PRECISIONS and dtype_name(first) == "float32"
 
 
-def _check_precision(precision, act, layer=False):
-    """Refuse a precision 16-bit activations, or float32 ones with biases, cannot take here; `layer`: for the torch
-    layer and cupyffn.jax, which run biases on this route only."""
+def _check_precision(precision, act, jax=False):
+    """Refuse a precision 16-bit activations, or float32 ones with biases, cannot take; `jax`: for cupyffn.jax, whose
+    biases run on this route only."""
     if act in HALF:
         if precision is not None:
             raise ValueError(f"precision= chooses how float32 operands are multiplied; {act} activations are "
                              f"multiplied as they are (bf16/fp16 tensor cores, fp32 accumulation): pass precision=None")
-    elif precision not in FLOAT32_PRECISIONS:
-        if layer:
-            raise ValueError(f"biases with float32 activations run in precision 'ieee' (the default) or 'tf32' in "
-                             f"this layer (cuBLASLt GEMMs with fused bias epilogues; 'bf16x3' and 'fp16+fp8' take "
-                             f"biases in cupyffn.gelu_ffn_forward / gelu_ffn_backward only: docs/precisions.md); got "
-                             f"precision={precision!r}")
+    elif jax and precision not in FLOAT32_PRECISIONS:
+        raise ValueError(f"biases with float32 activations run in precision 'ieee' (the default) or 'tf32' in "
+                         f"cupyffn.jax (cuBLASLt GEMMs with fused bias epilogues; 'bf16x3' and 'fp16+fp8' take biases "
+                         f"in cupyffn.gelu_ffn_forward / gelu_ffn_backward and the torch layer: docs/precisions.md); "
+                         f"got precision={precision!r}")
+    elif precision not in FLOAT32_PRECISIONS + ENGINE_BIAS_PRECISIONS:
         raise ValueError(f"biases with float32 activations run in precision 'ieee' (the default), 'tf32', "
                          f"'bf16x3' or 'fp16+fp8' (docs/precisions.md); got precision={precision!r}")
 

@@ -7,7 +7,7 @@ them), the GEMMs run on those 16-bit operands with fp32 accumulation, and the ou
 Gradients come back in the parameters' own dtypes (fp32 master weights get fp32 gradients straight from the
 GEMMs' fp32 outputs). Outside autocast the tensors' own dtype decides: bf16/fp16 parameters and input run the
 same plan; float32 with biases runs the layer's precision: "ieee" (None; plain fp32 GEMMs with the bias epilogues),
-or "tf32".
+"tf32", or on the float32 engine "bf16x3" / "fp16+fp8" (which also keeps tanh_inner for the backward).
 """
 
 import math
@@ -16,7 +16,7 @@ import torch
 
 from ._backward import gelu_ffn_backward
 from ._forward import gelu_ffn_forward
-from ._lt_api import _check_precision
+from ._lt_api import ENGINE_BIAS_PRECISIONS, _check_precision
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -70,9 +70,12 @@ class LtFunction(torch.autograd.Function):
         x = x.contiguous()
         lead, D, H = tuple(x.shape[:-1]), x.shape[-1], w1.shape[0]
         y, z, g = (torch.empty(lead + (n,), dtype=act, device=x.device) for n in (D, H, H))
+        # the float32 engine's split precisions also return tanh_inner (the cuBLASLt plans recompute it)
+        t = torch.empty_like(z) if ctx.precision in ENGINE_BIAS_PRECISIONS else None
         gelu_ffn_forward(*(_arg(t) for t in (x, w1, w2)), bias1=_arg(b1), bias2=_arg(b2), precision=ctx.precision,
-                         out=[_arg(y), _arg(z), None, _arg(g)], stream=_stream(x.device))
-        ctx.save_for_backward(x, w1, w2, z, g if save == "all" else None)
+                         out=[_arg(y), _arg(z), _arg(t), _arg(g)], stream=_stream(x.device))
+        kept = save == "all"
+        ctx.save_for_backward(x, w1, w2, z, g if kept else None, t if kept else None)
         ctx.dtypes = (weight1.dtype, None if bias1 is None else bias1.dtype, None if bias2 is None else bias2.dtype)
         ctx.biased = (bias1 is not None, bias2 is not None)
         return y
@@ -80,7 +83,7 @@ class LtFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
-        x, w1, w2, z, g = ctx.saved_tensors
+        x, w1, w2, z, g, t = ctx.saved_tensors
         need_x, need_w1, need_w2, need_b1, need_b2 = ctx.needs_input_grad[:5]
         need_w, need_b = need_w1 or need_w2, need_b1 or need_b2
         wt = ctx.dtypes[0]  # gradients in the parameters' dtype (fp32 master weights: fp32)
@@ -94,7 +97,7 @@ class LtFunction(torch.autograd.Function):
         gb1, gb2 = empty((w1.shape[0],), wt, need_b), empty((w2.shape[0],), wt, need_b)
         dy = grad_output.to(x.dtype).contiguous()
         out = [_arg(t) for t in (gx, gw1, gw2, gb1, gb2)]
-        gelu_ffn_backward(*(_arg(t) for t in (dy, x, w1, w2, z)), None, _arg(g), out=out if need_b else out[:3],
+        gelu_ffn_backward(*(_arg(a) for a in (dy, x, w1, w2, z, t, g)), out=out if need_b else out[:3],
                           stream=_stream(dev), need_grad_hidden=need_x, need_weight_grads=need_w,
                           need_bias_grads=need_b, precision=ctx.precision)
         b1_dt, b2_dt = ctx.dtypes[1:]
@@ -106,7 +109,7 @@ class LtFunction(torch.autograd.Function):
 
 def lt_layer(x, weight1, weight2, bias1, bias2, save, precision=None):
     """The layer's forward through LtFunction (biases, or 16-bit activations); `precision` applies to float32
-    activations (None, "ieee" or "tf32")."""
+    activations (None, "ieee", "tf32", "bf16x3" or "fp16+fp8")."""
     act = activation_dtype(x, weight1)
     if act not in HALF + (torch.float32,):
         raise TypeError(f"cupyffn computes in bfloat16, float16 or float32; got {act}")
@@ -224,9 +227,9 @@ class GeluFFN(torch.nn.Module):
     Parameters ``weight1 [hidden_dim, dim]``, ``weight2 [dim, hidden_dim]`` (``[out_features, in_features]``) and,
     with ``bias=True``, ``bias1 [hidden_dim]``, ``bias2 [dim]``, initialized like ``torch.nn.Linear``; ``dtype``
     float32 (default), bfloat16 or float16. ``precision`` and ``save`` as in ``GeluFFNFunction`` (precision applies
-    to float32 computation; with biases it is "ieee" (None) or "tf32"). Without biases, in float32 and outside
-    autocast, the layer runs the float32 plans (``gelu_ffn``: custom operators, torch.compile without graph
-    breaks). Otherwise (biases, 16-bit parameters or input, or under ``torch.autocast``) it runs the 16-bit/bias
+    to float32 computation; with biases it is "ieee" (None), "tf32", "bf16x3" or "fp16+fp8"). Without biases, in
+    float32 and outside autocast, the layer runs the float32 plans (``gelu_ffn``: custom operators, torch.compile
+    without graph breaks). Otherwise (biases, 16-bit parameters or input, or under ``torch.autocast``) it runs the 16-bit/bias
     plan as ``nn.Linear`` would under the same autocast: computes in the autocast dtype (else the input's 16-bit
     dtype, else the parameters' dtype), returns that dtype, and gives gradients in the parameters' dtypes
     (docs/precisions.md). That route is an eager autograd.Function (torch.compile treats it as a graph break).
@@ -248,7 +251,7 @@ class GeluFFN(torch.nn.Module):
         self.dim, self.hidden_dim = dim, hidden_dim
         self.precision = _precision_name(precision)
         if bias:  # refused here rather than at the first float32 call
-            _check_precision(self.precision, "float32", layer=True)
+            _check_precision(self.precision, "float32")
         self.save = _check_save(save)
         if _empty:  # from_linears sets the Parameters
             return

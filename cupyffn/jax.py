@@ -326,6 +326,6 @@ def gelu_ffn(x, weight1, weight2, precision=None, *, bias1=None, bias2=None):
     if bias1 is not None or bias2 is not None or str(x.dtype) != "float32":
         from ._lt_api import _check_precision
 
-        _check_precision(precision, str(x.dtype), layer=True)
+        _check_precision(precision, str(x.dtype), jax=True)
         return _biased_gelu_ffn(x, weight1, weight2, bias1, bias2, precision)
     return _gelu_ffn(x, weight1, weight2, precision)

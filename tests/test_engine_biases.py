@@ -237,3 +237,32 @@ def test_gpu_bias_gradients_in_a_callers_capture(rng, precision):
     within(fwd, refs, 1e-4)
     within(out, grads, 1e-4)
     cupyffn.release_captured_plans()
+
+
+@gpu
+@pytest.mark.parametrize("precision", SPLIT)
+@pytest.mark.parametrize("save", ["all", "linear1_out"])
+def test_gpu_torch_layer_with_biases(precision, save):
+    """cupyffn.torch.GeluFFN with biases in a split precision (float32 outside autocast): output and every gradient
+    against the same block in float64 torch, at the contract; save="all" keeps tanh_inner for the backward."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch.cuda is not available")
+    import cupyffn.torch as ct
+
+    torch.manual_seed(0)
+    l1, l2 = torch.nn.Linear(1536, 6144).cuda(), torch.nn.Linear(6144, 1536).cuda()
+    ffn = ct.GeluFFN.from_linears(l1, l2, precision=precision, save=save)
+    x = torch.randn(2, 300, 1536, device="cuda", requires_grad=True)
+    r = torch.randn(2, 300, 1536, device="cuda")
+    y = ffn(x)
+    (y * r).sum().backward()
+    got = [y, x.grad, l1.weight.grad, l1.bias.grad, l2.weight.grad, l2.bias.grad]
+    params = [p.detach().double().requires_grad_() for p in (l1.weight, l1.bias, l2.weight, l2.bias)]
+    xd = x.detach().double().requires_grad_()
+    h = torch.nn.functional.gelu(xd @ params[0].T + params[1], approximate="tanh")
+    ref = h @ params[2].T + params[3]
+    (ref * r.double()).sum().backward()
+    for g, e in zip(got, [ref, xd.grad] + [p.grad for p in params]):
+        err = float((g.double() - e).norm() / e.norm())
+        assert err < 1e-4 and g.dtype == torch.float32, err
