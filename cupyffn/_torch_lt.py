@@ -16,7 +16,8 @@ import torch
 
 from ._backward import gelu_ffn_backward
 from ._forward import gelu_ffn_forward
-from ._lt_api import ENGINE_BIAS_PRECISIONS, _check_precision
+from ._lt_api import ENGINE_BIAS_PRECISIONS, GRADS as _GRADS, _check_precision, run_pointers
+from ._lt_ffn import LtKey
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -60,6 +61,50 @@ def _cast(t, dtype):
     return None if t is None else t.to(dtype).contiguous()
 
 
+# ---------------------------------------------------------------------- the pointer path
+# The layer's own tensors on CUDA go to the cached cuBLASLt plans by pointer: the functional API's argument import,
+# signature and checks cost ~0.2 ms of host time per call at small T (results/lt-host-profile-nvidia-h200.txt), and
+# every tensor here is one the layer made or checked. A call the path cannot take (CPU tensors, the float32 engine's
+# precisions, zero tokens, rows not 16-byte aligned) goes through the functional API, which checks and explains.
+_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _pointer_path(precision, x, tensors, D, H):
+    """Whether a call on `tensors` (None entries skipped) can take the pointer path."""
+    if not x.is_cuda or precision in ENGINE_BIAS_PRECISIONS or x.numel() == 0:
+        return False
+    size = x.element_size()
+    return (D * size) % 16 == 0 and (H * size) % 16 == 0 and all(
+        t is None or t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _pointer_forward(ctx, x, w1, w2, b1, b2, y, z, g):
+    act = _NAMES[x.dtype]
+    D, H = x.shape[-1], w1.shape[0]
+    key = LtKey(x.device.index, x.numel() // D, D, H, act, act, act, b1 is not None, b2 is not None,
+                precision=None if act != "float32" else (ctx.precision or "ieee"))
+    ptrs = [None if t is None else t.data_ptr() for t in (x, w1, w2, b1, b2)]
+    outs = (y.data_ptr(), z.data_ptr(), g.data_ptr())
+    sptr = torch.cuda.current_stream(x.device).cuda_stream
+    run_pointers(False, key, lambda plan, capturing: plan.run(*ptrs, outs, sptr, capturing), x.device.index, sptr,
+                 "cupyffn.torch.GeluFFN")
+
+
+def _pointer_backward(ctx, dy, x, w1, w2, z, g, grads, wt):
+    """grads: (grad_hidden_states, grad_weight1, grad_weight2, grad_bias1, grad_bias2), None where not wanted."""
+    act = _NAMES[x.dtype]
+    D, H = x.shape[-1], w1.shape[0]
+    need_b = grads[3] is not None
+    key = LtKey(x.device.index, x.numel() // D, D, H, act, act, _NAMES[wt], need_b, need_b, grads[0] is not None,
+                grads[1] is not None, g is None, None if act != "float32" else (ctx.precision or "ieee"))
+    a = {"grad_output": dy.data_ptr(), "hidden_states": x.data_ptr(), "weight1": w1.data_ptr(),
+         "weight2": w2.data_ptr(), "linear1_out": z.data_ptr(), "gelu_out": None if g is None else g.data_ptr()}
+    out = {n: None if t is None else t.data_ptr() for n, t in zip(_GRADS, grads)}
+    sptr = torch.cuda.current_stream(x.device).cuda_stream
+    run_pointers(True, key, lambda plan, capturing: plan.run(a, out, sptr, capturing, False),
+                 x.device.index, sptr, "cupyffn.torch.GeluFFN")
+
+
 class LtFunction(torch.autograd.Function):
     """``gelu_tanh(x W1^T + b1) W2^T + b2`` in `act` (module docstring); x already in `act`."""
 
@@ -72,8 +117,12 @@ class LtFunction(torch.autograd.Function):
         y, z, g = (torch.empty(lead + (n,), dtype=act, device=x.device) for n in (D, H, H))
         # the float32 engine's split precisions also return tanh_inner (the cuBLASLt plans recompute it)
         t = torch.empty_like(z) if ctx.precision in ENGINE_BIAS_PRECISIONS else None
-        gelu_ffn_forward(*(_arg(t) for t in (x, w1, w2)), bias1=_arg(b1), bias2=_arg(b2), precision=ctx.precision,
-                         out=[_arg(y), _arg(z), _arg(t), _arg(g)], stream=_stream(x.device))
+        if _pointer_path(ctx.precision, x, (x, w1, w2, b1, b2), D, H):
+            _pointer_forward(ctx, x, w1, w2, b1, b2, y, z, g)
+        else:
+            gelu_ffn_forward(*(_arg(t) for t in (x, w1, w2)), bias1=_arg(b1), bias2=_arg(b2),
+                             precision=ctx.precision, out=[_arg(y), _arg(z), _arg(t), _arg(g)],
+                             stream=_stream(x.device))
         kept = save == "all"
         ctx.save_for_backward(x, w1, w2, z, g if kept else None, t if kept else None)
         ctx.dtypes = (weight1.dtype, None if bias1 is None else bias1.dtype, None if bias2 is None else bias2.dtype)
@@ -96,10 +145,14 @@ class LtFunction(torch.autograd.Function):
         gw1, gw2 = empty(w1.shape, wt, need_w), empty(w2.shape, wt, need_w)
         gb1, gb2 = empty((w1.shape[0],), wt, need_b), empty((w2.shape[0],), wt, need_b)
         dy = grad_output.to(x.dtype).contiguous()
-        out = [_arg(t) for t in (gx, gw1, gw2, gb1, gb2)]
-        gelu_ffn_backward(*(_arg(a) for a in (dy, x, w1, w2, z, t, g)), out=out if need_b else out[:3],
-                          stream=_stream(dev), need_grad_hidden=need_x, need_weight_grads=need_w,
-                          need_bias_grads=need_b, precision=ctx.precision)
+        D, H = x.shape[-1], w1.shape[0]
+        if _pointer_path(ctx.precision, x, (dy,), D, H):  # the saved tensors took the path in the forward
+            _pointer_backward(ctx, dy, x, w1, w2, z, g, (gx, gw1, gw2, gb1, gb2), wt)
+        else:
+            out = [_arg(t) for t in (gx, gw1, gw2, gb1, gb2)]
+            gelu_ffn_backward(*(_arg(a) for a in (dy, x, w1, w2, z, t, g)), out=out if need_b else out[:3],
+                              stream=_stream(dev), need_grad_hidden=need_x, need_weight_grads=need_w,
+                              need_bias_grads=need_b, precision=ctx.precision)
         b1_dt, b2_dt = ctx.dtypes[1:]
         gb1 = gb1 if gb1 is None or b1_dt in (None, wt) else gb1.to(b1_dt)
         gb2 = gb2 if gb2 is None or b2_dt in (None, wt) else gb2.to(b2_dt)

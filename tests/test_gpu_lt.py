@@ -260,3 +260,44 @@ def test_torch_tensors_take_the_pointer_path():
     g = cupyffn.gelu_ffn_backward(tdy, tx, tw[0], tw[1], f.linear1_out, None, f.gelu_out, need_bias_grads=True)
     gc = cupyffn.gelu_ffn_backward(*dev(dy, x, w1, w2), fc.linear1_out, None, fc.gelu_out, need_bias_grads=True)
     assert rel(g.grad_bias1, host(gc.grad_bias1)) == 0.0 and rel(g[1], host(gc[1])) == 0.0
+
+
+def test_the_layer_enqueues_its_plans_by_pointer(monkeypatch):
+    """cupyffn.torch.GeluFFN under bf16 autocast on CUDA runs the cached plans by pointer (the functional API is not
+    called: it is made to fail here), with the same bits as the functional API on the same bf16 operands."""
+    torch = pytest.importorskip("torch")
+    import cupyffn._torch_lt as lt
+    import cupyffn.torch as ct
+
+    torch.manual_seed(0)
+    l1, l2 = torch.nn.Linear(256, 1024).cuda(), torch.nn.Linear(1024, 256).cuda()
+    ffn = ct.GeluFFN.from_linears(l1, l2)
+    x = torch.randn(3, 100, 256, device="cuda", requires_grad=True)
+    dy = torch.randn(3, 100, 256, device="cuda", dtype=torch.bfloat16)
+
+    def refuse(*a, **k):
+        raise AssertionError("the functional API was called")
+
+    with monkeypatch.context() as m:
+        m.setattr(lt, "gelu_ffn_forward", refuse)
+        m.setattr(lt, "gelu_ffn_backward", refuse)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = ffn(x)
+        y.backward(dy)
+    assert y.dtype == torch.bfloat16
+    xb = x.detach().to(torch.bfloat16)
+    w1, w2, b1, b2 = (t.detach().to(torch.bfloat16) for t in (l1.weight, l2.weight, l1.bias, l2.bias))
+    f = cupyffn.gelu_ffn_forward(xb, w1, w2, bias1=b1, bias2=b2)
+    assert torch.equal(y, f.output)
+    out = [torch.empty_like(xb), torch.empty_like(l1.weight), torch.empty_like(l2.weight), torch.empty_like(l1.bias),
+           torch.empty_like(l2.bias)]
+    cupyffn.gelu_ffn_backward(dy, xb, w1, w2, f.linear1_out, None, f.gelu_out, out=out, need_bias_grads=True)
+    got = [x.grad, l1.weight.grad, l2.weight.grad, l1.bias.grad, l2.bias.grad]
+    for a, b in zip(got, [out[0].float()] + out[1:]):
+        assert torch.equal(a, b)
+    # weights whose rows are not 16-byte aligned take the functional API, which says why
+    w = torch.nn.Parameter(torch.empty(1024 * 256 + 1, device="cuda", dtype=torch.bfloat16)[1:].view(1024, 256))
+    odd = ct.GeluFFN.from_linears(l1, l2)
+    odd.weight1 = w
+    with pytest.raises(ValueError, match="16-byte boundary"), torch.autocast("cuda", dtype=torch.bfloat16):
+        odd(x)
