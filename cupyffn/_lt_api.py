@@ -236,19 +236,6 @@ def _run_gpu(plans, key, build, run, fill, stream, capturing, what):
         plans.release(plan)
 
 
-def run_pointers(backward, key, run, device, stream_ptr, what):
-    """Enqueue the cached plan of `key` (LtBackward if `backward`, else LtForward) on `stream_ptr` of GPU `device`,
-    unchecked: for the torch layer's own tensors (cupyffn/_torch_lt.py). `run(plan, capturing)` enqueues; nothing is
-    NaN-filled after a failure (the outputs are the layer's temporaries)."""
-    import cupy
-
-    plans, build = (_backwards, LtBackward) if backward else (_forwards, LtForward)
-    capturing = _plan_cache.is_capturing(stream_ptr)
-    same = cupy.cuda.runtime.getDevice() == device  # the common case: no context switch
-    with contextlib.nullcontext() if same else cupy.cuda.Device(device):
-        _run_gpu(plans, key, lambda: build(key), lambda plan: run(plan, capturing), lambda: None, None, capturing, what)
-
-
 def _stream(stream, device):
     import cupy
 

@@ -19,6 +19,7 @@ import threading
 from typing import NamedTuple
 
 from . import _kernels, _plan_cache
+from ._graph_replay import GraphReplay
 from .gemm import cublas, cublaslt
 from .gemm.cublas import R_16BF, R_16F, R_32F
 
@@ -89,6 +90,12 @@ class _Engine:
             self._ev_done = cupy.cuda.Event(disable_timing=True)
             self._ev_done.record()
         self.zero, self.one = self._consts.data.ptr, self._consts.data.ptr + 4
+        self.graphs = GraphReplay()  # the torch layer's calls by pointer set (cupyffn/_graph_replay.py)
+
+    def replay(self, key, enqueue, stream_ptr):
+        """`enqueue(stream_ptr, capturing)` through this plan's pointer-set graphs (GraphReplay.run). Hold `lock`;
+        not on a stream a caller is capturing (enqueue there directly)."""
+        self.graphs.run(key, enqueue, stream_ptr, self._ev_done.ptr)
 
     def handle(self):
         h = cublas.acquire(self.device_id)
@@ -128,6 +135,7 @@ class _Engine:
         try:
             runtime.eventSynchronize(self._ev_done.ptr)
         finally:
+            self.graphs.destroy()
             for g in self.gemms.values():
                 g.close()
             for h in self._handles:

@@ -10,14 +10,16 @@ same plan; float32 with biases runs the layer's precision: "ieee" (None; plain f
 "tf32", or on the float32 engine "bf16x3" / "fp16+fp8" (which also keeps tanh_inner for the backward).
 """
 
+import contextlib
 import math
 
 import torch
 
 from ._backward import gelu_ffn_backward
 from ._forward import gelu_ffn_forward
-from ._lt_api import ENGINE_BIAS_PRECISIONS, GRADS as _GRADS, _check_precision, run_pointers
-from ._lt_ffn import LtKey
+from . import _lt_api, _plan_cache
+from ._lt_api import ENGINE_BIAS_PRECISIONS, GRADS as _GRADS, _check_precision
+from ._lt_ffn import LtBackward, LtForward, LtKey
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -64,9 +66,30 @@ def _cast(t, dtype):
 # ---------------------------------------------------------------------- the pointer path
 # The layer's own tensors on CUDA go to the cached cuBLASLt plans by pointer: the functional API's argument import,
 # signature and checks cost ~0.2 ms of host time per call at small T (results/lt-host-profile-nvidia-h200.txt), and
-# every tensor here is one the layer made or checked. A call the path cannot take (CPU tensors, the float32 engine's
-# precisions, zero tokens, rows not 16-byte aligned) goes through the functional API, which checks and explains.
+# every tensor here is one the layer made or checked; a repeated pointer set replays a captured graph
+# (cupyffn/_graph_replay.py). A call the path cannot take (CPU tensors, the float32 engine's precisions, zero
+# tokens, rows not 16-byte aligned) goes through the functional API, which checks and explains.
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _run_pointers(backward, key, enqueue, pointers, device, stream_ptr):
+    """Enqueue the cached plan of `key` (LtBackward if `backward`, else LtForward) on `stream_ptr` of GPU `device`,
+    unchecked (the layer's own tensors): `enqueue(plan, stream_ptr, capturing)`, replayed as a graph per `pointers`
+    (cupyffn/_graph_replay.py) except under a caller's capture. Nothing is NaN-filled after a failure (the outputs
+    are the layer's temporaries)."""
+    import cupy
+
+    plans, build = (_lt_api._backwards, LtBackward) if backward else (_lt_api._forwards, LtForward)
+    capturing = _plan_cache.is_capturing(stream_ptr)
+
+    def run(plan):
+        if capturing:
+            enqueue(plan, stream_ptr, True)
+        else:
+            plan.replay(pointers, lambda sp, cap: enqueue(plan, sp, cap), stream_ptr)
+
+    with contextlib.nullcontext() if cupy.cuda.runtime.getDevice() == device else cupy.cuda.Device(device):
+        _lt_api._run_gpu(plans, key, lambda: build(key), run, lambda: None, None, capturing, "cupyffn.torch.GeluFFN")
 
 
 def _pointer_path(precision, x, tensors, D, H):
@@ -85,9 +108,8 @@ def _pointer_forward(ctx, x, w1, w2, b1, b2, y, z, g):
                 precision=None if act != "float32" else (ctx.precision or "ieee"))
     ptrs = [None if t is None else t.data_ptr() for t in (x, w1, w2, b1, b2)]
     outs = (y.data_ptr(), z.data_ptr(), g.data_ptr())
-    sptr = torch.cuda.current_stream(x.device).cuda_stream
-    run_pointers(False, key, lambda plan, capturing: plan.run(*ptrs, outs, sptr, capturing), x.device.index, sptr,
-                 "cupyffn.torch.GeluFFN")
+    _run_pointers(False, key, lambda plan, sp, capturing: plan.run(*ptrs, outs, sp, capturing), (*ptrs, *outs),
+                  x.device.index, torch.cuda.current_stream(x.device).cuda_stream)
 
 
 def _pointer_backward(ctx, dy, x, w1, w2, z, g, grads, wt):
@@ -100,9 +122,8 @@ def _pointer_backward(ctx, dy, x, w1, w2, z, g, grads, wt):
     a = {"grad_output": dy.data_ptr(), "hidden_states": x.data_ptr(), "weight1": w1.data_ptr(),
          "weight2": w2.data_ptr(), "linear1_out": z.data_ptr(), "gelu_out": None if g is None else g.data_ptr()}
     out = {n: None if t is None else t.data_ptr() for n, t in zip(_GRADS, grads)}
-    sptr = torch.cuda.current_stream(x.device).cuda_stream
-    run_pointers(True, key, lambda plan, capturing: plan.run(a, out, sptr, capturing, False),
-                 x.device.index, sptr, "cupyffn.torch.GeluFFN")
+    _run_pointers(True, key, lambda plan, sp, capturing: plan.run(a, out, sp, capturing, False),
+                  (*a.values(), *out.values()), x.device.index, torch.cuda.current_stream(x.device).cuda_stream)
 
 
 class LtFunction(torch.autograd.Function):

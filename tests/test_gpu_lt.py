@@ -264,8 +264,10 @@ def test_torch_tensors_take_the_pointer_path():
 
 def test_the_layer_enqueues_its_plans_by_pointer(monkeypatch):
     """cupyffn.torch.GeluFFN under bf16 autocast on CUDA runs the cached plans by pointer (the functional API is not
-    called: it is made to fail here), with the same bits as the functional API on the same bf16 operands."""
+    called: it is made to fail here), with the same bits as the functional API on the same bf16 operands, also when
+    a repeated pointer set is replayed as a captured graph (cupyffn/_graph_replay.py)."""
     torch = pytest.importorskip("torch")
+    import cupyffn._lt_api as api
     import cupyffn._torch_lt as lt
     import cupyffn.torch as ct
 
@@ -278,21 +280,34 @@ def test_the_layer_enqueues_its_plans_by_pointer(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the functional API was called")
 
+    results = []
     with monkeypatch.context() as m:
         m.setattr(lt, "gelu_ffn_forward", refuse)
         m.setattr(lt, "gelu_ffn_backward", refuse)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            y = ffn(x)
-        y.backward(dy)
+        for _ in range(4):  # the same steps: torch's allocator hands out the same addresses
+            for t in (x, l1.weight, l2.weight, l1.bias, l2.bias):
+                t.grad = None
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = ffn(x)
+            y.backward(dy)
+            results.append([y.detach().clone()] + [t.grad.clone() for t in (x, l1.weight, l2.weight, l1.bias,
+                                                                             l2.bias)])
+    torch.cuda.synchronize()
+    plans = list(api._forwards._plans.values()) + list(api._backwards._plans.values())
+    assert sum(p.graphs.launches for p in plans) >= 2  # the repeated steps were graph launches
+    for later in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], later))
+    y, *got = results[0]
     assert y.dtype == torch.bfloat16
     xb = x.detach().to(torch.bfloat16)
     w1, w2, b1, b2 = (t.detach().to(torch.bfloat16) for t in (l1.weight, l2.weight, l1.bias, l2.bias))
-    f = cupyffn.gelu_ffn_forward(xb, w1, w2, bias1=b1, bias2=b2)
-    assert torch.equal(y, f.output)
+    fwd = [torch.empty_like(y), torch.empty(3, 100, 1024, device="cuda", dtype=torch.bfloat16), None,
+           torch.empty(3, 100, 1024, device="cuda", dtype=torch.bfloat16)]
+    cupyffn.gelu_ffn_forward(xb, w1, w2, bias1=b1, bias2=b2, out=fwd)
+    assert torch.equal(y, fwd[0])
     out = [torch.empty_like(xb), torch.empty_like(l1.weight), torch.empty_like(l2.weight), torch.empty_like(l1.bias),
            torch.empty_like(l2.bias)]
-    cupyffn.gelu_ffn_backward(dy, xb, w1, w2, f.linear1_out, None, f.gelu_out, out=out, need_bias_grads=True)
-    got = [x.grad, l1.weight.grad, l2.weight.grad, l1.bias.grad, l2.bias.grad]
+    cupyffn.gelu_ffn_backward(dy, xb, w1, w2, fwd[1], None, fwd[3], out=out, need_bias_grads=True)
     for a, b in zip(got, [out[0].float()] + out[1:]):
         assert torch.equal(a, b)
     # weights whose rows are not 16-byte aligned take the functional API, which says why
