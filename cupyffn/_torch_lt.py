@@ -137,15 +137,14 @@ class LtFunction(torch.autograd.Function):
         lead, D, H = tuple(x.shape[:-1]), x.shape[-1], w1.shape[0]
         y, z, g = (torch.empty(lead + (n,), dtype=act, device=x.device) for n in (D, H, H))
         # the float32 engine's split precisions also return tanh_inner (the cuBLASLt plans recompute it)
-        t = torch.empty_like(z) if ctx.precision in ENGINE_BIAS_PRECISIONS else None
+        tanh = torch.empty_like(z) if ctx.precision in ENGINE_BIAS_PRECISIONS else None
         if _pointer_path(ctx.precision, x, (x, w1, w2, b1, b2), D, H):
             _pointer_forward(ctx, x, w1, w2, b1, b2, y, z, g)
         else:
-            gelu_ffn_forward(*(_arg(t) for t in (x, w1, w2)), bias1=_arg(b1), bias2=_arg(b2),
-                             precision=ctx.precision, out=[_arg(y), _arg(z), _arg(t), _arg(g)],
-                             stream=_stream(x.device))
+            gelu_ffn_forward(_arg(x), _arg(w1), _arg(w2), bias1=_arg(b1), bias2=_arg(b2), precision=ctx.precision,
+                             out=[_arg(y), _arg(z), _arg(tanh), _arg(g)], stream=_stream(x.device))
         kept = save == "all"
-        ctx.save_for_backward(x, w1, w2, z, g if kept else None, t if kept else None)
+        ctx.save_for_backward(x, w1, w2, z, g if kept else None, tanh if kept else None)
         ctx.dtypes = (weight1.dtype, None if bias1 is None else bias1.dtype, None if bias2 is None else bias2.dtype)
         ctx.biased = (bias1 is not None, bias2 is not None)
         return y
@@ -167,7 +166,7 @@ class LtFunction(torch.autograd.Function):
         gb1, gb2 = empty((w1.shape[0],), wt, need_b), empty((w2.shape[0],), wt, need_b)
         dy = grad_output.to(x.dtype).contiguous()
         D, H = x.shape[-1], w1.shape[0]
-        if _pointer_path(ctx.precision, x, (dy,), D, H):  # the saved tensors took the path in the forward
+        if _pointer_path(ctx.precision, x, (dy,), D, H):  # the saved tensors passed the forward's checks
             _pointer_backward(ctx, dy, x, w1, w2, z, g, (gx, gw1, gw2, gb1, gb2), wt)
         else:
             out = [_arg(t) for t in (gx, gw1, gw2, gb1, gb2)]
