@@ -190,7 +190,8 @@ def test_gpu_bias_gradients_accumulate_and_zero_tokens(rng, precision):
 
 
 @gpu
-@pytest.mark.parametrize("precision, graph", [("tf32", False), ("bf16x3", True), ("fp16+fp8", True)])
+@pytest.mark.parametrize("precision, graph", [("tf32", False), ("bf16x3", True), ("fp16+fp8", True),
+                                              ("ieee", False), ("bf16", True)])
 def test_gpu_plans_with_bias_gradients_replay(rng, precision, graph):
     """The plan API: tf32 at T = 256 (GEMM1 unfused, the call graph re-pointed per call) and graph=True plans (a
     graph captured per set of addresses), three calls with new arrays; results against float64 at the precision's
