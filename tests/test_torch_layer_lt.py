@@ -181,3 +181,24 @@ def test_transformers_gpt2_mlp_when_installed():
     replaced, skipped = ct.replace_mlps(model, precision="ieee")
     assert replaced == ["transformer.h.0.mlp", "transformer.h.1.mlp"] and not skipped
     assert rel(model(ids).logits, want) < 1e-5
+
+
+def test_which_calls_take_the_pointer_path():
+    """_torch_lt._pointer_path (stand-in tensors): CUDA tensors of the cuBLASLt route with 16-byte-aligned rows and
+    pointers; not CPU tensors, not the float32 engine's precisions, not zero tokens, not an unaligned pointer or row."""
+    import types
+
+    from cupyffn import _torch_lt as lt
+
+    def tensor(ptr=1 << 20, cuda=True, numel=64, size=2):
+        return types.SimpleNamespace(is_cuda=cuda, numel=lambda: numel, element_size=lambda: size,
+                                     data_ptr=lambda: ptr)
+
+    x = tensor()
+    assert lt._pointer_path(None, x, (x, tensor(), None), 64, 256)
+    assert lt._pointer_path("tf32", tensor(size=4), (tensor(size=4),), 64, 256)
+    assert not lt._pointer_path(None, tensor(cuda=False), (x,), 64, 256)
+    assert not lt._pointer_path("bf16x3", tensor(size=4), (x,), 64, 256)
+    assert not lt._pointer_path(None, tensor(numel=0), (x,), 64, 256)
+    assert not lt._pointer_path(None, x, (x, tensor(ptr=(1 << 20) + 2)), 64, 256)
+    assert not lt._pointer_path(None, x, (x,), 60, 256)  # 120-byte rows
