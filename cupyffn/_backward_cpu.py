@@ -3,13 +3,12 @@
 
 import numpy
 
-from . import _arrays, _numpy_backend
+from . import _arrays, _numpy_backend, _validate
 
 
 def run(call, out, precision, need_grad_hidden, need_weight_grads, accumulate, need_bias_grads=False):
-    shapes = (call.lead_shape + (call.dim,), (call.hidden_dim, call.dim), (call.dim, call.hidden_dim),
-              (call.hidden_dim,), (call.dim,))
-    needed = (need_grad_hidden, need_weight_grads, need_weight_grads) + ((True, True) if need_bias_grads else ())
+    shapes = _validate.output_shapes(call.lead_shape, call.dim, call.hidden_dim)
+    needed = _validate.needed_outputs(need_grad_hidden, need_weight_grads, need_bias_grads)
     results, views = [], []
     for i, (shape, need) in enumerate(zip(shapes, needed)):
         if not need:

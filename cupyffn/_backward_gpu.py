@@ -81,9 +81,9 @@ def run(plan, call, out, stream, accumulate, ready=None):
 
 def _check_capturable(plan, call):
     """Raise, before anything is enqueued, if this call would have to allocate during capture."""
-    names = [n for i, n in enumerate(_validate.OUTPUT_NAMES + _validate.BIAS_NAMES[:len(call.out) - 3])
-             if _needed(plan)[i]
-             and call.out[i] is None and not (plan.graph and plan._owned_out and plan._owned_out[i] is not None)]
+    owned = plan._owned_out if plan.graph and plan._owned_out else None
+    names = [n for i, (n, need) in enumerate(zip(_validate.OUTPUT_NAMES + _validate.BIAS_NAMES, _needed(plan)))
+             if need and call.out[i] is None and not (owned and owned[i] is not None)]
     if names:
         raise RuntimeError(
             f"cupyffn: gelu_ffn_backward was called during CUDA stream capture without out= for "
@@ -106,10 +106,8 @@ def _outputs(plan, call, out, stream):
     """(results to return, device pointers to write): the caller's out= objects, else new (or plan-owned) arrays."""
     import cupy
 
-    shapes = (call.lead_shape + (plan.dim,), (plan.hidden_dim, plan.dim), (plan.dim, plan.hidden_dim),
-              (plan.hidden_dim,), (plan.dim,))
+    shapes = _validate.output_shapes(call.lead_shape, plan.dim, plan.hidden_dim)
     needed = _needed(plan)
-    shapes = shapes[:len(needed)]
     if plan.graph and plan._owned_out is None:
         plan._owned_out = [None] * len(needed)
     results, pointers = [], []
@@ -133,9 +131,7 @@ def _outputs(plan, call, out, stream):
 
 
 def _needed(plan):
-    """Which outputs `plan` computes: grad_hidden_states, the weight gradients (and the bias gradients)."""
-    needed = (plan.need_grad_hidden, plan.need_weight_grads, plan.need_weight_grads)
-    return needed + (True, True) if plan.need_bias_grads else needed
+    return _validate.needed_outputs(plan.need_grad_hidden, plan.need_weight_grads, plan.need_bias_grads)
 
 
 def _replay_or_capture(plan, key, stream):

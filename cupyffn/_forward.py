@@ -75,9 +75,8 @@ def _prepare(hidden_states, weight1, weight2, out, stream, biases=(None, None)):
         if tuple(a.shape) != (length,):
             raise ValueError(f"{n} must have shape ({length},); got {tuple(a.shape)}")
     every = [_matrix(a, n) for a, n in zip(arrays, names)]  # outputs may overlap none of them
-    given_biases = iter(every[3:])
-    bias_mats = [next(given_biases) if b is not None else None for b in biases]
-    mats = every[:3]
+    by_name = dict(zip(names, every))
+    mats, bias_mats = every[:3], [by_name.get("bias1"), by_name.get("bias2")]
     lead = tuple(x.shape[:-1])
     shapes = (lead + (dim,), lead + (hidden,), lead + (hidden,), lead + (hidden,))
     outs, out_arrays = [None] * 4, [None] * 4

@@ -105,7 +105,7 @@ def _pointer_forward(ctx, x, w1, w2, b1, b2, y, z, g):
     act = _NAMES[x.dtype]
     D, H = x.shape[-1], w1.shape[0]
     key = LtKey(x.device.index, x.numel() // D, D, H, act, act, act, b1 is not None, b2 is not None,
-                precision=None if act != "float32" else (ctx.precision or "ieee"))
+                precision=_lt_api._fp32_precision(ctx.precision, act))
     ptrs = [None if t is None else t.data_ptr() for t in (x, w1, w2, b1, b2)]
     outs = (y.data_ptr(), z.data_ptr(), g.data_ptr())
     _run_pointers(False, key, lambda plan, sp, capturing: plan.run(*ptrs, outs, sp, capturing), (*ptrs, *outs),
@@ -118,7 +118,7 @@ def _pointer_backward(ctx, dy, x, w1, w2, z, g, grads, wt):
     D, H = x.shape[-1], w1.shape[0]
     need_b = grads[3] is not None
     key = LtKey(x.device.index, x.numel() // D, D, H, act, act, _NAMES[wt], need_b, need_b, grads[0] is not None,
-                grads[1] is not None, g is None, None if act != "float32" else (ctx.precision or "ieee"))
+                grads[1] is not None, g is None, _lt_api._fp32_precision(ctx.precision, act))
     a = {"grad_output": dy.data_ptr(), "hidden_states": x.data_ptr(), "weight1": w1.data_ptr(),
          "weight2": w2.data_ptr(), "linear1_out": z.data_ptr(), "gelu_out": None if g is None else g.data_ptr()}
     out = {n: None if t is None else t.data_ptr() for n, t in zip(_GRADS, grads)}

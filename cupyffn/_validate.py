@@ -28,6 +28,17 @@ OUTPUT_NAMES = ("grad_hidden_states", "grad_weight1", "grad_weight2")
 BIAS_NAMES = ("grad_bias1", "grad_bias2")
 
 
+def needed_outputs(need_grad_hidden, need_weight_grads, need_bias_grads):
+    """Which of OUTPUT_NAMES (+ BIAS_NAMES, with need_bias_grads) a call computes."""
+    needed = (need_grad_hidden, need_weight_grads, need_weight_grads)
+    return needed + (True, True) if need_bias_grads else needed
+
+
+def output_shapes(lead_shape, dim, hidden_dim):
+    """The shapes of OUTPUT_NAMES + BIAS_NAMES for activations of leading dimensions `lead_shape`."""
+    return lead_shape + (dim,), (hidden_dim, dim), (dim, hidden_dim), (hidden_dim,), (dim,)
+
+
 class Call(NamedTuple):
     backend: str                 # "cpu" or "gpu"
     device: Any                  # "cpu" or CUDA device id
@@ -225,9 +236,8 @@ def _prepare_out(out, backend, device, stream, inputs, arrays, need_grad_hidden,
                         f"{', or five with grad_bias1, grad_bias2 (need_bias_grads=True)' if need_bias_grads else ''}; "
                         "an entry may be None to have cupyffn allocate it")
     out = tuple(out) + (None,) * (n - len(out))
-    expected = (tuple(arrays[1].shape), tuple(arrays[2].shape), tuple(arrays[3].shape), (arrays[2].shape[0],),
-                (arrays[2].shape[1],))
-    needed = (need_grad_hidden, need_weight_grads, need_weight_grads, need_bias_grads, need_bias_grads)
+    expected = output_shapes(tuple(arrays[1].shape[:-1]), arrays[2].shape[1], arrays[2].shape[0])
+    needed = needed_outputs(need_grad_hidden, need_weight_grads, need_bias_grads)
     spans = [(m.span, n) for m, n in zip(inputs, INPUT_NAMES) if m is not None]
     result, imported_out = [], []
     for i, (obj, name) in enumerate(zip(out, OUTPUT_NAMES + BIAS_NAMES)):

@@ -1,6 +1,7 @@
-"""The bias gradients of a backward plan built with need_bias_grads (docs/decisions/050-biases-in-the-split-precisions.md):
-grad_bias2 = the column sums of grad_output, grad_bias1 = those of grad_linear1, both added in fp32 in a fixed order
-(kernels_cu/bias.cu's colsum_kernel), so every call gives the same bits.
+"""The bias gradients of a backward plan built with need_bias_grads
+(docs/decisions/050-biases-in-the-split-precisions.md): grad_bias2 = the column sums of grad_output, grad_bias1 =
+those of grad_linear1, both added in fp32 in a fixed order (kernels_cu/bias.cu's colsum_kernel), so every call gives
+the same bits.
 
 grad_linear1 exists in fp32 only inside the GELU-derivative pass (before its rounding into GEMM operands), so that
 pass writes rows of column sums into this object's scratch and one colsum launch adds the rows: dgelu.cu's summing
@@ -79,9 +80,6 @@ class BiasSums:
         total.args[0].dst, total.args[0].accumulate = grad_bias2, int(accumulate)
         job = self.bias1.args[0]
         job.dst, job.accumulate = grad_bias1, int(accumulate)
-        if self.split:
-            rows = -(-self.T // SPLIT_DGELU_STEP_ROWS)
-        else:
+        if not self.split:  # split_e4m3's rows (one per step) were fixed at build; dgelu.cu's follow its grid
             dgelu.grid, rows = self.dgelu_grid(dgelu.args[0].vec)
-        job.rows = job.band = rows
-        self.bias1.grid = job.col_blocks
+            job.rows = job.band = rows  # one band: the launch's grid stays col_blocks
