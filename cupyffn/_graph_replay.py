@@ -1,6 +1,6 @@
 """Calls replayed as CUDA graphs keyed by their pointers: the torch layer's 16-bit/bias plans (cupyffn/_torch_lt.py).
 
-A cuBLASLt GEMM with an epilogue costs ~17 us of host time per cublasLtMatmul call (results/lt-host-profile-*.txt), so
+A cuBLASLt GEMM with an epilogue costs ~17 us of host time per cublasLtMatmul call (docs/decisions/051), so
 a backward of four of them is host-bound at small T. The layer's tensors come from torch's caching allocator, which in
 a training loop hands out the same addresses step after step; a call whose pointers (and flags) repeat is captured
 once into a graph and then launched as one cuGraphLaunch. A pointer set is captured the second time it is seen, so

@@ -65,7 +65,7 @@ def _cast(t, dtype):
 
 # ---------------------------------------------------------------------- the pointer path
 # The layer's own tensors on CUDA go to the cached cuBLASLt plans by pointer: the functional API's argument import,
-# signature and checks cost ~0.2 ms of host time per call at small T (results/lt-host-profile-nvidia-h200.txt), and
+# signature and checks cost ~0.2 ms of host time per call at small T (docs/decisions/051), and
 # every tensor here is one the layer made or checked; a repeated pointer set replays a captured graph
 # (cupyffn/_graph_replay.py). A call the path cannot take (CPU tensors, the float32 engine's precisions, zero
 # tokens, rows not 16-byte aligned) goes through the functional API, which checks and explains.
