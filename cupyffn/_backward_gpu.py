@@ -47,26 +47,14 @@ def run(plan, call, out, stream, accumulate, ready=None):
             else:
                 engine.order_after_previous(sp)
             try:
-                if io != plan._io:
-                    plan._io = None  # half-set launches must not be taken for this call's
-                    engine.set_io(call.inputs, pointers, accumulate)
-                    plan._io = io
-                if capturing:
-                    if (engine.side_in_capture and engine.side_capture_stream != sp
-                            and not engine.side_stream_free()):
-                        # another capture, still open, holds the side stream: this one stays on its stream
-                        engine.enqueue(sp, serial=True, grad_hidden_ready=ready)
-                    else:
-                        engine.side_in_capture, engine.side_capture_stream = True, sp
-                        engine.enqueue(sp, grad_hidden_ready=ready)
-                elif engine.side_in_capture and not engine.side_stream_free():
-                    engine.enqueue(sp, serial=True, grad_hidden_ready=ready)  # all on the caller's stream
-                elif plan.graph:
-                    _replay_or_capture(plan, io, s)
-                elif engine.call_graph and not ready:
-                    engine.launch_graph(sp)  # the same work as enqueue, as one re-pointed graph launch
+                # where the plan runs a call graph, arrays seen before replay the graph captured for them, with no
+                # launch re-pointed (cupyffn/_graph_replay.py; docs/decisions/052-io-graphs.md)
+                replays = engine.call_graph and not ready and not capturing and not plan.graph
+                graph = engine.io_graphs.graph(io) if replays else None
+                if graph is not None:
+                    engine.io_graphs.launch(graph, sp)
                 else:
-                    engine.enqueue(sp, grad_hidden_ready=ready)
+                    _enqueue(plan, call, io, pointers, accumulate, s, capturing, ready, replays)
             except BaseException as e:
                 if capturing:  # no NaN fill: it would be captured too; the caller must discard the capture
                     raise
@@ -77,6 +65,32 @@ def run(plan, call, out, stream, accumulate, ready=None):
             if not capturing:
                 engine.record_done(sp)
     return results
+
+
+def _enqueue(plan, call, io, pointers, accumulate, s, capturing, ready, replays):
+    """The call's launches pointed at its arrays (if the last call's were others), then one of the routes (module
+    docstring). `replays`: the call-graph route, through the plan's graphs per set of arrays."""
+    engine, sp = plan._engine, s.ptr
+    if io != plan._io:
+        plan._io = None  # half-set launches must not be taken for this call's
+        engine.set_io(call.inputs, pointers, accumulate)
+        plan._io = io
+    if capturing:
+        if engine.side_in_capture and engine.side_capture_stream != sp and not engine.side_stream_free():
+            # another capture, still open, holds the side stream: this one stays on its stream
+            engine.enqueue(sp, serial=True, grad_hidden_ready=ready)
+        else:
+            engine.side_in_capture, engine.side_capture_stream = True, sp
+            engine.enqueue(sp, grad_hidden_ready=ready)
+    elif engine.side_in_capture and not engine.side_stream_free():
+        engine.enqueue(sp, serial=True, grad_hidden_ready=ready)  # all on the caller's stream
+    elif plan.graph:
+        _replay_or_capture(plan, io, s)
+    elif replays:  # the re-pointed call graph the first time these arrays come; a graph of them the second
+        engine.io_graphs.run(io, lambda stream, captured: engine.enqueue(stream) if captured
+                             else engine.launch_graph(stream), sp)
+    else:
+        engine.enqueue(sp, grad_hidden_ready=ready)
 
 
 def _check_capturable(plan, call):

@@ -1,9 +1,11 @@
-"""Calls replayed as CUDA graphs keyed by their pointers: the torch layer's 16-bit/bias plans (cupyffn/_torch_lt.py).
+"""Calls replayed as CUDA graphs keyed by their pointers: the torch layer's 16-bit/bias plans (cupyffn/_torch_lt.py)
+and the float32 engine's calls where it runs a call graph (cupyffn/_backward_gpu.py).
 
 A cuBLASLt GEMM with an epilogue costs ~17 us of host time per cublasLtMatmul call (docs/decisions/051), so
-a backward of four of them is host-bound at small T. The layer's tensors come from torch's caching allocator, which in
-a training loop hands out the same addresses step after step; a call whose pointers (and flags) repeat is captured
-once into a graph and then launched as one cuGraphLaunch. A pointer set is captured the second time it is seen, so
+a backward of four of them is host-bound at small T; the float32 engine's re-pointed call graph costs the re-pointing
+of its launches and nodes on every call. Tensors from torch's caching allocator get the same addresses step after
+step in a training loop (and the benchmark rotates three input sets); a call whose pointers (and flags) repeat is
+captured once into a graph and then launched as one cuGraphLaunch. A pointer set is captured the second time it is seen, so
 one that never repeats costs an eager call and nothing more; at most `KEEP` graphs are kept per plan (the least
 recently used is dropped; the driver frees an executable graph once its launches finish).
 """
@@ -31,11 +33,30 @@ class GraphReplay:
         self._capture_stream = None
         self.captures = self.launches = 0
 
-    def run(self, key, enqueue, stream_ptr, done_event_ptr):
-        """Issue the call of `key` on `stream_ptr`: eagerly the first time the key is seen, then as its graph. The
-        graph is ordered like an eager call: after the plan's previous call (`done_event_ptr`, recorded after it)."""
-        runtime = _runtime()
+    def graph(self, key):
+        """The graph captured for `key` (now the most recently used), or None."""
         graph = self._graphs.get(key)
+        if graph is not None:
+            self._graphs.move_to_end(key)
+        return graph
+
+    def launch(self, graph, stream_ptr, done_event_ptr=None):
+        """Launch `graph` on `stream_ptr`, ordered like an eager call after the plan's previous call when
+        `done_event_ptr` is given (recorded after each call; None: the caller orders it)."""
+        runtime = _runtime()
+        if done_event_ptr is not None:
+            runtime.streamWaitEvent(stream_ptr, done_event_ptr, 0)
+        try:
+            graph.launch(stream_ptr)
+            self.launches += 1
+        finally:
+            if done_event_ptr is not None:
+                runtime.eventRecord(done_event_ptr, stream_ptr)
+
+    def run(self, key, enqueue, stream_ptr, done_event_ptr=None):
+        """Issue the call of `key` on `stream_ptr`: eagerly the first time the key is seen, then as its graph
+        (launched as `launch` does)."""
+        graph = self.graph(key)
         if graph is None:
             if key not in self._seen:
                 if len(self._seen) >= SEEN:
@@ -47,14 +68,7 @@ class GraphReplay:
             self._graphs[key] = graph
             while len(self._graphs) > KEEP:
                 self._graphs.popitem(last=False)[1].destroy()
-        else:
-            self._graphs.move_to_end(key)
-        runtime.streamWaitEvent(stream_ptr, done_event_ptr, 0)
-        try:
-            graph.launch(stream_ptr)
-            self.launches += 1
-        finally:
-            runtime.eventRecord(done_event_ptr, stream_ptr)
+        self.launch(graph, stream_ptr, done_event_ptr)
 
     def _capture(self, enqueue, stream_ptr):
         import cupy

@@ -8,6 +8,7 @@ cupyffn/engine/schedule.py).
 """
 
 from .. import _plan_cache
+from .._graph_replay import GraphReplay
 from .. import _precision as P
 from ..gemm import cublas
 from ..gemm import desc as gemm_desc
@@ -80,6 +81,7 @@ class GpuEngine:
             self._recompute_g = False
             self._accumulate = False
             self._executor = Executor(self)
+            self.io_graphs = GraphReplay()  # call-graph plans: a graph per repeated set of arrays (_backward_gpu)
             self._main = cublas.acquire(device_id)
             self._handles.append(self._main)
             if need_weight_grads:
@@ -255,6 +257,7 @@ class GpuEngine:
             runtime.eventSynchronize(self._ev_done.ptr)
         finally:
             self._executor.destroy_graphs()
+            self.io_graphs.destroy()
             for h in self._handles:
                 cublas.release(h)
             self._handles = []
