@@ -266,6 +266,17 @@ def test_release_captured_plans_is_exported():
 
 
 # ---------------------------------------------------------------------- the GPU call's control flow
+class FirstSightings:
+    """Stands in for the engine's GraphReplay (tests/test_graph_replay.py tests it): every set of arrays as if seen
+    for the first time, so the call goes the eager route (the re-pointed call graph)."""
+
+    def graph(self, key):
+        return None
+
+    def run(self, key, enqueue, stream_ptr, done_event_ptr=None):
+        enqueue(stream_ptr, False)
+
+
 class FakeEngine:
     """Stands in for GpuEngine: logs the ordering, enqueue and event calls a GPU call makes."""
 
@@ -278,6 +289,7 @@ class FakeEngine:
         self.side_busy = False  # the side stream still in a caller's capture
         self.fail = None
         self.call_graph = False  # GpuEngine.call_graph: eager calls as one re-pointed graph launch
+        self.io_graphs = FirstSightings()
 
     def allocates_for(self, inputs):
         return False
