@@ -1,0 +1,204 @@
+"""The tf32 GEMM that reads fp32 weights as stored (dev/tf32_rs_gemm.cu) against today's route, in one process
+(GPU machine; a measurement, not a test; docs/decisions/053-tf32-register-weight-probe.md):
+
+    PYTHONPATH=. python3 dev/tf32_rs_probe.py [--tokens 256 512 1024 2048] [--out results/tf32-rs-probe.json]
+
+At the official dim 1536 / hidden 6144, per T:
+- check: each variant (BN, stages, register-fragment order) against float64 on fresh random inputs, the output
+  NaN-filled first (relative L2; a wrong fragment order gives ~1);
+- GEMM1's shape (grad_output [T, 1536] @ weight2 [1536, 6144]) and GEMM3's (grad_linear1 [T, 6144] @ weight1 [6144,
+  1536], split along K into fp32 partials summed by one cupy.sum): the probe per BN / split, cuBLAS TF32 on the same
+  fp32 operands (torch.matmul), and one weight's fp32 -> fp16 copy (cupy astype: a conversion at DRAM's rate);
+- the tf32 plan's own stages at that T (GeluFFNBackward.profile_stages: convert, GEMM1 + dgelu, GEMM3).
+CUDA events, L2 flushed before each sample, medians (benchmarks/timing.py). Writes the JSON and prints a table.
+"""
+
+import argparse
+import ctypes
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _event_timing import flushed_median_ms  # noqa: E402
+from _json_out import save_json  # noqa: E402
+
+D, H = 1536, 6144
+HERE = os.path.dirname(os.path.abspath(__file__))
+#: (BN, stages, fragment order): the shared-memory ring is 192 KiB in each
+VARIANTS = [(128, 6, 0), (128, 6, 1), (64, 8, 0), (64, 8, 1)]
+_FLOAT32 = 7  # CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+
+
+class Args(ctypes.Structure):
+    _fields_ = [("c", ctypes.c_void_p), ("ldc", ctypes.c_longlong), ("split_stride", ctypes.c_longlong),
+                ("k_steps", ctypes.c_int), ("pad", ctypes.c_int)]
+
+
+def source():
+    """dev/tf32_rs_gemm.cu with its kernels_cu/ headers pasted in (as cupyffn/_kernels.py does)."""
+    from cupyffn import _kernels
+
+    folder, pasted = _kernels.kernel_dir(), set()
+
+    def paste(match):
+        name = match.group(1)
+        if name in pasted:
+            return ""
+        pasted.add(name)
+        return re.sub(r'^#include "([^"]+)"\n', paste, (folder / name).read_text().replace("#pragma once\n", ""),
+                      flags=re.M)
+
+    text = open(os.path.join(HERE, "tf32_rs_gemm.cu")).read()
+    return re.sub(r'^#include "([^"]+)"\n', paste, text, flags=re.M)
+
+
+def fp32_map(ptr, rows, cols, box_rows):
+    """Tensor map of a row-major fp32 [rows, cols] matrix in boxes of box_rows x 32 (128 bytes), 128-byte swizzle."""
+    from cupyffn import _libcuda
+    from cupyffn.gemm.sm90 import tensor_map as tm
+
+    encode = _libcuda.function("cuTensorMapEncodeTiled", [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
+        ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int])
+    holder = tm._AlignedDesc()
+    status = encode(ctypes.addressof(holder.desc), _FLOAT32, 2, ctypes.c_void_p(ptr),
+                    (ctypes.c_uint64 * 2)(cols, rows), (ctypes.c_uint64 * 1)(cols * 4),
+                    (ctypes.c_uint32 * 2)(32, box_rows), (ctypes.c_uint32 * 2)(1, 1), 0, 3, 3, 0)
+    _libcuda.check(status, "cuTensorMapEncodeTiled")
+    return holder
+
+
+class Probe:
+    def __init__(self, cupy):
+        from cupy_backends.cuda.api import driver
+
+        self.cupy, self.driver = cupy, driver
+        names = [f"tf32_rs_gemm<{bn}, {st}, {lay}>" for bn, st, lay in VARIANTS]
+        self.module = cupy.RawModule(code=source(), options=("-arch=sm_90a", "--std=c++17"), name_expressions=names)
+        self.kernels = {}
+        for (bn, st, lay), name in zip(VARIANTS, names):
+            k = self.module.get_function(name)
+            smem = st * (128 * 32 * 4 + bn * 32 * 4) + 16 * st + 1024
+            driver.funcSetAttribute(k.kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+            self.kernels[(bn, st, lay)] = (k, smem)
+        self.regs = {v: k.num_regs for v, (k, _) in self.kernels.items()}
+        self.spills = {v: k.local_size_bytes for v, (k, _) in self.kernels.items()}
+
+    def prepare(self, variant, b, w, c, splits):
+        """A launch of C[N, M] (partials [splits, N, M] when splits > 1) = B[N, K] @ W[K, M]; returns a callable."""
+        bn = variant[0]
+        n, k = b.shape
+        m = w.shape[1]
+        assert m % 128 == 0 and n % bn == 0 and k % (32 * splits) == 0
+        kernel, smem = self.kernels[variant]
+        maps = (fp32_map(w.data.ptr, k, m, 32), fp32_map(b.data.ptr, n, k, bn))
+        args = Args(c.data.ptr, m, n * m, k // 32 // splits, 0)
+        argv = (ctypes.c_void_p * 3)(ctypes.addressof(maps[0].desc), ctypes.addressof(maps[1].desc),
+                                     ctypes.addressof(args))
+        keep = (maps, args, argv)
+
+        def run(stream_ptr):
+            _ = keep
+            self.driver.launchKernel(kernel.kernel.ptr, m // 128, n // bn, splits, 384, 1, 1, smem, stream_ptr,
+                                     ctypes.addressof(argv), 0)
+        return run
+
+
+def rel_l2(cupy, got, want):
+    got = got.astype(cupy.float64)
+    return float(cupy.linalg.norm(got - want) / cupy.linalg.norm(want))
+
+
+def measure(cupy, torch, cupyffn, probe, T, reps):
+    rng = cupy.random.default_rng(T)
+    s = cupy.cuda.Stream(non_blocking=True)
+    flush_buf = cupy.empty(256 * 2 ** 20 // 4, cupy.float32)
+    flush = lambda: flush_buf.fill(1)  # noqa: E731
+    time = lambda run: flushed_median_ms(cupy, s, run, flush, reps, 3)  # noqa: E731
+    x, dy = (rng.standard_normal((T, D), dtype=cupy.float32) for _ in range(2))
+    w1 = rng.standard_normal((H, D), dtype=cupy.float32) / 40
+    w2 = rng.standard_normal((D, H), dtype=cupy.float32) / 80
+    gl1 = rng.standard_normal((T, H), dtype=cupy.float32)
+    row = {"tokens": T, "check": {}, "gemm1": {}, "gemm3": {}}
+    for name, b, w in (("gemm1", dy, w2), ("gemm3", gl1, w1)):
+        want = b.astype(cupy.float64) @ w.astype(cupy.float64)
+        out = cupy.empty((b.shape[0], w.shape[1]), cupy.float32)
+        for v in VARIANTS:
+            out.fill(cupy.nan)
+            probe.prepare(v, b, w, out, 1)(s.ptr)
+            s.synchronize()
+            row["check"][f"{name} BN={v[0]} order={v[2]}"] = rel_l2(cupy, out, want)
+        # timing: the fragment order that passed, each BN (and split for GEMM3)
+        good = [v for v in VARIANTS if row["check"][f"{name} BN={v[0]} order={v[2]}"] < 1e-3]
+        for v in good:
+            if name == "gemm1":
+                run = probe.prepare(v, b, w, out, 1)
+                row[name][f"probe BN={v[0]}"] = time(lambda: run(s.ptr))
+            else:
+                for splits in (1, 2, 4, 8):
+                    part = cupy.empty((splits, b.shape[0], w.shape[1]), cupy.float32)
+                    run = probe.prepare(v, b, w, part if splits > 1 else out, splits)
+                    if splits > 1:
+                        run(s.ptr)
+                        with s:
+                            cupy.sum(part, axis=0, out=out)
+                        s.synchronize()
+                        row["check"][f"gemm3 BN={v[0]} order={v[2]} splits={splits}"] = rel_l2(cupy, out, want)
+
+                        def run_sum(run=run, part=part):
+                            run(s.ptr)
+                            cupy.sum(part, axis=0, out=out)
+                        row[name][f"probe BN={v[0]} splits={splits}"] = time(run_sum)
+                    else:
+                        row[name][f"probe BN={v[0]} splits=1"] = time(lambda: run(s.ptr))
+        tb, tw = torch.from_dlpack(b), torch.from_dlpack(w)
+        tout = torch.from_dlpack(out)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        with torch.cuda.stream(torch.cuda.ExternalStream(s.ptr)):
+            row[name]["cublas tf32"] = time(lambda: torch.matmul(tb, tw, out=tout))
+        half = cupy.empty(w.shape, cupy.float16)
+        row[name]["weight fp32->fp16 copy"] = time(lambda: half.__setitem__(Ellipsis, w))
+    # the product's stages at this T
+    fwd = [cupy.empty((T, n), cupy.float32) for n in (D, H, H, H)]
+    cupyffn.gelu_ffn_forward(x, w1, w2, out=fwd)
+    plan = cupyffn.GeluFFNBackward(T, D, H, precision="tf32")
+    outs = [cupy.empty(sh, cupy.float32) for sh in ((T, D), (H, D), (D, H))]
+    stages = plan.profile_stages(dy, x, w1, w2, fwd[1], fwd[2], fwd[3], out=outs, stream=s, reps=reps,
+                                 before_each=flush)
+    row["plan stages ms"] = {k: round(v["ms"], 4) for k, v in stages.items()}
+    plan.close()
+    return row
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tf32-rs-probe.json"))
+    a = p.parse_args(argv)
+    import cupy
+    import torch
+
+    import cupyffn
+
+    probe = Probe(cupy)
+    print("registers / spill bytes per variant:", {str(v): (probe.regs[v], probe.spills[v]) for v in VARIANTS})
+    rows = []
+    for T in a.tokens:
+        row = measure(cupy, torch, cupyffn, probe, T, a.reps)
+        rows.append(row)
+        print(f"\nT = {T}")
+        for part in ("check", "gemm1", "gemm3", "plan stages ms"):
+            print(f"  {part}: " + ", ".join(f"{k} {v:.4g}" for k, v in row[part].items()))
+    save_json({"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+               "command": "python3 dev/tf32_rs_probe.py " + " ".join(argv or sys.argv[1:]),
+               "registers": {str(v): probe.regs[v] for v in VARIANTS},
+               "spill_bytes": {str(v): probe.spills[v] for v in VARIANTS}, "rows": rows}, a.out)
+    print("wrote", a.out)
+
+
+if __name__ == "__main__":
+    main()
