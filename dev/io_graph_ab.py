@@ -46,7 +46,8 @@ class FirstSightings:
 
 
 def sample(cupy, s, call, flush, spin, queued):
-    flush()
+    with s:
+        flush()
     if queued:
         spin((1,), (1,), (cupy.int64(600_000),), stream=s)  # ~0.3 ms at ~1.9 GHz
     else:
@@ -75,6 +76,7 @@ def measure(cupy, cupyffn, T, reps, rounds):
         sets.append((args, out))
     flush_buf = cupy.empty(256 * 2 ** 20 // 4, cupy.float32)
     spin = cupy.RawKernel(SPIN, "spin")
+    cupy.cuda.Device().synchronize()  # the inputs were made on the null stream; s does not wait for it
     s = cupy.cuda.Stream(non_blocking=True)
     plan = cupyffn.GeluFFNBackward(T, D, H, precision="tf32")
     engine = plan._engine

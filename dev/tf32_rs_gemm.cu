@@ -18,7 +18,9 @@
 // Probe limits (checked by the tool): M % 128 == 0, N % BN == 0, K % 32 == 0, 16-byte aligned rows.
 //
 // LAYOUT picks the register fragment order of A (0: a1 = row + 8, a2 = k + 4, the mma.m16n8k8 order; 1: swapped),
-// so that one run tells which one wgmma uses (the wrong one fails the tool's check).
+// so that one run tells which one wgmma uses (the wrong one fails the tool's check). MOVE_ONLY = 1 is a
+// measurement build that leaves out the shared-memory loads and the MMAs (the TMA traffic alone; wrong results by
+// design: the tool does not check it).
 #include "common.cuh"
 #include "sm90/types.cuh"
 #include "sm90/ptx.cuh"
@@ -93,7 +95,7 @@ __device__ __forceinline__ void mma_stage(float (&acc)[BN / 2], unsigned (&a)[4]
 
 }  // namespace tf32rs
 
-template <int BN, int STAGES, int LAYOUT>
+template <int BN, int STAGES, int LAYOUT, int MOVE_ONLY>
 __global__ void __launch_bounds__(384, 1)
     tf32_rs_gemm(const __grid_constant__ sm90::TmaDesc map_w, const __grid_constant__ sm90::TmaDesc map_b,
                  const __grid_constant__ tf32rs::Args args) {
@@ -141,6 +143,10 @@ __global__ void __launch_bounds__(384, 1)
   auto step = [&](int i, unsigned (&a)[4][4]) {
     const unsigned s = i % STAGES;
     sm90::mbar_wait(full_bar + 8 * s, (i / STAGES) & 1u);
+    if constexpr (MOVE_ONLY) {
+      if (lane == 0) sm90::mbar_arrive(empty_bar + 8 * s);
+      return;
+    }
     mma_stage<BN, LAYOUT>(acc, a, w_smem + s * kWBytes, b_smem + s * kBBytes, m_row);
     sm90::wgmma_wait<1>();
     if (i > 0 && lane == 0) sm90::mbar_arrive(empty_bar + 8 * ((i - 1) % STAGES));

@@ -26,8 +26,9 @@ from _json_out import save_json  # noqa: E402
 
 D, H = 1536, 6144
 HERE = os.path.dirname(os.path.abspath(__file__))
-#: (BN, stages, fragment order): the shared-memory ring is 192 KiB in each
-VARIANTS = [(128, 6, 0), (128, 6, 1), (64, 8, 0), (64, 8, 1)]
+#: (BN, stages, fragment order, move only): the shared-memory ring is 192 KiB (128 KiB with 4 stages); order 1 and
+#: move-only are measurement builds (the first run showed order 0 is wgmma's; move-only leaves the MMAs out)
+VARIANTS = [(128, 6, 0, 0), (128, 6, 1, 0), (64, 8, 0, 0), (128, 4, 0, 0), (128, 6, 0, 1)]
 _FLOAT32 = 7  # CU_TENSOR_MAP_DATA_TYPE_FLOAT32
 
 
@@ -76,14 +77,14 @@ class Probe:
         from cupy_backends.cuda.api import driver
 
         self.cupy, self.driver = cupy, driver
-        names = [f"tf32_rs_gemm<{bn}, {st}, {lay}>" for bn, st, lay in VARIANTS]
+        names = [f"tf32_rs_gemm<{bn}, {st}, {lay}, {mo}>" for bn, st, lay, mo in VARIANTS]
         self.module = cupy.RawModule(code=source(), options=("-arch=sm_90a", "--std=c++17"), name_expressions=names)
         self.kernels = {}
-        for (bn, st, lay), name in zip(VARIANTS, names):
+        for (bn, st, lay, mo), name in zip(VARIANTS, names):
             k = self.module.get_function(name)
             smem = st * (128 * 32 * 4 + bn * 32 * 4) + 16 * st + 1024
             driver.funcSetAttribute(k.kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
-            self.kernels[(bn, st, lay)] = (k, smem)
+            self.kernels[(bn, st, lay, mo)] = (k, smem)
         self.regs = {v: k.num_regs for v, (k, _) in self.kernels.items()}
         self.spills = {v: k.local_size_bytes for v, (k, _) in self.kernels.items()}
 
@@ -112,50 +113,60 @@ def rel_l2(cupy, got, want):
     return float(cupy.linalg.norm(got - want) / cupy.linalg.norm(want))
 
 
+def label(v):
+    bn, stages, order, move_only = v
+    return f"BN={bn} stages={stages}" + (f" order={order}" if order else "") + (" move-only" if move_only else "")
+
+
 def measure(cupy, torch, cupyffn, probe, T, reps):
     rng = cupy.random.default_rng(T)
     s = cupy.cuda.Stream(non_blocking=True)
     flush_buf = cupy.empty(256 * 2 ** 20 // 4, cupy.float32)
-    flush = lambda: flush_buf.fill(1)  # noqa: E731
+    flush = lambda: flush_buf.fill(1)  # noqa: E731  (flushed_median_ms enqueues it on s)
     time = lambda run: flushed_median_ms(cupy, s, run, flush, reps, 3)  # noqa: E731
     x, dy = (rng.standard_normal((T, D), dtype=cupy.float32) for _ in range(2))
     w1 = rng.standard_normal((H, D), dtype=cupy.float32) / 40
     w2 = rng.standard_normal((D, H), dtype=cupy.float32) / 80
     gl1 = rng.standard_normal((T, H), dtype=cupy.float32)
+    cupy.cuda.Device().synchronize()  # made on the null stream; s does not wait for it
     row = {"tokens": T, "check": {}, "gemm1": {}, "gemm3": {}}
     for name, b, w in (("gemm1", dy, w2), ("gemm3", gl1, w1)):
         want = b.astype(cupy.float64) @ w.astype(cupy.float64)
         out = cupy.empty((b.shape[0], w.shape[1]), cupy.float32)
         for v in VARIANTS:
-            out.fill(cupy.nan)
+            if v[3]:
+                continue  # move-only: wrong by design
+            with s:
+                out.fill(cupy.nan)
             probe.prepare(v, b, w, out, 1)(s.ptr)
             s.synchronize()
-            row["check"][f"{name} BN={v[0]} order={v[2]}"] = rel_l2(cupy, out, want)
-        # timing: the fragment order that passed, each BN (and split for GEMM3)
-        good = [v for v in VARIANTS if row["check"][f"{name} BN={v[0]} order={v[2]}"] < 1e-3]
-        for v in good:
-            if name == "gemm1":
+            row["check"][f"{name} {label(v)}"] = rel_l2(cupy, out, want)
+        # timing: every variant but the wrong fragment order (and GEMM3's split along K for the first two)
+        for v in VARIANTS:
+            if v[2]:
+                continue
+            if name == "gemm1" or v[1] != 6:
                 run = probe.prepare(v, b, w, out, 1)
-                row[name][f"probe BN={v[0]}"] = time(lambda: run(s.ptr))
-            else:
-                for splits in (1, 2, 4, 8):
-                    part = cupy.empty((splits, b.shape[0], w.shape[1]), cupy.float32)
-                    run = probe.prepare(v, b, w, part if splits > 1 else out, splits)
-                    if splits > 1:
-                        run(s.ptr)
-                        with s:
-                            cupy.sum(part, axis=0, out=out)
-                        s.synchronize()
-                        row["check"][f"gemm3 BN={v[0]} order={v[2]} splits={splits}"] = rel_l2(cupy, out, want)
+                row[name][f"probe {label(v)}"] = time(lambda: run(s.ptr))
+                continue
+            for splits in (1, 2, 4, 8):
+                part = cupy.empty((splits, b.shape[0], w.shape[1]), cupy.float32) if splits > 1 else out
+                run = probe.prepare(v, b, w, part, splits)
+                if splits == 1:
+                    row[name][f"probe {label(v)} splits=1"] = time(lambda: run(s.ptr))
+                    continue
 
-                        def run_sum(run=run, part=part):
-                            run(s.ptr)
-                            cupy.sum(part, axis=0, out=out)
-                        row[name][f"probe BN={v[0]} splits={splits}"] = time(run_sum)
-                    else:
-                        row[name][f"probe BN={v[0]} splits=1"] = time(lambda: run(s.ptr))
-        tb, tw = torch.from_dlpack(b), torch.from_dlpack(w)
-        tout = torch.from_dlpack(out)
+                def run_sum(run=run, part=part):
+                    run(s.ptr)
+                    cupy.sum(part, axis=0, out=out)
+                with s:
+                    out.fill(cupy.nan)
+                    run_sum()
+                s.synchronize()
+                if not v[3]:
+                    row["check"][f"gemm3 {label(v)} splits={splits}"] = rel_l2(cupy, out, want)
+                row[name][f"probe {label(v)} splits={splits}"] = time(run_sum)
+        tb, tw, tout = torch.from_dlpack(b), torch.from_dlpack(w), torch.from_dlpack(out)
         torch.backends.cuda.matmul.allow_tf32 = True
         with torch.cuda.stream(torch.cuda.ExternalStream(s.ptr)):
             row[name]["cublas tf32"] = time(lambda: torch.matmul(tb, tw, out=tout))
@@ -163,7 +174,7 @@ def measure(cupy, torch, cupyffn, probe, T, reps):
         row[name]["weight fp32->fp16 copy"] = time(lambda: half.__setitem__(Ellipsis, w))
     # the product's stages at this T
     fwd = [cupy.empty((T, n), cupy.float32) for n in (D, H, H, H)]
-    cupyffn.gelu_ffn_forward(x, w1, w2, out=fwd)
+    cupyffn.gelu_ffn_forward(x, w1, w2, out=fwd, stream=s)
     plan = cupyffn.GeluFFNBackward(T, D, H, precision="tf32")
     outs = [cupy.empty(sh, cupy.float32) for sh in ((T, D), (H, D), (D, H))]
     stages = plan.profile_stages(dy, x, w1, w2, fwd[1], fwd[2], fwd[3], out=outs, stream=s, reps=reps,
@@ -185,7 +196,7 @@ def main(argv=None):
     import cupyffn
 
     probe = Probe(cupy)
-    print("registers / spill bytes per variant:", {str(v): (probe.regs[v], probe.spills[v]) for v in VARIANTS})
+    print("registers / spill bytes per variant:", {label(v): (probe.regs[v], probe.spills[v]) for v in VARIANTS})
     rows = []
     for T in a.tokens:
         row = measure(cupy, torch, cupyffn, probe, T, a.reps)
@@ -195,8 +206,8 @@ def main(argv=None):
             print(f"  {part}: " + ", ".join(f"{k} {v:.4g}" for k, v in row[part].items()))
     save_json({"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
                "command": "python3 dev/tf32_rs_probe.py " + " ".join(argv or sys.argv[1:]),
-               "registers": {str(v): probe.regs[v] for v in VARIANTS},
-               "spill_bytes": {str(v): probe.spills[v] for v in VARIANTS}, "rows": rows}, a.out)
+               "registers": {label(v): probe.regs[v] for v in VARIANTS},
+               "spill_bytes": {label(v): probe.spills[v] for v in VARIANTS}, "rows": rows}, a.out)
     print("wrote", a.out)
 
 
