@@ -1,5 +1,6 @@
-"""The dev/ tools without a GPU (sm90_precompile, sm90_trace, sm90_sass, sm90_ptx_diff): they
-load without cupy, answer --help, and sm90_ptx_diff tells a changed kernel from an unchanged one (NVRTC on the CPU);
+"""The dev/ tools without a GPU (sm90_precompile, sm90_trace, sm90_sass, sm90_ptx_diff, ...): they
+load without cupy, answer --help, sm90_ptx_diff tells a changed kernel from an unchanged one and the tf32 probe's
+kernel compiles without spills (NVRTC on the CPU);
 the one timing helper (benchmarks/timing.py, re-exported by dev/_event_timing.py) with stand-ins for cupy."""
 
 import types
@@ -12,7 +13,8 @@ from benchmarks import timing
 
 @pytest.mark.parametrize("name,option", [("sm90_precompile", "--match"), ("sm90_trace", "--rasters"),
                                          ("sm90_sass", "--dump"), ("sm90_ptx_diff", "--against"),
-                                         ("bias_cost", "--tokens")])
+                                         ("bias_cost", "--tokens"), ("io_graph_ab", "--rounds"),
+                                         ("tf32_rs_probe", "--tokens"), ("lt_tf32_small_t", "--rounds")])
 def test_loads_without_cupy_and_answers_help(name, option, capsys):
     tool = load_tool(name)
     with pytest.raises(SystemExit) as info:
@@ -162,3 +164,24 @@ def test_sm90_ptx_diff_tells_changed_code_from_unchanged(tmp_path, capsys):
     assert tool.main(["--against", str(tmp_path)] + variant) == 1
     out = capsys.readouterr().out
     assert "1 of 1 variants changed" in out and "1000000001" in out  # the compare against kHangNs
+
+
+def test_tf32_probe_kernel_compiles_without_spills():
+    """dev/tf32_rs_gemm.cu, every variant dev/tf32_rs_probe.py launches, for sm_90a: no error, no spill, and no
+    serialized wgmma (ptxas says so when the fragments or accumulators would be touched mid-pipeline)."""
+    nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    from cupyffn import _kernels
+
+    probe = load_tool("tf32_rs_probe")
+    names = [f"tf32_rs_gemm<{bn}, {st}, {order}, {move}>" for bn, st, order, move in probe.VARIANTS]
+    prog = nvrtc.createProgram(probe.source(), "tf32_rs_gemm.cu", (), ())
+    try:
+        for name in names:
+            nvrtc.addNameExpression(prog, name)
+        nvrtc.compileProgram(prog, ["-arch=sm_90a", "--std=c++17", "-ftz=true", "-Xptxas=-v",
+                                    "-I" + _kernels.cuda_include_dir()])
+        log = nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    assert log.count("0 bytes spill stores, 0 bytes spill loads") == len(names), log
+    assert "serialized" not in log, log
