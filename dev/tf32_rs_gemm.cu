@@ -173,3 +173,139 @@ __global__ void __launch_bounds__(384, 1)
     }
   }
 }
+
+// ---- the mixed-input form (docs/decisions/053's "what would be needed"): the fp32 weight converted to fp16 in
+// registers as the A operand, the activations fp16 (B, K-major, converted beforehand) --------------------------------
+//   C[N, M] = alpha * B16[N, K] @ fp16(W[K, M] * w_scale), fp16 products, fp32 accumulation.
+// A stage is 64 deep in K (one 128-byte swizzle row of fp16 B): W as four TMA boxes of 64 K-rows x 32 M-elements
+// (fp32), B as one box of BN rows x 64 K-elements (fp16). Per k16 step a thread converts 8 fp32 W elements into the
+// four f16x2 registers of wgmma's A fragment (rows g, g + 8; K pairs 2t, 2t + 1 and 2t + 8, 2t + 9 of the step).
+namespace mixedrs {
+
+constexpr int kBM = 128, kBK = 64;
+constexpr unsigned kWBytes = kBM * kBK * 4;  // 32 KiB
+
+struct Args {
+  float* c;
+  long long ldc;
+  long long split_stride;  // elements from one split's C to the next (grid z splits K)
+  float w_scale;  // W is multiplied by this (a power of two) before rounding to fp16
+  float alpha;    // C = alpha * acc (1 / (w_scale * the activations' scale))
+  int k_steps;    // 64-deep K steps
+  int pad;
+};
+
+// (k, m) of the stage's W tile: box m / 32 (8 KiB: 64 rows of 128 bytes), row k, chunk (m % 32) / 4 swizzled by k % 8
+__device__ __forceinline__ unsigned w_addr(unsigned w_stage, int k, int m) {
+  return w_stage + (m >> 5) * 8192 + k * 128 + ((((m & 31) >> 2) ^ (k & 7)) << 4) + ((m & 3) << 2);
+}
+
+__device__ __forceinline__ float lds(unsigned addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+  return v;
+}
+
+#define MIXEDRS_WGMMA(N, REGS, AREGS, DESC, ...)                                                        \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 {" REGS "}, " AREGS ", " DESC \
+               ", 1, 1, 1, 0;\n"                                                                      \
+               : __VA_ARGS__                                                                          \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b)                              \
+               : "memory")
+
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], const unsigned (&a)[4], unsigned long long desc_b) {
+  MIXEDRS_WGMMA(128, CUPYFFN_WGMMA_REGS_0_64, "{%64, %65, %66, %67}", "%68", CUPYFFN_WGMMA_D_0_64);
+}
+
+__device__ __forceinline__ void mma_stage(float (&acc)[64], unsigned (&a)[4][4], unsigned w_stage, unsigned b_stage,
+                                          int m_row, float w_scale) {
+  const int t = threadIdx.x & 3;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const int k = 16 * kk + 2 * t;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // a[r]: rows m_row + 8 (r & 1), K pair k + 8 (r >> 1)
+      const int kr = k + 8 * (r >> 1), m = m_row + 8 * (r & 1);
+      a[kk][r] = cupyffn::f16x2_bits(lds(w_addr(w_stage, kr, m)), lds(w_addr(w_stage, kr + 1, m)), w_scale);
+    }
+  }
+  sm90::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) wgmma_rs(acc, a[kk], sm90::smem_desc(b_stage + 32 * kk));
+  sm90::wgmma_commit();
+}
+
+}  // namespace mixedrs
+
+template <int STAGES>
+__global__ void __launch_bounds__(384, 1)
+    mixed_rs_gemm(const __grid_constant__ sm90::TmaDesc map_w, const __grid_constant__ sm90::TmaDesc map_b,
+                  const __grid_constant__ mixedrs::Args args) {
+  using namespace mixedrs;
+  constexpr int BN = 128;
+  constexpr unsigned kBBytes = BN * kBK * 2;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const unsigned base = (sm90::smem_addr(smem_raw) + 1023u) & ~1023u;
+  const unsigned w_smem = base, b_smem = base + STAGES * kWBytes;
+  const unsigned full_bar = b_smem + STAGES * kBBytes, empty_bar = full_bar + 8 * STAGES;
+  const int wg = threadIdx.x >> 7, m0 = blockIdx.x * kBM, n0 = blockIdx.y * BN;
+  const int k0 = blockIdx.z * args.k_steps * kBK;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      sm90::mbar_init(full_bar + 8 * s, 1);
+      sm90::mbar_init(empty_bar + 8 * s, 8);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < args.k_steps; ++i) {
+        const unsigned s = i % STAGES, phase = (i / STAGES) & 1u;
+        sm90::mbar_wait(empty_bar + 8 * s, phase ^ 1u);
+        sm90::mbar_arrive_expect_tx(full_bar + 8 * s, kWBytes + kBBytes);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          sm90::tma_load_2d(w_smem + s * kWBytes + q * 8192, &map_w, full_bar + 8 * s, m0 + 32 * q, k0 + i * kBK);
+        }
+        sm90::tma_load_2d(b_smem + s * kBBytes, &map_b, full_bar + 8 * s, k0 + i * kBK, n0);
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  const int ctid = threadIdx.x - 128 * wg, warp = ctid >> 5, lane = ctid & 31;
+  const int m_row = 64 * (wg - 1) + 16 * warp + (lane >> 2);
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+  unsigned a_even[4][4], a_odd[4][4];
+  auto step = [&](int i, unsigned (&a)[4][4]) {
+    const unsigned s = i % STAGES;
+    sm90::mbar_wait(full_bar + 8 * s, (i / STAGES) & 1u);
+    mma_stage(acc, a, w_smem + s * kWBytes, b_smem + s * kBBytes, m_row, args.w_scale);
+    sm90::wgmma_wait<1>();
+    if (i > 0 && lane == 0) sm90::mbar_arrive(empty_bar + 8 * ((i - 1) % STAGES));
+  };
+  int i = 0;
+  for (; i + 1 < args.k_steps; i += 2) {
+    step(i, a_even);
+    step(i + 1, a_odd);
+  }
+  if (i < args.k_steps) step(i, a_even);
+  sm90::wgmma_wait<0>();
+  sm90::fence_regs(acc);
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int n = n0 + 8 * j + 2 * (lane & 3) + e;
+        const long long at = blockIdx.z * args.split_stride + n * args.ldc + m0 + m_row + 8 * h;
+        args.c[at] = args.alpha * acc[4 * j + 2 * h + e];
+      }
+    }
+  }
+}
