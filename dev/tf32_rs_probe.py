@@ -157,6 +157,7 @@ def label(v):
 
 
 def measure(cupy, torch, cupyffn, probe, T, reps):
+    cupy.cuda.Device().synchronize()  # nothing of the previous T still runs into memory the pool hands out again
     rng = cupy.random.default_rng(T)
     s = cupy.cuda.Stream(non_blocking=True)
     flush_buf = cupy.empty(256 * 2 ** 20 // 4, cupy.float32)
@@ -237,6 +238,7 @@ def measure(cupy, torch, cupyffn, probe, T, reps):
                                  before_each=flush)
     row["plan stages ms"] = {k: round(v["ms"], 4) for k, v in stages.items()}
     plan.close()
+    cupy.cuda.Device().synchronize()
     return row
 
 
