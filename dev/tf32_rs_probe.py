@@ -172,6 +172,8 @@ def measure(cupy, torch, cupyffn, probe, T, reps):
     for name, b, w in (("gemm1", dy, w2), ("gemm3", gl1, w1)):
         want = b.astype(cupy.float64) @ w.astype(cupy.float64)
         out = cupy.empty((b.shape[0], w.shape[1]), cupy.float32)
+        row.setdefault("finite", {})[name] = {k: bool(cupy.isfinite(v).all()) for k, v in
+                                              (("activations", b), ("weight", w), ("float64 product", want))}
         for v in VARIANTS:
             if v[3]:
                 continue  # move-only: wrong by design
@@ -180,6 +182,7 @@ def measure(cupy, torch, cupyffn, probe, T, reps):
             probe.prepare(v, b, w, out, 1)(s.ptr)
             s.synchronize()
             row["check"][f"{name} {label(v)}"] = rel_l2(cupy, out, want)
+            row.setdefault("nan outputs", {})[f"{name} {label(v)}"] = int(cupy.isnan(out).sum())
         # timing: every variant but the wrong fragment order (and GEMM3's split along K for the first two)
         for v in VARIANTS:
             if v[2]:
@@ -260,8 +263,9 @@ def main(argv=None):
         row = measure(cupy, torch, cupyffn, probe, T, a.reps)
         rows.append(row)
         print(f"\nT = {T}")
-        for part in ("check", "gemm1", "gemm3", "plan stages ms"):
-            print(f"  {part}: " + ", ".join(f"{k} {v:.4g}" for k, v in row[part].items()))
+        for part in ("check", "finite", "nan outputs", "gemm1", "gemm3", "plan stages ms"):
+            print(f"  {part}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                            for k, v in row[part].items()))
     save_json({"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
                "command": "python3 dev/tf32_rs_probe.py " + " ".join(argv or sys.argv[1:]),
                "registers": {label(v): probe.regs[v] for v in VARIANTS},
