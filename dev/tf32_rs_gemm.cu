@@ -1,6 +1,7 @@
-// A measurement kernel (dev/tf32_rs_probe.py; not part of the package): the tf32 GEMM that reads an fp32 weight
-// as it is stored, with the weight as wgmma's register-sourced operand, so that neither a conversion pass nor a
-// transposed copy is needed (issue 32's first option; docs/decisions/053-tf32-register-weight-probe.md).
+// Measurement kernels (dev/tf32_rs_probe.py; not part of the package): GEMMs that read an fp32 weight as it is
+// stored, with the weight as wgmma's register-sourced operand, so that neither a conversion pass nor a transposed
+// copy is needed (issue 32's first option; docs/decisions/053-tf32-register-weight-probe.md): tf32_rs_gemm (tf32
+// products) here, mixed_rs_gemm (the weight converted to fp16 in registers, fp16 activations) at the end.
 //
 //   C[N, M] (+= over a split of K) = B[N, K] @ W[K, M], all fp32 in memory, products in tf32, fp32 accumulation.
 //

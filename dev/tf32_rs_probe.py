@@ -1,5 +1,5 @@
-"""The tf32 GEMM that reads fp32 weights as stored (dev/tf32_rs_gemm.cu) against today's route, in one process
-(GPU machine; a measurement, not a test; docs/decisions/053-tf32-register-weight-probe.md):
+"""GEMMs that read fp32 weights as stored (dev/tf32_rs_gemm.cu: tf32, and mixed-input fp16) against today's route,
+in one process (GPU machine; a measurement, not a test; docs/decisions/053-tf32-register-weight-probe.md):
 
     PYTHONPATH=. python3 dev/tf32_rs_probe.py [--tokens 256 512 1024 2048] [--out results/tf32-rs-probe.json]
 
@@ -7,8 +7,9 @@ At the official dim 1536 / hidden 6144, per T:
 - check: each variant (BN, stages, register-fragment order) against float64 on fresh random inputs, the output
   NaN-filled first (relative L2; a wrong fragment order gives ~1);
 - GEMM1's shape (grad_output [T, 1536] @ weight2 [1536, 6144]) and GEMM3's (grad_linear1 [T, 6144] @ weight1 [6144,
-  1536], split along K into fp32 partials summed by one cupy.sum): the probe per BN / split, cuBLAS TF32 on the same
-  fp32 operands (torch.matmul), and one weight's fp32 -> fp16 copy (cupy astype: a conversion at DRAM's rate);
+  1536], split along K into fp32 partials summed by one cupy.sum): the tf32 probe per BN / split, the mixed-input
+  probe (activations cast to fp16 first, timed apart), cuBLAS TF32 on the same fp32 operands (torch.matmul), and one
+  weight's fp32 -> fp16 copy (cupy's cast);
 - the tf32 plan's own stages at that T (GeluFFNBackward.profile_stages: convert, GEMM1 + dgelu, GEMM3).
 CUDA events, L2 flushed before each sample, medians (benchmarks/timing.py). Writes the JSON and prints a table.
 """
