@@ -313,11 +313,11 @@ def gelu_ffn_forward(hidden_states, weight1, weight2, *, bias1=None, bias2=None,
     """
     from . import _lt_api
 
+    # a bad name is reported before the arrays are looked at; a Precision object routes as its name does
+    name = _precision.lookup(precision).name if precision is not None else None
     if _lt_api.wants(hidden_states, bias1 is not None, bias2 is not None) and \
-            not _lt_api.engine_biases(hidden_states, precision):
-        return _lt_api.forward(hidden_states, weight1, weight2, bias1, bias2, precision, out, stream)
-    if precision is not None:  # a bad name is reported before the arrays are looked at
-        _precision.lookup(precision)
+            not _lt_api.engine_biases(hidden_states, name):
+        return _lt_api.forward(hidden_states, weight1, weight2, bias1, bias2, name, out, stream)
     if stream is not None and not hasattr(stream, "ptr"):
         raise TypeError(f"stream must be a cupy.cuda.Stream (or ExternalStream) or None; got {type(stream).__name__}")
     backend, arrays, mats, bias_mats, lead, D, H, shapes, outs, out_arrays = _prepare(

@@ -72,6 +72,22 @@ def test_numpy_forward_and_backward_with_biases(rng, precision):
     within((f1.output, f1.linear1_out), (y1, z1), 1e-4)
 
 
+@pytest.mark.parametrize("precision", SPLIT + ("ieee",))
+def test_a_precision_object_routes_as_its_name(rng, precision):
+    """gelu_ffn_forward / gelu_ffn_backward given cupyffn.PRECISIONS[name] with biases: the same route and the same
+    values as the name (a split precision on the float32 engine's model, "ieee" on the 16-bit/bias route)."""
+    x, dy, w1, w2, b1, b2 = make(rng, 24, 16, 40)
+    by_name = cupyffn.gelu_ffn_forward(x, w1, w2, bias1=b1, bias2=b2, precision=precision)
+    by_object = cupyffn.gelu_ffn_forward(x, w1, w2, bias1=b1, bias2=b2, precision=cupyffn.PRECISIONS[precision])
+    for a, b in zip(by_name, by_object):
+        assert (a is None and b is None) or numpy.array_equal(a, b)
+    args = (dy, x, w1, w2, by_name.linear1_out, by_name.tanh_inner, by_name.gelu_out)
+    grads = [cupyffn.gelu_ffn_backward(*args, precision=p, need_bias_grads=True)
+             for p in (precision, cupyffn.PRECISIONS[precision])]
+    for a, b in zip(*grads):
+        assert numpy.array_equal(a, b)
+
+
 @pytest.mark.parametrize("precision", SPLIT)
 def test_numpy_bias_gradients_accumulate_into_out(rng, precision):
     x, dy, w1, w2, b1, b2 = make(rng, 32, 16, 48)
