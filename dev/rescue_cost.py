@@ -81,6 +81,8 @@ def measure(cupy, cupyffn, T, reps, rounds):
                     if i >= 3:
                         got[name][timer].append(ms)
     row["bitwise equal after timing"] = same()
+    row["launches"] = {name: [st.stage for st in plan._engine._executor.steps() if st.run]
+                       for name, plan in plans.items()}
     for name, timers in got.items():
         row[name] = {k: round(statistics.median(v), 4) for k, v in timers.items()}
     for plan in plans.values():
@@ -108,6 +110,8 @@ def main(argv=None):
               f"{i['idle']:15.4f} {n['idle']:18.4f}  {r['bitwise equal before timing']}/{r['bitwise equal after timing']}")
     save_json({"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
                "command": "python3 dev/rescue_cost.py " + " ".join(argv or sys.argv[1:]), "rows": rows}, a.out)
+    for r in rows:
+        print(r["tokens"], {name: len(v) for name, v in r["launches"].items()}, "steps with launches")
     print("wrote", a.out)
 
 
