@@ -95,11 +95,15 @@ HOST_ROWS = {
     "torch-layer-autograd": "torch.autograd.grad through the eager layer (cupyffn.torch.gelu_ffn), graph kept",
     "torch-eager-autograd": "torch.autograd.grad through F.linear -> F.gelu(tanh) -> F.linear (nn.Linear + GELU), "
                             "graph kept",
+    "cupy-functional": "cupyffn.gelu_ffn_backward on CuPy arrays, outputs allocated by the call",
+    "jax-functional": "the same call on jax.Array inputs (imported through DLPack), outputs allocated by the call",
 }
 #: (numerator, denominator, target) ratios the table reports: torch tensors vs CuPy arrays (target 1.3x), the
-#: layer's backward vs torch eager's (target: at or below, 1.0x).
+#: layer's backward vs torch eager's (target: at or below, 1.0x), jax.Array inputs vs CuPy arrays (issue 32's "any
+#: __dlpack__ producer", the same 1.3x).
 HOST_RATIOS = (("torch-functional-out", "cupy-functional-out", 1.3),
-               ("torch-layer-autograd", "torch-eager-autograd", 1.0))
+               ("torch-layer-autograd", "torch-eager-autograd", 1.0),
+               ("jax-functional", "cupy-functional", 1.3))
 
 
 def host_impls(args2d, stream, precision="tf32"):
@@ -113,6 +117,7 @@ def host_impls(args2d, stream, precision="tf32"):
     out_c = tuple(cupy.empty(s, dtype=cupy.float32) for s in shapes)
     rows = {"cupy-functional-out": (
         lambda: cupyffn.gelu_ffn_backward(*args2d, precision=precision, out=out_c, stream=stream), None)}
+    rows.update(_jax_rows(args2d, stream, precision))
     try:
         import torch
         import torch.nn.functional as F
@@ -141,6 +146,21 @@ def host_impls(args2d, stream, precision="tf32"):
     rows["torch-eager-autograd"] = (
         lambda: torch.autograd.grad(y_eager, (x, w1, w2), dy, retain_graph=True), None)
     return rows
+
+
+def _jax_rows(args2d, stream, precision):
+    """The JAX rows of HOST_ROWS where JAX sees a GPU (jax.Array views of the same buffers), else none."""
+    try:
+        import jax
+        import jax.dlpack
+
+        if not any(d.platform == "gpu" for d in jax.devices()):
+            return {}
+    except Exception:  # not installed, or no GPU backend
+        return {}
+    jargs = [jax.dlpack.from_dlpack(a) for a in args2d]
+    return {"cupy-functional": (lambda: cupyffn.gelu_ffn_backward(*args2d, precision=precision, stream=stream), None),
+            "jax-functional": (lambda: cupyffn.gelu_ffn_backward(*jargs, precision=precision, stream=stream), None)}
 
 
 def _host_us(run, sync, calls, keep=False):

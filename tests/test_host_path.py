@@ -442,11 +442,12 @@ def test_host_table_rows_ratios_and_markdown(monkeypatch, capsys):
     assert list(first["host_us"]) == list(layers.HOST_ROWS)
     assert first["ratios"]["torch-functional-out / cupy-functional-out"] == 2.0  # 20 us / 10 us
     assert first["ratios"]["torch-layer-autograd / torch-eager-autograd"] == 50.0 / 60.0
+    assert first["ratios"]["jax-functional / cupy-functional"] == 80.0 / 70.0
     out = capsys.readouterr().out
     assert "torch-functional-out / cupy-functional-out: worst" in out and "(target <= 1.3)" in out
     md = report.host_markdown(dict(result, device="NVIDIA H200"))
     assert md.startswith("# Host time per call, NVIDIA H200")
-    assert "| torch-functional-out | 20.0 | 80.0 | 140.0 | 200.0 |" in md
+    assert "| torch-functional-out | 20.0 | 100.0 | 180.0 | 260.0 |" in md
     assert "| torch-layer-autograd / torch-eager-autograd | 0.83 |" in md
     # --loop-calls given: it sets the table's calls
     args = types.SimpleNamespace(loop_calls=30, given=frozenset({"loop_calls"}), host_only=True)
