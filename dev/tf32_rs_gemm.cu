@@ -1,51 +1,61 @@
-// Measurement kernels (dev/tf32_rs_probe.py; not part of the package): GEMMs that read an fp32 weight as it is
+// Measurement kernel (dev/tf32_rs_probe.py; not part of the package): GEMMs that read an fp32 weight as it is
 // stored, with the weight as wgmma's register-sourced operand, so that neither a conversion pass nor a transposed
-// copy is needed (issue 32's first option; docs/decisions/053-tf32-register-weight-probe.md): tf32_rs_gemm (tf32
-// products) here, mixed_rs_gemm (the weight converted to fp16 in registers, fp16 activations) at the end.
+// copy is needed (issue 32's first option; docs/decisions/053-tf32-register-weight-probe.md).
 //
-//   C[N, M] (+= over a split of K) = B[N, K] @ W[K, M], all fp32 in memory, products in tf32, fp32 accumulation.
+//   C[N, M] (+= over a split of K) = alpha * B[N, K] @ W[K, M], fp32 accumulation, W fp32 in memory; two forms:
+//   tf32rs::Form<BN, LAYOUT, MOVE_ONLY>  B fp32, products in tf32 (W rounded with cvt.rna)
+//   mixedrs::Form                        B fp16 (converted beforehand), W * w_scale rounded to fp16 in registers
 //
 // GEMM1 of the backward is grad_gelu[T, H] = grad_output[T, D] @ weight2[D, H] (B = grad_output, W = weight2);
 // GEMM3 is grad_hidden[T, D] = grad_linear1[T, H] @ weight1[H, D]. In wgmma's terms the weight is A (M = its N
-// dimension, K-major would need a transposed copy: tf32 operands in shared memory must be K-major), so each
-// consumer loads its 64 x 8 slice of W per k8 step from the TMA tile into registers (any layout is allowed there)
-// and B = the activations is K-major in shared memory, as stored. The accumulator tile is [M, N]: the epilogue
-// stores it transposed into C [N, M].
+// dimension; tf32 operands in shared memory must be K-major, which would need a transposed copy), so each consumer
+// loads its 64-row slice of W per MMA step from the TMA tile into registers (any layout is allowed there) and
+// B = the activations is K-major in shared memory, as stored. The accumulator tile is [M, N]: the epilogue stores it
+// transposed into C [N, M].
 //
 // 384 threads: warpgroup 0 the TMA producer (one thread), warpgroups 1 and 2 the consumers (64 rows of M each).
 // One CTA per output tile of 128 (M) x BN (N), grid (M / 128, N / BN, splits); split z sums K-steps
-// [z * k_steps, (z + 1) * k_steps) of 32 into C + z * split_stride. A stage is 32 deep in K (one 128-byte swizzle
-// row of fp32): W as four TMA boxes of 32 K-rows x 32 M-elements, B as one box of BN rows x 32 K-elements.
-// Probe limits (checked by the tool): M % 128 == 0, N % BN == 0, K % 32 == 0, 16-byte aligned rows.
+// [z * k_steps, (z + 1) * k_steps) into C + z * split_stride. A stage is one 128-byte swizzle row of B deep in K
+// (32 fp32 or 64 fp16): W as four TMA boxes of BK K-rows x 32 M-elements, B as one box of BN rows x 128 bytes.
+// Probe limits (checked by the tool): M % 128 == 0, N % BN == 0, K % BK == 0, 16-byte aligned rows.
 //
-// LAYOUT picks the register fragment order of A (0: a1 = row + 8, a2 = k + 4, the mma.m16n8k8 order; 1: swapped),
-// so that one run tells which one wgmma uses (the wrong one fails the tool's check). MOVE_ONLY = 1 is a
+// LAYOUT picks the tf32 register fragment order of A (0: a1 = row + 8, a2 = k + 4, the mma.m16n8k8 order; 1:
+// swapped), so that one run tells which one wgmma uses (the wrong one fails the tool's check). MOVE_ONLY = 1 is a
 // measurement build that leaves out the shared-memory loads and the MMAs (the TMA traffic alone; wrong results by
 // design: the tool does not check it).
 #include "common.cuh"
 #include "sm90/types.cuh"
 #include "sm90/ptx.cuh"
 
-namespace tf32rs {
-
-constexpr int kBM = 128, kBK = 32;
-constexpr unsigned kWBytes = kBM * kBK * 4;  // W's tile of a stage: 4 boxes of 32 x 32 fp32
+namespace rsprobe {
 
 struct Args {
   float* c;
   long long ldc;
   long long split_stride;  // elements from one split's C to the next
-  int k_steps;             // 32-deep K steps per split
+  float w_scale;           // mixed form: W is multiplied by this (a power of two) before rounding to fp16
+  float alpha;             // C = alpha * acc
+  int k_steps;             // K steps (of the form's BK) per split
+  int pad;
 };
 
-// One fp32 element of the stage's W tile: (k, m) in box m / 32 at row k, 16-byte chunk (m % 32) / 4 swizzled by k % 8.
+// (k, m) of a stage's W tile: box m / 32 (BK rows of 128 bytes), row k, 16-byte chunk (m % 32) / 4 swizzled by k % 8.
+template <int BK>
 __device__ __forceinline__ unsigned w_addr(unsigned w_stage, int k, int m) {
-  return w_stage + (m >> 5) * 4096 + k * 128 + ((((m & 31) >> 2) ^ (k & 7)) << 4) + ((m & 3) << 2);
+  return w_stage + (m >> 5) * (BK * 128) + k * 128 + ((((m & 31) >> 2) ^ (k & 7)) << 4) + ((m & 3) << 2);
 }
 
-__device__ __forceinline__ unsigned lds_tf32(unsigned addr) {
+__device__ __forceinline__ float lds(unsigned addr) {
   float v;
   asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+  return v;
+}
+
+}  // namespace rsprobe
+
+namespace tf32rs {
+
+__device__ __forceinline__ unsigned tf32(float v) {
   unsigned r;
   asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(v));
   return r;
@@ -75,43 +85,93 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[BN / 2], const unsigned (&a)
   }
 }
 
-// One stage of a consumer: its 64 x 32 slice of W into registers (4 k8 steps x 4), then 4 wgmmas on them.
-template <int BN, int LAYOUT>
-__device__ __forceinline__ void mma_stage(float (&acc)[BN / 2], unsigned (&a)[4][4], unsigned w_stage,
-                                          unsigned b_stage, int m_row) {
-  const int lane = threadIdx.x & 31, t = lane & 3;
+template <int BN_, int LAYOUT, int MOVE_ONLY>
+struct Form {
+  static constexpr int BN = BN_, BK = 32;
+  static constexpr unsigned kBBytes = BN * BK * 4;
+  static constexpr bool kMoveOnly = MOVE_ONLY;
+
+  // One stage of a consumer: its 64 x 32 slice of W into registers (4 k8 steps x 4), then 4 wgmmas on them.
+  static __device__ __forceinline__ void mma(float (&acc)[BN / 2], unsigned (&a)[4][4], unsigned w_stage,
+                                             unsigned b_stage, int m_row, const rsprobe::Args&) {
+    using rsprobe::lds;
+    const int t = threadIdx.x & 3;
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    const int k = 8 * kk + t;
-    a[kk][0] = lds_tf32(w_addr(w_stage, k, m_row));
-    a[kk][LAYOUT ? 2 : 1] = lds_tf32(w_addr(w_stage, k, m_row + 8));
-    a[kk][LAYOUT ? 1 : 2] = lds_tf32(w_addr(w_stage, k + 4, m_row));
-    a[kk][3] = lds_tf32(w_addr(w_stage, k + 4, m_row + 8));
+    for (int kk = 0; kk < 4; ++kk) {
+      const int k = 8 * kk + t;
+      a[kk][0] = tf32(lds(rsprobe::w_addr<BK>(w_stage, k, m_row)));
+      a[kk][LAYOUT ? 2 : 1] = tf32(lds(rsprobe::w_addr<BK>(w_stage, k, m_row + 8)));
+      a[kk][LAYOUT ? 1 : 2] = tf32(lds(rsprobe::w_addr<BK>(w_stage, k + 4, m_row)));
+      a[kk][3] = tf32(lds(rsprobe::w_addr<BK>(w_stage, k + 4, m_row + 8)));
+    }
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_rs<BN>(acc, a[kk], sm90::smem_desc(b_stage + 32 * kk));
+    sm90::wgmma_commit();
   }
-  sm90::wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) wgmma_rs<BN>(acc, a[kk], sm90::smem_desc(b_stage + 32 * kk));
-  sm90::wgmma_commit();
-}
+};
 
 }  // namespace tf32rs
 
-template <int BN, int STAGES, int LAYOUT, int MOVE_ONLY>
+// The mixed-input form (docs/decisions/053's "what would be needed"): per k16 step a thread converts 8 fp32 W
+// elements into the four f16x2 registers of wgmma's A fragment (rows g, g + 8; K pairs 2t, 2t + 1 and 2t + 8, 2t + 9).
+namespace mixedrs {
+
+#define MIXEDRS_WGMMA(N, REGS, AREGS, DESC, ...)                                                        \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 {" REGS "}, " AREGS ", " DESC \
+               ", 1, 1, 1, 0;\n"                                                                      \
+               : __VA_ARGS__                                                                          \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b)                              \
+               : "memory")
+
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], const unsigned (&a)[4], unsigned long long desc_b) {
+  MIXEDRS_WGMMA(128, CUPYFFN_WGMMA_REGS_0_64, "{%64, %65, %66, %67}", "%68", CUPYFFN_WGMMA_D_0_64);
+}
+
+struct Form {
+  static constexpr int BN = 128, BK = 64;
+  static constexpr unsigned kBBytes = BN * BK * 2;
+  static constexpr bool kMoveOnly = false;
+
+  static __device__ __forceinline__ void mma(float (&acc)[64], unsigned (&a)[4][4], unsigned w_stage,
+                                             unsigned b_stage, int m_row, const rsprobe::Args& args) {
+    using rsprobe::lds;
+    const int t = threadIdx.x & 3;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const int k = 16 * kk + 2 * t;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {  // a[r]: rows m_row + 8 (r & 1), K pair k + 8 (r >> 1)
+        const int kr = k + 8 * (r >> 1), m = m_row + 8 * (r & 1);
+        a[kk][r] = cupyffn::f16x2_bits(lds(rsprobe::w_addr<BK>(w_stage, kr, m)),
+                                       lds(rsprobe::w_addr<BK>(w_stage, kr + 1, m)), args.w_scale);
+      }
+    }
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_rs(acc, a[kk], sm90::smem_desc(b_stage + 32 * kk));
+    sm90::wgmma_commit();
+  }
+};
+
+}  // namespace mixedrs
+
+template <class Form, int STAGES>
 __global__ void __launch_bounds__(384, 1)
-    tf32_rs_gemm(const __grid_constant__ sm90::TmaDesc map_w, const __grid_constant__ sm90::TmaDesc map_b,
-                 const __grid_constant__ tf32rs::Args args) {
-  using namespace tf32rs;
-  constexpr unsigned kBBytes = BN * kBK * 4;
+    rs_gemm(const __grid_constant__ sm90::TmaDesc map_w, const __grid_constant__ sm90::TmaDesc map_b,
+            const __grid_constant__ rsprobe::Args args) {
+  constexpr int BN = Form::BN, BK = Form::BK;
+  constexpr unsigned kWBox = BK * 128, kWBytes = 4 * kWBox, kBBytes = Form::kBBytes;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const unsigned base = (sm90::smem_addr(smem_raw) + 1023u) & ~1023u;
   const unsigned w_smem = base, b_smem = base + STAGES * kWBytes;
   const unsigned full_bar = b_smem + STAGES * kBBytes, empty_bar = full_bar + 8 * STAGES;
-  const int wg = threadIdx.x >> 7, m0 = blockIdx.x * kBM, n0 = blockIdx.y * BN;
-  const int k0 = blockIdx.z * args.k_steps * kBK;
-  if (threadIdx.x == 0) {
+  const int wg = threadIdx.x >> 7, m0 = blockIdx.x * 128, n0 = blockIdx.y * BN;
+  const int k0 = blockIdx.z * args.k_steps * BK;
+  if (threadIdx.x == 0) {  // full[s]: the stage's TMA bytes landed; empty[s]: each of the 8 consumer warps is done
     for (int s = 0; s < STAGES; ++s) {
       sm90::mbar_init(full_bar + 8 * s, 1);
-      sm90::mbar_init(empty_bar + 8 * s, 8);  // one arrival per consumer warp
+      sm90::mbar_init(empty_bar + 8 * s, 8);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -125,9 +185,9 @@ __global__ void __launch_bounds__(384, 1)
         sm90::mbar_arrive_expect_tx(full_bar + 8 * s, kWBytes + kBBytes);
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-          sm90::tma_load_2d(w_smem + s * kWBytes + q * 4096, &map_w, full_bar + 8 * s, m0 + 32 * q, k0 + i * kBK);
+          sm90::tma_load_2d(w_smem + s * kWBytes + q * kWBox, &map_w, full_bar + 8 * s, m0 + 32 * q, k0 + i * BK);
         }
-        sm90::tma_load_2d(b_smem + s * kBBytes, &map_b, full_bar + 8 * s, k0 + i * kBK, n0);
+        sm90::tma_load_2d(b_smem + s * kBBytes, &map_b, full_bar + 8 * s, k0 + i * BK, n0);
       }
     }
     return;
@@ -144,11 +204,11 @@ __global__ void __launch_bounds__(384, 1)
   auto step = [&](int i, unsigned (&a)[4][4]) {
     const unsigned s = i % STAGES;
     sm90::mbar_wait(full_bar + 8 * s, (i / STAGES) & 1u);
-    if constexpr (MOVE_ONLY) {
+    if constexpr (Form::kMoveOnly) {
       if (lane == 0) sm90::mbar_arrive(empty_bar + 8 * s);
       return;
     }
-    mma_stage<BN, LAYOUT>(acc, a, w_smem + s * kWBytes, b_smem + s * kBBytes, m_row);
+    Form::mma(acc, a, w_smem + s * kWBytes, b_smem + s * kBBytes, m_row, args);
     sm90::wgmma_wait<1>();
     if (i > 0 && lane == 0) sm90::mbar_arrive(empty_bar + 8 * ((i - 1) % STAGES));
   };
@@ -160,7 +220,7 @@ __global__ void __launch_bounds__(384, 1)
   if (i < args.k_steps) step(i, a_even);
   sm90::wgmma_wait<0>();
   sm90::fence_regs(acc);
-  // acc[4j + 2h + e] is (row m_row + 8h, column 8j + 2(lane % 4) + e) of the [M, N] tile: C[n][m]
+  // acc[4j + 2h + e] is (row m_row + 8h, column 8j + 2(lane % 4) + e) of the [M, N] tile: C[n][m] times alpha
   float* c = args.c + blockIdx.z * args.split_stride;
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
@@ -168,144 +228,8 @@ __global__ void __launch_bounds__(384, 1)
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int n = n0 + 8 * j + 2 * (lane & 3) + e;
-        c[n * args.ldc + m0 + m_row + 8 * h] = acc[4 * j + 2 * h + e];
-      }
-    }
-  }
-}
-
-// ---- the mixed-input form (docs/decisions/053's "what would be needed"): the fp32 weight converted to fp16 in
-// registers as the A operand, the activations fp16 (B, K-major, converted beforehand) --------------------------------
-//   C[N, M] = alpha * B16[N, K] @ fp16(W[K, M] * w_scale), fp16 products, fp32 accumulation.
-// A stage is 64 deep in K (one 128-byte swizzle row of fp16 B): W as four TMA boxes of 64 K-rows x 32 M-elements
-// (fp32), B as one box of BN rows x 64 K-elements (fp16). Per k16 step a thread converts 8 fp32 W elements into the
-// four f16x2 registers of wgmma's A fragment (rows g, g + 8; K pairs 2t, 2t + 1 and 2t + 8, 2t + 9 of the step).
-namespace mixedrs {
-
-constexpr int kBM = 128, kBK = 64;
-constexpr unsigned kWBytes = kBM * kBK * 4;  // 32 KiB
-
-struct Args {
-  float* c;
-  long long ldc;
-  long long split_stride;  // elements from one split's C to the next (grid z splits K)
-  float w_scale;  // W is multiplied by this (a power of two) before rounding to fp16
-  float alpha;    // C = alpha * acc (1 / (w_scale * the activations' scale))
-  int k_steps;    // 64-deep K steps
-  int pad;
-};
-
-// (k, m) of the stage's W tile: box m / 32 (8 KiB: 64 rows of 128 bytes), row k, chunk (m % 32) / 4 swizzled by k % 8
-__device__ __forceinline__ unsigned w_addr(unsigned w_stage, int k, int m) {
-  return w_stage + (m >> 5) * 8192 + k * 128 + ((((m & 31) >> 2) ^ (k & 7)) << 4) + ((m & 3) << 2);
-}
-
-__device__ __forceinline__ float lds(unsigned addr) {
-  float v;
-  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
-  return v;
-}
-
-#define MIXEDRS_WGMMA(N, REGS, AREGS, DESC, ...)                                                        \
-  asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 {" REGS "}, " AREGS ", " DESC \
-               ", 1, 1, 1, 0;\n"                                                                      \
-               : __VA_ARGS__                                                                          \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b)                              \
-               : "memory")
-
-__device__ __forceinline__ void wgmma_rs(float (&d)[64], const unsigned (&a)[4], unsigned long long desc_b) {
-  MIXEDRS_WGMMA(128, CUPYFFN_WGMMA_REGS_0_64, "{%64, %65, %66, %67}", "%68", CUPYFFN_WGMMA_D_0_64);
-}
-
-__device__ __forceinline__ void mma_stage(float (&acc)[64], unsigned (&a)[4][4], unsigned w_stage, unsigned b_stage,
-                                          int m_row, float w_scale) {
-  const int t = threadIdx.x & 3;
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    const int k = 16 * kk + 2 * t;
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {  // a[r]: rows m_row + 8 (r & 1), K pair k + 8 (r >> 1)
-      const int kr = k + 8 * (r >> 1), m = m_row + 8 * (r & 1);
-      a[kk][r] = cupyffn::f16x2_bits(lds(w_addr(w_stage, kr, m)), lds(w_addr(w_stage, kr + 1, m)), w_scale);
-    }
-  }
-  sm90::wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) wgmma_rs(acc, a[kk], sm90::smem_desc(b_stage + 32 * kk));
-  sm90::wgmma_commit();
-}
-
-}  // namespace mixedrs
-
-template <int STAGES>
-__global__ void __launch_bounds__(384, 1)
-    mixed_rs_gemm(const __grid_constant__ sm90::TmaDesc map_w, const __grid_constant__ sm90::TmaDesc map_b,
-                  const __grid_constant__ mixedrs::Args args) {
-  using namespace mixedrs;
-  constexpr int BN = 128;
-  constexpr unsigned kBBytes = BN * kBK * 2;
-  extern __shared__ __align__(1024) unsigned char smem_raw[];
-  const unsigned base = (sm90::smem_addr(smem_raw) + 1023u) & ~1023u;
-  const unsigned w_smem = base, b_smem = base + STAGES * kWBytes;
-  const unsigned full_bar = b_smem + STAGES * kBBytes, empty_bar = full_bar + 8 * STAGES;
-  const int wg = threadIdx.x >> 7, m0 = blockIdx.x * kBM, n0 = blockIdx.y * BN;
-  const int k0 = blockIdx.z * args.k_steps * kBK;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      sm90::mbar_init(full_bar + 8 * s, 1);
-      sm90::mbar_init(empty_bar + 8 * s, 8);  // one arrival per consumer warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
-  if (wg == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-    if (threadIdx.x == 0) {
-      for (int i = 0; i < args.k_steps; ++i) {
-        const unsigned s = i % STAGES, phase = (i / STAGES) & 1u;
-        sm90::mbar_wait(empty_bar + 8 * s, phase ^ 1u);
-        sm90::mbar_arrive_expect_tx(full_bar + 8 * s, kWBytes + kBBytes);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          sm90::tma_load_2d(w_smem + s * kWBytes + q * 8192, &map_w, full_bar + 8 * s, m0 + 32 * q, k0 + i * kBK);
-        }
-        sm90::tma_load_2d(b_smem + s * kBBytes, &map_b, full_bar + 8 * s, k0 + i * kBK, n0);
-      }
-    }
-    return;
-  }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-  const int ctid = threadIdx.x - 128 * wg, warp = ctid >> 5, lane = ctid & 31;
-  const int m_row = 64 * (wg - 1) + 16 * warp + (lane >> 2);
-  float acc[64];
-#pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-  unsigned a_even[4][4], a_odd[4][4];
-  auto step = [&](int i, unsigned (&a)[4][4]) {
-    const unsigned s = i % STAGES;
-    sm90::mbar_wait(full_bar + 8 * s, (i / STAGES) & 1u);
-    mma_stage(acc, a, w_smem + s * kWBytes, b_smem + s * kBBytes, m_row, args.w_scale);
-    sm90::wgmma_wait<1>();
-    if (i > 0 && lane == 0) sm90::mbar_arrive(empty_bar + 8 * ((i - 1) % STAGES));
-  };
-  int i = 0;
-  for (; i + 1 < args.k_steps; i += 2) {
-    step(i, a_even);
-    step(i + 1, a_odd);
-  }
-  if (i < args.k_steps) step(i, a_even);
-  sm90::wgmma_wait<0>();
-  sm90::fence_regs(acc);
-#pragma unroll
-  for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int n = n0 + 8 * j + 2 * (lane & 3) + e;
-        const long long at = blockIdx.z * args.split_stride + n * args.ldc + m0 + m_row + 8 * h;
-        args.c[at] = args.alpha * acc[4 * j + 2 * h + e];
+        const long long n = n0 + 8 * j + 2 * (lane & 3) + e;
+        c[n * args.ldc + m0 + m_row + 8 * h] = args.alpha * acc[4 * j + 2 * h + e];
       }
     }
   }

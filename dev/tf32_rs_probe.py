@@ -39,14 +39,17 @@ W_SCALE = 256.0  # the weight's power-of-two scale before fp16 rounding (weights
 
 
 class Args(ctypes.Structure):
-    _fields_ = [("c", ctypes.c_void_p), ("ldc", ctypes.c_longlong), ("split_stride", ctypes.c_longlong),
-                ("k_steps", ctypes.c_int), ("pad", ctypes.c_int)]
+    """Mirror of rsprobe::Args (dev/tf32_rs_gemm.cu)."""
 
-
-class MixedArgs(ctypes.Structure):
     _fields_ = [("c", ctypes.c_void_p), ("ldc", ctypes.c_longlong), ("split_stride", ctypes.c_longlong),
                 ("w_scale", ctypes.c_float), ("alpha", ctypes.c_float), ("k_steps", ctypes.c_int),
                 ("pad", ctypes.c_int)]
+
+
+def kernel_names():
+    """The kernel instantiations the tool launches: the tf32 VARIANTS, then the mixed-input form."""
+    return ([f"rs_gemm<tf32rs::Form<{bn}, {order}, {move}>, {stages}>" for bn, stages, order, move in VARIANTS]
+            + [f"rs_gemm<mixedrs::Form, {MIXED_STAGES}>"])
 
 
 def source():
@@ -63,7 +66,8 @@ def source():
         return re.sub(r'^#include "([^"]+)"\n', paste, (folder / name).read_text().replace("#pragma once\n", ""),
                       flags=re.M)
 
-    text = open(os.path.join(HERE, "tf32_rs_gemm.cu")).read()
+    with open(os.path.join(HERE, "tf32_rs_gemm.cu")) as f:
+        text = f.read()
     return re.sub(r'^#include "([^"]+)"\n', paste, text, flags=re.M)
 
 
@@ -89,17 +93,15 @@ class Probe:
         from cupy_backends.cuda.api import driver
 
         self.cupy, self.driver = cupy, driver
-        names = [f"tf32_rs_gemm<{bn}, {st}, {lay}, {mo}>" for bn, st, lay, mo in VARIANTS]
-        mixed = f"mixed_rs_gemm<{MIXED_STAGES}>"
-        self.module = cupy.RawModule(code=source(), options=("-arch=sm_90a", "--std=c++17"),
-                                     name_expressions=names + [mixed])
+        names = kernel_names()
+        self.module = cupy.RawModule(code=source(), options=("-arch=sm_90a", "--std=c++17"), name_expressions=names)
         self.kernels = {}
         for (bn, st, lay, mo), name in zip(VARIANTS, names):
             k = self.module.get_function(name)
             smem = st * (128 * 32 * 4 + bn * 32 * 4) + 16 * st + 1024
             driver.funcSetAttribute(k.kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
             self.kernels[(bn, st, lay, mo)] = (k, smem)
-        k = self.module.get_function(mixed)
+        k = self.module.get_function(names[-1])
         smem = MIXED_STAGES * (128 * 64 * 4 + 128 * 64 * 2) + 16 * MIXED_STAGES + 1024
         driver.funcSetAttribute(k.kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
         self.mixed = (k, smem)
@@ -114,7 +116,7 @@ class Probe:
         assert m % 128 == 0 and n % bn == 0 and k % (32 * splits) == 0
         kernel, smem = self.kernels[variant]
         maps = (fp32_map(w.data.ptr, k, m, 32), fp32_map(b.data.ptr, n, k, bn))
-        args = Args(c.data.ptr, m, n * m, k // 32 // splits, 0)
+        args = Args(c.data.ptr, m, n * m, 1.0, 1.0, k // 32 // splits, 0)
         argv = (ctypes.c_void_p * 3)(ctypes.addressof(maps[0].desc), ctypes.addressof(maps[1].desc),
                                      ctypes.addressof(args))
         keep = (maps, args, argv)
@@ -135,7 +137,7 @@ class Probe:
         assert m % 128 == 0 and n % 128 == 0 and k % (64 * splits) == 0
         kernel, smem = self.mixed
         maps = (fp32_map(w.data.ptr, k, m, 64), tm.encode_tensor_map(b16.data.ptr, n, k, k * 2, config.OP_F16, 128))
-        args = MixedArgs(c.data.ptr, m, n * m, W_SCALE, 1.0 / W_SCALE, k // 64 // splits, 0)
+        args = Args(c.data.ptr, m, n * m, W_SCALE, 1.0 / W_SCALE, k // 64 // splits, 0)
         argv = (ctypes.c_void_p * 3)(ctypes.addressof(maps[0].desc), ctypes.addressof(maps[1].desc),
                                      ctypes.addressof(args))
         keep = (maps, args, argv)

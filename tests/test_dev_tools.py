@@ -174,8 +174,7 @@ def test_tf32_probe_kernel_compiles_without_spills():
     from cupyffn import _kernels
 
     probe = load_tool("tf32_rs_probe")
-    names = [f"tf32_rs_gemm<{bn}, {st}, {order}, {move}>" for bn, st, order, move in probe.VARIANTS]
-    names.append(f"mixed_rs_gemm<{probe.MIXED_STAGES}>")
+    names = probe.kernel_names()
     prog = nvrtc.createProgram(probe.source(), "tf32_rs_gemm.cu", (), ())
     try:
         for name in names:
