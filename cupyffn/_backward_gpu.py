@@ -1,7 +1,8 @@
 """The GPU call of a backward plan (`GeluFFNBackward`, cupyffn/_backward_plan.py): under the plan's lock, the
-capture query, the outputs, the engine's ordering, `set_io` and one of four routes (the engine's `enqueue`, its call
-graph `launch_graph`, a `graph=True` plan's replay, or everything serialized on the caller's stream while a
-caller's capture holds the side stream; docs/architecture.md), and the NaN fill of `out=` after a failure."""
+capture query, the outputs, the engine's ordering, `set_io` and one of five routes (the engine's `enqueue`, its call
+graph `launch_graph`, the graph captured for a repeated set of arrays, a `graph=True` plan's replay, or everything
+serialized on the caller's stream while a caller's capture holds the side stream; docs/architecture.md), and the
+NaN fill of `out=` after a failure."""
 
 import contextlib
 

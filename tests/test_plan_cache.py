@@ -413,6 +413,51 @@ def test_eager_calls_take_the_call_graph_where_the_engine_has_one(gpu_like):
     assert cupyffn.release_captured_plans() == 1
 
 
+def test_call_graph_plans_replay_a_graph_per_repeated_set_of_arrays(gpu_like, monkeypatch):
+    """With a call graph, the first call with a set of arrays re-points the graph (set_io, launch_graph), the second
+    captures a graph of its own (the engine's launches enqueued into the capture), later ones launch that graph with
+    nothing set or re-pointed, even after another set of arrays came in between; a call asking for
+    grad_hidden_ready keeps the launch-by-launch route (decision 052)."""
+    from cupyffn import _validate
+    from cupyffn._graph_replay import GraphReplay
+
+    plan, call, out, _ = gpu_like
+    engine = plan._engine
+    engine.call_graph = True
+    replay = engine.io_graphs = GraphReplay()
+
+    class Graph:
+        def launch(self, stream_ptr):
+            engine.log.append(("replay", stream_ptr))
+
+        def destroy(self):
+            engine.log.append(("destroy",))
+
+    def capture(enqueue, stream_ptr):  # CallGraph.capture on the replay's private stream (99)
+        enqueue(99, True)
+        replay.captures += 1
+        return Graph()
+
+    monkeypatch.setattr(replay, "_capture", capture)
+    for _ in range(3):
+        plan._run_gpu(call, out, FakeStream(7), False)
+    assert engine.log == [("order", 7), ("set_io",), ("graph", 7), ("done", 7),
+                          ("order", 7), ("enqueue", 99, False), ("replay", 7), ("done", 7),
+                          ("order", 7), ("replay", 7), ("done", 7)]
+    assert (replay.captures, replay.launches) == (1, 2)
+    other = [o.copy() for o in out]
+    call2 = _validate.prepare(_cpu_args(2)[0], other)._replace(device=0)
+    engine.log.clear()
+    plan._run_gpu(call2, other, FakeStream(7), False)
+    plan._run_gpu(call, out, FakeStream(7), False)
+    plan._run_gpu(call, out, FakeStream(7), False, ready=1234)
+    assert engine.log == [("order", 7), ("set_io",), ("graph", 7), ("done", 7),
+                          ("order", 7), ("replay", 7), ("done", 7),
+                          ("order", 7), ("set_io",), ("enqueue", 7, False), ("done", 7)]
+    replay.destroy()
+    assert engine.log[-1] == ("destroy",) and replay._graphs == {}
+
+
 def test_captured_call_pins_and_uses_no_event_from_outside(gpu_like):
     plan, call, out, capturing = gpu_like
     engine = plan._engine
