@@ -184,7 +184,9 @@ def forward(x, w1, w2, precision, outputs, bias1=None, bias2=None):
         t = tanh_inner(z)
         g = numpy.float32(0.5) * z * (numpy.float32(1) + t)
         z_out[...], t_out[...], g_out[...] = z, t, g
-        y[...] = _matmul(g, w2.T, precision.forward) if bias2 is None else bias2 + _matmul(g, w2.T, precision.forward)
+        y[...] = _matmul(g, w2.T, precision.forward)
+        if bias2 is not None:
+            y += bias2
 
 
 def _store(dst, value, accumulate):
