@@ -22,13 +22,13 @@ Modules    cupyffn.torch (torch.nn layer, custom ops, tensor parallel), cupyffn.
 Each name's own help() gives the details.
 """
 
-from ._backward import FFNGrads, GeluFFNBackward, clear_cache, gelu_ffn_backward, release_captured_plans
-from ._checks import ActivationMismatchError
+from .api.functional import FFNGrads, GeluFFNBackward, clear_cache, gelu_ffn_backward, release_captured_plans
+from .core.checks import ActivationMismatchError
 from .gemm.cublas import CublasError
-from ._forward import FFNForward, gelu_ffn_forward
-from ._precision import CPU_DEFAULT as CPU_DEFAULT_PRECISION
-from ._precision import DEFAULT as DEFAULT_PRECISION
-from ._precision import PRECISIONS, Precision
+from .api.forward import FFNForward, gelu_ffn_forward
+from .core.precision import CPU_DEFAULT as CPU_DEFAULT_PRECISION
+from .core.precision import DEFAULT as DEFAULT_PRECISION
+from .core.precision import PRECISIONS, Precision
 
 __version__ = "0.1.0"
 

@@ -50,10 +50,10 @@ import jax.numpy as jnp
 import numpy
 from jax.experimental.buffer_callback import buffer_callback
 
-from . import _views
-from ._backward import gelu_ffn_backward as _gelu_ffn_backward
-from ._forward import gelu_ffn_forward as _gelu_ffn_forward
-from ._precision import lookup as _lookup_precision
+from .core import views as _views
+from .api.functional import gelu_ffn_backward as _gelu_ffn_backward
+from .api.forward import gelu_ffn_forward as _gelu_ffn_forward
+from .core.precision import lookup as _lookup_precision
 
 __all__ = ["gelu_ffn"]
 
@@ -324,7 +324,7 @@ def gelu_ffn(x, weight1, weight2, precision=None, *, bias1=None, bias2=None):
     # (a traced value has no device to ask at trace time)
     precision = None if precision is None else _lookup_precision(precision).name
     if bias1 is not None or bias2 is not None or str(x.dtype) != "float32":
-        from ._lt_api import _check_precision
+        from .api.lt_api import _check_precision
 
         _check_precision(precision, str(x.dtype), jax=True)
         return _biased_gelu_ffn(x, weight1, weight2, bias1, bias2, precision)

@@ -53,11 +53,11 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _arrays, _views
-from ._backward import gelu_ffn_backward as _gelu_ffn_backward
-from ._forward import gelu_ffn_forward as _gelu_ffn_forward
-from ._precision import lookup as _lookup_precision
-from ._precision import resolve as _resolve_precision
+from .core import arrays as _arrays, views as _views
+from .api.functional import gelu_ffn_backward as _gelu_ffn_backward
+from .api.forward import gelu_ffn_forward as _gelu_ffn_forward
+from .core.precision import lookup as _lookup_precision
+from .core.precision import resolve as _resolve_precision
 
 # the tensor-parallel names are defined in cupyffn/_torch_parallel.py and imported at the end of this module
 __all__ = ["GeluFFN", "GeluFFNFunction", "gelu_ffn", "gelu_ffn_backward", "replace_mlps",
@@ -453,6 +453,5 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
                           precision, need_grad_hidden, need_weight_grads)
 
 
-from ._torch_lt import GeluFFN, replace_mlps  # noqa: E402,F401 (the layer, the converters: cupyffn/_torch_lt.py)
-from ._torch_parallel import (TensorParallelGeluFFN, TensorParallelGeluFFNFunction,  # noqa: E402,F401 (tensor
-                              shard_weights, tensor_parallel_gelu_ffn)  # parallelism, cupyffn/_torch_parallel.py)
+from .frameworks.torch_layer import GeluFFN, replace_mlps  # noqa: E402,F401 (the layer, the converters: cupyffn/_torch_lt.py)
+from .frameworks.torch_parallel import TensorParallelGeluFFN, TensorParallelGeluFFNFunction, shard_weights, tensor_parallel_gelu_ffn  # parallelism, cupyffn/_torch_parallel.py)

@@ -20,7 +20,7 @@ import pytest
 @functools.lru_cache(maxsize=None)
 def cuda_unusable_reason():
     """None when a CUDA device can run a kernel through CuPy, else a one-line reason."""
-    from cupyffn import _device
+    from cupyffn.cuda import device as _device
 
     return _device.gpu_unavailable_reason(run_kernel=True)
 

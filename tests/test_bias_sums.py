@@ -8,9 +8,9 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from cupyffn import _kernels  # noqa: E402
-from cupyffn import _precision as P  # noqa: E402
-from cupyffn._arrays import Matrix  # noqa: E402
+from cupyffn.cuda import kernels as _kernels  # noqa: E402
+from cupyffn.core import precision as P  # noqa: E402
+from cupyffn.core.arrays import Matrix  # noqa: E402
 from cupyffn.engine import bias_sums as B  # noqa: E402
 
 SMS, RESIDENT = 132, 5

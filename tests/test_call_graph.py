@@ -5,9 +5,9 @@ import ctypes
 
 import pytest
 
-from cupyffn import _kernels
-from cupyffn import _precision as P
-from cupyffn.engine import call_graph as _call_graph
+from cupyffn.cuda import kernels as _kernels
+from cupyffn.core import precision as P
+from cupyffn.cuda import call_graph as _call_graph
 from cupyffn.engine import plan as E
 from cupyffn.engine.options import EngineOptions
 from cupyffn.gemm import cublas as _cublas

@@ -149,7 +149,7 @@ def test_sm90_sass_counts_opcodes_of_a_listing():
 
 def test_sm90_ptx_diff_tells_changed_code_from_unchanged(tmp_path, capsys):
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
-    from cupyffn import _kernels
+    from cupyffn.cuda import kernels as _kernels
 
     tool = load_tool("sm90_ptx_diff")
     variant = ["--match", r"gemm_sm90_kernel<0, 128, 2, 0, 0>"]
@@ -171,7 +171,7 @@ def test_tf32_probe_kernel_compiles_without_spills():
     """dev/tf32_rs_gemm.cu, every variant dev/tf32_rs_probe.py launches, for sm_90a: no error, no spill, and no
     serialized wgmma (ptxas says so when the fragments or accumulators would be touched mid-pipeline)."""
     nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
-    from cupyffn import _kernels
+    from cupyffn.cuda import kernels as _kernels
 
     probe = load_tool("tf32_rs_probe")
     names = probe.kernel_names()

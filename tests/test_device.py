@@ -10,7 +10,7 @@ import ctypes
 import pytest
 
 import cupyffn
-from cupyffn import _device, _libcuda
+from cupyffn.cuda import device as _device, libcuda as _libcuda
 
 
 def _no_driver():

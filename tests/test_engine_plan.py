@@ -6,8 +6,8 @@ the test."""
 
 import pytest
 
-from cupyffn import _kernels
-from cupyffn import _precision as P
+from cupyffn.cuda import kernels as _kernels
+from cupyffn.core import precision as P
 from cupyffn import workloads as W
 from cupyffn.engine import layout as L
 from cupyffn.engine import plan as E

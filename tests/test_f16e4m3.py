@@ -12,8 +12,8 @@ import numpy
 import pytest
 
 import cupyffn
-from cupyffn import _numpy_backend as nb
-from cupyffn import _precision as P
+from cupyffn.cpu import backend as nb
+from cupyffn.core import precision as P
 from cupyffn import workloads as W
 
 from test_numpy_backend import INPUT_NAMES, OUTPUT_NAMES, reference64, rel_l2

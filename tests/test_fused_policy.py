@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from cupyffn import _precision as P
+from cupyffn.core import precision as P
 from cupyffn.engine import plan as E
 from cupyffn.engine.options import EngineOptions
 from cupyffn.gemm import ksplit as _ksplit

@@ -350,7 +350,7 @@ def test_nonfinite_inputs_propagate_like_fp32(precision):
 def test_alternating_arrays_skip_validation(monkeypatch):
     """Two layers of one shape share a plan (or outputs alternate between two allocations): once each
     signature has been validated, neither call validates again, and both stay correct."""
-    from cupyffn import _validate
+    from cupyffn.api import validate as _validate
 
     sets = [make((96,), 64, 256, seed=s) for s in (41, 42)]
     outs = [poisoned(args) for args, _ in sets]

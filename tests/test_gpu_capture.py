@@ -11,7 +11,8 @@ import numpy
 import pytest
 
 import cupyffn
-from cupyffn import _backward, _plan_cache, _views
+from cupyffn.api import functional as _backward
+from cupyffn.core import plans as _plan_cache, views as _views
 from cupyffn import workloads as W
 
 pytestmark = pytest.mark.gpu

@@ -11,7 +11,7 @@ import numpy
 import pytest
 
 import cupyffn
-from cupyffn import _precision
+from cupyffn.core import precision as _precision
 from cupyffn.gemm import sm90
 from cupyffn.engine import plan as engine_plan
 from cupyffn import workloads as W

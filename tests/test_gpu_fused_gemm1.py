@@ -16,7 +16,7 @@ import numpy
 import pytest
 
 import cupyffn
-from cupyffn import _precision
+from cupyffn.core import precision as _precision
 from cupyffn import workloads as W
 from cupyffn.engine.options import EngineOptions
 

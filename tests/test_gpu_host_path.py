@@ -8,7 +8,7 @@ import numpy
 import pytest
 
 import cupyffn
-from cupyffn import _validate
+from cupyffn.api import validate as _validate
 from cupyffn import workloads as W
 
 pytestmark = pytest.mark.gpu
@@ -319,7 +319,7 @@ def test_torch_side_stream_work_is_ordered_before_the_call(entry, cupyffn_stream
 
 def test_same_stream_needs_no_wait(monkeypatch):
     """cupyffn on torch's current stream (what the torch layer does): stream order holds, no event."""
-    from cupyffn import _arrays
+    from cupyffn.core import arrays as _arrays
 
     waits = []
     monkeypatch.setattr(_arrays, "_wait", lambda *a: waits.append(a))
@@ -350,7 +350,7 @@ def _refill(tensors, seed):
 
 def test_torch_cuda_graph_with_torch_tensors():
     """torch.cuda.graph: torch's current stream is the capture stream and cupyffn is given it: no wait is made."""
-    from cupyffn import _views
+    from cupyffn.core import views as _views
 
     arrays = _inputs(14)
     tensors = _as_torch(arrays)

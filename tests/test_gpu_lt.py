@@ -267,8 +267,8 @@ def test_the_layer_enqueues_its_plans_by_pointer(monkeypatch):
     called: it is made to fail here), with the same bits as the functional API on the same bf16 operands, also when
     a repeated pointer set is replayed as a captured graph (cupyffn/_graph_replay.py)."""
     torch = pytest.importorskip("torch")
-    import cupyffn._lt_api as api
-    import cupyffn._torch_lt as lt
+    import cupyffn.api.lt_api as api
+    import cupyffn.frameworks.torch_layer as lt
     import cupyffn.torch as ct
 
     torch.manual_seed(0)

@@ -17,7 +17,8 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy")
-from cupyffn import _numpy_backend as nb, _precision as P  # noqa: E402
+from cupyffn.cpu import backend as nb
+from cupyffn.core import precision as P  # noqa: E402
 from cupyffn.gemm import sm90 as G  # noqa: E402
 from test_gpu_sm90_gemm import padded  # noqa: E402  (tests/ is on sys.path under pytest's rootdir conftest)
 from test_numpy_backend import rel_l2  # noqa: E402

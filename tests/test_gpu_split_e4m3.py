@@ -17,7 +17,9 @@ import math
 import numpy
 import pytest
 
-from cupyffn import _kernels, _numpy_backend, _precision
+from cupyffn.cuda import kernels as _kernels
+from cupyffn.cpu import backend as _numpy_backend
+from cupyffn.core import precision as _precision
 
 pytestmark = pytest.mark.gpu
 

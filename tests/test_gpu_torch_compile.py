@@ -17,7 +17,7 @@ F = torch.nn.functional
 
 import cupyffn  # noqa: E402
 import cupyffn.torch as ct  # noqa: E402
-from cupyffn import _views  # noqa: E402
+from cupyffn.core import views as _views  # noqa: E402
 from test_torch_adapter import reference  # noqa: E402  (float64 autograd of the plain block; tests/ is on sys.path)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.cuda is not available")]
@@ -169,7 +169,7 @@ def test_autocast_runs_the_bf16_plan_like_nn_linear(rng, ffn):
 def test_repeated_tensors_take_the_view_cache_and_fast_path(rng, ffn, monkeypatch):
     """Steady state with the same tensors (a training loop that drops each step's results before the next):
     the eager path, cached CuPy views, no new validation; results still right."""
-    from cupyffn import _validate
+    from cupyffn.api import validate as _validate
 
     x, r = tensors(rng)
     x.requires_grad_()

@@ -3,7 +3,7 @@ is kept (the runtime's event calls and the capture are stand-ins)."""
 
 import types
 
-from cupyffn import _graph_replay as R
+from cupyffn.cuda import graph_cache as R
 
 
 class FakeGraph:

@@ -14,7 +14,8 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from cupyffn import _arrays, _backward_plan, _validate, _views  # noqa: E402
+from cupyffn.core import arrays as _arrays, views as _views
+from cupyffn.api import backward_plan as _backward_plan, validate as _validate  # noqa: E402
 
 T, D, H = 12, 64, 256
 INPUT_SHAPES = ((T, D), (T, D), (H, D), (D, H), (T, H), (T, H), (T, H))
@@ -301,7 +302,7 @@ def test_import_array_leaves_the_wait_to_a_caller_that_collects_devices(fake_tor
 
 def test_the_forward_follows_torch_once_per_call(fake_torch):
     """gelu_ffn_forward's argument preparation: three inputs and four outputs, all torch tensors, one wait."""
-    from cupyffn import _forward
+    from cupyffn.api import forward as _forward
 
     x, w1, w2 = tensors(shapes=((T, D), (H, D), (D, H)))
     outs = tensors(base=1 << 40, shapes=((T, D), (T, H), (T, H), (T, H)))
@@ -311,7 +312,7 @@ def test_the_forward_follows_torch_once_per_call(fake_torch):
 
 
 def test_the_forward_waits_for_nothing_when_its_arguments_are_refused(fake_torch):
-    from cupyffn import _forward
+    from cupyffn.api import forward as _forward
 
     x, w1, w2 = tensors(shapes=((T, D), (H, D), (D, H)))
     bad = FakeTensor(1 << 40, (T, D + 1))
@@ -349,7 +350,7 @@ class FakeRuntime:
 
 @pytest.fixture
 def runtime(monkeypatch):
-    from cupyffn import _plan_cache
+    from cupyffn.core import plans as _plan_cache
 
     rt = FakeRuntime()
     capturing = set()

@@ -205,7 +205,7 @@ def test_gpu_callback_reads_xlas_buffers_and_stream(monkeypatch):
 
     from cupy_backends.cuda.api import runtime
 
-    from cupyffn import _views
+    from cupyffn.core import views as _views
 
     class Buffer:
         def __init__(self, ptr, shape, dtype="float32"):

@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy
 import pytest
 
-from cupyffn import _kernels, _numpy_backend, _precision
+from cupyffn.cuda import kernels as _kernels
+from cupyffn.cpu import backend as _numpy_backend
+from cupyffn.core import precision as _precision
 from cupyffn.gemm import sm90
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
@@ -140,7 +142,7 @@ def test_every_source_is_a_module():
 def test_kernel_dir_is_the_repository_folder_here():
     """Run from a checkout, cupyffn finds the top-level kernels_cu/ (and these tests test the
     checkout, not some installed copy: run `python -m pytest` from the repository root)."""
-    assert Path(_kernels.__file__).resolve().parent == REPO / "cupyffn", _kernels.__file__
+    assert Path(_kernels.__file__).resolve().parent == REPO / "cupyffn" / "cuda", _kernels.__file__
     assert _kernels.kernel_dir().resolve() == REPO / "kernels_cu"
 
 

@@ -5,7 +5,7 @@ import ctypes
 
 import pytest
 
-from cupyffn import _libcuda
+from cupyffn.cuda import libcuda as _libcuda
 
 
 def test_check_passes_success_and_names_a_failure(monkeypatch):
@@ -19,7 +19,7 @@ def test_check_passes_success_and_names_a_failure(monkeypatch):
 
 
 def test_call_graph_and_sm90_share_the_error():
-    from cupyffn.engine import call_graph as _call_graph
+    from cupyffn.cuda import call_graph as _call_graph
 
     assert _call_graph.DriverError is _libcuda.DriverError
 

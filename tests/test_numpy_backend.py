@@ -11,8 +11,8 @@ import numpy
 import pytest
 
 import cupyffn
-from cupyffn import _numpy_backend
-from cupyffn import _precision as P
+from cupyffn.cpu import backend as _numpy_backend
+from cupyffn.core import precision as P
 from cupyffn import workloads as W
 
 F32 = numpy.float32

@@ -8,10 +8,10 @@ import types
 import numpy
 import pytest
 
-from cupyffn import _backward
+from cupyffn.api import functional as _backward
 from cupyffn.engine import options as _options
 from cupyffn.gemm import ksplit as _ksplit
-from cupyffn import _precision as P
+from cupyffn.core import precision as P
 from cupyffn.engine.options import SWITCHES, EngineOptions
 
 

@@ -92,7 +92,7 @@ def test_installed_layout_finds_its_files(wheel, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(site))
     env.pop("PYTHONHOME", None)
     script = (
-        "import json, cupyffn, cupyffn._kernels as k, cupyffn.workloads as w\n"
+        "import json, cupyffn, cupyffn.cuda.kernels as k, cupyffn.workloads as w\n"
         "print(json.dumps({'kernel_dir': str(k.kernel_dir()), 'package': cupyffn.__file__,\n"
         "                  'sources': {m: len(k.module_source(m)) for m in k.MODULES},\n"
         "                  'workloads': len(w.WORKLOADS)}))\n"
@@ -239,12 +239,12 @@ def test_all_lists_every_public_class_and_function(module):
     missing = public - set(listed)
     assert not missing, f"cupyffn/{module}: public but not in __all__: {sorted(missing)}"
     if module != "__init__.py":
-        assert set(listed) <= public | _public_defs(_module_ast("_torch_parallel.py")), listed
+        assert set(listed) <= public | _public_defs(_module_ast("frameworks/torch_parallel.py")), listed
 
 
 def test_torch_all_has_the_tensor_parallel_layer():
     listed = set(_all_of(_module_ast("torch.py")))
-    assert set(_all_of(_module_ast("_torch_parallel.py"))) <= listed, listed
+    assert set(_all_of(_module_ast("frameworks/torch_parallel.py"))) <= listed, listed
     assert {"GeluFFN", "GeluFFNFunction", "TensorParallelGeluFFN", "TensorParallelGeluFFNFunction"} <= listed
 
 

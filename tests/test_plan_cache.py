@@ -9,9 +9,9 @@ import numpy
 import pytest
 
 import cupyffn
-from cupyffn import _plan_cache
+from cupyffn.core import plans as _plan_cache
 from cupyffn import workloads as W
-from cupyffn._plan_cache import PlanCache
+from cupyffn.core.plans import PlanCache
 
 
 class FakePlan:
@@ -338,7 +338,7 @@ class FakeStream:
 def gpu_like(monkeypatch):
     """A CPU-built plan whose engine is a FakeEngine on "device 0", and a set of capturing streams."""
     cupy = pytest.importorskip("cupy")
-    from cupyffn import _validate
+    from cupyffn.api import validate as _validate
 
     monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
     capturing = set()
@@ -418,8 +418,8 @@ def test_call_graph_plans_replay_a_graph_per_repeated_set_of_arrays(gpu_like, mo
     captures a graph of its own (the engine's launches enqueued into the capture), later ones launch that graph with
     nothing set or re-pointed, even after another set of arrays came in between; a call asking for
     grad_hidden_ready keeps the launch-by-launch route (decision 052)."""
-    from cupyffn import _validate
-    from cupyffn._graph_replay import GraphReplay
+    from cupyffn.api import validate as _validate
+    from cupyffn.cuda.graph_cache import GraphReplay
 
     plan, call, out, _ = gpu_like
     engine = plan._engine
@@ -506,7 +506,7 @@ def test_failed_eager_call_records_done_and_fills_nan(gpu_like):
 
 def test_failed_nan_fill_after_a_failed_call_is_reported(gpu_like, monkeypatch):
     plan, call, out, _ = gpu_like
-    from cupyffn import _backward_gpu
+    from cupyffn.api import backward_gpu as _backward_gpu
 
     def broken(call, stream):
         raise RuntimeError("sticky CUDA error")

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from cupyffn import _kernels
+from cupyffn.cuda import kernels as _kernels
 from cupyffn.gemm import sm90 as G
 from cupyffn.gemm.sm90 import config as cfg
 from cupyffn.gemm.sm90 import launch as L

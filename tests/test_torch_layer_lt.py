@@ -188,7 +188,7 @@ def test_which_calls_take_the_pointer_path():
     pointers; not CPU tensors, not the float32 engine's precisions, not zero tokens, not an unaligned pointer or row."""
     import types
 
-    from cupyffn import _torch_lt as lt
+    from cupyffn.frameworks import torch_layer as lt
 
     def tensor(ptr=1 << 20, cuda=True, numel=64, size=2):
         return types.SimpleNamespace(is_cuda=cuda, numel=lambda: numel, element_size=lambda: size,

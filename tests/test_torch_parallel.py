@@ -28,7 +28,7 @@ F = torch.nn.functional
 
 import cupyffn  # noqa: E402
 import cupyffn.torch as ct  # noqa: E402
-from cupyffn import _torch_parallel as tp  # noqa: E402
+from cupyffn.frameworks import torch_parallel as tp  # noqa: E402
 
 if not dist.is_available():
     pytest.skip("torch.distributed is not available in this torch build", allow_module_level=True)

@@ -7,7 +7,7 @@ import numpy
 import pytest
 
 import cupyffn
-import cupyffn._arrays
+import cupyffn.core.arrays
 from cupyffn import workloads as W
 
 F32 = numpy.float32
@@ -397,11 +397,11 @@ def test_stream_of_wrong_type(inp):
 
 
 class _Sentinel:
-    """Stands for a GPU array; cupyffn._arrays.import_array is patched to report it as one."""
+    """Stands for a GPU array; cupyffn.core.arrays.import_array is patched to report it as one."""
 
 
 def _patch_gpu(monkeypatch, stand_ins):
-    real = cupyffn._arrays.import_array
+    real = cupyffn.core.arrays.import_array
 
     def fake(obj, name, stream):
         for sentinel, array in stand_ins:
@@ -409,7 +409,7 @@ def _patch_gpu(monkeypatch, stand_ins):
                 return "gpu", array
         return real(obj, name, stream)
 
-    monkeypatch.setattr(cupyffn._arrays, "import_array", fake)
+    monkeypatch.setattr(cupyffn.core.arrays, "import_array", fake)
 
 
 @pytest.mark.parametrize("gpu_name", INPUT_NAMES)

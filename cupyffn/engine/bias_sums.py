@@ -10,8 +10,8 @@ one row per step's rows. grad_output takes two launches: bands of its rows into 
 The launches run on the side stream (cupyffn/engine/schedule.py).
 """
 
-from .. import _kernels
-from .. import _precision as P
+from ..cuda import kernels as _kernels
+from ..core import precision as P
 
 #: Columns one colsum_kernel block sums (kernels_cu/bias.cu).
 COLSUM_COLS = 128

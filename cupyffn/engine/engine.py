@@ -7,9 +7,9 @@ cupyffn/engine/launches.py) and its `Executor` (the stage graph on two streams, 
 cupyffn/engine/schedule.py).
 """
 
-from .. import _plan_cache
-from .._graph_replay import GraphReplay
-from .. import _precision as P
+from ..core import plans as _plan_cache
+from ..cuda.graph_cache import GraphReplay
+from ..core import precision as P
 from ..gemm import cublas
 from ..gemm import desc as gemm_desc
 from ..gemm import sm90
@@ -131,7 +131,7 @@ class GpuEngine:
         [8] = the e4m3 pair's A scale (kernels_cu/common.cuh lists [0..5])."""
         import cupy
 
-        from .. import _kernels
+        from ..cuda import kernels as _kernels
 
         try:
             self._state = cupy.zeros(4 * _kernels.STATE_SLOTS, dtype=cupy.int32)

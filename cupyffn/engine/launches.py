@@ -10,8 +10,8 @@ docs/decisions/009-delayed-fp16-scaling.md). The order they run in: cupyffn/engi
 
 import ctypes
 
-from .. import _kernels
-from .. import _precision as P
+from ..cuda import kernels as _kernels
+from ..core import precision as P
 from ..gemm import cublas
 from ..gemm import desc as gemm_desc
 from ..gemm import sm90

@@ -15,7 +15,7 @@ e4m3 pairs natural and transposed (kernels_cu/split_e4m3.cu's header); the e4m3 
 zeros, so the engine zero-fills that scratch once.
 """
 
-from .. import _precision as P
+from ..core import precision as P
 
 ALIGN = 256
 

@@ -34,8 +34,8 @@ scale to decide), but measured slower over the whole call at every T, so only En
 turns it on.
 """
 
-from .. import _kernels
-from .. import _precision as P
+from ..cuda import kernels as _kernels
+from ..core import precision as P
 from ..gemm import cublas, ksplit
 from ..gemm import desc as gemm_desc
 from . import options as _options

@@ -33,9 +33,9 @@ import math
 import weakref
 from typing import NamedTuple
 
-from .. import _kernels
-from .. import _precision as P
-from . import call_graph as _call_graph
+from ..cuda import kernels as _kernels
+from ..core import precision as P
+from ..cuda import call_graph as _call_graph
 from .layout import ROWS_COLS
 
 #: The events of a call: after the fork, after convert A, after convert B, after the step that finishes

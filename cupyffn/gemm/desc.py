@@ -23,7 +23,7 @@ import ctypes
 from dataclasses import dataclass, replace
 
 from . import cublas, ksplit
-from .. import _precision as P
+from ..core import precision as P
 
 #: Bytes per element of each operand type.
 ITEMSIZE = {cublas.R_32F: 4, cublas.R_16F: 2, cublas.R_16BF: 2, cublas.R_8F_E4M3: 1}

@@ -7,7 +7,7 @@ for direct use."""
 import ctypes
 import functools
 
-from cupyffn import _kernels
+from ...cuda import kernels as _kernels
 
 from . import tensor_map
 from .config import (BLOCK_M, EPI_DGELU_BF16X3, EPI_DGELU_F16, EPI_DGELU_F16G, OP_BF16, OP_F16, OP_F16E4M3, SOURCE,

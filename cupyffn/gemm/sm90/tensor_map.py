@@ -6,7 +6,7 @@ import collections
 import ctypes
 import threading
 
-from cupyffn import _libcuda
+from ...cuda import libcuda as _libcuda
 
 from .config import BLOCK_K, BLOCK_M, OP_BF16, OP_E4M3, OP_F16
 

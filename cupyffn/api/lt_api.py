@@ -10,10 +10,11 @@ from typing import Any, NamedTuple
 
 import numpy
 
-from . import _arrays, _checks, _lt_cpu, _plan_cache
-from ._lt_ffn import ITEMSIZE, LtBackward, LtForward, LtKey
-from ._plan_cache import PlanCache
-from ._views import numpy_dtype
+from ..core import arrays as _arrays, checks as _checks, plans as _plan_cache
+from ..cpu import lt as _lt_cpu
+from ..lt.engine import ITEMSIZE, LtBackward, LtForward, LtKey
+from ..core.plans import PlanCache
+from ..core.views import numpy_dtype
 
 HALF = ("bfloat16", "float16")
 ACTS = HALF + ("float32",)
@@ -310,7 +311,7 @@ def _replay(prepared, out, stream, ready):
     out = list(out) + [None] * (n - len(out))
     if kind is not None:  # FFNForward: its tanh_inner is None
         return kind(*out)
-    from ._backward_plan import FFNGrads
+    from .backward_plan import FFNGrads
 
     return FFNGrads(*out)
 
@@ -318,7 +319,7 @@ def _replay(prepared, out, stream, ready):
 def _execute(prepared, s, capturing, ready):
     import cupy
 
-    from ._views import typed_view
+    from ..core.views import typed_view
 
     def fill():
         _fill_on(s, [typed_view(p, shape, _strides(shape), prepared.device, dt) for p, shape, dt in prepared.fill])
@@ -343,7 +344,7 @@ def _geometry(arrays):
 # ---------------------------------------------------------------------- forward
 def forward(hidden_states, weight1, weight2, bias1, bias2, precision, out, stream):
     """gelu_ffn_forward's route (see there): FFNForward(output, linear1_out, None, gelu_out)."""
-    from ._forward import FFNForward
+    from .forward import FFNForward
 
     sig = _signature((hidden_states, weight1, weight2, bias1, bias2), out, ("forward", precision))
     if sig is not None:
@@ -398,7 +399,7 @@ def _fill_on(stream, arrays):
 def backward(args, precision, out, stream, accumulate, need_grad_hidden, need_weight_grads, need_bias_grads,
              check_activations, grad_hidden_ready):
     """gelu_ffn_backward's route (see there): FFNGrads with grad_bias1 / grad_bias2 when need_bias_grads."""
-    from ._backward_plan import FFNGrads
+    from .backward_plan import FFNGrads
 
     sig = None
     if not check_activations:

@@ -18,10 +18,11 @@ backward); weight and bias gradients leave the GEMMs in fp32 (or the grads' dtyp
 import threading
 from typing import NamedTuple
 
-from . import _kernels, _plan_cache
-from ._graph_replay import GraphReplay
-from .gemm import cublas, cublaslt
-from .gemm.cublas import R_16BF, R_16F, R_32F
+from ..cuda import kernels as _kernels
+from ..core import plans as _plan_cache
+from ..cuda.graph_cache import GraphReplay
+from ..gemm import cublas, cublaslt
+from ..gemm.cublas import R_16BF, R_16F, R_32F
 
 #: cudaDataType and half.cu's template argument of each activation dtype name.
 CUDA_TYPE = {"bfloat16": R_16BF, "float16": R_16F, "float32": R_32F}
@@ -333,9 +334,9 @@ def _add(dst, src, n, dtype, device_id, stream_ptr):
     """dst[:n] += src[:n] on `stream_ptr` (CuPy's elementwise add over views of the two vectors)."""
     import cupy
 
-    from ._views import typed_view
+    from ..core.views import typed_view
 
-    from ._views import external_stream
+    from ..core.views import external_stream
 
     with cupy.cuda.Device(device_id), external_stream(stream_ptr, device_id):
         d = typed_view(dst, (n,), (1,), device_id, dtype)

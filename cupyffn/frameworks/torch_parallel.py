@@ -41,10 +41,10 @@ import threading
 import torch
 import torch.distributed as dist
 
-from ._backward import gelu_ffn_backward as _gelu_ffn_backward
-from ._forward import gelu_ffn_forward as _gelu_ffn_forward
-from ._precision import lookup as _lookup_precision
-from ._precision import resolve as _resolve_precision
+from ..api.functional import gelu_ffn_backward as _gelu_ffn_backward
+from ..api.forward import gelu_ffn_forward as _gelu_ffn_forward
+from ..core.precision import lookup as _lookup_precision
+from ..core.precision import resolve as _resolve_precision
 
 __all__ = ["TensorParallelGeluFFN", "TensorParallelGeluFFNFunction", "shard_weights", "tensor_parallel_gelu_ffn"]
 
@@ -52,7 +52,7 @@ __all__ = ["TensorParallelGeluFFN", "TensorParallelGeluFFNFunction", "shard_weig
 def _adapter():
     """cupyffn.torch (its tensor checks and call plumbing), imported on use: cupyffn.torch re-exports this
     module at its end, so importing it here at import time would be circular."""
-    from . import torch as adapter
+    from .. import torch as adapter
 
     return adapter
 

@@ -1,11 +1,12 @@
 """Public backward API: `gelu_ffn_backward` (the functional entry point, with its cache of plans and the keys
 they are cached by); `GeluFFNBackward` (a plan per shape) and `FFNGrads` live in cupyffn/_backward_plan.py."""
 
-from . import _backward_cpu, _checks, _forward, _lt_api, _plan_cache, _precision, _validate
-from ._backward_gpu import stream_ptr as _stream_ptr
-from ._backward_plan import FFNGrads, GeluFFNBackward  # noqa: F401 (re-exported by the package)
-from ._plan_cache import PlanCache, release_captured_plans  # noqa: F401 (re-exported by the package)
-from .engine.options import EngineOptions
+from . import backward_cpu as _backward_cpu, forward as _forward, lt_api as _lt_api, validate as _validate
+from ..core import checks as _checks, plans as _plan_cache, precision as _precision
+from .backward_gpu import stream_ptr as _stream_ptr
+from .backward_plan import FFNGrads, GeluFFNBackward  # noqa: F401 (re-exported by the package)
+from ..core.plans import PlanCache, release_captured_plans  # noqa: F401 (re-exported by the package)
+from ..engine.options import EngineOptions
 
 
 # ---------------------------------------------------------------------- functional API

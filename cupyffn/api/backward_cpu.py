@@ -3,7 +3,9 @@
 
 import numpy
 
-from . import _arrays, _numpy_backend, _validate
+from ..core import arrays as _arrays
+from ..cpu import backend as _numpy_backend
+from . import validate as _validate
 
 
 def run(call, out, precision, need_grad_hidden, need_weight_grads, accumulate, need_bias_grads=False):

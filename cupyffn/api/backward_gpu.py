@@ -8,7 +8,8 @@ import contextlib
 
 import numpy
 
-from . import _arrays, _plan_cache, _validate
+from ..core import arrays as _arrays, plans as _plan_cache
+from . import validate as _validate
 
 
 def run(plan, call, out, stream, accumulate, ready=None):

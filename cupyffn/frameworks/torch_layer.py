@@ -15,11 +15,12 @@ import math
 
 import torch
 
-from ._backward import gelu_ffn_backward
-from ._forward import gelu_ffn_forward
-from . import _lt_api, _plan_cache
-from ._lt_api import ENGINE_BIAS_PRECISIONS, GRADS as _GRADS, _check_precision
-from ._lt_ffn import LtBackward, LtForward, LtKey
+from ..api.functional import gelu_ffn_backward
+from ..api.forward import gelu_ffn_forward
+from ..api import lt_api as _lt_api
+from ..core import plans as _plan_cache
+from ..api.lt_api import ENGINE_BIAS_PRECISIONS, GRADS as _GRADS, _check_precision
+from ..lt.engine import LtBackward, LtForward, LtKey
 
 HALF = (torch.bfloat16, torch.float16)
 
@@ -41,7 +42,7 @@ def _stream(device):
         return None
     import cupy
 
-    from .torch import _cuda_stream
+    from ..torch import _cuda_stream
 
     with cupy.cuda.Device(device.index):  # a new stream object is made with its device current
         return _cuda_stream(device.index)
@@ -53,7 +54,7 @@ def _arg(t):
     if t is None or t.is_cuda:
         return t
     if t.dtype is torch.bfloat16:
-        from ._views import numpy_dtype
+        from ..core.views import numpy_dtype
 
         return t.detach().view(torch.int16).numpy().view(numpy_dtype("bfloat16"))
     return t.detach().numpy()
@@ -314,7 +315,7 @@ class GeluFFN(torch.nn.Module):
     def __init__(self, dim, hidden_dim, *, bias=False, precision=None, save="all", device=None,
                  dtype=torch.float32, _empty=False):
         super().__init__()
-        from .torch import _check_save, _precision_name
+        from ..torch import _check_save, _precision_name
 
         if dtype not in (torch.float32,) + HALF:
             raise TypeError(f"GeluFFN supports dtype float32, bfloat16 or float16; got {dtype}")
@@ -350,7 +351,7 @@ class GeluFFN(torch.nn.Module):
                 torch.nn.init.uniform_(b, -bound, bound)
 
     def forward(self, x):
-        from .torch import _layer
+        from ..torch import _layer
 
         w1 = self.weight1
         if (self.bias1 is None and self.bias2 is None and w1.dtype == torch.float32 and x.dtype not in HALF

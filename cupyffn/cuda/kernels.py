@@ -62,7 +62,7 @@ STATE_SLOTS = 8
 
 def kernel_dir():
     """Folder holding the .cu sources: inside the installed package, or the repository's top level."""
-    for candidate in (_HERE / "kernels_cu", _HERE.parent / "kernels_cu"):
+    for candidate in (_HERE.parent / "kernels_cu", _HERE.parent.parent / "kernels_cu"):
         if (candidate / "common.cuh").is_file():
             return candidate
     raise FileNotFoundError(

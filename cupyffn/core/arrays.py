@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import numpy
 
-from . import _views
+from . import views as _views
 
 _DL_CPU = 1
 _DL_CUDA = 2
@@ -226,7 +226,7 @@ _wait_events = {}  # device id -> raw CUDA event (timing disabled), created once
 
 def _wait(producer_ptr, consumer_ptr, device_id):
     """`consumer_ptr` waits, on the device, for what `producer_ptr` has queued so far (follow_torch)."""
-    from ._plan_cache import is_capturing
+    from .plans import is_capturing
 
     if is_capturing(consumer_ptr) and not is_capturing(producer_ptr):
         return

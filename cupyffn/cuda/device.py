@@ -18,7 +18,7 @@ The working path never touches ctypes: only a failure is diagnosed.
 import ctypes
 import os
 
-from . import _libcuda
+from . import libcuda as _libcuda
 
 NO_GPU = "no NVIDIA GPU visible"
 

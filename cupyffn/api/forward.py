@@ -14,13 +14,15 @@ from typing import Any, NamedTuple
 
 import numpy
 
-from . import _arrays, _kernels, _numpy_backend, _plan_cache, _precision
-from . import _precision as P
-from .engine.launches import convert_launch, items, vec_ok
-from .engine.layout import Operand, align
-from .gemm import cublas, ksplit
-from .gemm import desc as gemm_desc
-from ._plan_cache import PlanCache
+from ..core import arrays as _arrays, plans as _plan_cache, precision as _precision
+from ..cuda import kernels as _kernels
+from ..cpu import backend as _numpy_backend
+from ..core import precision as P
+from ..engine.launches import convert_launch, items, vec_ok
+from ..engine.layout import Operand, align
+from ..gemm import cublas, ksplit
+from ..gemm import desc as gemm_desc
+from ..core.plans import PlanCache
 
 FORWARD_OUTPUTS = ("output", "linear1_out", "tanh_inner", "gelu_out")
 _SLOT = {"hidden_states": 0, "weight1": 1, "weight2": 4, "gelu_out": 5}
@@ -38,7 +40,7 @@ class FFNForward(NamedTuple):
 
 
 def _prepare(hidden_states, weight1, weight2, out, stream, biases=(None, None)):
-    from ._validate import _matrix, _overlaps
+    from .validate import _matrix, _overlaps
 
     names = ("hidden_states", "weight1", "weight2") + tuple(n for n, b in zip(("bias1", "bias2"), biases)
                                                             if b is not None)
@@ -311,7 +313,7 @@ def gelu_ffn_forward(hidden_states, weight1, weight2, *, bias1=None, bias2=None,
     pass, output starting from bias2's rows). An fp32 weight or bias is rounded to the activation dtype first, as
     torch's autocast does.
     """
-    from . import _lt_api
+    from . import lt_api as _lt_api
 
     # a bad name is reported before the arrays are looked at; a Precision object routes as its name does
     name = _precision.lookup(precision).name if precision is not None else None

@@ -26,7 +26,7 @@ structs the same under CUDA 12 and 13; cupyffn/_libcuda.py).
 
 import ctypes
 
-from .. import _libcuda
+from . import libcuda as _libcuda
 
 # cuda.h enums
 _CAPTURE_MODE_THREAD_LOCAL = 1  # unsafe calls (e.g. cudaMalloc) by this thread during the capture fail loudly

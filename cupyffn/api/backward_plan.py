@@ -9,10 +9,12 @@ from typing import Any, NamedTuple
 
 import numpy
 
-from . import _backward_cpu, _backward_gpu, _checks, _device, _plan_cache, _precision, _validate
-from .engine.options import EngineOptions
-from ._backward_gpu import closed_error as _closed_error
-from ._backward_gpu import stream_ptr as _stream_ptr
+from . import backward_cpu as _backward_cpu, backward_gpu as _backward_gpu, validate as _validate
+from ..core import checks as _checks, plans as _plan_cache, precision as _precision
+from ..cuda import device as _device
+from ..engine.options import EngineOptions
+from .backward_gpu import closed_error as _closed_error
+from .backward_gpu import stream_ptr as _stream_ptr
 
 class _WeightGrads(NamedTuple):
     grad_hidden_states: Any
@@ -144,7 +146,7 @@ class GeluFFNBackward:
         self._capture_stream = None
         self._lock = threading.Lock()
         if self.device != "cpu":
-            from .engine.engine import GpuEngine
+            from ..engine.engine import GpuEngine
 
             options = _options if _options is not None else EngineOptions.from_env()
             self._engine = GpuEngine(self.tokens, self.dim, self.hidden_dim, self.precision, self.device,
@@ -299,7 +301,7 @@ class GeluFFNBackward:
 
         s = stream if stream is not None else cupy.cuda.get_current_stream()
         self(*arrays, out=out, stream=s)
-        from .engine.schedule import time_stages
+        from ..engine.schedule import time_stages
 
         engine = self._engine
         with self._lock:  # no ordinary call of this plan interleaves with the serialized ones

@@ -73,7 +73,7 @@ class GraphReplay:
     def _capture(self, enqueue, stream_ptr):
         import cupy
 
-        from .engine.call_graph import CallGraph
+        from .call_graph import CallGraph
 
         if self._capture_stream is None:
             self._capture_stream = cupy.cuda.Stream(non_blocking=True)

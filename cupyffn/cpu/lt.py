@@ -6,7 +6,7 @@ import math
 
 import numpy
 
-from ._views import numpy_dtype
+from ..core.views import numpy_dtype
 
 _GELU_C = math.sqrt(2.0 / math.pi)
 

@@ -12,7 +12,7 @@ import math
 
 import numpy
 
-from . import _arrays
+from . import arrays as _arrays
 
 SAMPLES = 4096
 _C = math.sqrt(2.0 / math.pi)

@@ -10,7 +10,7 @@ order of the products may differ from cuBLAS's.
 
 import numpy
 
-from . import _arrays, _precision
+from ..core import arrays as _arrays, precision as _precision
 
 _SQRT_2_OVER_PI = numpy.float32(0.7978845608028654)
 _GRAD_C0 = numpy.float32(0.3989422804014327)  # sqrt(2/pi) / 2

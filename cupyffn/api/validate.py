@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 
 import numpy
 
-from . import _arrays
+from ..core import arrays as _arrays
 
 INPUT_NAMES = ("grad_output", "hidden_states", "weight1", "weight2", "linear1_out", "tanh_inner", "gelu_out")
 OUTPUT_NAMES = ("grad_hidden_states", "grad_weight1", "grad_weight2")
