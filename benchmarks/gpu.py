@@ -27,7 +27,7 @@ INPUT_SETS = 3
 def gpu_or_reason():
     """(cupy, None) when CuPy runs a kernel on a GPU, else (None, the one-line reason cupyffn gives everywhere:
     cupyffn/_device.py, e.g. "no NVIDIA GPU visible (no NVIDIA driver: ...)")."""
-    from cupyffn import _device
+    from cupyffn.cuda import device as _device
 
     reason = _device.gpu_unavailable_reason(run_kernel=True)
     if reason is not None:

@@ -181,7 +181,7 @@ def _host_us(run, sync, calls, keep=False):
 
 def _addresses(run, calls, keep):
     """(prepare() calls per call, distinct addresses of the first result) over `calls` calls."""
-    from cupyffn import _validate
+    from cupyffn.api import validate as _validate
 
     original, count, seen = _validate.prepare, [0], set()
 

@@ -208,7 +208,7 @@ def host_breakdown(cupy, stream, tokens=256):
     """Host microseconds of the pieces of one bf16x3 call at T=256 (median of many, queue drained)."""
     from cupy_backends.cuda.api import runtime
 
-    from cupyffn import _validate
+    from cupyffn.api import validate as _validate
 
     inputs = W.make_inputs((tokens,), xp=cupy, seed=1)
     args = [inputs[k] for k in W.INPUT_NAMES]

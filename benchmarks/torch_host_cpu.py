@@ -45,7 +45,7 @@ def _measure():
     rows["piece x.detach().numpy()"] = lambda: x.detach().numpy()
     rows["piece data_ptr+shape+stride+index"] = lambda: (x.data_ptr(), tuple(x.shape), x.stride(), x.device.index)
     rows["piece data_ptr+shape+stride (new)"] = lambda: (x.data_ptr(), x.shape, x.stride())
-    from cupyffn import _views
+    from cupyffn.core import views as _views
     _views._views[(x.data_ptr(), tuple(x.shape), x.stride(), 0)] = object()  # placeholder: the hit path
     rows["piece CUDA view hit, old spelling"] = lambda: _views.float32_view(x.data_ptr(), tuple(x.shape), x.stride(),
                                                                          x.device.index or 0)

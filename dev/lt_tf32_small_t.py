@@ -25,7 +25,7 @@ from io_graph_ab import SPIN, sample  # noqa: E402
 
 def measure(cupy, cupyffn, T, reps, rounds):
     from cupyffn import workloads as W
-    from cupyffn._lt_ffn import LtBackward, LtKey
+    from cupyffn.lt.engine import LtBackward, LtKey
 
     D, H = W.DIM, W.HIDDEN_DIM
     host = W.make_inputs((T,), seed=T)

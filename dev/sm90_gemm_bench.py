@@ -140,7 +140,7 @@ class Bench:
     def __init__(self, reps, warmup):
         import cupy
 
-        from cupyffn import _kernels
+        from cupyffn.cuda import kernels as _kernels
         from cupyffn.gemm import cublas as _cublas
         from cupyffn.gemm import sm90
 

@@ -46,7 +46,7 @@ def entries(source, expressions, options):
     """{expression: its PTX .entry text, the entry named KERNEL and its labels numbered from 0}."""
     from cupy_backends.cuda.libs import nvrtc
 
-    from cupyffn import _kernels
+    from cupyffn.cuda import kernels as _kernels
     from cupyffn.gemm import sm90
 
     include = ["-I" + _kernels.cuda_include_dir()]  # the headers NVRTC needs outside CuPy's launcher
@@ -82,7 +82,7 @@ def compare(old, new):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from cupyffn import _kernels
+    from cupyffn.cuda import kernels as _kernels
     from cupyffn.gemm import sm90
 
     configs = [c for c in sm90.VARIANTS if re.search(args.match, c.expression)]

@@ -66,7 +66,7 @@ def main(argv=None):
         return 2
     from cupy_backends.cuda.libs import nvrtc
 
-    from cupyffn import _kernels
+    from cupyffn.cuda import kernels as _kernels
     from cupyffn.gemm import sm90
 
     options = list(sm90.VARIANTS[0].nvrtc_options) + ["-ftz=true", "-I" + _kernels.cuda_include_dir()]

@@ -74,7 +74,7 @@ def main(argv=None):
     import cupy
     import numpy
 
-    from cupyffn import _kernels
+    from cupyffn.cuda import kernels as _kernels
     from cupyffn.gemm import sm90 as G
 
     device = cupy.cuda.Device().id

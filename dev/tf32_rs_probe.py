@@ -54,7 +54,7 @@ def kernel_names():
 
 def source():
     """dev/tf32_rs_gemm.cu with its kernels_cu/ headers pasted in (as cupyffn/_kernels.py does)."""
-    from cupyffn import _kernels
+    from cupyffn.cuda import kernels as _kernels
 
     folder, pasted = _kernels.kernel_dir(), set()
 
@@ -73,7 +73,7 @@ def source():
 
 def fp32_map(ptr, rows, cols, box_rows):
     """Tensor map of a row-major fp32 [rows, cols] matrix in boxes of box_rows x 32 (128 bytes), 128-byte swizzle."""
-    from cupyffn import _libcuda
+    from cupyffn.cuda import libcuda as _libcuda
     from cupyffn.gemm.sm90 import tensor_map as tm
 
     encode = _libcuda.function("cuTensorMapEncodeTiled", [
