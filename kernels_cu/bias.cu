@@ -22,7 +22,7 @@ struct ColsumJob {
   int accumulate;    // 1: dst += sums
   int col_blocks;    // ceil(cols / 128); the grid is col_blocks * bands
 };
-static_assert(sizeof(ColsumJob) == 56, "ColsumJob layout is mirrored in cupyffn/_kernels.py");
+static_assert(sizeof(ColsumJob) == 56, "ColsumJob layout is mirrored in cupyffn/cuda/kernels.py");
 
 extern "C" __global__ void __launch_bounds__(256) colsum_kernel(const __grid_constant__ ColsumJob job) {
   __shared__ float part[8][128];

@@ -10,12 +10,12 @@ struct GemmPointers {  // row-major roles, as cupyffn/gemm/cublas.py's Gemm: C[M
   const void* b;
   void* c;
 };
-static_assert(sizeof(GemmPointers) == 24, "GemmPointers layout is mirrored in cupyffn/_kernels.py");
+static_assert(sizeof(GemmPointers) == 24, "GemmPointers layout is mirrored in cupyffn/cuda/kernels.py");
 
 struct CallTable {  // GEMM1..GEMM4; a GEMM the call does not run keeps null pointers
   GemmPointers gemm[kCallGemms];
 };
-static_assert(sizeof(CallTable) == 24 * kCallGemms, "CallTable layout is mirrored in cupyffn/_kernels.py");
+static_assert(sizeof(CallTable) == 24 * kCallGemms, "CallTable layout is mirrored in cupyffn/cuda/kernels.py");
 
 extern "C" __global__ void store_call_table(CallTable* table, CallTable values) {
   if (blockIdx.x == 0 && threadIdx.x == 0) *table = values;

@@ -1,9 +1,9 @@
 // Device helpers shared by every cupyffn kernel.
 //
-// cupyffn/_kernels.py pastes this file in place of `#include "common.cuh"` before handing a
+// cupyffn/cuda/kernels.py pastes this file in place of `#include "common.cuh"` before handing a
 // source to NVRTC, so CuPy's cache (keyed by the source text) sees every byte that was compiled.
 //
-// Operand formats (the numbers must match cupyffn/_precision.py):
+// Operand formats (the numbers must match cupyffn/core/precision.py):
 //   FMT_F32    plain fp32 (the "ieee" plan; only the GELU-derivative kernel writes it)
 //   FMT_BF16   one bf16 part: bf16(x)
 //   FMT_BF16X3 two bf16 parts hi = bf16(x), lo = bf16(x - hi) written as three 16-bit planes;
@@ -27,34 +27,9 @@
 // consts[0] = 0, consts[1] = 1, consts[2 + g] = alpha of GEMM g (2^-(e_a + e_b); 1 for other plans).
 #define kSlots 8
 
+#include "activation.cuh"
+
 namespace cupyffn {
-
-// GELU(tanh) derivative from the saved tanh output t = tanh(sqrt(2/pi) * (x + 0.044715 x^3)):
-//   d/dx [0.5 x (1 + t)] = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
-// Evaluated as fma(x (1 - t^2), c0 + c1 x^2, 0.5 + 0.5 t) with c0 = sqrt(2/pi) / 2, c1 = c0 * 3 * 0.044715:
-// six fp32 instructions (the form above compiles to nine), which the fused GEMM1 epilogue runs per element.
-__device__ __forceinline__ float gelu_grad(float x, float t) {
-  const float kC0 = 0.3989422804014327f;    // sqrt(2/pi) / 2
-  const float kC1 = 0.05351611220445019f;   // sqrt(2/pi) / 2 * 3 * 0.044715
-  const float poly = fmaf(x * x, kC1, kC0);
-  const float half_one_plus_t = fmaf(0.5f, t, 0.5f);
-  return fmaf(x * fmaf(-t, t, 1.0f), poly, half_one_plus_t);
-}
-
-// GELU(tanh) of z: t = tanh(sqrt(2/pi) * (z + 0.044715 z^3)) and g = 0.5 z (1 + t).
-__device__ __forceinline__ float tanh_inner_of(float z) {
-  const float kSqrt2OverPi = 0.7978845608028654f;
-  return tanhf(kSqrt2OverPi * (z + 0.044715f * z * z * z));
-}
-
-// gelu_out = 0.5 z (1 + t) of z and its tanh_inner t, in the forward's order: every kernel that forms gelu_out
-// (the conversion in memory mode, GEMM1's epilogue for GEMM2) uses this one expression, so they agree bit for bit.
-__device__ __forceinline__ float gelu_of(float z, float t) { return 0.5f * z * (1.0f + t); }
-
-__device__ __forceinline__ void gelu(float z, float& t, float& g) {
-  t = tanh_inner_of(z);
-  g = gelu_of(z, t);
-}
 
 // The fp16 codes of (a * scale, b * scale), a in the low half: one cvt.rn.f16x2.f32, the rounding of f16_bits.
 __device__ __forceinline__ unsigned f16x2_bits(float a, float b, float scale) {
@@ -110,7 +85,7 @@ __device__ __forceinline__ void block_absmax_to(unsigned int* dst, float m) {
   }
 }
 
-// GEMM g multiplies the tensors in slots kGemmSlots[g][0] and kGemmSlots[g][1] (cupyffn/_precision.py SLOT).
+// GEMM g multiplies the tensors in slots kGemmSlots[g][0] and kGemmSlots[g][1] (cupyffn/core/precision.py SLOT).
 __device__ const int kGemmSlots[4][2] = {{0, 1}, {0, 2}, {5, 4}, {5, 3}};
 // The GEMM partners whose exponents are final when slot s is decided: weight2 and gelu_out are
 // decided after grad_output, grad_linear1 after weight1 and hidden_states.

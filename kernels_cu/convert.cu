@@ -35,7 +35,7 @@ struct ConvertJob {
   int kind;                // 0: convert src; 1: convert gelu_out = 0.5 x (1 + t) of x = src, t = src2
   int unused;
 };
-static_assert(sizeof(ConvertJob) == 96, "ConvertJob layout is mirrored in cupyffn/_kernels.py");
+static_assert(sizeof(ConvertJob) == 96, "ConvertJob layout is mirrored in cupyffn/cuda/kernels.py");
 
 // The value converted at src[c] (kind 0), or the GELU output recomputed from linear1_out (kind 1).
 __device__ __forceinline__ float gelu_out_of(const ConvertJob& job, const float* x, long long r, int c) {
@@ -106,7 +106,7 @@ struct ConvertJobs {
   int alpha_mask;  // FMT_F16S: GEMM alphas the rescue pass writes
   int unused;
 };
-static_assert(sizeof(ConvertJobs) == 96 * kMaxJobs + 24, "ConvertJobs layout is mirrored in cupyffn/_kernels.py");
+static_assert(sizeof(ConvertJobs) == 96 * kMaxJobs + 24, "ConvertJobs layout is mirrored in cupyffn/cuda/kernels.py");
 
 template <int FMT>
 __global__ void __launch_bounds__(256) convert_kernel(const __grid_constant__ ConvertJobs jobs, int* state,

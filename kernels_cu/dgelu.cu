@@ -25,7 +25,7 @@ struct DgeluJob {
   int unused;
   float* colsum;           // dgelu_sums_kernel: [gridDim.x / per_row, cols] column sums of grad_linear1
 };
-static_assert(sizeof(DgeluJob) == 120, "DgeluJob layout is mirrored in cupyffn/_kernels.py");
+static_assert(sizeof(DgeluJob) == 120, "DgeluJob layout is mirrored in cupyffn/cuda/kernels.py");
 
 // SUMS (grad_bias1 wanted): the gathering pass also writes column sums of grad_linear1. The grid is a multiple of
 // the row's chunk count (per_row), so every item of a block is the same chunk of columns and each thread sums its

@@ -27,7 +27,7 @@ struct GeluForwardJob {
   int unused;
   const float* bias;       // bias1 [cols] or nullptr (16-byte aligned when vec)
 };
-static_assert(sizeof(GeluForwardJob) == 112, "GeluForwardJob layout is mirrored in cupyffn/_kernels.py");
+static_assert(sizeof(GeluForwardJob) == 112, "GeluForwardJob layout is mirrored in cupyffn/cuda/kernels.py");
 
 template <int FMT>
 __global__ void __launch_bounds__(256, 6) gelu_forward_kernel(const __grid_constant__ GeluForwardJob job, int* state) {

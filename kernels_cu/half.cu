@@ -1,6 +1,6 @@
-// The elementwise work of the 16-bit activation plans (cupyffn/_half.py); their GEMMs, and the bias, GELU, GELU
+// The elementwise work of the 16-bit activation plans (cupyffn/lt/engine.py); their GEMMs, and the bias, GELU, GELU
 // derivative and bias gradients fused into them, are cuBLASLt's epilogues.
-// Template argument HALF: 0 bf16, 1 fp16 (cupyffn/_half.py HALF_CODE).
+// Template argument HALF: 0 bf16, 1 fp16 (cupyffn/lt/engine.py HALF_CODE).
 //   to_half_kernel<HALF>:   dst = T(src), fp32 weights or biases to the activation dtype, rounded to nearest even
 //                        (what torch's autocast does to an fp32 parameter)
 //   gelu_half_kernel<HALF>: gelu_out = T(gelu_tanh(z)) from linear1_out z, in fp32 (memory mode: no gelu_out saved)

@@ -66,7 +66,7 @@ struct SplitJob {
   int block_begin;
   int block_count;
 };
-static_assert(sizeof(SplitJob) == 176, "SplitJob layout is mirrored in cupyffn/_kernels.py");
+static_assert(sizeof(SplitJob) == 176, "SplitJob layout is mirrored in cupyffn/cuda/kernels.py");
 
 #define kSplitMaxJobs 5
 struct SplitJobs {
@@ -79,7 +79,7 @@ struct SplitJobs {
   int unused;
   float* colsum;   // KIND 1, gathering pass: [row tiles, cols] column sums of X per step's rows (nullptr: none)
 };
-static_assert(sizeof(SplitJobs) == 176 * kSplitMaxJobs + 32, "SplitJobs layout is mirrored in cupyffn/_kernels.py");
+static_assert(sizeof(SplitJobs) == 176 * kSplitMaxJobs + 32, "SplitJobs layout is mirrored in cupyffn/cuda/kernels.py");
 
 namespace split {
 
@@ -218,7 +218,7 @@ __device__ __forceinline__ void store4b(unsigned char* p, unsigned int w, int n)
   }
 }
 
-// Scheduling of instantiation ID (ID = 10 * variant + KIND; cupyffn/_kernels.py SPLIT_VARIANT names the one per
+// Scheduling of instantiation ID (ID = 10 * variant + KIND; cupyffn/cuda/kernels.py SPLIT_VARIANT names the one per
 // KIND, docs/decisions/011-split-e4m3-schedules.md). Loads in flight per thread: 64 bytes per source and sub-tile;
 // per SM that times 256 * MINB threads.
 template <int ID>
