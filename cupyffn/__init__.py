@@ -22,13 +22,15 @@ Modules    cupyffn.torch (torch.nn layer, custom ops, tensor parallel), cupyffn.
 Each name's own help() gives the details.
 """
 
-from .api.functional import FFNGrads, GeluFFNBackward, clear_cache, gelu_ffn_backward, release_captured_plans
+from .api.backward_plan import GeluFFNBackward
+from .api.functional import clear_cache, gelu_ffn_backward, gelu_ffn_forward
 from .core.checks import ActivationMismatchError
-from .gemm.cublas import CublasError
-from .api.forward import FFNForward, gelu_ffn_forward
+from .core.plans import release_captured_plans
 from .core.precision import CPU_DEFAULT as CPU_DEFAULT_PRECISION
 from .core.precision import DEFAULT as DEFAULT_PRECISION
 from .core.precision import PRECISIONS, Precision
+from .core.results import FFNForward, FFNGrads
+from .gemm.cublas import CublasError
 
 __version__ = "0.1.0"
 

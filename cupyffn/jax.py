@@ -15,12 +15,11 @@ computes the three gradients from them (five with biases). ``weight1`` is ``[H, 
 (``[out_features, in_features]``). Results equal the plain JAX expression within the precision's
 contract (``cupyffn.PRECISIONS[precision].contract``, relative L2 error per output).
 
-bfloat16 / float16 activations or biases take cupyffn's 16-bit/bias plans (docs/precisions.md, "16-bit
-activations and biases"): the GEMMs on the 16-bit operands with fp32 accumulation and cuBLASLt's fused
+Biases (keyword, each optional) ride with every configuration. bfloat16 / float16 activations take cupyffn's
+cuBLASLt route (docs/precisions.md): the GEMMs on the 16-bit operands with fp32 accumulation and cuBLASLt's fused
 bias, GELU and GELU-derivative epilogues; float32 weights and biases are rounded to the activation dtype as
 torch's autocast does, and their gradients come back float32 (the master-weight convention; a 16-bit weight's
 gradient in its dtype); the residuals are linear1_out and gelu_out in the activation dtype (no tanh_inner).
-float32 activations with biases run in precision "ieee" (None) or "tf32".
 
 GPU: XLA calls cupyffn while it runs the compiled program, with XLA's own device buffers (outputs
 allocated by XLA, written in place) and XLA's stream: the work is enqueued on that stream, in order with
@@ -50,9 +49,9 @@ import jax.numpy as jnp
 import numpy
 from jax.experimental.buffer_callback import buffer_callback
 
-from .core import views as _views
 from .api.functional import gelu_ffn_backward as _gelu_ffn_backward
-from .api.forward import gelu_ffn_forward as _gelu_ffn_forward
+from .api.functional import gelu_ffn_forward as _gelu_ffn_forward
+from .core import views as _views
 from .core.precision import lookup as _lookup_precision
 
 __all__ = ["gelu_ffn"]
@@ -132,41 +131,17 @@ def _run(ctx, buffers, compute):
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_callback(precision):
-    # one callback object per precision: JAX caches compiled eager calls by the callback's identity
-    def callback(ctx, out, x, w1, w2):
-        def compute(arrays, stream):
-            x, w1, w2, *results = arrays
-            _gelu_ffn_forward(x, w1, w2, precision=precision, out=results, stream=stream)
-
-        _run(ctx, (x, w1, w2) + tuple(out), compute)
-
-    return callback
-
-
-@functools.lru_cache(maxsize=None)
-def _backward_callback(precision):
-    def callback(ctx, out, dy, x, w1, w2, z, t, g):
-        def compute(arrays, stream):
-            inputs, results = arrays[:7], arrays[7:]
-            _gelu_ffn_backward(*inputs, precision=precision, out=results, stream=stream)
-
-        _run(ctx, (dy, x, w1, w2, z, t, g) + tuple(out), compute)
-
-    return callback
-
-
-@functools.lru_cache(maxsize=None)
-def _biased_forward_callback(has_bias1, has_bias2, precision):
-    # the 16-bit/bias plan (cupyffn/_lt_api.py): the given biases follow the weights; outputs y, z, g
+def _forward_callback(precision, has_bias1, has_bias2, half):
+    # one callback object per configuration: JAX caches compiled eager calls by the callback's identity
     def callback(ctx, out, x, w1, w2, *biases):
         def compute(arrays, stream):
             x, w1, w2 = arrays[:3]
             given = iter(arrays[3:3 + len(biases)])
             b1, b2 = (next(given) if has_bias1 else None), (next(given) if has_bias2 else None)
-            y, z, g = arrays[3 + len(biases):]
-            _gelu_ffn_forward(x, w1, w2, bias1=b1, bias2=b2, precision=precision, out=(y, z, None, g),
-                              stream=stream)
+            results = arrays[3 + len(biases):]
+            if half:  # output, linear1_out, gelu_out: no tanh_inner
+                results = (results[0], results[1], None, results[2])
+            _gelu_ffn_forward(x, w1, w2, bias1=b1, bias2=b2, precision=precision, out=results, stream=stream)
 
         _run(ctx, (x, w1, w2) + biases + tuple(out), compute)
 
@@ -174,14 +149,16 @@ def _biased_forward_callback(has_bias1, has_bias2, precision):
 
 
 @functools.lru_cache(maxsize=None)
-def _biased_backward_callback(bias_grads, precision):
-    def callback(ctx, out, dy, x, w1, w2, z, g):
+def _backward_callback(precision, bias_grads, half):
+    def callback(ctx, out, dy, x, w1, w2, z, *saved):
         def compute(arrays, stream):
-            dy, x, w1, w2, z, g, *results = arrays
-            _gelu_ffn_backward(dy, x, w1, w2, z, None, g, need_bias_grads=bias_grads, precision=precision,
-                               out=results, stream=stream)
+            dy, x, w1, w2, z = arrays[:5]
+            t, g = (None, arrays[5]) if half else arrays[5:7]
+            results = arrays[6 if half else 7:]
+            _gelu_ffn_backward(dy, x, w1, w2, z, t, g, need_bias_grads=bias_grads, precision=precision, out=results,
+                               stream=stream)
 
-        _run(ctx, (dy, x, w1, w2, z, g) + tuple(out), compute)
+        _run(ctx, (dy, x, w1, w2, z) + saved + tuple(out), compute)
 
     return callback
 
@@ -210,9 +187,12 @@ def _shapes(x, w1, w2, b1=None, b2=None):
     if x.ndim < 1 or x.shape[-1] < 1:
         raise ValueError(f"hidden_states (x) must have shape [..., dim] with dim >= 1; got {x.shape}")
     dim = x.shape[-1]
-    if w1.ndim != 2 or w1.shape[1] != dim or w1.shape[0] < 1:
-        raise ValueError(f"weight1 must have shape (hidden_dim, dim) with dim = x.shape[-1] = {dim}; got {w1.shape}")
+    if w1.ndim != 2 or w1.shape[1] != dim:
+        raise ValueError(f"weight1 must have shape (hidden_dim, dim) with dim = x.shape[-1] = {dim} and "
+                         f"hidden_dim >= 1; got {w1.shape}")
     hidden = w1.shape[0]
+    if hidden < 1:
+        raise ValueError(f"weight1 has no rows (shape {w1.shape}): hidden_dim, its first dimension, must be >= 1")
     for name, dims, a, shape in (("weight2", "(dim, hidden_dim)", w2, (dim, hidden)),
                                  ("bias1", "(hidden_dim,)", b1, (hidden,)), ("bias2", "(dim,)", b2, (dim,))):
         if a is None:
@@ -224,83 +204,55 @@ def _shapes(x, w1, w2, b1=None, b2=None):
     return tuple(x.shape[:-1]), dim, hidden
 
 
-def _forward(x, w1, w2, precision):
-    lead, dim, hidden = _shapes(x, w1, w2)
-    f32 = jnp.float32
-    if math.prod(lead) == 0:  # no tokens: nothing for cupyffn to do
-        z = jnp.zeros(lead + (hidden,), f32)
-        return jnp.zeros(lead + (dim,), f32), z, z, z
-    shapes = (jax.ShapeDtypeStruct(lead + (dim,), f32),) + (jax.ShapeDtypeStruct(lead + (hidden,), f32),) * 3
-    return tuple(buffer_callback(_forward_callback(precision), shapes, vmap_method="sequential")(x, w1, w2))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _gelu_ffn(x, w1, w2, precision):
-    return _forward(x, w1, w2, precision)[0]
-
-
-def _gelu_ffn_fwd(x, w1, w2, precision):
-    y, z, t, g = _forward(x, w1, w2, precision)
-    return y, (x, w1, w2, z, t, g)
-
-
-def _gelu_ffn_bwd(precision, residuals, dy):
-    x, w1, w2, z, t, g = residuals
-    if dy.dtype != jnp.float32:
-        raise TypeError(f"the output cotangent must be float32; got {dy.dtype}")
-    if math.prod(x.shape[:-1]) == 0:
-        return jnp.zeros_like(x), jnp.zeros_like(w1), jnp.zeros_like(w2)
-    shapes = tuple(jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in (x, w1, w2))
-    return tuple(buffer_callback(_backward_callback(precision), shapes, vmap_method="sequential")(
-        dy, x, w1, w2, z, t, g))
-
-
-_gelu_ffn.defvjp(_gelu_ffn_fwd, _gelu_ffn_bwd)
-
-
-# the 16-bit/bias route: biases may be None (an empty pytree: its cotangent is None)
-def _biased_forward(x, w1, w2, b1, b2, precision):
+def _forward(x, w1, w2, b1, b2, precision):
+    """(output, linear1_out, tanh_inner or None (16-bit x), gelu_out)."""
     lead, dim, hidden = _shapes(x, w1, w2, b1, b2)
-    if math.prod(lead) == 0:
+    half = x.dtype != jnp.float32
+    if math.prod(lead) == 0:  # no tokens: nothing for cupyffn to do
         z = jnp.zeros(lead + (hidden,), x.dtype)
-        return jnp.zeros(lead + (dim,), x.dtype), z, z
-    shapes = (jax.ShapeDtypeStruct(lead + (dim,), x.dtype),) + (jax.ShapeDtypeStruct(lead + (hidden,), x.dtype),) * 2
+        return jnp.zeros(lead + (dim,), x.dtype), z, None if half else z, z
+    act = jax.ShapeDtypeStruct(lead + (hidden,), x.dtype)
+    shapes = (jax.ShapeDtypeStruct(lead + (dim,), x.dtype),) + (act,) * (2 if half else 3)
     biases = tuple(b for b in (b1, b2) if b is not None)
-    callback = _biased_forward_callback(b1 is not None, b2 is not None, precision)
-    return tuple(buffer_callback(callback, shapes, vmap_method="sequential")(x, w1, w2, *biases))
+    callback = _forward_callback(precision, b1 is not None, b2 is not None, half)
+    results = tuple(buffer_callback(callback, shapes, vmap_method="sequential")(x, w1, w2, *biases))
+    return (results[0], results[1], None, results[2]) if half else results
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _biased_gelu_ffn(x, w1, w2, b1, b2, precision):
-    return _biased_forward(x, w1, w2, b1, b2, precision)[0]
+def _gelu_ffn(x, w1, w2, b1, b2, precision):
+    return _forward(x, w1, w2, b1, b2, precision)[0]
 
 
-def _biased_gelu_ffn_fwd(x, w1, w2, b1, b2, precision):
-    y, z, g = _biased_forward(x, w1, w2, b1, b2, precision)
-    return y, (x, w1, w2, z, g, b1, b2)  # the biases only say which gradients to return
+def _gelu_ffn_fwd(x, w1, w2, b1, b2, precision):
+    y, z, t, g = _forward(x, w1, w2, b1, b2, precision)
+    return y, (x, w1, w2, z, t, g, b1, b2)  # the biases only say which gradients to return
 
 
-def _biased_gelu_ffn_bwd(precision, residuals, dy):
-    x, w1, w2, z, g, b1, b2 = residuals
+def _gelu_ffn_bwd(precision, residuals, dy):
+    x, w1, w2, z, t, g, b1, b2 = residuals
     has_b1, has_b2 = b1 is not None, b2 is not None
     if dy.dtype != x.dtype:
         raise TypeError(f"the output cotangent must be {x.dtype} (the output's dtype); got {dy.dtype}")
     lead, dim, hidden = x.shape[:-1], x.shape[-1], w1.shape[0]
     bias_grads = has_b1 or has_b2
+    half = x.dtype != jnp.float32
     if math.prod(lead) == 0:
         grads = (jnp.zeros_like(x), jnp.zeros_like(w1), jnp.zeros_like(w2),
                  jnp.zeros((hidden,), w1.dtype), jnp.zeros((dim,), w1.dtype))
     else:
-        # with any bias both bias gradients are computed (each is a by-product of a GEMM's epilogue)
+        # with any bias both bias gradients are computed (each costs one column sum)
         shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, w1, w2))
         if bias_grads:
             shapes += (jax.ShapeDtypeStruct((hidden,), w1.dtype), jax.ShapeDtypeStruct((dim,), w1.dtype))
-        callback = _biased_backward_callback(bias_grads, precision)
-        grads = tuple(buffer_callback(callback, shapes, vmap_method="sequential")(dy, x, w1, w2, z, g)) + (None, None)
+        saved = (g,) if half else (t, g)
+        callback = _backward_callback(precision, bias_grads, half)
+        grads = tuple(buffer_callback(callback, shapes, vmap_method="sequential")(dy, x, w1, w2, z, *saved))
+        grads += (None, None)
     return grads[:3] + (grads[3] if has_b1 else None, grads[4] if has_b2 else None)
 
 
-_biased_gelu_ffn.defvjp(_biased_gelu_ffn_fwd, _biased_gelu_ffn_bwd)
+_gelu_ffn.defvjp(_gelu_ffn_fwd, _gelu_ffn_bwd)
 
 
 def gelu_ffn(x, weight1, weight2, precision=None, *, bias1=None, bias2=None):
@@ -309,23 +261,20 @@ def gelu_ffn(x, weight1, weight2, precision=None, *, bias1=None, bias2=None):
     x ``[..., D]``, weight1 ``[H, D]``, weight2 ``[D, H]``, bias1 ``[H]`` and bias2 ``[D]`` (keyword, each
     optional): ``jax.Array``s on one CPU or CUDA device (or traced values of those).
 
-    float32 x without biases: weights float32; precision: ``"fp16+fp8"``, ``"bf16x3"``, ``"ieee"``, ``"tf32"``
-    or ``"bf16"`` (``cupyffn.PRECISIONS``), or None (the default): the device's default, ``"fp16+fp8"`` on a GPU
-    and ``"ieee"`` (plain fp32, the fastest on the CPU) on the CPU; the others remain valid on the CPU,
-    reproducing the GPU's numerics. Returns ``[..., D]`` float32.
+    float32 x: weights and biases float32; precision: ``"fp16+fp8"``, ``"bf16x3"``, ``"ieee"``, ``"tf32"`` or
+    ``"bf16"`` (``cupyffn.PRECISIONS``), or None (the default): the device's default, ``"fp16+fp8"`` on a GPU and
+    ``"ieee"`` (plain fp32, the fastest on the CPU) on the CPU; the others remain valid on the CPU, reproducing the
+    GPU's numerics. Returns ``[..., D]`` float32.
 
-    bfloat16 / float16 x, or any bias: weights and biases float32 or x's dtype (one dtype for all of them);
-    the output in x's dtype; precision None (float32 x with biases: None, i.e. "ieee", or "tf32"). On
-    the GPU, D and H must be multiples of 8 for 16-bit x (cuBLASLt's row alignment). Gradients come back in
-    their primal's dtype. Works eagerly and under ``jax.jit``.
+    bfloat16 / float16 x: weights and biases float32 or x's dtype (one dtype for all of them); the output in x's
+    dtype; precision None. On the GPU, D and H must be multiples of 8 for 16-bit x (cuBLASLt's row alignment).
+    Gradients come back in their primal's dtype. Works eagerly and under ``jax.jit``.
     """
     _shapes(x, weight1, weight2, bias1, bias2)  # errors at the call (trace time under jit), naming the argument
     # None travels to the callbacks, where cupyffn sees the buffers and picks the default of their device
     # (a traced value has no device to ask at trace time)
     precision = None if precision is None else _lookup_precision(precision).name
-    if bias1 is not None or bias2 is not None or str(x.dtype) != "float32":
-        from .api.lt_api import _check_precision
-
-        _check_precision(precision, str(x.dtype), jax=True)
-        return _biased_gelu_ffn(x, weight1, weight2, bias1, bias2, precision)
-    return _gelu_ffn(x, weight1, weight2, precision)
+    if precision is not None and str(x.dtype) != "float32":
+        raise ValueError(f"precision= chooses how float32 operands are multiplied; {x.dtype} activations are "
+                         f"multiplied as they are (bf16/fp16 tensor cores, fp32 accumulation): pass precision=None")
+    return _gelu_ffn(x, weight1, weight2, bias1, bias2, precision)

@@ -76,5 +76,5 @@ def test_twins_are_built_with_their_options_not_the_environment(monkeypatch):
         assert built[-1][:3] == ((4, 8, 16), precision, options)
         assert built[-1][3] == before, name
     factory.build(["cupyffn-tf32"], 4, 8, 16)
-    assert built[-1][:3] == ((4, 8, 16), "tf32", None)  # the headline plan: the defaults (or CUPYFFN_ENGINE)
+    assert built[-1][:3] == ((4, 8, 16), "tf32", None)  # the headline plan: the defaults
     assert dict(os.environ) == before

@@ -154,7 +154,7 @@ def test_sm90_ptx_diff_tells_changed_code_from_unchanged(tmp_path, capsys):
     tool = load_tool("sm90_ptx_diff")
     variant = ["--match", r"gemm_sm90_kernel<0, 128, 2, 0, 0>"]
     (tmp_path / "sm90").mkdir()
-    for path in [_kernels.kernel_dir() / n for n in ("gemm_sm90.cu", "common.cuh")] + sorted(
+    for path in [_kernels.kernel_dir() / n for n in ("gemm_sm90.cu", "common.cuh", "activation.cuh")] + sorted(
             (_kernels.kernel_dir() / "sm90").glob("*.cuh")):
         (tmp_path / path.relative_to(_kernels.kernel_dir())).write_text(path.read_text())
     assert tool.main(["--against", str(tmp_path)] + variant) == 0

@@ -78,17 +78,12 @@ def test_partial_gradients():
     assert_same_bits(got, want, "need_weight_grads=False")
 
 
-def test_default_window_and_the_option(monkeypatch):
-    """auto: tf32 at T <= 512 (CONVERT_AB_TOKENS); CUPYFFN_ENGINE sets the option for plans built without one, and
-    a bad value there is refused with the variable's name."""
-    monkeypatch.delenv("CUPYFFN_ENGINE", raising=False)
+def test_default_window_and_the_option():
+    """auto: tf32 at T <= 512 (CONVERT_AB_TOKENS); EngineOptions(convert_ab=False) turns it off."""
     for tokens, precision, merged in ((512, "tf32", True), (513, "tf32", False), (256, "bf16x3", False)):
         plan = cupyffn.GeluFFNBackward(tokens, 64, 256, precision=precision)
         assert plan._engine.convert_ab == merged, (tokens, precision)
         plan = cupyffn.GeluFFNBackward(tokens, 64, 256, precision=precision, _options=EngineOptions())
         assert plan._engine.convert_ab == merged, (tokens, precision)
-    monkeypatch.setenv("CUPYFFN_ENGINE", "convert_ab=0")
-    assert not cupyffn.GeluFFNBackward(512, 64, 256, precision="tf32")._engine.convert_ab
-    monkeypatch.setenv("CUPYFFN_ENGINE", "convert_ab=yes")
-    with pytest.raises(ValueError, match="CUPYFFN_ENGINE"):
-        cupyffn.GeluFFNBackward(64, 64, 256)
+    assert not cupyffn.GeluFFNBackward(512, 64, 256, precision="tf32",
+                                       _options=EngineOptions(convert_ab=False))._engine.convert_ab

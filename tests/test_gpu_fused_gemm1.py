@@ -280,16 +280,14 @@ def test_fused_plan_replays_in_a_cuda_graph(precision):
         assert W.relative_l2(g, r, xp=cupy) <= contract(precision), label
 
 
-def test_default_policy_and_the_override(monkeypatch):
+def test_default_policy_and_the_override():
     """auto (the default): fused for T in the format's FUSED_GEMM1_TOKENS window (tf32: every T), the cuBLAS
     route for bf16x3 (measured faster there over the whole call); EngineOptions(fused_gemm1=True) forces it for
-    every format the kernel serves, False turns it off; the debug variable CUPYFFN_ENGINE does the same for plans
-    built without options, and a bad value there is refused with the variable's name. Plans the kernel does not
-    serve (ieee, fp16+fp8 from T = 2048) never fuse. (The window's ends, 1 and 2^31 - 1, are tested without a GPU
-    in test_fused_policy.py: a plan of 2^31 tokens does not fit in memory.)"""
+    every format the kernel serves, False turns it off. Plans the kernel does not serve (ieee, fp16+fp8 from
+    T = 2048) never fuse. (The window's ends, 1 and 2^31 - 1, are tested without a GPU in test_fused_policy.py: a
+    plan of 2^31 tokens does not fit in memory.)"""
     from cupyffn.engine import plan as engine_plan
 
-    monkeypatch.delenv("CUPYFFN_ENGINE", raising=False)
     assert engine_plan.FUSED_GEMM1_TOKENS[_precision.FMT_F16S] == (1, 2 ** 31 - 1)
     for tokens in (1, 256, 1024, 4096):
         assert cupyffn.GeluFFNBackward(tokens, 64, 256, precision="tf32").fused_gemm1
@@ -303,11 +301,3 @@ def test_default_policy_and_the_override(monkeypatch):
     assert cupyffn.GeluFFNBackward(1024, 64, 256, precision="fp16+fp8", _options=on).fused_gemm1  # bf16x3 plan there
     assert not cupyffn.GeluFFNBackward(4096, 64, 256, precision="fp16+fp8", _options=on).fused_gemm1  # e4m3 pairs
     assert not cupyffn.GeluFFNBackward(1024, 64, 256, precision="ieee", _options=on).fused_gemm1
-    monkeypatch.setenv("CUPYFFN_ENGINE", "fused_gemm1=0")
-    assert not cupyffn.GeluFFNBackward(1024, 64, 256, precision="tf32").fused_gemm1
-    monkeypatch.setenv("CUPYFFN_ENGINE", "fused_gemm1=1")
-    assert cupyffn.GeluFFNBackward(4096, 64, 256, precision="bf16x3").fused_gemm1
-    assert not cupyffn.GeluFFNBackward(4096, 64, 256, precision="bf16x3", _options=EngineOptions()).fused_gemm1
-    monkeypatch.setenv("CUPYFFN_ENGINE", "fused_gemm1=yes")
-    with pytest.raises(ValueError, match="CUPYFFN_ENGINE"):
-        cupyffn.GeluFFNBackward(64, 64, 256, precision="tf32")

@@ -84,8 +84,7 @@ def test_profile_stages_hook(precision):
     fused = plan.fused_gemm1  # tf32 on an H100/H200: GEMM1 and dgelu are one stage
     plan.close()
     assert len(flushes) == 3
-    assert fused == (precision == "tf32" and cupy.cuda.Device().compute_capability == "90"
-                     and EngineOptions.from_env().fused_gemm1 is not False)  # T = 640: fused by default
+    assert fused == (precision == "tf32" and cupy.cuda.Device().compute_capability == "90")  # T = 640: fused
     first = "GEMM1 + dgelu (sm90 fused)" if fused else "GEMM1 grad_gelu"
     gemms = [first, "GEMM2 grad_weight2", "GEMM3 grad_hidden", "GEMM4 grad_weight1"]
     assert [s for s in stages if s.startswith("GEMM")] == gemms

@@ -1,8 +1,10 @@
-"""cupyffn/_graph_replay.py without a GPU: which calls run eagerly, which are captured, which are launched, and what
-is kept (the runtime's event calls and the capture are stand-ins)."""
+"""The one graph cache (cupyffn/cuda/graph_cache.py) without a GPU: under each policy of the route table
+(cupyffn/api/routes.py), which calls run eagerly, which are captured, which are launched, and what is kept (the
+capture is a stand-in)."""
 
-import types
+import pytest
 
+from cupyffn.api import routes
 from cupyffn.cuda import graph_cache as R
 
 
@@ -17,55 +19,66 @@ class FakeGraph:
         self.destroyed = True
 
 
-def replay(monkeypatch):
+def cache(monkeypatch, policy):
     log = []
-    runtime = types.SimpleNamespace(streamWaitEvent=lambda s, e, f: log.append(("wait", s, e)),
-                                    eventRecord=lambda e, s: log.append(("record", e, s)))
-    monkeypatch.setattr(R, "_runtime", lambda: runtime)
-    r = R.GraphReplay()
+    c = R.GraphCache(policy, device_id=0)
     graphs = []
 
-    def capture(enqueue, stream_ptr):
-        enqueue(99, True)  # the capture stream
+    def capture(issue, stream_ptr):
+        issue(99, True)  # the capture stream
         graphs.append(FakeGraph(log, len(graphs)))
-        r.captures += 1
+        c.captures += 1
         return graphs[-1]
 
-    monkeypatch.setattr(r, "_capture", capture)
-    return r, log, graphs
+    monkeypatch.setattr(c, "_capture", capture)
+    return c, log, graphs
 
 
-def test_a_pointer_set_is_captured_the_second_time_and_launched_after(monkeypatch):
-    r, log, graphs = replay(monkeypatch)
+def test_a_set_of_arrays_is_captured_the_second_time_and_launched_after(monkeypatch):
+    c, log, graphs = cache(monkeypatch, routes.REPEATED)
 
-    def enqueue(stream_ptr, capturing):
-        log.append(("enqueue", stream_ptr, capturing))
+    def issue(stream_ptr, captured):
+        log.append(("issue", stream_ptr, captured))
 
-    r.run(("a",), enqueue, 7, 5)
-    assert log == [("enqueue", 7, False)] and r.captures == 0  # seen once: eager, nothing kept
+    c.run(("a",), issue, 7)
+    assert log == [("issue", 7, False)] and c.captures == 0  # seen once: eager, nothing kept
     log.clear()
-    r.run(("a",), enqueue, 7, 5)
-    # captured on the capture stream, then launched on the caller's, ordered like an eager call
-    assert log == [("enqueue", 99, True), ("wait", 7, 5), ("launch", 0, 7), ("record", 5, 7)]
+    c.run(("a",), issue, 7)
+    assert log == [("issue", 99, True), ("launch", 0, 7)]  # captured on the capture stream, launched on the caller's
     log.clear()
-    r.run(("a",), enqueue, 8, 5)
-    assert log == [("wait", 8, 5), ("launch", 0, 8), ("record", 5, 8)] and r.captures == 1 and r.launches == 2
+    c.run(("a",), issue, 8)
+    assert log == [("launch", 0, 8)] and c.captures == 1 and c.launches == 2
 
 
-def test_graphs_are_kept_least_recently_used_first_out(monkeypatch):
-    r, log, graphs = replay(monkeypatch)
-    for key in range(R.KEEP + 1):
-        for _ in range(2):
-            r.run((key,), lambda s, c: None, 7, 5)
-    assert r.captures == R.KEEP + 1 and graphs[0].destroyed and not any(g.destroyed for g in graphs[1:])
-    r.destroy()
+def test_graph_plans_capture_at_the_first_sighting(monkeypatch):
+    c, log, graphs = cache(monkeypatch, routes.GRAPH_PLAN)
+    c.run(("a",), lambda s, captured: log.append(("issue", s, captured)), 7)
+    assert log == [("issue", 99, True), ("launch", 0, 7)]
+
+
+@pytest.mark.parametrize("policy", [routes.REPEATED, routes.GRAPH_PLAN], ids=lambda p: p.name)
+def test_graphs_are_kept_least_recently_used_first_out(monkeypatch, policy):
+    c, log, graphs = cache(monkeypatch, policy)
+    for key in range(policy.keep + 1):
+        for _ in range(policy.capture_after):
+            c.run((key,), lambda s, captured: None, 7)
+    assert c.captures == policy.keep + 1 and graphs[0].destroyed and not any(g.destroyed for g in graphs[1:])
+    c.run((1,), lambda s, captured: None, 7)  # the oldest kept: launched, and now the most recently used
+    assert c.launches == policy.keep + 2 and c.captures == policy.keep + 1  # each capture is launched too
+    c.destroy()
     assert all(g.destroyed for g in graphs)
 
 
-def test_remembered_pointer_sets_are_bounded(monkeypatch):
-    r, log, graphs = replay(monkeypatch)
-    for key in range(R.SEEN + 1):
-        r.run((key,), lambda s, c: None, 7, 5)
-    assert len(r._seen) == 1  # cleared when full: a set seen long ago counts as new
-    r.run((0,), lambda s, c: None, 7, 5)
-    assert r.captures == 0
+def test_remembered_sightings_are_bounded(monkeypatch):
+    c, log, graphs = cache(monkeypatch, routes.REPEATED)
+    bound = 8 * routes.REPEATED.keep
+    for key in range(bound + 1):
+        c.run((key,), lambda s, captured: None, 7)
+    assert len(c._seen) == 1  # cleared when full: a set seen long ago counts as new
+    c.run((0,), lambda s, captured: None, 7)
+    assert c.captures == 0
+
+
+def test_the_eager_policy_has_no_cache():
+    with pytest.raises(ValueError, match="capture_after >= 1"):
+        R.GraphCache(routes.EAGER, device_id=0)

@@ -125,9 +125,11 @@ def test_common_header_is_pasted_in(module):
     assert "namespace cupyffn" in module.source
     before, after = (_kernels.kernel_dir() / module.filename).read_text().split('#include "common.cuh"', 1)
     assert module.source.startswith(before) and module.source.endswith(after)
-    for line in common.splitlines():  # every line of the header except #pragma once is there
-        if not re.match(r"\s*#\s*pragma\s+once", line):
+    for line in common.splitlines():  # every line of the header except #pragma once and its includes is there
+        if not re.match(r'\s*#\s*(pragma\s+once|include\s+")', line):
             assert line in module.source, line
+    assert not re.search(r'^\s*#\s*include\s*"activation\.cuh"', module.source, re.M)  # pasted in turn
+    assert "tanh_inner_of" in module.source
 
 
 def test_every_source_is_a_module():
@@ -323,9 +325,9 @@ def test_bf16x3_patterns_pair_hi_and_lo():
 
 
 def test_gelu_constants_match_python():
-    """tanh_inner's sqrt(2/pi) and gelu_grad's c0 = sqrt(2/pi) / 2, c1 = c0 * 3 * 0.044715, in the kernels and in
-    the CPU engine."""
-    common = all_sources()["common.cuh"]
+    """tanh_inner's sqrt(2/pi) and gelu_grad's c0 = sqrt(2/pi) / 2, c1 = c0 * 3 * 0.044715, in the kernels' activation
+    header and in its Python description (which the NumPy backend uses)."""
+    common = all_sources()["activation.cuh"]
 
     def constant(name):
         return float(re.search(name + r"\s*=\s*([0-9.eE+-]+)f", common).group(1))
@@ -334,8 +336,11 @@ def test_gelu_constants_match_python():
     assert abs(sqrt2pi - math.sqrt(2 / math.pi)) < 1e-15
     assert abs(c0 - math.sqrt(2 / math.pi) / 2) < 1e-15
     assert abs(c1 - math.sqrt(2 / math.pi) / 2 * 3 * 0.044715) < 1e-15
-    assert _numpy_backend._SQRT_2_OVER_PI == numpy.float32(sqrt2pi)
-    assert (_numpy_backend._GRAD_C0, _numpy_backend._GRAD_C1) == (numpy.float32(c0), numpy.float32(c1))
+    from cupyffn.core import activation
+
+    assert activation._C == numpy.float32(sqrt2pi)
+    assert (activation._C0, activation._C1) == (numpy.float32(c0), numpy.float32(c1))
+    assert _numpy_backend.gelu_grad is activation.grad and _numpy_backend.tanh_inner is activation.tanh_inner
 
 
 # ---------------------------------------------------------------------------------------------

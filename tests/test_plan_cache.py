@@ -9,9 +9,12 @@ import numpy
 import pytest
 
 import cupyffn
-from cupyffn.core import plans as _plan_cache
 from cupyffn import workloads as W
+from cupyffn.api import execute, routes, validate
+from cupyffn.core import plans as _plan_cache
 from cupyffn.core.plans import PlanCache
+from cupyffn.cuda.graph_cache import GraphCache
+from cupyffn.cuda.stream_engine import StreamEngine
 
 
 class FakePlan:
@@ -266,49 +269,48 @@ def test_release_captured_plans_is_exported():
 
 
 # ---------------------------------------------------------------------- the GPU call's control flow
-class FirstSightings:
-    """Stands in for the engine's GraphReplay (tests/test_graph_replay.py tests it): every set of arrays as if seen
-    for the first time, so the call goes the eager route (the re-pointed call graph)."""
+class FakeEngine(StreamEngine):
+    """Stands in for a GPU engine (cupyffn/cuda/stream_engine.py is its real base, so the capture bookkeeping and the
+    binding are the product's): logs the ordering, binding, launch and event calls the executor makes."""
 
-    def graph(self, key):
-        return None
+    what = "GeluFFNBackward plan"
+    side = object()  # an engine with a side stream
 
-    def run(self, key, enqueue, stream_ptr, done_event_ptr=None):
-        enqueue(stream_ptr, False)
+    def __init__(self, call_graph=False):  # no CUDA: the base's event is not made
+        import threading
 
-
-class FakeEngine:
-    """Stands in for GpuEngine: logs the ordering, enqueue and event calls a GPU call makes."""
-
-    scratch_bytes = workspace_bytes = 0
-
-    def __init__(self):
         self.log = []
+        self.lock = threading.Lock()
+        self.closed = False
         self.side_in_capture = False
         self.side_capture_stream = 0
         self.side_busy = False  # the side stream still in a caller's capture
         self.fail = None
-        self.call_graph = False  # GpuEngine.call_graph: eager calls as one re-pointed graph launch
-        self.io_graphs = FirstSightings()
+        self.call_graph = call_graph  # GpuEngine.call_graph: eager calls as one re-pointed graph launch
+        self.graphs = None
+        self._io = None
 
-    def allocates_for(self, inputs):
-        return False
+    def io_key(self, call, pointers):
+        return call.inputs, tuple(pointers)
 
-    def order_after_previous(self, sp):
-        self.log.append(("order", sp))
+    def bind(self, call, pointers):
+        self.log.append(("bind",))
 
-    def set_io(self, inputs, pointers, accumulate):
-        self.log.append(("set_io",))
-
-    def enqueue(self, sp, serial=False, grad_hidden_ready=0):
+    def enqueue(self, sp, serial=False, ready=0):
         if self.fail is not None:
             raise self.fail
         self.log.append(("enqueue", sp, serial))
 
-    def launch_graph(self, sp):
-        if self.fail is not None:
-            raise self.fail
-        self.log.append(("graph", sp))
+    def eager(self, sp, ready=0):
+        if self.call_graph and not ready:
+            if self.fail is not None:
+                raise self.fail
+            self.log.append(("graph", sp))
+        else:
+            self.enqueue(sp, ready=ready)
+
+    def order_after_previous(self, sp):
+        self.log.append(("order", sp))
 
     def record_done(self, sp):
         self.log.append(("done", sp))
@@ -334,97 +336,119 @@ class FakeStream:
         return False
 
 
+class Harness:
+    """A validated call (NumPy arrays standing for device 0's) and its route, run by the product's executor on a
+    FakeEngine."""
+
+    def __init__(self, engine, call, out, route):
+        self.engine, self.call, self.out, self.route = engine, call, out, route
+
+    def run(self, ptr, ready=0, call=None, out=None):
+        return execute.run(call or self.call, self.route, self.engine, out or self.out, FakeStream(ptr), ready)
+
+
+def _gpu_call(seed, out):
+    call = validate.validate(validate.Request("backward", "tf32"), _cpu_args(seed)[0], out)
+    return call._replace(backend="gpu", device=0)
+
+
 @pytest.fixture
 def gpu_like(monkeypatch):
-    """A CPU-built plan whose engine is a FakeEngine on "device 0", and a set of capturing streams."""
+    """A FakeEngine on "device 0", a call on it with every output given, and a set of capturing streams."""
     cupy = pytest.importorskip("cupy")
-    from cupyffn.api import validate as _validate
-
     monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
     capturing = set()
     monkeypatch.setattr(_plan_cache, "_stream_is_capturing", lambda ptr: ptr in capturing)
-    plan = cupyffn.GeluFFNBackward(16, 8, 32, device="cpu")
-    plan._engine, plan.device = FakeEngine(), 0
-    args, _ = _cpu_args(2)
     out = [numpy.zeros((16, 8), numpy.float32), numpy.zeros((32, 8), numpy.float32),
            numpy.zeros((8, 32), numpy.float32)]
-    call = _validate.prepare(args, out)._replace(device=0)
-    yield plan, call, out, capturing
+    engine = FakeEngine()
+    yield Harness(engine, _gpu_call(2, out), out, routes.choose(_gpu_call(2, out), engine)), capturing
     _plan_cache.release_captured_plans()
 
 
+def _with_call_graph(h, monkeypatch=None, replay=None):
+    """The harness's engine as a call-graph plan's, on the route the table gives it (graphs per repeated set of
+    arrays), with `replay` standing for the capture."""
+    h.engine.call_graph = True
+    h.route = routes.choose(h.call, h.engine)
+    assert h.route.graphs is routes.REPEATED
+    h.engine.graphs = GraphCache(h.route.graphs, 0)
+    if replay is not None:
+        monkeypatch.setattr(h.engine.graphs, "_capture", replay)
+    return h
+
+
 def test_a_second_open_capture_keeps_to_its_own_stream(gpu_like):
-    """Two captures open at once (streams 9 and 11) of one plan: the first takes the side stream, the
+    """Two captures open at once (streams 9 and 11) of one engine: the first takes the side stream, the
     second runs everything on its own stream (joining the first capture's side stream would break both);
     further calls in the first capture use the side stream again; once it has ended, so may the next one."""
-    plan, call, out, capturing = gpu_like
-    engine = plan._engine
-    plan._run_gpu(call, out, FakeStream(7), False)  # warm-up
+    h, capturing = gpu_like
+    engine = h.engine
+    h.run(7)  # warm-up
     engine.log.clear()
     capturing.update({9, 11})
-    plan._run_gpu(call, out, FakeStream(9), False)
+    h.run(9)
     engine.side_busy = True  # the side stream joined capture 9
-    plan._run_gpu(call, out, FakeStream(11), False)
-    plan._run_gpu(call, out, FakeStream(9), False)
+    h.run(11)
+    h.run(9)
     assert engine.log == [("enqueue", 9, False), ("enqueue", 11, True), ("enqueue", 9, False)]
     assert engine.side_capture_stream == 9
     engine.side_busy = False  # capture 9 ended
     capturing.discard(9)
     engine.log.clear()
-    plan._run_gpu(call, out, FakeStream(11), False)
+    h.run(11)
     assert engine.log == [("enqueue", 11, False)] and engine.side_capture_stream == 11
     assert cupyffn.release_captured_plans() == 1
 
 
 def test_eager_call_orders_after_the_previous_and_records_done(gpu_like):
-    plan, call, out, _ = gpu_like
-    grads = plan._run_gpu(call, out, FakeStream(7), False)
-    assert all(g is o for g, o in zip(grads, out))
-    assert plan._engine.log == [("order", 7), ("set_io",), ("enqueue", 7, False), ("done", 7)]
-    assert not _plan_cache.is_pinned(plan)
+    h, _ = gpu_like
+    grads = h.run(7)
+    assert all(g is o for g, o in zip(grads, h.out))
+    assert h.engine.log == [("order", 7), ("bind",), ("enqueue", 7, False), ("done", 7)]
+    h.engine.log.clear()
+    h.run(7)  # the same arrays: the launches stay bound
+    assert h.engine.log == [("order", 7), ("enqueue", 7, False), ("done", 7)]
+    assert not _plan_cache.is_pinned(h.engine)
 
 
-def test_eager_calls_take_the_call_graph_where_the_engine_has_one(gpu_like):
+def test_eager_calls_take_the_call_graph_where_the_engine_has_one(gpu_like, monkeypatch):
     """An eager call launches the engine's call graph; a call under a caller's capture, one while that capture
     holds the side stream, and one asking for grad_hidden_ready enqueue launch by launch (the graph records no
     event for the caller, and a capture must capture the launches themselves)."""
-    plan, call, out, capturing = gpu_like
-    engine = plan._engine
-    engine.call_graph = True
-    plan._run_gpu(call, out, FakeStream(7), False)
-    assert engine.log == [("order", 7), ("set_io",), ("graph", 7), ("done", 7)]
+    h, capturing = gpu_like
+    engine = _with_call_graph(h).engine
+    h.run(7)
+    assert engine.log == [("order", 7), ("bind",), ("graph", 7), ("done", 7)]
     engine.log.clear()
-    plan._run_gpu(call, out, FakeStream(7), False, ready=1234)
+    h.run(7, ready=1234)
     assert engine.log == [("order", 7), ("enqueue", 7, False), ("done", 7)]
     engine.log.clear()
     capturing.add(9)
-    plan._run_gpu(call, out, FakeStream(9), False)
+    h.run(9)
     engine.side_busy = True
-    plan._run_gpu(call, out, FakeStream(7), False)
+    h.run(7)
     assert engine.log == [("enqueue", 9, False), ("order", 7), ("enqueue", 7, True), ("done", 7)]
     engine.side_busy = False
     engine.log.clear()
-    plan._run_gpu(call, out, FakeStream(7), False)
+    engine.graphs = GraphCache(routes.REPEATED, 0)  # forget the sighting above
+    h.run(7)
     assert engine.log == [("order", 7), ("graph", 7), ("done", 7)]
     engine.fail = ValueError("injected")  # a failed graph launch: done recorded, out= NaN
+    engine.graphs = GraphCache(routes.REPEATED, 0)
     with pytest.raises(ValueError, match="injected"):
-        plan._run_gpu(call, out, FakeStream(7), False)
-    assert engine.log[-1] == ("done", 7) and all(numpy.isnan(o).all() for o in out)
+        h.run(7)
+    assert engine.log[-1] == ("done", 7) and all(numpy.isnan(o).all() for o in h.out)
     assert cupyffn.release_captured_plans() == 1
 
 
 def test_call_graph_plans_replay_a_graph_per_repeated_set_of_arrays(gpu_like, monkeypatch):
-    """With a call graph, the first call with a set of arrays re-points the graph (set_io, launch_graph), the second
-    captures a graph of its own (the engine's launches enqueued into the capture), later ones launch that graph with
-    nothing set or re-pointed, even after another set of arrays came in between; a call asking for
+    """With a call graph, the first call with a set of arrays re-points the graph (bind, the call graph), the
+    second captures a graph of its own (the engine's launches enqueued into the capture), later ones launch that
+    graph with nothing bound or re-pointed, even after another set of arrays came in between; a call asking for
     grad_hidden_ready keeps the launch-by-launch route (decision 052)."""
-    from cupyffn.api import validate as _validate
-    from cupyffn.cuda.graph_cache import GraphReplay
-
-    plan, call, out, _ = gpu_like
-    engine = plan._engine
-    engine.call_graph = True
-    replay = engine.io_graphs = GraphReplay()
+    h, _ = gpu_like
+    engine = h.engine
 
     class Graph:
         def launch(self, stream_ptr):
@@ -433,111 +457,112 @@ def test_call_graph_plans_replay_a_graph_per_repeated_set_of_arrays(gpu_like, mo
         def destroy(self):
             engine.log.append(("destroy",))
 
-    def capture(enqueue, stream_ptr):  # CallGraph.capture on the replay's private stream (99)
-        enqueue(99, True)
-        replay.captures += 1
+    def capture(issue, stream_ptr):  # GraphCache._capture on its private stream (99)
+        issue(99, True)
+        engine.graphs.captures += 1
         return Graph()
 
-    monkeypatch.setattr(replay, "_capture", capture)
+    _with_call_graph(h, monkeypatch, capture)
     for _ in range(3):
-        plan._run_gpu(call, out, FakeStream(7), False)
-    assert engine.log == [("order", 7), ("set_io",), ("graph", 7), ("done", 7),
+        h.run(7)
+    assert engine.log == [("order", 7), ("bind",), ("graph", 7), ("done", 7),
                           ("order", 7), ("enqueue", 99, False), ("replay", 7), ("done", 7),
                           ("order", 7), ("replay", 7), ("done", 7)]
-    assert (replay.captures, replay.launches) == (1, 2)
-    other = [o.copy() for o in out]
-    call2 = _validate.prepare(_cpu_args(2)[0], other)._replace(device=0)
+    assert (engine.graphs.captures, engine.graphs.launches) == (1, 2)
+    other = [o.copy() for o in h.out]
+    call2 = _gpu_call(2, other)
     engine.log.clear()
-    plan._run_gpu(call2, other, FakeStream(7), False)
-    plan._run_gpu(call, out, FakeStream(7), False)
-    plan._run_gpu(call, out, FakeStream(7), False, ready=1234)
-    assert engine.log == [("order", 7), ("set_io",), ("graph", 7), ("done", 7),
+    h.run(7, call=call2, out=other)
+    h.run(7)
+    h.run(7, ready=1234)
+    assert engine.log == [("order", 7), ("bind",), ("graph", 7), ("done", 7),
                           ("order", 7), ("replay", 7), ("done", 7),
-                          ("order", 7), ("set_io",), ("enqueue", 7, False), ("done", 7)]
-    replay.destroy()
-    assert engine.log[-1] == ("destroy",) and replay._graphs == {}
+                          ("order", 7), ("bind",), ("enqueue", 7, False), ("done", 7)]
+    engine.graphs.destroy()
+    assert engine.log[-1] == ("destroy",) and engine.graphs._graphs == {}
 
 
 def test_captured_call_pins_and_uses_no_event_from_outside(gpu_like):
-    plan, call, out, capturing = gpu_like
-    engine = plan._engine
-    plan._run_gpu(call, out, FakeStream(7), False)  # warm-up
+    h, capturing = gpu_like
+    engine = h.engine
+    h.run(7)  # warm-up
     engine.log.clear()
     capturing.add(9)
-    plan._run_gpu(call, out, FakeStream(9), False)
-    assert engine.log == [("enqueue", 9, False)]  # no order_after_previous wait, no _ev_done record
-    assert _plan_cache.is_pinned(plan) and engine.side_in_capture
-    with pytest.raises(RuntimeError, match="pinned"):
-        plan.close()
+    h.run(9)
+    assert engine.log == [("enqueue", 9, False)]  # no order_after_previous wait, no done record
+    assert _plan_cache.is_pinned(engine) and engine.side_in_capture
     # an eager call while that capture still holds the side stream: everything on its own stream
     engine.log.clear()
     engine.side_busy = True
-    plan._run_gpu(call, out, FakeStream(7), False)
+    h.run(7)
     assert engine.log == [("order", 7), ("enqueue", 7, True), ("done", 7)]
     engine.side_busy = False  # the caller ended the capture
     engine.log.clear()
-    plan._run_gpu(call, out, FakeStream(7), False)
+    h.run(7)
     assert engine.log == [("order", 7), ("enqueue", 7, False), ("done", 7)] and not engine.side_in_capture
     assert cupyffn.release_captured_plans() == 1
-    plan.close()
-    assert engine.log[-1] == ("close",)
+    engine.closed = True
     with pytest.raises(RuntimeError, match="this GeluFFNBackward plan was closed"):
-        plan._run_gpu(call, out, FakeStream(7), False)
+        h.run(7)
 
 
 def test_captured_call_without_out_raises_before_anything(gpu_like):
-    plan, call, out, capturing = gpu_like
+    h, capturing = gpu_like
     capturing.add(9)
-    partial = call._replace(out=(call.out[0], None, None))
+    partial = [h.out[0], None, None]
+    call = _gpu_call(2, partial)
     with pytest.raises(RuntimeError, match="without out= for grad_weight1, grad_weight2: allocating from CuPy"):
-        plan._run_gpu(partial, [out[0], None, None], FakeStream(9), False)
-    assert plan._engine.log == [] and not _plan_cache.is_pinned(plan)
+        h.run(9, call=call, out=partial)
+    assert h.engine.log == [] and not _plan_cache.is_pinned(h.engine)
 
 
 def test_failed_eager_call_records_done_and_fills_nan(gpu_like):
-    plan, call, out, _ = gpu_like
-    plan._engine.fail = ValueError("injected")
+    h, _ = gpu_like
+    h.engine.fail = ValueError("injected")
     with pytest.raises(ValueError, match="injected") as info:
-        plan._run_gpu(call, out, FakeStream(7), False)
-    assert ("done", 7) in plan._engine.log  # close() must wait for the partial work too
-    assert all(numpy.isnan(o).all() for o in out)
+        h.run(7)
+    assert h.engine.log[-1] == ("done", 7)  # close() must wait for the partial work too
+    assert all(numpy.isnan(o).all() for o in h.out)
     assert not getattr(info.value, "__notes__", None)
 
 
 def test_failed_nan_fill_after_a_failed_call_is_reported(gpu_like, monkeypatch):
-    plan, call, out, _ = gpu_like
-    from cupyffn.api import backward_gpu as _backward_gpu
+    h, _ = gpu_like
 
     def broken(call, stream):
         raise RuntimeError("sticky CUDA error")
 
-    monkeypatch.setattr(_backward_gpu, "_poison", broken)
-    plan._engine.fail = ValueError("injected")
+    monkeypatch.setattr(execute, "_poison", broken)
+    h.engine.fail = ValueError("injected")
     with pytest.raises(ValueError, match="injected") as info:
-        plan._run_gpu(call, out, FakeStream(7), False)
+        h.run(7)
     assert any("out= may hold stale or partial values" in n for n in info.value.__notes__)
 
 
 def test_failed_call_during_capture_fills_nothing(gpu_like):
-    plan, call, out, capturing = gpu_like
+    h, capturing = gpu_like
     capturing.add(9)
-    plan._engine.fail = ValueError("injected")
+    h.engine.fail = ValueError("injected")
     with pytest.raises(ValueError, match="injected"):
-        plan._run_gpu(call, out, FakeStream(9), False)
-    assert plan._engine.log == [("set_io",)]  # no NaN fill (it would be captured), no events
-    assert not any(numpy.isnan(o).any() for o in out)
+        h.run(9)
+    assert h.engine.log == [("bind",)]  # no NaN fill (it would be captured), no events
+    assert not any(numpy.isnan(o).any() for o in h.out)
 
 
-def test_profile_stages_refuses_a_plan_closed_meanwhile(gpu_like):
+def test_profile_stages_refuses_a_plan_closed_meanwhile(monkeypatch):
     """Another thread may close the plan between profile_stages' ordinary call and its serialized reps
     (close() frees the scratch once it has the lock): the reps must then raise, not enqueue."""
-    plan, call, out, _ = gpu_like
+    pytest.importorskip("cupy")
+    plan = cupyffn.GeluFFNBackward(16, 8, 32, device="cpu")
+    engine = FakeEngine()
+    plan.engine = engine
 
     class ClosedAfterTheOrdinaryCall(type(plan)):
         def __call__(self, *args, **kwargs):
-            self.close()
+            engine.closed = True
 
     plan.__class__ = ClosedAfterTheOrdinaryCall
+    args, _ = _cpu_args(0)
     with pytest.raises(RuntimeError, match="this GeluFFNBackward plan was closed"):
-        plan.profile_stages(*call.arrays, out=out, stream=FakeStream(7), reps=1)
-    assert plan._engine.log == [("close",)]  # nothing was enqueued on the closed engine
+        plan.profile_stages(*args, out=[numpy.zeros(1)] * 3, stream=FakeStream(7), reps=1)
+    assert engine.log == []  # nothing was enqueued on the closed engine

@@ -1,48 +1,24 @@
-"""The backward plan: `GeluFFNBackward`, a reusable backward of one shape (validation, introspection, calls,
-close, the benchmark's per-stage profile), and its results `FFNGrads`. Its GPU call: cupyffn/_backward_gpu.py; its
-CPU route: cupyffn/_backward_cpu.py; the functional `gelu_ffn_backward` and its plan cache: cupyffn/_backward.py."""
+"""`GeluFFNBackward`: a reusable backward of one shape on its own engine, called through the same door as the
+functions (cupyffn/api/functional.py `run`: the one validator, the route table, the executor), with introspection,
+close, and the benchmark's per-stage profile."""
 
-import collections
+import itertools
 import sys
-import threading
-from typing import Any, NamedTuple
 
 import numpy
 
-from . import backward_cpu as _backward_cpu, backward_gpu as _backward_gpu, validate as _validate
-from ..core import checks as _checks, plans as _plan_cache, precision as _precision
+from ..core import plans as _plans
+from ..core import precision as _precision
 from ..cuda import device as _device
-from ..engine.options import EngineOptions
-from .backward_gpu import closed_error as _closed_error
-from .backward_gpu import stream_ptr as _stream_ptr
+from . import functional, routes
+from .validate import Request, check_size
 
-class _WeightGrads(NamedTuple):
-    grad_hidden_states: Any
-    grad_weight1: Any
-    grad_weight2: Any
-
-
-class FFNGrads(_WeightGrads):
-    """Gradients of the FFN block; unpacks as (grad_hidden_states, grad_weight1, grad_weight2).
-
-    ``grad_bias1`` [hidden_dim] and ``grad_bias2`` [dim] are attributes outside the tuple (so code that unpacks
-    three values keeps working), set when ``need_bias_grads=True``. Any entry is None when it was not asked for
-    (need_grad_hidden / need_weight_grads / need_bias_grads).
-    """
-
-    def __new__(cls, grad_hidden_states, grad_weight1, grad_weight2, grad_bias1=None, grad_bias2=None):
-        self = super().__new__(cls, grad_hidden_states, grad_weight1, grad_weight2)
-        self.grad_bias1, self.grad_bias2 = grad_bias1, grad_bias2
-        return self
-
-    def __repr__(self):
-        return (f"FFNGrads(grad_hidden_states={self[0]!r}, grad_weight1={self[1]!r}, grad_weight2={self[2]!r}, "
-                f"grad_bias1={self.grad_bias1!r}, grad_bias2={self.grad_bias2!r})")
+_tokens = itertools.count(1)  # each plan's own key in the cache of validated calls (0: the functions')
 
 
 def _resolve_device(device):
     """A plan's device: "cpu", or the id of the GPU that `device` names (None: CuPy's current one). Raises
-    RuntimeError with the reason (cupyffn/_device.py) when no GPU can be used: no CuPy, no GPU, an old driver."""
+    RuntimeError with the reason (cupyffn/cuda/device.py) when no GPU can be used: no CuPy, no GPU, an old driver."""
     if device == "cpu":
         return "cpu"
     cupy = sys.modules.get("cupy")  # a cupy.cuda.Device exists only once CuPy is imported
@@ -61,12 +37,6 @@ def _resolve_device(device):
     except (ImportError, RuntimeError) as e:  # no CuPy; CUDARuntimeError is a RuntimeError
         raise RuntimeError(f"GeluFFNBackward(device={device!r}) needs a GPU: {_device.explain(e)}; pass "
                            f"device='cpu' for a plan that takes NumPy arrays") from None
-
-
-def _check_size(name, value, minimum):
-    if not isinstance(value, (int, numpy.integer)) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
-    return int(value)
 
 
 class GeluFFNBackward:
@@ -88,8 +58,8 @@ class GeluFFNBackward:
     graph : bool
         Capture the whole backward into a CUDA graph and replay it. A graph is keyed by the addresses
         of the arrays it was captured with: calling with the same arrays (new contents are fine)
-        replays it; other addresses run the ordinary path once and capture a new graph (up to four are
-        kept). Without ``out=``, the results are arrays owned by the plan that the next call
+        replays it; other addresses capture a new graph at their first call (up to four are kept:
+        cupyffn/api/routes.py GRAPH_PLAN). Without ``out=``, the results are arrays owned by the plan that the next call
         overwrites. (The ordinary path of a tf32 plan at T <= 512 is itself one graph launch, re-pointed at
         each call's arrays: docs/cuda-graphs.md.)
     need_grad_hidden, need_weight_grads : bool
@@ -116,9 +86,9 @@ class GeluFFNBackward:
 
     def __init__(self, tokens, dim, hidden_dim, *, precision=None, device=None, graph=False,
                  need_grad_hidden=True, need_weight_grads=True, need_bias_grads=False, _options=None):
-        self.tokens = _check_size("tokens", tokens, 0)
-        self.dim = _check_size("dim", dim, 1)
-        self.hidden_dim = _check_size("hidden_dim", hidden_dim, 1)
+        self.tokens = check_size("tokens", tokens, 0)
+        self.dim = check_size("dim", dim, 1)
+        self.hidden_dim = check_size("hidden_dim", hidden_dim, 1)
         if precision is not None:  # a bad name is reported before the device is looked at
             _precision.lookup(precision)
         if not need_grad_hidden and not need_weight_grads:
@@ -127,7 +97,9 @@ class GeluFFNBackward:
         self.need_weight_grads = bool(need_weight_grads)
         self.need_bias_grads = bool(need_bias_grads)
         # _options (private, for comparisons and measurements): the mechanisms the GPU engine uses
-        # (cupyffn/engine/options.py); None: the defaults, or what the debug variable CUPYFFN_ENGINE asks for
+        # (cupyffn/engine/options.py); None: the measured defaults
+        from ..engine.options import DEFAULT, EngineOptions
+
         if _options is not None and not isinstance(_options, EngineOptions):
             raise TypeError(f"_options must be None or a cupyffn.engine.options.EngineOptions; got {_options!r}")
         self.device = _resolve_device(device)
@@ -135,42 +107,39 @@ class GeluFFNBackward:
         self.graph = bool(graph)
         if self.graph and self.device == "cpu":
             raise ValueError("graph=True needs a GPU plan; device='cpu' runs NumPy")
-        self._engine = None
-        self._graphs = collections.OrderedDict()
-        self._owned_out = None
-        # signature -> validated call of recent calls (see _validate.signature): several, so that layers of one
-        # shape sharing this plan, or outputs alternating between two allocations, skip validation too
-        self._validated = {}
-        self._io = None  # pointers the engine's launches were last set to
+        self.token = next(_tokens)
+        self.owned_outputs = [None] * 5 if self.graph else None  # graph=True: outputs the plan owns (not out=)
+        self.engine = None
         self._closed = False
-        self._capture_stream = None
-        self._lock = threading.Lock()
         if self.device != "cpu":
             from ..engine.engine import GpuEngine
 
-            options = _options if _options is not None else EngineOptions.from_env()
-            self._engine = GpuEngine(self.tokens, self.dim, self.hidden_dim, self.precision, self.device,
-                                     self.need_grad_hidden, self.need_weight_grads, options=options,
-                                     need_bias_grads=self.need_bias_grads)
+            self.engine = GpuEngine(self.tokens, self.dim, self.hidden_dim, self.precision, self.device,
+                                    self.need_grad_hidden, self.need_weight_grads,
+                                    options=_options if _options is not None else DEFAULT,
+                                    need_bias_grads=self.need_bias_grads)
+            self.engine.use_graphs(routes.graph_policy(routes.FLOAT32, "backward", self.engine, self.graph))
+
+    _engine = property(lambda self: self.engine)  # the name tests and tools used before the front door
 
     # ------------------------------------------------------------------ introspection
     @property
     def scratch_bytes(self):
         """Device memory this plan holds for intermediates (0 on the CPU)."""
-        return self._engine.scratch_bytes if self._engine else 0
+        return self.engine.scratch_bytes if self.engine else 0
 
     @property
     def workspace_bytes(self):
         """cuBLAS workspace bytes of the handles this plan uses."""
-        return self._engine.workspace_bytes if self._engine else 0
+        return self.engine.workspace_bytes if self.engine else 0
 
     @property
     def gemm_forms(self):
-        """{gemm: form name} that this plan runs for gemm1..gemm4 (cupyffn/_precision.py): the precision's
+        """{gemm: form name} that this plan runs for gemm1..gemm4 (cupyffn/core/precision.py): the precision's
         table at this token count, with bf16x3 wherever the fp16+fp8 pair's constraints failed. GEMMs the
         plan skips (need_grad_hidden / need_weight_grads False) are left out."""
-        if self._engine is not None:
-            return dict(self._engine.gemm_forms)
+        if self.engine is not None:
+            return dict(self.engine.gemm_forms)
         forms = _precision.effective_forms(self.precision, self.tokens, self.dim, self.hidden_dim)
         skip = (() if self.need_grad_hidden else ("gemm3",)) + (() if self.need_weight_grads else ("gemm2", "gemm4"))
         return {g: f.name for g, f in forms.items() if g not in skip}
@@ -179,7 +148,7 @@ class GeluFFNBackward:
     def fused_gemm1(self):
         """True when GEMM1 and the GELU derivative run as one sm90 kernel (the "tf32" plan on a compute capability
         9.0 GPU, where GEMM1's K fits one accumulator: docs/architecture.md), False for cuBLAS GEMM1 + a pass."""
-        return bool(self._engine is not None and self._engine.fused_gemm1)
+        return bool(self.engine is not None and self.engine.fused_gemm1)
 
     def __repr__(self):
         bias = ", need_bias_grads=True" if self.need_bias_grads else ""
@@ -190,52 +159,15 @@ class GeluFFNBackward:
     def __call__(self, grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner=None, gelu_out=None, *,
                  out=None, stream=None, accumulate=False, check_activations=False, grad_hidden_ready=None):
         """Run the backward; returns FFNGrads. See ``cupyffn.gelu_ffn_backward`` for the arguments."""
-        args = (grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out)
-        sig = _validate.signature(args, out, accumulate) if self._engine is not None else None
-        return self._run(args, out, stream, accumulate, sig, check_activations=check_activations,
-                         grad_hidden_ready=grad_hidden_ready)
-
-    def _run(self, args, out, stream, accumulate, sig, call=None, check_activations=False, grad_hidden_ready=None):
-        """Validate (or reuse the validation of an identical earlier call) and execute.
-
-        `sig`: _validate.signature of the arrays, or None; `call`: an already prepared Call, or None.
-        """
         if self._closed:
-            raise _closed_error()
-        ready = _ready_event_ptr(grad_hidden_ready, self)
-        if call is None:
-            known = self._validated.get(sig) if sig is not None else None
-            if known is not None:
-                if stream is not None and not hasattr(stream, "ptr"):
-                    raise TypeError(f"stream must be a cupy.cuda.Stream (or ExternalStream) or None; "
-                                    f"got {type(stream).__name__}")
-                call = _validate.reuse(known, args, out, stream)
-            else:
-                call = _validate.prepare(args, out, stream, self.need_grad_hidden, self.need_weight_grads, accumulate,
-                                         self.need_bias_grads)
-                self._check_call(call)
-                self._remember(sig, call)
-        else:
-            self._remember(sig, call)
-        if check_activations:
-            if self._engine is not None and _plan_cache.is_capturing(_stream_ptr(stream, self.device)):
-                raise ValueError("check_activations=True synchronizes with the stream, which CUDA stream capture "
-                                 "does not allow: check once before capturing")
-            _checks.check(call, stream)
-        return self._execute(call, out, stream, accumulate, ready)
+            raise RuntimeError("this GeluFFNBackward plan was closed")
+        request = Request("backward", self.precision.name, self.need_grad_hidden, self.need_weight_grads,
+                          self.need_bias_grads, bool(accumulate))
+        args = (grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out)
+        return functional.run(request, args, out, stream, check_activations, grad_hidden_ready, plan=self)
 
-    _VALIDATED_MAX = 8
-
-    def _remember(self, sig, call):
-        """Keep `call`'s validation for calls with signature `sig` (None: not a CuPy-array call)."""
-        if sig is None:
-            return
-        validated = self._validated
-        if len(validated) >= self._VALIDATED_MAX:  # start over: a new dict, so readers never see one mid-change
-            validated = self._validated = {}
-        validated[sig] = call._replace(arrays=None, out_arrays=None)
-
-    def _check_call(self, call):
+    def check_call(self, call):
+        """Refuse a call (validated) this plan is not for."""
         expected = (self.tokens, self.dim, self.hidden_dim)
         if (call.tokens, call.dim, call.hidden_dim) != expected:
             raise ValueError(f"this plan is for (tokens, dim, hidden_dim) = {expected}; the arrays give "
@@ -243,15 +175,9 @@ class GeluFFNBackward:
         if call.device != self.device:
             where = "the CPU" if call.device == "cpu" else f"cuda:{call.device}"
             raise ValueError(f"this plan is for device {self.device!r}; the arrays are on {where}")
-
-    def _execute(self, call, out, stream, accumulate, ready=None):
-        if self._engine is None:
-            return FFNGrads(*_backward_cpu.run(call, out, self.precision, self.need_grad_hidden, self.need_weight_grads,
-                                               accumulate, self.need_bias_grads))
-        return self._run_gpu(call, out, stream, accumulate, ready)
-
-    def _run_gpu(self, call, out, stream, accumulate, ready=None):
-        return FFNGrads(*_backward_gpu.run(self, call, out, stream, accumulate, ready))
+        if call.act != "float32":
+            raise TypeError(f"this plan is for float32 activations; the arrays are {call.act} (call "
+                            f"cupyffn.gelu_ffn_backward, which runs them on cuBLASLt)")
 
     def close(self):
         """Give back device memory and cuBLAS handles now (also done when the plan is collected).
@@ -260,16 +186,12 @@ class GeluFFNBackward:
         use is reused; calls after close() raise RuntimeError. A plan captured into a CUDA graph
         (pinned) cannot be closed until ``cupyffn.release_captured_plans()``.
         """
-        with self._lock:  # a call in progress finishes enqueuing first
-            if self._closed:
-                return
-            if _plan_cache.is_pinned(self):
-                raise _plan_cache.pinned_error("GeluFFNBackward plan")
-            self._closed = True
-            self._graphs.clear()  # an executable graph still running is freed when it completes
-            self._owned_out = None
-        if self._engine is not None:  # waits on the device outside the lock
-            self._engine.close()
+        if _plans.is_pinned(self):
+            raise _plans.pinned_error("GeluFFNBackward plan")
+        if self.engine is not None:
+            self.engine.close()  # waits on the device; refuses while pinned (a caller's capture pins the engine)
+        self._closed = True
+        self.owned_outputs = None
 
     def __del__(self):
         try:
@@ -290,7 +212,7 @@ class GeluFFNBackward:
         GPU plans only; `out` (every output: three, five with need_bias_grads) receives the results, as in an
         ordinary call.
         """
-        if self._engine is None:
+        if self.engine is None:
             raise RuntimeError("profile_stages needs a GPU plan; a device='cpu' plan has no GPU stages")
         n = 5 if self.need_bias_grads else 3
         if out is None or len(out) != n or any(o is None for o in out):
@@ -303,10 +225,10 @@ class GeluFFNBackward:
         self(*arrays, out=out, stream=s)
         from ..engine.schedule import time_stages
 
-        engine = self._engine
-        with self._lock:  # no ordinary call of this plan interleaves with the serialized ones
-            if self._closed:  # closed by another thread since the call above: its scratch is being freed
-                raise _closed_error()
+        engine = self.engine
+        with engine.lock:  # no ordinary call of this plan interleaves with the serialized ones
+            if engine.closed:  # closed by another thread since the call above: its scratch is being freed
+                raise RuntimeError("this GeluFFNBackward plan was closed")
             samples = time_stages(engine, s, reps, before_each)  # the engine's stage graph, serialized
         nbytes = engine.stage_bytes()
         result = {}
@@ -316,21 +238,3 @@ class GeluFFNBackward:
                 row["bytes"] = nbytes[stage]
             result[stage] = row
         return result
-
-
-def _ready_event_ptr(event, plan):
-    """The raw pointer of a grad_hidden_ready event (0 for None), after checking it can be honoured."""
-    if event is None:
-        return 0
-    if plan is not None and plan._engine is None:
-        raise ValueError("grad_hidden_ready= is for GPU arrays (a cupy.cuda.Event); these are NumPy (CPU) arrays, "
-                         "whose results are all ready when the call returns")
-    if plan is not None and not plan.need_grad_hidden:
-        raise ValueError("grad_hidden_ready= was given but grad_hidden_states is not computed (need_grad_hidden=False)")
-    if plan is not None and plan.graph:
-        raise ValueError("grad_hidden_ready= is not supported by graph=True plans (a replayed graph records the "
-                         "events it was captured with); capture the call in your own graph instead")
-    ptr = getattr(event, "ptr", None)
-    if not isinstance(ptr, int) or not ptr:
-        raise TypeError(f"grad_hidden_ready must be a cupy.cuda.Event or None; got {type(event).__name__}")
-    return ptr

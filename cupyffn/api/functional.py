@@ -1,67 +1,168 @@
-"""Public backward API: `gelu_ffn_backward` (the functional entry point, with its cache of plans and the keys
-they are cached by); `GeluFFNBackward` (a plan per shape) and `FFNGrads` live in cupyffn/_backward_plan.py."""
+"""The front door of the functions: `gelu_ffn_forward` and `gelu_ffn_backward` (and the layers, which call them).
 
-from . import backward_cpu as _backward_cpu, forward as _forward, lt_api as _lt_api, validate as _validate
-from ..core import checks as _checks, plans as _plan_cache, precision as _precision
-from .backward_gpu import stream_ptr as _stream_ptr
-from .backward_plan import FFNGrads, GeluFFNBackward  # noqa: F401 (re-exported by the package)
-from ..core.plans import PlanCache, release_captured_plans  # noqa: F401 (re-exported by the package)
-from ..engine.options import EngineOptions
+A call is validated once (cupyffn/api/validate.py) into a Call, its route is chosen once (cupyffn/api/routes.py),
+and both are remembered beside the call's signature, so a call with the same arrays skips both (`_known`, the one
+cache of validated calls). The engine comes from the plan cache of its route, built on first use; the executor
+(cupyffn/api/execute.py) runs it. `clear_cache` drops every cached engine and remembered call.
+"""
+
+from typing import NamedTuple
+
+from ..core import checks as _checks
+from ..core import plans as _plans
+from ..core import precision as _precision
+from ..core.plans import PlanCache
+from . import execute, routes
+from . import validate as _validate
+from .validate import Request
+
+#: engines kept per (engine, pass): a plan per shape and configuration, least recently used evicted
+CACHE_SIZE = 4
+_caches = {}  # (engine kind, "forward" | "backward") -> PlanCache
+#: validated calls remembered by (signature, request): enough entries for every layer of a deep model, forward and
+#: backward (each layer's arrays differ), so that a training step validates nothing after its first
+KNOWN_SIZE = 1024
+_known = {}
 
 
-# ---------------------------------------------------------------------- functional API
-_CACHE_SIZE = 4
-_plans = PlanCache(_CACHE_SIZE)
-# (signature, precision, flags, options) -> plan: skips validation and the shape lookup for repeated arrays.
-# Like the plans, not keyed by stream: a warm-up on any stream serves a capture on another.
-_recent = {}
-_GPU_DEFAULT = _precision.lookup(_precision.DEFAULT)
+class _Known(NamedTuple):
+    call: _validate.Call      # its arrays dropped: they are the next call's
+    route: routes.Route
+    key: object               # the engine's plan key (functions), or None (a plan's own engine)
 
 
 def clear_cache():
-    """Drop the plans `gelu_ffn_backward` and `gelu_ffn_forward` keep (waiting for their last calls; their
-    device memory goes back to CuPy's pool). Plans captured into a CUDA graph stay (see
-    ``release_captured_plans``); plans in use by another thread are closed when that call ends."""
-    _recent.clear()
-    _plans.clear()
-    _forward.clear_cache()
-    _lt_api.clear_cache()
+    """Drop the plans `gelu_ffn_backward` and `gelu_ffn_forward` keep (waiting for their last calls; their device
+    memory goes back to CuPy's pool). Plans captured into a CUDA graph stay (see ``release_captured_plans``);
+    plans in use by another thread are closed when that call ends."""
+    _known.clear()
+    for cache in _caches.values():
+        cache.clear()
 
 
-def _no_plan_error(what):
-    return RuntimeError(f"cupyffn: {what} was called during CUDA stream capture but no plan exists for this "
-                        f"shape/precision; call it once outside the capture first (on any stream)")
+def _cache(call):
+    key = (routes.engine_of(call), call.kind)
+    cache = _caches.get(key)
+    if cache is None:
+        cache = _caches.setdefault(key, PlanCache(CACHE_SIZE))
+    return cache
 
 
-
-def _plan_key(call, precision, need_grad_hidden, need_weight_grads, options, need_bias_grads=False):
-    """The plan cache's key of `call`: device, shape, precision, flags and the EngineOptions the plan is built with
-    (EngineOptions.from_env at each call: a plan built under another CUPYFFN_ENGINE is never reused)."""
-    return (call.device, call.tokens, call.dim, call.hidden_dim, precision.name, need_grad_hidden,
-            need_weight_grads, need_bias_grads, options)
+def _name(precision):
+    """A precision's checked name (a bad name is reported before the arrays are looked at), or None."""
+    return None if precision is None else _precision.lookup(precision).name
 
 
-def _recent_key(sig, precision, need_grad_hidden, need_weight_grads, options, need_bias_grads=False):
-    """The key of `_recent` (the fast path for repeated arrays): the validated signature and the rest of the plan's
-    key (_plan_key)."""
-    return (sig, precision.name, need_grad_hidden, need_weight_grads, need_bias_grads, options)
+def run(request, args, out, stream, check_activations=False, grad_hidden_ready=None, plan=None):
+    """The door: validate (or recall) `args` for `request`, choose the route, take the engine, run. `plan`: a
+    GeluFFNBackward whose own engine runs the call (it checks the call is of its shape)."""
+    what = "gelu_ffn_forward" if request.kind == "forward" else "gelu_ffn_backward"
+    owner = 0 if plan is None else plan.token
+    sig = _validate.signature(args, out)
+    known = _known.get((sig, request, owner)) if sig is not None else None
+    if known is not None:
+        if stream is not None and not hasattr(stream, "ptr"):
+            raise TypeError(f"stream must be a cupy.cuda.Stream (or ExternalStream) or None; "
+                            f"got {type(stream).__name__}")
+        call = _validate.reuse(known.call, args, out, stream)
+    else:
+        call = _validate.validate(request, args, out, stream)
+        why = routes.requirement(call)
+        if why is not None:
+            raise ValueError(why)
+        if plan is not None:
+            plan.check_call(call)
+    ready = ready_event_ptr(grad_hidden_ready, call, graph=plan is not None and plan.graph)
+    if check_activations:
+        if call.backend == "gpu" and _plans.is_capturing(_stream_ptr(stream, call.device)):
+            raise ValueError("check_activations=True synchronizes with the stream, which CUDA stream capture "
+                             "does not allow: check once before capturing")
+        _checks.check(call, stream)
+    if call.backend == "cpu":
+        from ..cpu.backend import NumpyEngine
+
+        return execute.run(call, routes.Route(routes.NUMPY, routes.EAGER), NumpyEngine(), out, what=what)
+    if call.tokens == 0:
+        return execute.run(call, None, None, out, stream, ready, what=what)
+    if plan is not None:
+        route = known.route if known is not None else routes.choose(call, plan.engine, plan.graph)
+        if sig is not None and known is None:
+            _remember(sig, request, owner, call, route, None)
+        return execute.run(call, route, plan.engine, out, stream, ready, owned=plan.owned_outputs, what=what)
+    cache = _cache(call)
+    key = known.key if known is not None else routes.plan_key(call)
+    engine = cache.acquire(key)
+    if engine is None:
+        if _plans.is_capturing(_stream_ptr(stream, call.device)):  # building allocates and zero-fills
+            raise RuntimeError(f"cupyffn: {what} was called during CUDA stream capture but no plan exists for "
+                               f"this shape, dtype and precision; call it once outside the capture first (on any "
+                               f"stream)")
+        engine = cache.acquire(key, lambda: routes.build(call, key))
+    try:
+        route = known.route if known is not None else routes.choose(call, engine)
+        if sig is not None and known is None:
+            _remember(sig, request, owner, call, route, key)
+        return execute.run(call, route, engine, out, stream, ready, what=what)
+    finally:
+        cache.release(engine)
 
 
-def _acquire_plan(call, precision, stream, need_grad_hidden, need_weight_grads, options, need_bias_grads=False):
-    """The cached plan for `call` (keyed by _plan_key; in use until released), built with `options`."""
+def _remember(sig, request, owner, call, route, key):
+    if len(_known) >= KNOWN_SIZE:
+        _known.clear()
+    _known[sig, request, owner] = _Known(call._replace(arrays=None, out_arrays=None), route, key)
+
+
+def _stream_ptr(stream, device):
     import cupy
 
-    key = _plan_key(call, precision, need_grad_hidden, need_weight_grads, options, need_bias_grads)
-    plan = _plans.acquire(key)
-    if plan is not None:
-        return plan
-    with cupy.cuda.Device(call.device):
-        if _plan_cache.is_capturing(_stream_ptr(stream, call.device)):
-            raise _no_plan_error("gelu_ffn_backward")  # building allocates and zero-fills
-    return _plans.acquire(key, lambda: GeluFFNBackward(
-        call.tokens, call.dim, call.hidden_dim, precision=precision.name, device=call.device,
-        need_grad_hidden=need_grad_hidden, need_weight_grads=need_weight_grads, need_bias_grads=need_bias_grads,
-        _options=options))
+    if stream is not None:
+        return stream.ptr
+    with cupy.cuda.Device(device):
+        return cupy.cuda.get_current_stream().ptr
+
+
+def ready_event_ptr(event, call, graph=False):
+    """The raw pointer of a grad_hidden_ready event (0 for None), after checking that `call` can honour it."""
+    if event is None:
+        return 0
+    if call.backend == "cpu":
+        raise ValueError("grad_hidden_ready= is for GPU arrays (a cupy.cuda.Event); these are NumPy (CPU) arrays, "
+                         "whose results are all ready when the call returns")
+    if call.kind == "backward" and not call.request.need_grad_hidden:
+        raise ValueError("grad_hidden_ready= was given but grad_hidden_states is not computed (need_grad_hidden=False)")
+    if graph:
+        raise ValueError("grad_hidden_ready= is not supported by graph=True plans (a replayed graph records the "
+                         "events it was captured with); capture the call in your own graph instead")
+    ptr = getattr(event, "ptr", None)
+    if not isinstance(ptr, int) or not ptr:
+        raise TypeError(f"grad_hidden_ready must be a cupy.cuda.Event or None; got {type(event).__name__}")
+    return ptr
+
+
+# ---------------------------------------------------------------------- the functions
+def gelu_ffn_forward(hidden_states, weight1, weight2, *, bias1=None, bias2=None, precision=None, out=None,
+                     stream=None):
+    """Forward pass ``output = gelu_tanh(hidden_states @ weight1.T + bias1) @ weight2.T + bias2``.
+
+    Returns FFNForward(output, linear1_out, tanh_inner, gelu_out): ``linear1_out = x @ weight1.T + bias1``,
+    ``tanh_inner = tanh(sqrt(2/pi) (z + 0.044715 z^3))``, ``gelu_out = 0.5 z (1 + tanh_inner)`` in fp32
+    (GELU evaluated in fp32 from the GEMM's fp32 result), exactly what ``gelu_ffn_backward`` takes.
+
+    float32 hidden_states: weights and biases (bias1 [H], bias2 [D], each optional) float32; `precision` treats the
+    two GEMMs' operands as in the backward (same names and contracts; None, the default: the arrays' device's
+    default, "fp16+fp8" on a GPU and "ieee", plain fp32, for NumPy arrays). bfloat16 / float16 hidden_states:
+    weights and biases float32 (rounded to the activation dtype first, as torch's autocast does) or that dtype,
+    precision None; the GEMMs run on the 16-bit operands with fp32 accumulation and cuBLASLt's fused bias and GELU
+    epilogues; output, linear1_out and gelu_out come back in the activation dtype and tanh_inner is None (the
+    backward recomputes it from linear1_out).
+
+    `out` may give any of the four outputs (C-contiguous, the activation dtype, not overlapping the inputs; out[2]
+    None with 16-bit activations); arrays, streams, CUDA stream capture (every output in `out`, one call of the
+    shape outside the capture first) and failures (given outputs NaN-filled) as in ``gelu_ffn_backward``.
+    """
+    request = Request("forward", _name(precision))
+    return run(request, (hidden_states, weight1, weight2, bias1, bias2), out, stream)
 
 
 def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner=None, gelu_out=None, *,
@@ -77,52 +178,53 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
     hidden_states : array [..., D]
         x, the block's input.
     weight1 : array [H, D]
-        First linear layer, ``[out_features, in_features]``.
+        First linear layer, ``[out_features, in_features]`` (or the transpose of an ``[in, out]`` matrix, as
+        transformers' Conv1D stores it: bfloat16 / float16 activations and NumPy only).
     weight2 : array [D, H]
         Second linear layer.
     linear1_out, tanh_inner, gelu_out : arrays [..., H]
-        Saved forward tensors: ``z = x @ weight1.T``, ``t = tanh(sqrt(2/pi) * (z + 0.044715 z^3))``
+        Saved forward tensors: ``z = x @ weight1.T + bias1``, ``t = tanh(sqrt(2/pi) * (z + 0.044715 z^3))``
         and ``0.5 * z * (1 + t)``. Every tensor given is used as given, in every precision: the
         gradients are the formula's on these very values, whether or not they agree with each other
         (``check_activations`` checks that they do). Memory mode: pass None for tanh_inner and/or
         gelu_out and they are recomputed from linear1_out (and tanh_inner, where given) inside the
         kernels (same results within the precision's contract).
     precision : {None, "bf16x3", "fp16+fp8", "ieee", "tf32", "bf16"}
-        GEMM operand treatment; accuracy contracts in ``cupyffn.PRECISIONS``. None (the default): the
-        default of the arrays' device, "fp16+fp8" on a GPU (``cupyffn.DEFAULT_PRECISION``) and "ieee",
-        plain fp32, for NumPy arrays (``cupyffn.CPU_DEFAULT_PRECISION``: the fastest precision on the CPU,
-        and the most accurate). Every name is valid for NumPy arrays too: the NumPy backend then rounds
-        the operands as the GPU does, to reproduce its numerics (several times slower than "ieee").
-        The contracts hold for any T, D and H: a GEMM whose contraction length K (planes included)
-        exceeds 24576 (``cupyffn.gemm.ksplit.MAX_K``) sums it in chunks added in fp32 (measured from
-        0.93x to 1.04x the time of one accumulator at T = 32,768-352,000; none of the benchmark's
-        shapes is chunked).
-    out : sequence of 3 arrays, optional
-        Where to write (grad_hidden_states, grad_weight1, grad_weight2): float32, C-contiguous, the
-        shapes of hidden_states, weight1 and weight2, not overlapping any input or each other. An entry
-        may be None to have it allocated (not during CUDA stream capture: there every computed output
-        must be given). If the call fails after validation, the given arrays are filled with NaN, with
-        accumulate=True too (a partial accumulation cannot be undone, so the gradients accumulated so
-        far are lost); if that fill fails as well, the raised error says so. If validation fails they
-        are untouched.
+        GEMM operand treatment of float32 activations; accuracy contracts in ``cupyffn.PRECISIONS``, what each does
+        on each route in docs/precisions.md. None (the default): the default of the arrays' device, "fp16+fp8" on a
+        GPU (``cupyffn.DEFAULT_PRECISION``) and "ieee", plain fp32, for NumPy arrays
+        (``cupyffn.CPU_DEFAULT_PRECISION``: the fastest precision on the CPU, and the most accurate). Every name
+        is valid for NumPy arrays too: the NumPy backend then rounds the operands as the GPU does, to reproduce its
+        numerics (several times slower than "ieee"). The contracts hold for any T, D and H: a GEMM whose
+        contraction length K (planes included) exceeds 24576 (``cupyffn.gemm.ksplit.MAX_K``) sums it in chunks
+        added in fp32. bfloat16 / float16 activations take None (their operands are multiplied as they are).
+    out : sequence of 3 arrays (5 with need_bias_grads), optional
+        Where to write (grad_hidden_states, grad_weight1, grad_weight2[, grad_bias1, grad_bias2]): C-contiguous, the
+        shapes of hidden_states, weight1, weight2, [H] and [D], not overlapping any input or each other;
+        grad_hidden_states in the activation dtype, the weight and bias gradients float32 (16-bit activations:
+        float32 or the weights' dtype, one for all). An entry may be None to have it allocated (not during CUDA
+        stream capture: there every computed output must be given). If the call fails after validation, the given
+        arrays are filled with NaN, with accumulate=True too (a partial accumulation cannot be undone, so the
+        gradients accumulated so far are lost); if that fill fails as well, the raised error says so. If
+        validation fails they are untouched.
     stream : cupy.cuda.Stream, optional
         Stream to work on (default: CuPy's current stream). Results are ready on it when the call
         returns; the host is never synchronized, except when a call of a new shape evicts a cached plan
         (closing it waits for that plan's last call). The stream may be capturing a CUDA graph once a call
         of this shape and precision has run outside the capture (docs/cuda-graphs.md).
     accumulate : bool
-        Add into ``out`` grad_weight1 / grad_weight2 instead of overwriting them (grad_hidden_states
-        is always overwritten).
+        Add into ``out`` grad_weight1 / grad_weight2 (and the bias gradients) instead of overwriting them
+        (grad_hidden_states is always overwritten).
     need_grad_hidden, need_weight_grads : bool
         Skip the work of gradients that are not needed.
+    need_bias_grads : bool
+        Also return ``grad_bias1`` (sum over tokens of grad_linear1, [H]) and ``grad_bias2`` (sum over tokens of
+        grad_output, [D]) as attributes of the result. Biases do not change the backward's inputs: linear1_out is
+        the pre-activation with bias1 added.
     check_activations : bool
         Before computing, compare a sample of tanh_inner / gelu_out with the tanh-GELU of linear1_out
         and raise ``cupyffn.ActivationMismatchError`` naming the likely cause (erf GELU, tanh's
         argument instead of its output, swapped or stale buffers). Synchronizes with the stream.
-    need_bias_grads : bool
-        Also return ``grad_bias1`` (sum over tokens of grad_linear1, [H]) and ``grad_bias2`` (sum over tokens of
-        grad_output, [D]) as attributes of the result (out= then may hold five arrays). Biases do not change the
-        backward's inputs: linear1_out is the pre-activation with bias1 added.
     grad_hidden_ready : cupy.cuda.Event, optional
         Recorded on the stream as soon as grad_hidden_states is written, before the weight gradients
         are finished (tensor parallelism: start its all-reduce on another stream with
@@ -131,60 +233,13 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
         graph=True plans. Under a caller's CUDA stream capture the record is captured too (wait on
         it inside the same capture).
 
-    bfloat16 / float16 activations and bias gradients (docs/precisions.md, "16-bit activations and biases"):
-    grad_output, hidden_states, linear1_out and gelu_out in one 16-bit dtype (or float32 with biases), weights
-    float32 or that dtype, tanh_inner None, precision None (float32 with biases: "ieee" or "tf32"); the GEMMs run
-    on the operands as given with cuBLASLt's fused GELU-derivative and bias-gradient epilogues; grad_hidden_states in
-    the activation dtype, weight and bias gradients float32 (or the weights' dtype, chosen by out=).
-
     Arrays may be NumPy (computed on the CPU), CuPy, or any DLPack / CUDA Array Interface producer
-    (torch.Tensor, jax.Array), all on one device, float32 (or as above). The last dimension must be contiguous and
-    the leading dimensions must flatten to one row stride. Returns an FFNGrads named tuple (CuPy
-    arrays for GPU inputs, NumPy arrays for NumPy inputs; the out= objects themselves where given).
+    (torch.Tensor, jax.Array), all on one device; activations float32, bfloat16 or float16 (with 16-bit ones,
+    weights float32 or that dtype and tanh_inner None: docs/precisions.md). The last dimension must be contiguous
+    and the leading dimensions must flatten to one row stride. Returns an FFNGrads named tuple (CuPy arrays for GPU
+    inputs, NumPy arrays for NumPy inputs; the out= objects themselves where given).
     """
-    # None: the default of the arrays' device, known once they are looked at; a bad name is reported first
-    prec = _precision.lookup(precision) if precision is not None else None
+    request = Request("backward", _name(precision), bool(need_grad_hidden), bool(need_weight_grads),
+                      bool(need_bias_grads), bool(accumulate))
     args = (grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out)
-    # 16-bit activations, or bias gradients in ieee / tf32: cupyffn/_lt_api.py (the split precisions' bias gradients
-    # are the float32 engine's)
-    if _lt_api.wants(grad_output, need_bias_grads) and not (prec is not None and _lt_api.engine_biases(grad_output,
-                                                                                                       prec.name)):
-        return _lt_api.backward(args, precision if prec is None else prec.name, out, stream, accumulate,
-                                need_grad_hidden, need_weight_grads, need_bias_grads, check_activations,
-                                grad_hidden_ready)
-    sig = _validate.signature(args, out, accumulate)
-    options = None  # the GPU plan's EngineOptions (CUPYFFN_ENGINE, parsed once per value), read for GPU arrays only
-    if sig is not None:  # CuPy arrays: the plan (and its validated call) may be known already
-        if prec is None:
-            prec = _GPU_DEFAULT
-        options = EngineOptions.from_env()
-        plan = _recent.get(_recent_key(sig, prec, need_grad_hidden, need_weight_grads, options, need_bias_grads))
-        if plan is not None and _plans.reacquire(plan):  # not if evicted meanwhile
-            try:
-                return plan._run(args, out, stream, accumulate, sig, check_activations=check_activations,
-                                 grad_hidden_ready=grad_hidden_ready)
-            finally:
-                _plans.release(plan)
-    call = _validate.prepare(args, out, stream, need_grad_hidden, need_weight_grads, accumulate, need_bias_grads)
-    if prec is None:
-        prec = _precision.resolve(None, cpu=call.backend == "cpu")
-    if call.backend == "cpu":
-        if grad_hidden_ready is not None:
-            raise ValueError("grad_hidden_ready= is for GPU arrays (a cupy.cuda.Event); these are NumPy (CPU) "
-                             "arrays, whose results are all ready when the call returns")
-        if check_activations:
-            _checks.check(call)
-        return FFNGrads(*_backward_cpu.run(call, out, prec, need_grad_hidden, need_weight_grads, accumulate,
-                                           need_bias_grads))
-    if options is None:
-        options = EngineOptions.from_env()
-    plan = _acquire_plan(call, prec, stream, need_grad_hidden, need_weight_grads, options, need_bias_grads)
-    try:
-        if sig is not None:
-            if len(_recent) >= 4 * _CACHE_SIZE:
-                _recent.clear()
-            _recent[_recent_key(sig, prec, need_grad_hidden, need_weight_grads, options, need_bias_grads)] = plan
-        return plan._run(args, out, stream, accumulate, sig, call, check_activations=check_activations,
-                         grad_hidden_ready=grad_hidden_ready)
-    finally:
-        _plans.release(plan)
+    return run(request, args, out, stream, check_activations, grad_hidden_ready)

@@ -1,17 +1,26 @@
-"""Argument checking for the backward pass: every error names the argument and what was expected.
+"""The one validator: every call (functional forward and backward, plans, the torch and JAX layers) is checked here,
+once, and becomes a `Call`. Every error names the argument and what was expected; nothing is written or launched
+before a Call exists, so a rejected call leaves every array untouched.
 
-`prepare()` turns the seven inputs (and `out`) into a `Call`: the backend, device, sizes and 2-D
-row-strided views the engines work on. Nothing is written and nothing is launched here, so a bad
-call leaves every array untouched.
+What a call may be (docs/precisions.md, "16-bit activations and biases"):
 
-Repeated calls with the same arrays are common (training loops, CUDA graphs), so a validated call
-is remembered by its `signature` (pointer, shape, strides and dtype of every CuPy array; pointer, shape
-and strides of every float32 CUDA torch tensor, read from the tensor without a DLPack import): a call
-with an equal signature has the same validation outcome and reuses the geometry (`reuse`).
+* activations (hidden_states, grad_output, linear1_out, tanh_inner, gelu_out and the outputs of their shapes) in one
+  dtype: float32, bfloat16 or float16;
+* float32 activations: float32 weights and biases, float32 gradients, any precision;
+* bfloat16 / float16 activations: weights float32 (master weights, rounded to the activation dtype as autocast
+  does) or the activation dtype, biases in the weights' dtype, precision None (the operands are multiplied as they
+  are), no tanh_inner (the GELU derivative is recomputed from linear1_out), weight and bias gradients in float32 or
+  the weights' dtype (chosen by out=, float32 by default);
+* arrays whose last dimension is contiguous and whose leading dimensions flatten to one row stride; weights also as
+  the transpose of such a matrix (``[in, out]`` storage, as transformers' Conv1D keeps them: `weights_transposed`);
+  outputs C-contiguous. Which engine takes which layout: cupyffn/api/routes.py (`requirement`).
 
-Torch tensors (cupyffn/_arrays.py, "torch tensors read by pointer"): the DLPack stream handshake that
-ordered torch's pending work before cupyffn's is replaced by one `_arrays.follow_torch` per call, made
-by `prepare` or `reuse`, whichever the call takes (docs/decisions/048-dlpack-free-import.md).
+Repeated calls (training loops, CUDA graphs) pass the same arrays again: `signature` is the identity of a call's
+arrays (pointer, shape, strides, dtype of every CuPy array and CUDA torch tensor), and the functional API keeps the
+Call it validated beside it (cupyffn/api/functional.py), so an equal signature skips everything here.
+
+Torch tensors (cupyffn/core/arrays.py, "torch tensors read by pointer"): the DLPack stream handshake is replaced by
+one `arrays.follow_torch` per call, made here or by `reuse` (docs/decisions/048-dlpack-free-import.md).
 """
 
 import math
@@ -21,258 +30,390 @@ from typing import Any, NamedTuple, Optional, Tuple
 import numpy
 
 from ..core import arrays as _arrays
+from ..core import precision as _precision
+from ..core.arrays import Matrix, dtype_name
 
-INPUT_NAMES = ("grad_output", "hidden_states", "weight1", "weight2", "linear1_out", "tanh_inner", "gelu_out")
-OUTPUT_NAMES = ("grad_hidden_states", "grad_weight1", "grad_weight2")
-#: out= entries 3 and 4 of a call with need_bias_grads
-BIAS_NAMES = ("grad_bias1", "grad_bias2")
-
-
-def needed_outputs(need_grad_hidden, need_weight_grads, need_bias_grads):
-    """Which of OUTPUT_NAMES (+ BIAS_NAMES, with need_bias_grads) a call computes."""
-    needed = (need_grad_hidden, need_weight_grads, need_weight_grads)
-    return needed + (True, True) if need_bias_grads else needed
+FORWARD_INPUTS = ("hidden_states", "weight1", "weight2", "bias1", "bias2")
+FORWARD_OUTPUTS = ("output", "linear1_out", "tanh_inner", "gelu_out")
+BACKWARD_INPUTS = ("grad_output", "hidden_states", "weight1", "weight2", "linear1_out", "tanh_inner", "gelu_out")
+BACKWARD_OUTPUTS = ("grad_hidden_states", "grad_weight1", "grad_weight2", "grad_bias1", "grad_bias2")
+ACTIVATIONS = ("float32", "bfloat16", "float16")
+HALF = ("bfloat16", "float16")
 
 
-def output_shapes(lead_shape, dim, hidden_dim):
-    """The shapes of OUTPUT_NAMES + BIAS_NAMES for activations of leading dimensions `lead_shape`."""
-    return lead_shape + (dim,), (hidden_dim, dim), (dim, hidden_dim), (hidden_dim,), (dim,)
+class Request(NamedTuple):
+    """What a call asks for besides its arrays (hashable: part of the key of a remembered call)."""
+
+    kind: str                           # "forward" or "backward"
+    precision: Optional[str] = None     # a precision name; None: the default of the arrays' device
+    need_grad_hidden: bool = True
+    need_weight_grads: bool = True
+    need_bias_grads: bool = False
+    accumulate: bool = False
 
 
 class Call(NamedTuple):
-    backend: str                 # "cpu" or "gpu"
-    device: Any                  # "cpu" or CUDA device id
-    tokens: int                  # T, product of the leading dimensions
+    """A validated call: where it runs, its sizes and dtypes, and the geometry of its arrays."""
+
+    request: Request
+    backend: str                 # "cpu" (NumPy) or "gpu"
+    device: Any                  # "cpu" or the CUDA device id
+    act: str                     # activation dtype name
+    weights: str                 # the weights' dtype name
+    grads: str                   # backward: the weight and bias gradients' dtype name; forward: act
+    precision: Any               # float32 activations: the resolved Precision; 16-bit: None
+    tokens: int                  # T, the product of the activations' leading dimensions
     dim: int                     # D
     hidden_dim: int              # H
-    lead_shape: Tuple[int, ...]  # leading dimensions of the activations
-    inputs: Tuple[Optional[_arrays.Matrix], ...]  # geometry, INPUT_NAMES order (None: not kept, recomputed)
-    out: Tuple[Optional[_arrays.Matrix], ...]    # OUTPUT_NAMES (+ BIAS_NAMES) order; None where not given
-    arrays: Tuple[Any, ...]                      # the (imported) input arrays
-    out_arrays: Tuple[Any, ...]                  # the (imported) out= arrays, or None entries
-    follow: Any = None           # device id whose torch current stream the call follows (torch tensors), or None
+    lead_shape: Tuple[int, ...]
+    weights_transposed: bool     # weight1 / weight2 given as transposed views of [in, out] matrices
+    inputs: Tuple[Optional[Matrix], ...]   # INPUTS order of the kind; weights: their storage when transposed
+    out: Tuple[Optional[Matrix], ...]      # OUTPUTS order of the kind; None where not given
+    arrays: Tuple[Any, ...]                # the imported input arrays (None where absent)
+    out_arrays: Tuple[Any, ...]            # the imported out= arrays (None where not given)
+    follow: Any = None           # device id whose torch current stream the call follows, or None
+
+    @property
+    def kind(self):
+        return self.request.kind
+
+    @property
+    def computed(self):
+        """Which outputs (OUTPUTS order) the call computes."""
+        r = self.request
+        if r.kind == "forward":
+            return (True, True, self.act == "float32", True)
+        needed = (r.need_grad_hidden, r.need_weight_grads, r.need_weight_grads)
+        return needed + (True, True) if r.need_bias_grads else needed
+
+    def output_shapes(self):
+        return output_shapes(self.kind, self.lead_shape, self.dim, self.hidden_dim)
+
+    def output_dtypes(self):
+        if self.kind == "forward":
+            return (self.act,) * 4
+        return (self.act,) + (self.grads,) * 4
 
 
-def _matrix(array, name):
-    """Geometry of `array` seen as [prod(leading dims), last dim], or a ValueError saying why it cannot be."""
-    shape = array.shape
-    cols = shape[-1]
-    rows = math.prod(shape[:-1])
-    if rows == 0 or cols == 0:
-        ld = cols
-    else:
-        ld = _arrays.row_stride(shape, array.strides, 4)
-        if ld is None:
-            raise ValueError(
-                f"{name} has strides {tuple(array.strides)} (bytes) for shape {tuple(shape)}: cupyffn reads arrays "
-                f"whose last dimension is contiguous and whose leading dimensions flatten to one row stride "
-                f"(any C-contiguous array, or a slice of rows or columns of one). Pass "
-                f"ascontiguousarray({name}) instead")
-    return _arrays.Matrix(_arrays.data_ptr(array), rows, cols, ld)
+def inputs_of(kind):
+    return FORWARD_INPUTS if kind == "forward" else BACKWARD_INPUTS
 
 
-def _import(obj, name, stream, torch_devices):
-    """_arrays.import_array, except that a float32 CUDA torch tensor's device is appended to `torch_devices` (its
-    stream is followed once per call, by prepare) instead of being followed here."""
-    viewed = _arrays.torch_view(obj)
-    if viewed is None:
-        return _arrays.import_array(obj, name, stream)
-    torch_devices.append(viewed[0])
-    return "gpu", viewed[1]
+def outputs_of(kind):
+    return FORWARD_OUTPUTS if kind == "forward" else BACKWARD_OUTPUTS
 
 
-def _overlaps(a, b):
-    (a0, a1), (b0, b1) = a.span, b.span
-    return a0 < b1 and b0 < a1
+def output_shapes(kind, lead, dim, hidden):
+    if kind == "forward":
+        return lead + (dim,), lead + (hidden,), lead + (hidden,), lead + (hidden,)
+    return lead + (dim,), (hidden, dim), (dim, hidden), (hidden,), (dim,)
 
 
+# ---------------------------------------------------------------------- the identity of repeated arrays
 _cupy_ndarray = None
 
 
-def signature(args, out, accumulate):
-    """Identity of a call's arrays, or None when any is neither a CuPy array nor a float32 CUDA torch tensor
-    (those always take prepare()).
-
-    A CuPy array's entry is (pointer, shape, strides in bytes, dtype); a torch tensor's (pointer, shape, strides
-    in elements), read from the tensor (its dtype is float32 and it is on CUDA, or the signature is None and
-    prepare() says what is wrong): the entries differ in length, so the two kinds never share a signature, and
-    every torch entry's dtype and device are the same. The exact type (torch.Tensor or torch.nn.Parameter) is
-    checked, so tensor subclasses take prepare() and DLPack.
-    """
+def signature(args, out):
+    """The identity of a call's arrays: (pointer, shape, strides, dtype) of each CuPy array and CUDA torch tensor
+    (None entries kept), or None when any argument is something else (NumPy arrays, other producers: those are
+    validated every time). A CuPy array's strides are in bytes and a torch tensor's in elements, and their dtypes
+    are different objects, so the two kinds never share an entry. Exact types: subclasses are validated each time.
+    Unified addressing makes a pointer name its device."""
     global _cupy_ndarray
     nd = _cupy_ndarray
     if nd is None:
-        # Only look CuPy up, never import it: a CuPy array exists only once CuPy is imported, and the NumPy
-        # path must work where CuPy is not installed (sys.modules holds None for an import that was blocked).
+        # only look CuPy up, never import it: a CuPy array exists only once CuPy is imported, and the NumPy route
+        # must work where CuPy is not installed
         nd = getattr(sys.modules.get("cupy"), "ndarray", None)
         if nd is not None:
             _cupy_ndarray = nd
-    tt = _arrays._torch_types  # None until import_array has seen torch imported (the first call takes prepare)
+    tt = _arrays._torch_types  # None until import_array has seen torch imported
     if nd is None and tt is None:
         return None
-    f32 = _arrays._torch_f32
-    sig = [accumulate]
+    sig = []
+    if out is not None:
+        if not isinstance(out, (tuple, list)):
+            return None
+        args = (*args, *out, len(out))
     for a in args:
         t = type(a)
         if t is nd:
             sig.append((a.data.ptr, a.shape, a.strides, a.dtype))
-        elif a is None:  # memory mode (tanh_inner / gelu_out not kept); prepare() decides if allowed
-            sig.append(None)
-        elif tt is not None and t in tt and a.dtype is f32 and a.is_cuda:
-            sig.append((a.data_ptr(), a.shape, a.stride()))
+        elif a is None or t is int:
+            sig.append(a)
+        elif tt is not None and t in tt and a.is_cuda:
+            sig.append((a.data_ptr(), a.shape, a.stride(), a.dtype))
         else:
             return None
-    if out is not None:
-        if not isinstance(out, (tuple, list)):
-            return None
-        for a in out:
-            t = type(a)
-            if a is None:
-                sig.append(None)
-            elif t is nd:
-                sig.append((a.data.ptr, a.shape, a.strides, a.dtype))
-            elif tt is not None and t in tt and a.dtype is f32 and a.is_cuda:
-                sig.append((a.data_ptr(), a.shape, a.stride()))
-            else:
-                return None
-        sig.append(len(out))
     return tuple(sig)
 
 
-def reuse(call, args, out, stream=None):
-    """The validated `call` for new arrays with the same signature (same memory, shapes and strides).
-
-    `stream`: the call's stream= (None: CuPy's current one); where the call has torch tensors, cupyffn's stream
-    is ordered after torch's current stream here (`_arrays.follow_torch`), as prepare() does for a new call.
-    The arrays are kept as given (torch tensors too: `_arrays.view2d` views them by pointer where needed).
-    """
+def reuse(call, args, out, stream):
+    """`call` (remembered for this signature) for the arrays of a new call with the same signature; where the call
+    has torch tensors, cupyffn's stream is ordered after torch's current stream here, as `validate` does."""
     if call.follow is not None:
         _arrays.follow_torch(call.follow, stream)
     return call._replace(arrays=tuple(args), out_arrays=tuple(out) if out is not None else (None,) * len(call.out))
 
 
-def prepare(args, out=None, stream=None, need_grad_hidden=True, need_weight_grads=True, accumulate=False,
-            need_bias_grads=False):
-    """Check the seven inputs (INPUT_NAMES order) and `out` (3 arrays, or 5 with need_bias_grads); return a Call."""
-    if not need_grad_hidden and not need_weight_grads:
+# ---------------------------------------------------------------------- the checks
+def validate(request, args, out=None, stream=None):
+    """Check a call's inputs (`inputs_of(request.kind)` order) and `out`; return its Call (module docstring)."""
+    kind = request.kind
+    names = inputs_of(kind)
+    if kind == "backward" and not request.need_grad_hidden and not request.need_weight_grads:
         raise ValueError("need_grad_hidden and need_weight_grads are both False: there is nothing to compute")
     if stream is not None and not hasattr(stream, "ptr"):
         raise TypeError(f"stream must be a cupy.cuda.Stream (or ExternalStream) or None; got {type(stream).__name__}")
-
-    for a, n in zip(args[:5], INPUT_NAMES[:5]):
+    required = 5 if kind == "backward" else 3
+    for a, n in zip(args[:required], names):
         if a is None:
-            raise TypeError(f"{n} is required; only tanh_inner and gelu_out may be None (recomputed from linear1_out)")
-    # Memory mode: a missing tanh_inner / gelu_out is recomputed from linear1_out inside the kernels.
-    present = [(a, n) for a, n in zip(args, INPUT_NAMES) if a is not None]
-    torch_devices = []  # torch tensors read by pointer: their stream is followed once, below
-    imported = [_import(a, n, stream, torch_devices) for a, n in present]
-    backends = {b for b, _ in imported}
-    names = [n for _, n in present]
+            optional = "tanh_inner and gelu_out (recomputed from linear1_out)" if kind == "backward" else \
+                "bias1 and bias2"
+            raise TypeError(f"{n} is required; only {optional} may be None")
+    backend, arrays, torch_devices = _import(args, names, stream)
+    device = _one_device(arrays, names)
+    act, weights = _dtypes(kind, arrays, names)
+    lead, dim, hidden = _shapes(kind, arrays, names)
+    if request.accumulate and kind == "backward" and out is None and (request.need_weight_grads
+                                                                       or request.need_bias_grads):
+        raise ValueError("accumulate=True adds into existing gradients: pass out=(grad_hidden_states or None, "
+                         "grad_weight1, grad_weight2" + (", grad_bias1, grad_bias2" if request.need_bias_grads else "")
+                         + ")")
+    transposed = _weights_transposed(arrays[names.index("weight1")], arrays[names.index("weight2")])
+    inputs = tuple(None if a is None else _matrix(a, n, transposed and n in ("weight1", "weight2"))
+                   for a, n in zip(arrays, names))
+    precision = None
+    if act == "float32":
+        precision = _precision.resolve(request.precision, cpu=backend == "cpu")
+    elif request.precision is not None:
+        raise ValueError(f"precision= chooses how float32 operands are multiplied; {act} activations are multiplied "
+                         f"as they are (bf16/fp16 tensor cores, fp32 accumulation): pass precision=None")
+    call = Call(request, backend, device, act, weights, act if kind == "forward" else "float32", precision,
+                math.prod(lead), dim, hidden, lead, transposed, inputs, (), tuple(arrays), (), None)
+    given, given_arrays, grads = _outputs(call, out, stream, torch_devices)
+    call = call._replace(out=given, out_arrays=given_arrays, grads=grads)
+    if torch_devices:  # all on `device` (checked): one wait, not one per tensor (the DLPack handshake's)
+        call = call._replace(follow=device)
+        _arrays.follow_torch(device, stream)
+    return call
+
+
+def _import(args, names, stream):
+    """(backend, imported arrays (None kept), torch devices to follow)."""
+    torch_devices = set()  # torch tensors read by pointer: their stream is followed once, by validate
+    arrays, backends = [], {}
+    for a, n in zip(args, names):
+        if a is None:
+            arrays.append(None)
+            continue
+        backend, imported = _arrays.import_array(a, n, stream, torch_devices)
+        backends.setdefault(backend, n)
+        arrays.append(imported)
     if len(backends) > 1:
-        cpu = next(n for (b, _), n in zip(imported, names) if b == "cpu")
-        gpu = next(n for (b, _), n in zip(imported, names) if b == "gpu")
-        raise ValueError(f"cannot mix NumPy (CPU) and GPU arrays: {cpu} is on the CPU but {gpu} is on a GPU")
-    backend = backends.pop()
+        raise ValueError(f"cannot mix NumPy (CPU) and GPU arrays: {backends['cpu']} is on the CPU but "
+                         f"{backends['gpu']} is on a GPU")
+    backend = next(iter(backends))
     if backend == "cpu" and stream is not None:
         raise ValueError("stream= is for GPU arrays; these inputs are NumPy (CPU) arrays")
-    given = dict(zip(names, (a for _, a in imported)))
-    arrays = [given.get(n) for n in INPUT_NAMES]
-
-    for n, a in given.items():
-        if a.dtype != numpy.float32:
-            raise TypeError(f"{n} must be float32; got {a.dtype}")
-
-    devices = [_arrays.device_of(a) for a in given.values()]
-    if len(set(devices)) > 1:
-        where = ", ".join(f"{n} on {'cuda:%s' % d if d != 'cpu' else 'cpu'}" for n, d in zip(names, devices))
-        raise ValueError(f"all arrays must be on one device; got {where}")
-
-    grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out = arrays
-    if grad_output.ndim < 1 or grad_output.shape[-1] < 1:
-        raise ValueError(f"grad_output must have shape [..., dim] with dim >= 1; got {tuple(grad_output.shape)}")
-    dim = grad_output.shape[-1]
-    lead = tuple(grad_output.shape[:-1])
-    if tuple(hidden_states.shape) != tuple(grad_output.shape):
-        raise ValueError(f"hidden_states must have the shape of grad_output {tuple(grad_output.shape)}; "
-                         f"got {tuple(hidden_states.shape)}")
-    if weight1.ndim != 2 or weight1.shape[1] != dim or weight1.shape[0] < 1:
-        raise ValueError(f"weight1 must have shape (hidden_dim, dim) with dim = grad_output.shape[-1] = {dim} "
-                         f"and hidden_dim >= 1; got {tuple(weight1.shape)}")
-    hidden_dim = weight1.shape[0]
-    if tuple(weight2.shape) != (dim, hidden_dim):
-        raise ValueError(f"weight2 must have shape (dim, hidden_dim) = {(dim, hidden_dim)} to match "
-                         f"grad_output {tuple(grad_output.shape)} and weight1 {tuple(weight1.shape)}; "
-                         f"got {tuple(weight2.shape)}")
-    act_shape = lead + (hidden_dim,)
-    for a, n in ((linear1_out, "linear1_out"), (tanh_inner, "tanh_inner"), (gelu_out, "gelu_out")):
-        if a is not None and tuple(a.shape) != act_shape:
-            raise ValueError(f"{n} must have shape {act_shape} (grad_output's leading dimensions "
-                             f"{lead} + hidden_dim {hidden_dim} from weight1 {tuple(weight1.shape)}); "
-                             f"got {tuple(a.shape)}")
-
-    inputs = tuple(None if a is None else _matrix(a, n) for a, n in zip(arrays, INPUT_NAMES))
-    outs, out_arrays = _prepare_out(out, backend, devices[0], stream, inputs, arrays,
-                                    need_grad_hidden, need_weight_grads, accumulate, torch_devices, need_bias_grads)
-    tokens = inputs[0].rows
-    follow = None
-    if torch_devices:  # all on devices[0], checked above: one wait, not one per tensor (the DLPack handshake's)
-        follow = devices[0]
-        _arrays.follow_torch(follow, stream)
-    return Call(backend, devices[0], tokens, dim, hidden_dim, lead, inputs, outs, tuple(arrays), out_arrays, follow)
+    return backend, arrays, torch_devices
 
 
-def _prepare_out(out, backend, device, stream, inputs, arrays, need_grad_hidden, need_weight_grads, accumulate,
-                 torch_devices=None, need_bias_grads=False):
-    n = 5 if need_bias_grads else 3
+def _where(device):
+    return "cpu" if device == "cpu" else f"cuda:{device}"
+
+
+def _one_device(arrays, names):
+    given = [(n, _arrays.device_of(a)) for a, n in zip(arrays, names) if a is not None]
+    if len({d for _, d in given}) > 1:
+        first = given[0]
+        odd = next((n, d) for n, d in given if d != first[1])
+        raise ValueError(f"all arrays must be on one device; {odd[0]} is on {_where(odd[1])} but {first[0]} is on "
+                         f"{_where(first[1])} (" + ", ".join(f"{n} on {_where(d)}" for n, d in given) + ")")
+    return given[0][1]
+
+
+def _is(a, name):
+    """`a` has dtype `name` in native byte order (a byte-swapped float32 is not float32 to the kernels)."""
+    if dtype_name(a) != name:
+        return False
+    dt = getattr(a, "dtype", None)
+    return getattr(dt, "byteorder", "=") in ("=", "|") or getattr(dt, "isnative", True)
+
+
+def _dtype_error(name, want, a):
+    got = getattr(a, "dtype", None)
+    got = got.str if getattr(got, "byteorder", "=") not in ("=", "|") and not getattr(got, "isnative", True) \
+        else dtype_name(a)
+    return TypeError(f"{name} must be {want}; got {got}")
+
+
+def _dtypes(kind, arrays, names):
+    """(activation dtype, weights' dtype) after checking every input's dtype against them."""
+    first, first_name = arrays[0], names[0]
+    act = dtype_name(first)
+    if act not in ACTIVATIONS or not _is(first, act):
+        raise _dtype_error(first_name, "float32 (or bfloat16 / float16: docs/precisions.md)", first)
+    w1 = arrays[names.index("weight1")]
+    weights = ("float32",) if act == "float32" else ("float32", act)
+    wt = dtype_name(w1)
+    if wt not in weights or not _is(w1, wt):
+        raise _dtype_error("weight1", " or ".join(weights) + (f" with {act} activations" if act != "float32"
+                                                              else ""), w1)
+    for a, n in zip(arrays, names):
+        if a is None or n in (first_name, "weight1"):
+            continue
+        if n in ("weight2", "bias1", "bias2"):
+            if not _is(a, wt):
+                raise _dtype_error(n, wt + (" (weight1's dtype)" if act != "float32" else ""), a)
+        elif not _is(a, act):
+            raise _dtype_error(n, act + (f" ({first_name}'s dtype)" if act != "float32" else ""), a)
+    if act in HALF and kind == "backward" and arrays[5] is not None:
+        raise ValueError("tanh_inner must be None with bfloat16/float16 activations: these plans recompute the GELU "
+                         "derivative from linear1_out inside GEMM1 (cuBLASLt's DGELU epilogue)")
+    return act, wt
+
+
+def _shapes(kind, arrays, names):
+    """(leading dimensions, D, H) after checking every input's shape against them."""
+    first, first_name = arrays[0], names[0]
+    if first.ndim < 1 or first.shape[-1] < 1:
+        raise ValueError(f"{first_name} must have shape [..., dim] with dim >= 1; got {tuple(first.shape)}")
+    dim, lead = first.shape[-1], tuple(first.shape[:-1])
+    if kind == "backward" and tuple(arrays[1].shape) != tuple(first.shape):
+        raise ValueError(f"hidden_states must have the shape of grad_output {tuple(first.shape)}; "
+                         f"got {tuple(arrays[1].shape)}")
+    w1, w2 = arrays[names.index("weight1")], arrays[names.index("weight2")]
+    if w1.ndim != 2 or w1.shape[1] != dim:
+        raise ValueError(f"weight1 must have shape (hidden_dim, dim) with dim = {first_name}.shape[-1] = {dim} "
+                         f"and hidden_dim >= 1; got {tuple(w1.shape)}")
+    hidden = w1.shape[0]
+    if hidden < 1:
+        raise ValueError(f"weight1 has no rows (shape {tuple(w1.shape)}): hidden_dim, its first dimension, must be "
+                         f">= 1")
+    if tuple(w2.shape) != (dim, hidden):
+        raise ValueError(f"weight2 must have shape (dim, hidden_dim) = {(dim, hidden)} to match {first_name} "
+                         f"{tuple(first.shape)} and weight1 {tuple(w1.shape)}; got {tuple(w2.shape)}")
+    act_shape = lead + (hidden,)
+    for a, n in zip(arrays, names):
+        if a is None:
+            continue
+        if n in ("linear1_out", "tanh_inner", "gelu_out") and tuple(a.shape) != act_shape:
+            raise ValueError(f"{n} must have shape {act_shape} ({first_name}'s leading dimensions {lead} + hidden_dim "
+                             f"{hidden} from weight1 {tuple(w1.shape)}); got {tuple(a.shape)}")
+        if n in ("bias1", "bias2"):
+            length = hidden if n == "bias1" else dim
+            if tuple(a.shape) != (length,):
+                raise ValueError(f"{n} must have shape ({length},); got {tuple(a.shape)}")
+    return lead, dim, hidden
+
+
+def _transposed(a):
+    """Whether 2-D `a` is the transpose of a row-strided matrix (columns contiguous), not row-strided itself."""
+    rows, cols = a.shape
+    s0, s1 = a.strides
+    size = a.dtype.itemsize
+    return rows > 1 and cols > 1 and s0 == size and s1 >= rows * size and s1 % size == 0
+
+
+def _weights_transposed(w1, w2):
+    t1, t2 = _transposed(w1), _transposed(w2)
+    if t1 != t2:
+        which = "weight1" if t1 else "weight2"
+        raise ValueError(f"{which} is a transposed view ([in, out] storage) but the other weight is not: pass both "
+                         f"weights in one layout (both [out, in], or both transposed views of [in, out] matrices)")
+    return t1
+
+
+def _matrix(array, name, transposed=False):
+    """Geometry of `array` seen as [prod(leading dims), last dim] (a transposed weight: its [in, out] storage), or a
+    ValueError saying why it cannot be."""
+    if transposed:
+        array = array.T
+    shape = array.shape
+    cols = shape[-1]
+    rows = math.prod(shape[:-1])
+    itemsize = array.dtype.itemsize
+    if rows == 0 or cols == 0:
+        ld = cols
+    else:
+        ld = _arrays.row_stride(shape, array.strides, itemsize)
+        if ld is None:
+            raise ValueError(
+                f"{name} has strides {tuple(array.strides)} (bytes) for shape {tuple(shape)}: cupyffn reads arrays "
+                f"whose last dimension is contiguous and whose leading dimensions flatten to one row stride "
+                f"(any C-contiguous array, or a slice of rows or columns of one). Pass ascontiguousarray({name}) "
+                f"instead")
+    return Matrix(_arrays.data_ptr(array), rows, cols, ld, dtype_name(array))
+
+
+def _outputs(call, out, stream, torch_devices):
+    """(given out= geometry, the imported out= arrays, the gradients' dtype) of `call` (OUTPUTS order)."""
+    kind, r = call.kind, call.request
+    names = outputs_of(kind)
+    computed = call.computed
+    lengths = (4,) if kind == "forward" else ((3, 5) if r.need_bias_grads else (3,))
+    n = max(lengths) if kind == "forward" or r.need_bias_grads else 3
     if out is None:
-        if accumulate and (need_weight_grads or need_bias_grads):
-            raise ValueError("accumulate=True adds into existing gradients: pass "
-                             "out=(grad_hidden_states or None, grad_weight1, grad_weight2"
-                             f"{', grad_bias1, grad_bias2' if need_bias_grads else ''})")
-        return (None,) * n, (None,) * n
-    lengths = (3, 5) if need_bias_grads else (3,)
+        return (None,) * n, (None,) * n, "float32"
     if not isinstance(out, (tuple, list)) or len(out) not in lengths:
-        raise TypeError("out must be a sequence of three arrays (grad_hidden_states, grad_weight1, grad_weight2)"
-                        f"{', or five with grad_bias1, grad_bias2 (need_bias_grads=True)' if need_bias_grads else ''}; "
-                        "an entry may be None to have cupyffn allocate it")
+        listed = ", ".join(names[:max(lengths)])
+        counts = " or ".join(map(str, lengths))
+        raise TypeError(f"out must be a sequence of {counts} arrays ({listed}); an entry may be None to have cupyffn "
+                        f"allocate it" + (" (need_bias_grads=True adds grad_bias1, grad_bias2)"
+                                          if kind == "backward" and not r.need_bias_grads else ""))
     out = tuple(out) + (None,) * (n - len(out))
-    expected = output_shapes(tuple(arrays[1].shape[:-1]), arrays[2].shape[1], arrays[2].shape[0])
-    needed = needed_outputs(need_grad_hidden, need_weight_grads, need_bias_grads)
-    spans = [(m.span, n) for m, n in zip(inputs, INPUT_NAMES) if m is not None]
-    result, imported_out = [], []
-    for i, (obj, name) in enumerate(zip(out, OUTPUT_NAMES + BIAS_NAMES)):
+    shapes = call.output_shapes()
+    spans = [(m, nm) for m, nm in zip(call.inputs, inputs_of(kind)) if m is not None]
+    given, imported, grads = [], [], set()
+    for i, (obj, name) in enumerate(zip(out, names)):
         label = f"out[{i}] ({name})"
         if obj is None:
-            if accumulate and i > 0 and needed[i]:
+            if r.accumulate and kind == "backward" and i > 0 and computed[i]:
                 raise ValueError(f"accumulate=True needs {label}: the gradient to add into")
-            result.append(None)
-            imported_out.append(None)
+            given.append(None)
+            imported.append(None)
             continue
-        if not needed[i]:
-            raise ValueError(f"{label} was given but is not computed (need_grad_hidden / need_weight_grads is False)")
-        b, a = _import(obj, label, stream, torch_devices)
-        if b != backend:
+        if not computed[i]:
+            why = ("bfloat16/float16 forwards keep linear1_out and gelu_out only (the backward recomputes the GELU "
+                   "derivative from linear1_out)" if kind == "forward" else
+                   "need_grad_hidden / need_weight_grads is False")
+            raise ValueError(f"{label} must be None: this call does not compute {name} ({why})")
+        b, a = _arrays.import_array(obj, label, stream, torch_devices)
+        if b != call.backend:
             where = "NumPy (CPU)" if b == "cpu" else "GPU"
             raise ValueError(f"{label} is a {where} array but the inputs are "
-                             f"{'NumPy (CPU)' if backend == 'cpu' else 'GPU'} arrays")
-        if _arrays.device_of(a) != device:
-            raise ValueError(f"{label} is on cuda:{_arrays.device_of(a)} but the inputs are on cuda:{device}")
-        if a.dtype != numpy.float32:
-            raise TypeError(f"{label} must be float32; got {a.dtype}")
-        if tuple(a.shape) != expected[i]:
-            raise ValueError(f"{label} must have shape {expected[i]}; got {tuple(a.shape)}")
+                             f"{'NumPy (CPU)' if call.backend == 'cpu' else 'GPU'} arrays")
+        if _arrays.device_of(a) != call.device:
+            raise ValueError(f"{label} is on {_where(_arrays.device_of(a))} but the inputs are on "
+                             f"{_where(call.device)}")
+        want = (call.act,) if kind == "forward" or i == 0 else tuple(dict.fromkeys(("float32", call.weights)))
+        if dtype_name(a) not in want or not _is(a, dtype_name(a)):
+            raise _dtype_error(label, " or ".join(want), a)
+        if i > 0 and kind == "backward":
+            grads.add(dtype_name(a))
+        if tuple(a.shape) != shapes[i]:
+            raise ValueError(f"{label} must have shape {shapes[i]}; got {tuple(a.shape)}")
         if not a.flags.c_contiguous:
             raise ValueError(f"{label} must be C-contiguous; got strides {tuple(a.strides)} for shape {tuple(a.shape)}")
         if not getattr(a.flags, "writeable", True):
             raise ValueError(f"{label} is read-only")
         m = _matrix(a, label)
-        (m0, m1) = m.span
-        for (s0, s1), iname in spans:
-            if m0 < s1 and s0 < m1:
+        for inp, iname in spans:
+            if m.overlaps(inp):
                 raise ValueError(f"{label} overlaps the memory of {iname}: outputs may not alias inputs")
-        for j, prev in enumerate(result):
-            if prev is not None and _overlaps(m, prev):
-                raise ValueError(f"{label} overlaps out[{j}] ({(OUTPUT_NAMES + BIAS_NAMES)[j]})")
-        result.append(m)
-        imported_out.append(a)
-    return tuple(result), tuple(imported_out)
+        for j, prev in enumerate(given):
+            if prev is not None and m.overlaps(prev):
+                raise ValueError(f"{label} overlaps out[{j}] ({names[j]})")
+        given.append(m)
+        imported.append(a)
+    if len(grads) > 1:
+        raise TypeError(f"the weight and bias gradients in out= must share one dtype; got {sorted(grads)}")
+    return tuple(given), tuple(imported), grads.pop() if grads else "float32"
+
+
+def check_size(name, value, minimum):
+    """An integer argument (a plan's tokens, dim, hidden_dim) checked and returned as int."""
+    if not isinstance(value, (int, numpy.integer)) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+    return int(value)

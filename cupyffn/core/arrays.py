@@ -89,20 +89,41 @@ def data_ptr(array):
     return array.data.ptr
 
 
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def dtype_name(obj):
+    """'bfloat16', 'float16', 'float32', ... of an array or tensor of any framework (cheap; None without a dtype)."""
+    d = getattr(obj, "dtype", None)
+    if d is None:
+        return None
+    name = getattr(d, "name", None)
+    return name if isinstance(name, str) else str(d).rpartition(".")[2]
+
+
 class Matrix(NamedTuple):
-    """Geometry of a [rows, cols] row-major float32 view: element (r, c) is at ptr + 4 * (r * ld + c)."""
+    """Geometry of a [rows, cols] row-major view of `dtype` elements: element (r, c) at ptr + itemsize (r ld + c)."""
 
     ptr: int
     rows: int
     cols: int
     ld: int
+    dtype: str = "float32"
+
+    @property
+    def itemsize(self):
+        return ITEMSIZE[self.dtype]
 
     @property
     def span(self):
         """[begin, end) bytes this view can touch (for aliasing checks)."""
         if self.rows == 0 or self.cols == 0:
             return (self.ptr, self.ptr)
-        return (self.ptr, self.ptr + 4 * ((self.rows - 1) * self.ld + self.cols))
+        return (self.ptr, self.ptr + self.itemsize * ((self.rows - 1) * self.ld + self.cols))
+
+    def overlaps(self, other):
+        (a0, a1), (b0, b1) = self.span, other.span
+        return a0 < b1 and b0 < a1
 
 
 def view2d(array, m):
@@ -113,10 +134,10 @@ def view2d(array, m):
     if isinstance(array, numpy.ndarray):
         strided = numpy.lib.stride_tricks.as_strided
     elif type(array) in (_torch_types or ()):
-        return _views.float32_view(m.ptr, (m.rows, m.cols), (m.ld, 1), array.get_device())
+        return _views.typed_view(m.ptr, (m.rows, m.cols), (m.ld, 1), array.get_device(), m.dtype)
     else:
         strided = _cupy().lib.stride_tricks.as_strided
-    return strided(array, (m.rows, m.cols), (4 * m.ld, 4))
+    return strided(array, (m.rows, m.cols), (m.itemsize * m.ld, m.itemsize))
 
 
 def row_stride(shape, strides, itemsize):

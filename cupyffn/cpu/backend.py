@@ -1,33 +1,57 @@
-"""The CPU engine: the same backward pass in NumPy, for NumPy inputs.
+"""The NumPy backend: the block on the CPU, for NumPy arrays, emulating every GPU route.
 
-It follows the GPU plans operand for operand: each GEMM runs in the form the precision's recipe
-gives it (_precision.effective_forms: same rounding of every operand to bf16 / fp16 / e4m3, same
-bf16x3 split and f16+e4m3 encoding, fp32 products and accumulation), so each precision's accuracy
-can be checked on a machine without a GPU. Rounding is round to nearest even, done on float32 bit
-patterns (bf16), by NumPy's float16 cast (fp16) or exactly in float64 (e4m3); only the summation
-order of the products may differ from cuBLAS's.
+* float32 activations (the float32 engine's route): each GEMM runs in the form the precision's recipe gives it
+  (precision.effective_forms: same rounding of every operand to bf16 / fp16 / e4m3, same bf16x3 split and
+  f16+e4m3 encoding, fp32 products and accumulation), so each precision's accuracy can be checked on a machine
+  without a GPU. Rounding is round to nearest even, done on float32 bit patterns (bf16), by NumPy's float16 cast
+  (fp16) or exactly in float64 (e4m3); only the summation order of the products may differ from cuBLAS's.
+* bfloat16 / float16 activations (the cuBLASLt route): cupyffn/cpu/half.py, with the GPU plan's roundings.
+
+`NumpyEngine` is this backend behind the engines' protocol (bind, enqueue, close: cupyffn/api/execute.py runs it).
 """
 
 import numpy
 
-from ..core import arrays as _arrays, precision as _precision
+from ..core import activation, arrays as _arrays, precision as _precision
+from . import half as _half
 
-_SQRT_2_OVER_PI = numpy.float32(0.7978845608028654)
-_GRAD_C0 = numpy.float32(0.3989422804014327)  # sqrt(2/pi) / 2
-_GRAD_C1 = numpy.float32(0.05351611220445019)  # sqrt(2/pi) / 2 * 3 * 0.044715
-
-
-def gelu_grad(x, t):
-    """d/dx of 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) given t = that tanh (fp32), in the GPU
-    kernels' form x (1 - t^2) (c0 + c1 x^2) + (0.5 + 0.5 t) (kernels_cu/common.cuh; there with fmas)."""
-    half = numpy.float32(0.5)
-    one = numpy.float32(1.0)
-    return x * (one - t * t) * (_GRAD_C0 + _GRAD_C1 * (x * x)) + (half + half * t)
+gelu_grad = activation.grad
+tanh_inner = activation.tanh_inner
 
 
-def tanh_inner(z):
-    """tanh(sqrt(2/pi) (z + 0.044715 z^3)) in fp32."""
-    return numpy.tanh(_SQRT_2_OVER_PI * (z + numpy.float32(0.044715) * z * z * z)).astype(numpy.float32)
+class NumpyEngine:
+    """The NumPy backend behind the engines' protocol: `bind(call, views)` (the outputs as 2-D views, None where not
+    computed), `enqueue()` computes on the host."""
+
+    closed = False
+
+    def bind(self, call, views):
+        self._call, self._views = call, views
+
+    def enqueue(self, stream_ptr=None, serial=False, ready=0):
+        call, views = self._call, self._views
+        arrays = [None if a is None else _view(a, m, call, n)
+                  for n, (a, m) in enumerate(zip(call.arrays, call.inputs))]
+        if call.act != "float32":
+            run = _half.forward if call.kind == "forward" else _half.backward
+            run(call, arrays, views)
+        elif call.kind == "forward":
+            x, w1, w2, b1, b2 = arrays
+            forward(x, w1, w2, call.precision, views, None if b1 is None else b1[0],
+                    None if b2 is None else b2[0])
+        else:
+            r = call.request
+            backward_2d(*arrays, call.precision, r.need_grad_hidden, r.need_weight_grads, r.accumulate, views)
+
+    def close(self):
+        pass
+
+
+def _view(array, m, call, index):
+    """Input `index` of `call` as the 2-D array the formulas take (a weight stored transposed: its transpose)."""
+    v = _arrays.view2d(array, m)
+    weight = index in ((1, 2) if call.kind == "forward" else (2, 3))
+    return v.T if weight and call.weights_transposed else v
 
 
 def bf16_round(x):
@@ -138,15 +162,6 @@ def _matmul(a, b, form):
     return c
 
 
-def backward(call, precision, need_grad_hidden, need_weight_grads, accumulate, outputs):
-    """Compute the gradients of `call` (a _validate.Call on NumPy arrays) into `outputs` (2-D views).
-
-    tanh_inner / gelu_out may be absent (memory mode): they are recomputed from linear1_out.
-    """
-    arrays = (None if a is None else _arrays.view2d(a, m) for a, m in zip(call.arrays, call.inputs))
-    backward_2d(*arrays, precision, need_grad_hidden, need_weight_grads, accumulate, outputs)
-
-
 def backward_2d(dy, x, w1, w2, l1, t, g, precision, need_grad_hidden, need_weight_grads, accumulate, outputs):
     """backward on 2-D fp32 arrays ([T, D], [T, D], [H, D], [D, H], [T, H], [T, H] or None, [T, H] or None);
     each GEMM in the form `precision`'s recipe gives it at this shape (_precision.effective_forms). `outputs`:
@@ -159,7 +174,7 @@ def backward_2d(dy, x, w1, w2, l1, t, g, precision, need_grad_hidden, need_weigh
         if t is None:
             t = tanh_inner(l1)
         if g is None and need_weight_grads:
-            g = numpy.float32(0.5) * l1 * (numpy.float32(1) + t)
+            g = activation.value(l1, t)
         grad_gelu = _matmul(dy, w2, forms["gemm1"])
         if need_weight_grads:
             _store(grad_w2, _matmul(dy.T, g, forms["gemm2"]), accumulate)
@@ -182,7 +197,7 @@ def forward(x, w1, w2, precision, outputs, bias1=None, bias2=None):
         if bias1 is not None:
             z = z + bias1
         t = tanh_inner(z)
-        g = numpy.float32(0.5) * z * (numpy.float32(1) + t)
+        g = activation.value(z, t)
         z_out[...], t_out[...], g_out[...] = z, t, g
         y[...] = _matmul(g, w2.T, precision.forward)
         if bias2 is not None:

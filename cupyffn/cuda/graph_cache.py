@@ -1,36 +1,58 @@
-"""Calls replayed as CUDA graphs keyed by their pointers: the torch layer's 16-bit/bias plans (cupyffn/_torch_lt.py)
-and the float32 engine's calls where it runs a call graph (cupyffn/_backward_gpu.py).
+"""The one graph cache: an engine's calls replayed as CUDA graphs keyed by everything they are pointed at, under a
+`GraphPolicy` (capture after N sightings of a key, keep K graphs). It serves every graph route of
+cupyffn/api/routes.py: the cuBLASLt engine's calls (the torch layer's repeated tensors, decision 051), the float32
+engine's calls where it runs a call graph (decision 052), and ``GeluFFNBackward(graph=True)`` plans (captured at
+the first sighting).
 
-A cuBLASLt GEMM with an epilogue costs ~17 us of host time per cublasLtMatmul call (docs/decisions/051), so
-a backward of four of them is host-bound at small T; the float32 engine's re-pointed call graph costs the re-pointing
-of its launches and nodes on every call. Tensors from torch's caching allocator get the same addresses step after
-step in a training loop (and the benchmark rotates three input sets); a call whose pointers (and flags) repeat is
-captured once into a graph and then launched as one cuGraphLaunch. A pointer set is captured the second time it is seen, so
-one that never repeats costs an eager call and nothing more; at most `KEEP` graphs are kept per plan (the least
-recently used is dropped; the driver frees an executable graph once its launches finish).
+Why: a cuBLASLt GEMM with an epilogue costs ~17 us of host time per call (docs/decisions/051), and the float32
+engine's re-pointed call graph re-points its launches on every call; tensors from a framework's caching allocator
+get the same addresses step after step in a training loop, so a call whose key repeats is captured once and then
+launched as one cuGraphLaunch. A key seen fewer times than the policy's `capture_after` runs eagerly, so calls whose
+addresses never repeat cost an eager call and nothing more. The least recently used graph beyond `keep` is dropped
+(the driver frees an executable graph once its launches finish). Captures go through one private stream per
+device, in the driver's thread-local capture mode (cupyffn/cuda/call_graph.py).
 """
 
 import collections
+import threading
+from typing import NamedTuple, Optional
 
-#: Graphs kept per plan, and pointer sets remembered (seen once) per plan.
-KEEP = 8
-SEEN = 64
-
-
-def _runtime():
-    from cupy_backends.cuda.api import runtime
-
-    return runtime
+from .call_graph import CallGraph
 
 
-class GraphReplay:
-    """The graphs of one plan. `run(key, enqueue, stream_ptr, done_event_ptr)`: `enqueue(stream_ptr, capturing)`
-    issues the call eagerly (capturing False) or into a capture (True). The plan's lock is held by the caller."""
+class GraphPolicy(NamedTuple):
+    """When an engine's calls become graphs (the graph column of cupyffn/api/routes.py's table)."""
 
-    def __init__(self):
+    name: str
+    capture_after: Optional[int]  # sightings of one key before its graph is captured (1: the first); None: never
+    keep: int                     # graphs kept per engine
+
+
+_capture_streams = {}  # device id -> the private stream every capture on that device goes through
+_capture_lock = threading.Lock()  # one capture at a time per process: engines on other threads share the stream
+
+
+def _capture_stream(device_id):
+    stream = _capture_streams.get(device_id)
+    if stream is None:
+        import cupy
+
+        with cupy.cuda.Device(device_id):
+            stream = _capture_streams[device_id] = cupy.cuda.Stream(non_blocking=True)
+    return stream
+
+
+class GraphCache:
+    """The graphs of one engine under `policy`. `run(key, issue, stream_ptr)`: `issue(stream_ptr, captured)` issues
+    the call eagerly (captured False) or into a capture (True). The engine's lock is held by the caller."""
+
+    def __init__(self, policy, device_id):
+        if not policy.capture_after or policy.capture_after < 1 or policy.keep < 1:
+            raise ValueError(f"a GraphCache needs capture_after >= 1 and keep >= 1; got {policy}")
+        self.policy = policy
+        self.device_id = device_id
         self._graphs = collections.OrderedDict()
-        self._seen = set()
-        self._capture_stream = None
+        self._seen = {}  # key -> sightings so far (below capture_after)
         self.captures = self.launches = 0
 
     def graph(self, key):
@@ -40,49 +62,38 @@ class GraphReplay:
             self._graphs.move_to_end(key)
         return graph
 
-    def launch(self, graph, stream_ptr, done_event_ptr=None):
-        """Launch `graph` on `stream_ptr`, ordered like an eager call after the plan's previous call when
-        `done_event_ptr` is given (recorded after each call; None: the caller orders it)."""
-        runtime = _runtime()
-        if done_event_ptr is not None:
-            runtime.streamWaitEvent(stream_ptr, done_event_ptr, 0)
-        try:
-            graph.launch(stream_ptr)
-            self.launches += 1
-        finally:
-            if done_event_ptr is not None:
-                runtime.eventRecord(done_event_ptr, stream_ptr)
+    def launch(self, graph, stream_ptr):
+        graph.launch(stream_ptr)
+        self.launches += 1
 
-    def run(self, key, enqueue, stream_ptr, done_event_ptr=None):
-        """Issue the call of `key` on `stream_ptr`: eagerly the first time the key is seen, then as its graph
-        (launched as `launch` does)."""
+    def run(self, key, issue, stream_ptr):
+        """Issue the call of `key` on `stream_ptr`: eagerly until the policy's sightings are reached, then as its
+        graph."""
         graph = self.graph(key)
         if graph is None:
-            if key not in self._seen:
-                if len(self._seen) >= SEEN:
+            seen = self._seen.get(key, 0) + 1
+            if seen < self.policy.capture_after:
+                if len(self._seen) >= 8 * self.policy.keep:  # keys that never repeat are forgotten in bulk
                     self._seen.clear()
-                self._seen.add(key)
-                enqueue(stream_ptr, False)
+                self._seen[key] = seen
+                issue(stream_ptr, False)
                 return
-            graph = self._capture(enqueue, stream_ptr)
+            self._seen.pop(key, None)
+            graph = self._capture(issue, stream_ptr)
             self._graphs[key] = graph
-            while len(self._graphs) > KEEP:
+            while len(self._graphs) > self.policy.keep:
                 self._graphs.popitem(last=False)[1].destroy()
-        self.launch(graph, stream_ptr, done_event_ptr)
+        self.launch(graph, stream_ptr)
 
-    def _capture(self, enqueue, stream_ptr):
-        import cupy
-
-        from .call_graph import CallGraph
-
-        if self._capture_stream is None:
-            self._capture_stream = cupy.cuda.Stream(non_blocking=True)
+    def _capture(self, issue, stream_ptr):
         graph = CallGraph()  # no re-pointed nodes: every pointer is the key's
-        try:
-            graph.capture(lambda sp: enqueue(sp, True), self._capture_stream.ptr, upload_stream_ptr=stream_ptr)
-        except BaseException:
-            graph.destroy()
-            raise
+        with _capture_lock:
+            try:
+                graph.capture(lambda sp: issue(sp, True), _capture_stream(self.device_id).ptr,
+                              upload_stream_ptr=stream_ptr)
+            except BaseException:
+                graph.destroy()
+                raise
         self.captures += 1
         return graph
 

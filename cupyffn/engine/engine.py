@@ -4,12 +4,14 @@ handles, the per-call binding (`set_io`) and its lifetime (`close`).
 `GpuEngine` is composed of the parts that hold the rest: its `Plan` (what runs, with the scratch layout:
 cupyffn/engine/plan.py, cupyffn/engine/layout.py), its `Kernels` and `Gemms` (the launches, built once:
 cupyffn/engine/launches.py) and its `Executor` (the stage graph on two streams, and the call graph:
-cupyffn/engine/schedule.py).
+cupyffn/engine/schedule.py). What every GPU engine shares (ordering, lifetime, the side stream under a caller's
+capture, the graph cache) is its base, cupyffn/cuda/stream_engine.py; the executor that runs it,
+cupyffn/api/execute.py.
 """
 
 from ..core import plans as _plan_cache
-from ..cuda.graph_cache import GraphReplay
 from ..core import precision as P
+from ..cuda.stream_engine import StreamEngine
 from ..gemm import cublas
 from ..gemm import desc as gemm_desc
 from ..gemm import sm90
@@ -25,8 +27,10 @@ def _of(part, name, doc=None):
     return property(lambda self: getattr(getattr(self, part), name, None), doc=doc)
 
 
-class GpuEngine:
+class GpuEngine(StreamEngine):
     """Everything one (T, D, H, precision, device) backward needs on the GPU, built once."""
+
+    what = "GeluFFNBackward plan"
 
     # the plan's decisions (cupyffn/engine/plan.py), read where the engine is
     options = _of("plan", "options")
@@ -52,11 +56,9 @@ class GpuEngine:
                  need_weight_grads=True, options=_options.DEFAULT, need_bias_grads=False):
         import cupy
 
-        self.device_id = device_id
         self.need_grad_hidden = need_grad_hidden
         self.need_weight_grads = need_weight_grads
         self.need_bias_grads = need_bias_grads
-        self._closed = False
         self._handles = []
         self.plan = self.kernels = self.gemms = None
         with cupy.cuda.Device(device_id):
@@ -64,6 +66,7 @@ class GpuEngine:
             if _plan_cache.is_capturing(self._alloc_stream_ptr):  # the zero fills below would join that capture
                 raise RuntimeError("cupyffn cannot build a backward plan while CuPy's current stream is being captured "
                                    "into a CUDA graph: build it (or make one call) before the capture begins")
+            StreamEngine.__init__(self, device_id)
             self._allocate_state()
             self._fp8 = {}  # gemm -> its e4m3 cuBLASLt plan (fp16+fp8), built while the plan chooses the forms
             self.plan = Plan(tokens, dim, hidden_dim, precision, need_grad_hidden, need_weight_grads, options,
@@ -72,22 +75,17 @@ class GpuEngine:
             self.layout = self.plan.layout
             self.gelu_in_gemm1 = False  # this call's: the epilogue forms gelu_out (memory mode; _select_mode)
             self._allocate()
-            self._side = cupy.cuda.Stream(non_blocking=True)
+            self.side = cupy.cuda.Stream(non_blocking=True)
             self._events = {name: cupy.cuda.Event(disable_timing=True) for name in EVENTS}
-            self._ev_done = cupy.cuda.Event(disable_timing=True)
-            self._last_stream_ptr = None
-            self.side_in_capture = False  # a captured call made the side stream join a caller's capture
-            self.side_capture_stream = 0  # ... on this stream of the caller's (its capture holds the side stream)
             self._recompute_g = False
             self._accumulate = False
             self._executor = Executor(self)
-            self.io_graphs = GraphReplay()  # call-graph plans: a graph per repeated set of arrays (_backward_gpu)
             self._main = cublas.acquire(device_id)
             self._handles.append(self._main)
             if need_weight_grads:
                 self._sidecar = cublas.acquire(device_id)
                 self._handles.append(self._sidecar)
-                self._sidecar.bind(self._side.ptr)
+                self._sidecar.bind(self.side.ptr)
             if self._fp8:  # the e4m3 GEMMs' cuBLASLt handles now, not inside a call a caller may be capturing
                 for handle in self._handles:
                     handle.lt
@@ -95,10 +93,8 @@ class GpuEngine:
                 self.kernels = Kernels(self.plan, self._base, self._state, self._consts, device_id)
                 self.gemms = Gemms(self.plan, self._base, self._consts, self._fp8, device_id, self.kernels.addr)
             self._select_mode(False)
-            # The zero-filled state and constants were enqueued on the current stream: the first call
-            # on any other stream waits for them (order_after_previous).
-            self.record_done(self._alloc_stream_ptr)
-            self._last_stream_ptr = self._alloc_stream_ptr
+            # the zero-filled state and constants were enqueued on the current stream
+            self.constructed(self._alloc_stream_ptr)
 
     # ------------------------------------------------------------------ state and memory
     def _build_fp8(self, plan, g):
@@ -167,6 +163,22 @@ class GpuEngine:
             return
         self._convert, self._fused, self._fused_rescue, self._decide = self.kernels.modes[self.gelu_in_gemm1]
 
+    def io_key(self, call, pointers):
+        """What `bind` points the launches at: the inputs' geometry, the outputs' pointers and accumulate."""
+        return call.inputs, tuple(pointers), bool(call.request.accumulate)
+
+    def bind(self, call, pointers):
+        """Point the launches at `call`'s arrays and the outputs at `pointers` (set_io)."""
+        self.set_io(call.inputs, pointers, call.request.accumulate)
+
+    def eager(self, stream_ptr, ready=0):
+        """An eager call: one re-pointed call graph launch where the plan runs one (not when grad_hidden_ready is
+        asked for: the graph records no event of the caller's), else the launches one by one."""
+        if self.call_graph and not ready:
+            self.launch_graph(stream_ptr)
+        else:
+            self.enqueue(stream_ptr, grad_hidden_ready=ready)
+
     def set_io(self, inputs, outputs, accumulate):
         """Point the prebuilt launches at this call's arrays (Matrix views) and outputs (device pointers:
         grad_hidden_states, grad_weight1, grad_weight2, then grad_bias1, grad_bias2 with need_bias_grads)."""
@@ -185,9 +197,10 @@ class GpuEngine:
         if self.need_bias_grads:
             self._bias.bind(dy, outputs[3], outputs[4], accumulate, self.kernels.dgelu)
 
-    def enqueue(self, stream_ptr, serial=False, mark=None, grad_hidden_ready=0):
-        """Issue the whole backward on `stream_ptr` and the side stream (schedule.Executor.enqueue)."""
-        self._executor.enqueue(stream_ptr, serial=serial, mark=mark, grad_hidden_ready=grad_hidden_ready)
+    def enqueue(self, stream_ptr, serial=False, ready=0, mark=None, grad_hidden_ready=0):
+        """Issue the whole backward on `stream_ptr` and the side stream (schedule.Executor.enqueue); `ready` or
+        `grad_hidden_ready`: the raw event recorded right after GEMM3."""
+        self._executor.enqueue(stream_ptr, serial=serial, mark=mark, grad_hidden_ready=ready or grad_hidden_ready)
 
     def graph_key(self):
         """What a call graph bakes in besides addresses: the beta of the weight gradients (cuBLAS takes its address
@@ -199,67 +212,18 @@ class GpuEngine:
         """The call set by set_io as one re-pointed call graph launch (schedule.Executor.launch_graph)."""
         self._executor.launch_graph(stream_ptr)
 
-    def allocates_for(self, inputs):
-        """Whether set_io(inputs, ...) would allocate (ieee memory mode's gelu_out buffer, on first use)."""
-        return inputs[6] is None and self.need_weight_grads and not self.planes and self._ieee_gelu is None
+    def allocates_for(self, call):
+        """Whether binding `call` would allocate (ieee memory mode's gelu_out buffer, on first use)."""
+        return call.inputs[6] is None and self.need_weight_grads and not self.planes and self._ieee_gelu is None
 
     def stage_bytes(self):
         """Bytes each memory-bound stage moves (for GB/s in the benchmark)."""
         return stage_bytes(self)
 
-    # Ordering and lifetime. Every eager call on a stream other than the previous call's first waits
-    # for `_ev_done` (order_after_previous), and the side stream joins back into the caller's stream
-    # before `_ev_done` is recorded (the executor's join, also on failure), so the last `_ev_done` follows all
-    # work of every earlier call on every stream: close() waits on that one event. Calls during a caller's
-    # CUDA stream capture neither wait on `_ev_done` nor record it (an event recorded outside the
-    # capture may not be waited on inside it, and one recorded inside cannot be synchronized on).
-    def side_stream_free(self):
-        """False while the side stream still belongs to a caller's capture: it joins at a captured call
-        and stays in capture mode until the caller ends the capture, so an eager call meanwhile must not
-        use it (its waits and launches would land in, and break, that capture), nor may a call captured
-        on another stream (a second capture open at the same time: joining it would break both). A
-        captured call on `side_capture_stream` is in the capture that holds it (a stream is in one
-        capture at a time, and that capture cannot end before the side stream rejoins it). Call with
-        the plan's lock held, when `side_in_capture` is set."""
-        if _plan_cache.is_capturing(self._side.ptr):
-            return False
-        self.side_in_capture = False
-        return True
-
-    def order_after_previous(self, stream_ptr):
-        """Make `stream_ptr` wait for the previous call if that ran on another stream (shared scratch)."""
-        from cupy_backends.cuda.api import runtime
-
-        if self._last_stream_ptr is not None and stream_ptr != self._last_stream_ptr:
-            runtime.streamWaitEvent(stream_ptr, self._ev_done.ptr, 0)
-        self._last_stream_ptr = stream_ptr
-
-    def record_done(self, stream_ptr):
-        """Mark the end of a call on `stream_ptr` (also after a failed call: its partial work counts)."""
-        from cupy_backends.cuda.api import runtime
-
-        runtime.eventRecord(self._ev_done.ptr, stream_ptr)
-
-    def close(self):
-        """Wait for all of this engine's eager calls (the last `_ev_done`, see above), then give back its
-        scratch and cuBLAS handles. Graph replays are not tracked: a plan a caller's graph captured is
-        pinned and not closed (_plan_cache).
-
-        Waiting (rather than passing an event on to whoever reuses the handles and memory) keeps the
-        ordering local; a plan is closed when it is evicted or collected, by then its work is done.
-        """
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            from cupy_backends.cuda.api import runtime
-
-            runtime.eventSynchronize(self._ev_done.ptr)
-        finally:
-            self._executor.destroy_graphs()
-            self.io_graphs.destroy()
-            for h in self._handles:
-                cublas.release(h)
-            self._handles = []
-            self._scratch = None
-
+    def _release(self):
+        """After the last call (StreamEngine.close): the graphs, the cuBLAS handles, the scratch."""
+        self._executor.destroy_graphs()
+        for h in self._handles:
+            cublas.release(h)
+        self._handles = []
+        self._scratch = None

@@ -19,29 +19,17 @@ and measurements (the benchmark's A/B twins, tests), not a user feature.
   max_k           the longest K one GEMM accumulator sums (cupyffn/gemm/ksplit.py; docs/decisions/001):
                   ksplit.MAX_K by default, None (or 0) unbounded, for measuring what the K-chunks buy
 
-Plans take them through the private keyword ``GeluFFNBackward(..., _options=EngineOptions(...))``; the
-functional ``gelu_ffn_backward`` keys its cached plans by them.
-
-One debugging and measurement aid reads the environment: ``CUPYFFN_ENGINE``, a comma-separated list of
-``field=value`` entries (switches: auto, 1 or 0; max_k: an integer or none), e.g.
-``CUPYFFN_ENGINE="fused_gemm1=0,call_graph=1,max_k=none"``. It is parsed (`EngineOptions.from_env`, cached by
-the raw string) into the options of every plan built without ``_options`` (explicit options ignore it), and read
-again at each functional call, whose plan cache then keeps plans of different values apart.
+Plans take them through the private keyword ``GeluFFNBackward(..., _options=EngineOptions(...))`` (the benchmark's
+A/B twins and the tests); the functions' plans use the defaults. They are arguments, never read from the environment.
 """
 
 import dataclasses
-import os
 from typing import Optional
 
 from ..gemm import ksplit
 
-#: The debug variable (module docstring).
-ENV = "CUPYFFN_ENGINE"
 #: The fields that turn one mechanism on or off (None: auto).
 SWITCHES = ("fused_gemm1", "gelu_epilogue", "epilogue_warps", "sm90_pair", "call_graph", "convert_ab")
-_SWITCH_VALUES = {"auto": None, "1": True, "0": False}
-_VALID = (f"fields {', '.join(SWITCHES)} = auto, 1 or 0; max_k = none or an integer >= 0, "
-          f"a multiple of {ksplit.ALIGN}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,52 +56,12 @@ class EngineOptions:
         if k is not None and (k < 0 or k % ksplit.ALIGN):
             raise ValueError(f"EngineOptions.max_k must be None or an integer >= 0, a multiple of "
                              f"{ksplit.ALIGN}; got {k!r}")
-        # plan-cache keys hash the options at every functional call: once here, not per lookup
+        # hashed once here, not per lookup
         object.__setattr__(self, "_hash", hash(dataclasses.astuple(self)))
 
     def __hash__(self):
         return self._hash
 
-    @classmethod
-    def from_env(cls):
-        """The options CUPYFFN_ENGINE asks for (the defaults where it is unset or empty); ValueError naming the
-        variable and the bad entry otherwise. Parsed once per raw string."""
-        raw = os.environ.get(ENV, "")
-        options = _parsed.get(raw)
-        if options is None:
-            options = parse(raw)
-            if len(_parsed) >= 64:
-                _parsed.clear()
-            _parsed[raw] = options
-        return options
 
-
-def parse(text):
-    """EngineOptions from a CUPYFFN_ENGINE string (module docstring)."""
-    fields = {}
-    for entry in text.split(","):
-        entry = entry.strip()
-        if not entry:
-            continue
-        name, eq, value = (part.strip() for part in entry.partition("="))
-        if not eq or name not in SWITCHES + ("max_k",):
-            raise ValueError(f"{ENV}={text!r}: {entry!r} is not field=value with a known field ({_VALID})")
-        if name in fields:
-            raise ValueError(f"{ENV}={text!r}: {name} is given twice")
-        if name == "max_k":
-            if value.lower() == "none":
-                fields[name] = None
-            elif value.isascii() and value.isdigit() and int(value) % ksplit.ALIGN == 0:
-                fields[name] = int(value)
-            else:
-                raise ValueError(f"{ENV}={text!r}: bad value in {entry!r} ({_VALID})")
-        elif value.lower() in _SWITCH_VALUES:
-            fields[name] = _SWITCH_VALUES[value.lower()]
-        else:
-            raise ValueError(f"{ENV}={text!r}: bad value in {entry!r} ({_VALID})")
-    return EngineOptions(**fields)
-
-
-_parsed = {}  # raw CUPYFFN_ENGINE -> EngineOptions (from_env)
 #: The options of a plan nobody configured: every mechanism where its measured window puts it.
 DEFAULT = EngineOptions()

@@ -175,7 +175,7 @@ class Executor:
 
         e = self.engine
         mark = mark or (lambda stage: None)
-        streams = {"S": stream_ptr, "S2": stream_ptr if serial else e._side.ptr}
+        streams = {"S": stream_ptr, "S2": stream_ptr if serial else e.side.ptr}
         handles = {"S": e._main, "S2": e._main if serial else getattr(e, "_sidecar", None)}
         events = e._events
         gemms = (e.gemm1, e.gemm2, e.gemm3, e.gemm4)

@@ -1,8 +1,8 @@
-"""The block on cuBLASLt's fused epilogues: 16-bit activations (bf16, fp16) and biases (docs/decisions/049).
+"""The cuBLASLt engine: the block with 16-bit activations (bf16, fp16), biases optional, on cuBLASLt's fused
+epilogues (docs/decisions/049).
 
-Every GEMM multiplies its operands as they come (bf16 / fp16 tensor cores; float32 activations with biases:
-plain fp32 SGEMM for precision "ieee", the operands rounded to TF32 on the tensor cores for "tf32") and
-accumulates in fp32; the elementwise work rides in the GEMMs' epilogues:
+Every GEMM multiplies its 16-bit operands as they come and accumulates in fp32; the elementwise work rides in the
+GEMMs' epilogues (the activation's, cupyffn/core/activation.py):
 
 Forward, one stream:   [fp32 weights and biases to the activation dtype] ─► z = x W1^T + b1, epilogue GELU_AUX_BIAS:
                        gelu_out = GELU(z) and linear1_out = z (aux) ─► output = gelu_out W2^T + b2, epilogue BIAS.
@@ -13,43 +13,23 @@ Backward, two streams: main  [W2, W1 to 16-bit] ─► GEMM1 grad_linear1 = (dy 
                              sums of dy (epilogue BGRADB); the main stream joins it at the end.
 grad_linear1 is rounded to the activation dtype once (as torch's autocast rounds the matmul's output before the GELU
 backward); weight and bias gradients leave the GEMMs in fp32 (or the grads' dtype) without a rounding step between.
+Weights may come as stored by transformers' Conv1D ([in, out]: `LtKey.weights_transposed`): the GEMMs that read
+them take the other operand layout, no copy.
 """
 
-import threading
-from typing import NamedTuple
-
+from ..core import activation
 from ..cuda import kernels as _kernels
-from ..core import plans as _plan_cache
-from ..cuda.graph_cache import GraphReplay
+from ..cuda.stream_engine import StreamEngine
 from ..gemm import cublas, cublaslt
 from ..gemm.cublas import R_16BF, R_16F, R_32F
+from .key import LtKey  # noqa: F401 (what each engine is built for)
 
 #: cudaDataType and half.cu's template argument of each activation dtype name.
 CUDA_TYPE = {"bfloat16": R_16BF, "float16": R_16F, "float32": R_32F}
 HALF_CODE = {"bfloat16": 0, "float16": 1}
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
-#: cuBLAS compute type of each precision float32 activations may take here (16-bit activations: None, COMPUTE_32F).
-# (COMPUTE_32F_FAST_16BF is not offered for "bf16": measured on the H200, cuBLASLt then runs its TF32 kernels;
-# docs/decisions/049-biases-and-16-bit-activations.md)
-COMPUTE = {None: cublaslt.COMPUTE_32F, "ieee": cublaslt.COMPUTE_32F, "tf32": cublaslt.COMPUTE_32F_FAST_TF32}
-
-
-class LtKey(NamedTuple):
-    """What a plan is built for (the plan cache's key)."""
-
-    device: int
-    tokens: int
-    dim: int
-    hidden_dim: int
-    act: str            # dtype name of the activations (grad_output, hidden_states, linear1_out, gelu_out, outputs)
-    weights: str        # dtype name of the weights as given ("float32" master weights, or act)
-    grads: str          # dtype name of the weight and bias gradients ("float32", or weights); forward: act
-    bias1: bool         # forward: bias1 given; backward: bias gradients wanted
-    bias2: bool
-    need_grad_hidden: bool = True
-    need_weight_grads: bool = True
-    recompute_gelu: bool = False  # backward: gelu_out not given (memory mode)
-    precision: str = None  # float32 activations: "ieee" or "tf32" (COMPUTE); 16-bit activations: None
+_EPILOGUE = {name: getattr(cublaslt, "EPILOGUE_" + name)
+             for name in (activation.LT_FORWARD, activation.LT_FORWARD_BIAS, activation.LT_BACKWARD)}
 
 
 class _Scratch:
@@ -68,17 +48,15 @@ class _Scratch:
         self.nbytes = total
 
 
-class _Engine:
-    """What the forward and backward engines share: device, scratch, GEMM building, conversion launches, the
-    lock and the "last eager call done" event (as cupyffn/_forward.py's GpuForward)."""
+class _Engine(StreamEngine):
+    """What the forward and backward engines share: the key, scratch, GEMM building and the weights' conversion (the
+    rest, StreamEngine: cupyffn/cuda/stream_engine.py)."""
 
     def __init__(self, key, scratch):
         import cupy
 
+        StreamEngine.__init__(self, key.device)
         self.key = key
-        self.device_id = key.device
-        self.lock = threading.Lock()
-        self.closed = False
         self._handles = []
         self.gemms = {}
         with cupy.cuda.Device(key.device):
@@ -88,15 +66,8 @@ class _Engine:
             except cupy.cuda.memory.OutOfMemoryError as e:
                 raise MemoryError(f"cupyffn needs {sum(scratch.values())} bytes of device scratch for {key}: {e}") \
                     from None
-            self._ev_done = cupy.cuda.Event(disable_timing=True)
-            self._ev_done.record()
+            self.constructed(cupy.cuda.get_current_stream().ptr)  # the constants' copy
         self.zero, self.one = self._consts.data.ptr, self._consts.data.ptr + 4
-        self.graphs = GraphReplay()  # the torch layer's calls by pointer set (cupyffn/_graph_replay.py)
-
-    def replay(self, key, enqueue, stream_ptr):
-        """`enqueue(stream_ptr, capturing)` through this plan's pointer-set graphs (GraphReplay.run). Hold `lock`;
-        not on a stream a caller is capturing (enqueue there directly)."""
-        self.graphs.run(key, enqueue, stream_ptr, self._ev_done.ptr)
 
     def handle(self):
         h = cublas.acquire(self.device_id)
@@ -104,14 +75,17 @@ class _Engine:
         return h
 
     def gemm(self, name, m, n, k, a, b, c, a_trans=False, b_trans=False, epilogue=cublaslt.EPILOGUE_DEFAULT,
-             bias_type=None):
-        """An LtMatmul of row-major C[m,n] = op(A) op(B) on contiguous operands (dtype names a, b, c)."""
+             bias_type=None, weight_b=False):
+        """An LtMatmul of row-major C[m,n] = op(A) op(B) on contiguous operands (dtype names a, b, c); `weight_b`:
+        B is a weight, read in the other layout when the weights are stored transposed."""
+        if weight_b and self.key.weights_transposed:
+            b_trans = not b_trans
         lda = m if a_trans else k
         ldb = k if b_trans else n
         g = cublaslt.LtMatmul(m, n, k, CUDA_TYPE[a], CUDA_TYPE[b], CUDA_TYPE[c], a_trans, b_trans, lda, ldb, n,
                               name=name, device_id=self.device_id, epilogue=epilogue,
                               bias_type=None if bias_type is None else CUDA_TYPE[bias_type],
-                              compute=COMPUTE[self.key.precision])
+                              compute=cublaslt.COMPUTE_32F)
         g.alpha.value, g.beta.value = self.one, self.zero
         self.gemms[name] = g
         return g
@@ -123,26 +97,20 @@ class _Engine:
         n = rows * (cols // 4 if vec else cols)
         _launch(kernel, n, stream_ptr, (src_ptr, cols, dst_ptr, cols, rows, cols, vec), self.device_id)
 
-    def close(self):
-        """Wait for the last eager call, then give back the handles and the scratch (as GpuForward.close)."""
-        from cupy_backends.cuda.api import runtime
+    def io_key(self, call, pointers):
+        """Everything a call is pointed at (the graph cache's key): inputs, outputs, accumulate."""
+        return tuple(None if m is None else m.ptr for m in call.inputs), tuple(pointers), call.request.accumulate
 
-        with self.lock:
-            if self.closed:
-                return
-            if _plan_cache.is_pinned(self):
-                raise _plan_cache.pinned_error("plan")
-            self.closed = True
-        try:
-            runtime.eventSynchronize(self._ev_done.ptr)
-        finally:
-            self.graphs.destroy()
-            for g in self.gemms.values():
-                g.close()
-            for h in self._handles:
-                cublas.release(h)
-            self._handles = []
-            self.scratch = None
+    def eager(self, stream_ptr, ready=0):
+        self.enqueue(stream_ptr, ready=ready)
+
+    def _release(self):
+        for g in self.gemms.values():
+            g.close()
+        for h in self._handles:
+            cublas.release(h)
+        self._handles = []
+        self.scratch = None
 
 
 def _launch(kernel, n, stream_ptr, args, device_id):
@@ -163,6 +131,8 @@ def _launch(kernel, n, stream_ptr, args, device_id):
 class LtForward(_Engine):
     """The forward of one LtKey (see the module docstring)."""
 
+    what = "forward engine"
+
     def __init__(self, key):
         T, D, H, act = key.tokens, key.dim, key.hidden_dim, key.act
         convert = key.weights != act
@@ -172,50 +142,57 @@ class LtForward(_Engine):
             scratch = {"weight1": H * D * size, "weight2": D * H * size, "bias1": H * size, "bias2": D * size}
         super().__init__(key, scratch)
         self.convert = convert
-        E = cublaslt
+        gelu = _EPILOGUE[activation.LT_FORWARD_BIAS if key.bias1 else activation.LT_FORWARD]
         self.gemm("linear1_out, gelu_out = GELU(hidden_states @ weight1^T + bias1)", T, H, D, act, act, act,
-                  b_trans=True, epilogue=E.EPILOGUE_GELU_AUX_BIAS if key.bias1 else E.EPILOGUE_GELU_AUX)
+                  b_trans=True, epilogue=gelu, weight_b=True)
         self.gemm("output = gelu_out @ weight2^T + bias2", T, D, H, act, act, act, b_trans=True,
-                  epilogue=E.EPILOGUE_BIAS if key.bias2 else E.EPILOGUE_DEFAULT)
+                  epilogue=cublaslt.EPILOGUE_BIAS if key.bias2 else cublaslt.EPILOGUE_DEFAULT, weight_b=True)
         self._g1, self._g2 = self.gemms.values()
         self._h = self.handle()
+        self._ptrs = None
 
-    def run(self, x, w1, w2, b1, b2, out, stream_ptr, capturing):
-        """Enqueue: x, w1, w2, b1, b2 device pointers (b1 / b2 None when absent), out = (output, linear1_out,
-        gelu_out) pointers. Hold `lock`."""
-        from cupy_backends.cuda.api import runtime
+    def bind(self, call, pointers):
+        """`call`'s input pointers (hidden_states, weight1, weight2, bias1, bias2; None where absent) and the outputs
+        (output, linear1_out, tanh_inner: not written, gelu_out)."""
+        self._ptrs = tuple(None if m is None else m.ptr for m in call.inputs), pointers
 
+    def enqueue(self, stream_ptr, serial=False, ready=0):
+        """Issue the bound forward on `stream_ptr` (one stream)."""
+        (x, w1, w2, b1, b2), (y, z, _, g) = self._ptrs
         k = self.key
-        y, z, g = out
-        if not capturing:
-            runtime.streamWaitEvent(stream_ptr, self._ev_done.ptr, 0)
-        try:
-            if self.convert:
-                s = self.scratch.ptr
-                self.to_half(w1, s["weight1"], k.hidden_dim, k.dim, stream_ptr)
-                self.to_half(w2, s["weight2"], k.dim, k.hidden_dim, stream_ptr)
-                w1, w2 = s["weight1"], s["weight2"]
-                if b1 is not None:
-                    self.to_half(b1, s["bias1"], 1, k.hidden_dim, stream_ptr)
-                    b1 = s["bias1"]
-                if b2 is not None:
-                    self.to_half(b2, s["bias2"], 1, k.dim, stream_ptr)
-                    b2 = s["bias2"]
-            g1, g2 = self._g1, self._g2
-            g1.a.value, g1.b.value, g1.c.value = x, w1, g
-            g1.set_epilogue(bias=b1, aux=z)
-            g2.a.value, g2.b.value, g2.c.value = g, w2, y
-            g2.set_epilogue(bias=b2)
-            self._h.bind(stream_ptr)
-            g1(self._h)
-            g2(self._h)
-        finally:
-            if not capturing:
-                runtime.eventRecord(self._ev_done.ptr, stream_ptr)
+        if self.convert:
+            s = self.scratch.ptr
+            self.to_half(w1, s["weight1"], k.hidden_dim, k.dim, stream_ptr)
+            self.to_half(w2, s["weight2"], k.dim, k.hidden_dim, stream_ptr)
+            w1, w2 = s["weight1"], s["weight2"]
+            if b1 is not None:
+                self.to_half(b1, s["bias1"], 1, k.hidden_dim, stream_ptr)
+                b1 = s["bias1"]
+            if b2 is not None:
+                self.to_half(b2, s["bias2"], 1, k.dim, stream_ptr)
+                b2 = s["bias2"]
+        g1, g2 = self._g1, self._g2
+        g1.a.value, g1.b.value, g1.c.value = x, w1, g
+        g1.set_epilogue(bias=b1, aux=z)
+        g2.a.value, g2.b.value, g2.c.value = g, w2, y
+        g2.set_epilogue(bias=b2)
+        self._h.bind(stream_ptr)
+        g1(self._h)
+        g2(self._h)
+
+
+_GEMM1 = "grad_linear1 = (grad_output @ weight2) * GELU'(linear1_out)"
+_GEMM2 = "grad_weight2 = grad_output^T @ gelu_out"
+_GEMM3 = "grad_hidden_states = grad_linear1 @ weight1"
+_GEMM4 = "grad_weight1 = grad_linear1^T @ hidden_states"
+_INPUTS = ("grad_output", "hidden_states", "weight1", "weight2", "linear1_out", "tanh_inner", "gelu_out")
+_GRADS = ("grad_hidden_states", "grad_weight1", "grad_weight2", "grad_bias1", "grad_bias2")
 
 
 class LtBackward(_Engine):
     """The backward of one LtKey (see the module docstring)."""
+
+    what = "backward plan"
 
     def __init__(self, key):
         import cupy
@@ -234,37 +211,44 @@ class LtBackward(_Engine):
         scratch.update(grad_bias1=H * ITEMSIZE[gt], grad_bias2=D * ITEMSIZE[gt])  # accumulate=True adds from here
         super().__init__(key, scratch)
         E = cublaslt
-        self.gemm("grad_linear1 = (grad_output @ weight2) * GELU'(linear1_out)", T, H, D, act, act, act,
-                  epilogue=E.EPILOGUE_DGELU)
+        self.gemm(_GEMM1, T, H, D, act, act, act, epilogue=_EPILOGUE[activation.LT_BACKWARD], weight_b=True)
         if key.need_grad_hidden:
-            self.gemm("grad_hidden_states = grad_linear1 @ weight1", T, D, H, act, act, act)
+            self.gemm(_GEMM3, T, D, H, act, act, act, weight_b=True)
         if self.weight_gemms:
-            self.gemm("grad_weight1 = grad_linear1^T @ hidden_states", H, D, T, act, act, gt, a_trans=True,
+            self.gemm(_GEMM4, H, D, T, act, act, gt, a_trans=True,
                       epilogue=E.EPILOGUE_BGRADB if key.bias1 else E.EPILOGUE_DEFAULT)
-            self.gemm("grad_weight2 = grad_output^T @ gelu_out", D, H, T, act, act, gt, a_trans=True,
+            self.gemm(_GEMM2, D, H, T, act, act, gt, a_trans=True,
                       epilogue=E.EPILOGUE_BGRADB if key.bias2 else E.EPILOGUE_DEFAULT)
         with cupy.cuda.Device(key.device):
             self._main, self._side_h = self.handle(), self.handle()
-            self._side = cupy.cuda.Stream(non_blocking=True)
+            self.side = cupy.cuda.Stream(non_blocking=True)
             self._ev_fork = cupy.cuda.Event(disable_timing=True)
             self._ev_join = cupy.cuda.Event(disable_timing=True)
+        self._a = self._out = None
+        self._accumulate = False
 
-    def run(self, a, out, stream_ptr, capturing, accumulate, ready_event=None):
-        """Enqueue. `a`: dict of input pointers (grad_output, hidden_states, weight1, weight2, linear1_out,
-        gelu_out: None in memory mode); `out`: dict of output pointers (grad_hidden_states, grad_weight1,
-        grad_weight2, grad_bias1, grad_bias2; None: not wanted). Bias gradients are written to scratch and added
-        into out when `accumulate`. Hold `lock`."""
+    def bind(self, call, pointers):
+        """`call`'s input pointers and the outputs `pointers` (grad_hidden_states, grad_weight1, grad_weight2,
+        grad_bias1, grad_bias2; 0 where not wanted), and accumulate."""
+        self._a = {n: (None if m is None else m.ptr) for n, m in zip(_INPUTS, call.inputs)}
+        self._out = {n: (p or None) for n, p in zip(_GRADS, pointers)}
+        self._accumulate = bool(call.request.accumulate)
+
+    def enqueue(self, stream_ptr, serial=False, ready=0):
+        """Issue the bound backward: GEMM2 on the side stream beside GEMM1, GEMM3, GEMM4 on `stream_ptr` (all on
+        `stream_ptr` when `serial`); `ready`: a raw event recorded right after GEMM3. Bias gradients are written to
+        scratch and added into out= when accumulating."""
         from cupy_backends.cuda.api import runtime
 
+        a, out, accumulate = self._a, self._out, self._accumulate
         k, s, gm = self.key, self.scratch.ptr, self.gemms
         T, D, H = k.tokens, k.dim, k.hidden_dim
-        side = self._side.ptr
-        if not capturing:
-            runtime.streamWaitEvent(stream_ptr, self._ev_done.ptr, 0)
+        side = stream_ptr if serial else self.side.ptr
         adds = []
-        try:
+        if not serial:
             runtime.eventRecord(self._ev_fork.ptr, stream_ptr)
             runtime.streamWaitEvent(side, self._ev_fork.ptr, 0)
+        try:
             w1, w2 = a["weight1"], a["weight2"]
             if self.convert:
                 self.to_half(w2, s["weight2"], D, H, stream_ptr)
@@ -292,7 +276,7 @@ class LtBackward(_Engine):
                     g = s["gelu_out"]
                     kernel = _kernels.get_function("half", f"gelu_half_kernel<{HALF_CODE[k.act]}>", self.device_id)
                     _launch(kernel, T * H, side, (z, H, g, H, T, H), self.device_id)
-                g2 = gm["grad_weight2 = grad_output^T @ gelu_out"]
+                g2 = gm[_GEMM2]
                 g2.a.value, g2.b.value, g2.c.value = dy, g, target("grad_weight2")
                 g2.beta.value = beta if out.get("grad_weight2") is not None else self.zero
                 if k.bias2:
@@ -301,42 +285,36 @@ class LtBackward(_Engine):
                 g2(self._side_h)
             # main stream: GEMM1, GEMM3, GEMM4
             self._main.bind(stream_ptr)
-            g1 = gm["grad_linear1 = (grad_output @ weight2) * GELU'(linear1_out)"]
+            g1 = gm[_GEMM1]
             g1.a.value, g1.b.value, g1.c.value = dy, w2, gl
             g1.set_epilogue(aux=z)
             g1(self._main)
             if k.need_grad_hidden:
-                g3 = gm["grad_hidden_states = grad_linear1 @ weight1"]
+                g3 = gm[_GEMM3]
                 g3.a.value, g3.b.value, g3.c.value = gl, w1, out["grad_hidden_states"]
                 g3(self._main)
-                if ready_event is not None:
-                    runtime.eventRecord(ready_event.ptr, stream_ptr)
+                if ready:
+                    runtime.eventRecord(ready, stream_ptr)
             if self.weight_gemms:
-                g4 = gm["grad_weight1 = grad_linear1^T @ hidden_states"]
+                g4 = gm[_GEMM4]
                 g4.a.value, g4.b.value, g4.c.value = gl, x, target("grad_weight1")
                 g4.beta.value = beta if out.get("grad_weight1") is not None else self.zero
                 if k.bias1:
                     g4.set_epilogue(bias=bias_target("grad_bias1"))
                 g4(self._main)
-            runtime.eventRecord(self._ev_join.ptr, side)
-            runtime.streamWaitEvent(stream_ptr, self._ev_join.ptr, 0)
-            for name, ptr in adds:  # accumulate=True: out += this call's bias gradient
-                _add(ptr, s[name], H if name == "grad_bias1" else D, k.grads, k.device, stream_ptr)
-        finally:
-            if not capturing:
-                runtime.eventRecord(self._ev_done.ptr, stream_ptr)
-
-
-_ADD = {}
+        finally:  # also on failure: nothing of this call may land after the caller's error handling
+            if not serial:
+                runtime.eventRecord(self._ev_join.ptr, side)
+                runtime.streamWaitEvent(stream_ptr, self._ev_join.ptr, 0)
+        for name, ptr in adds:  # accumulate=True: out += this call's bias gradient
+            _add(ptr, s[name], H if name == "grad_bias1" else D, k.grads, k.device, stream_ptr)
 
 
 def _add(dst, src, n, dtype, device_id, stream_ptr):
     """dst[:n] += src[:n] on `stream_ptr` (CuPy's elementwise add over views of the two vectors)."""
     import cupy
 
-    from ..core.views import typed_view
-
-    from ..core.views import external_stream
+    from ..core.views import external_stream, typed_view
 
     with cupy.cuda.Device(device_id), external_stream(stream_ptr, device_id):
         d = typed_view(dst, (n,), (1,), device_id, dtype)

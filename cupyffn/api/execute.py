@@ -1,0 +1,231 @@
+"""The one executor: a validated Call, its Route and its engine in; the outputs allocated (or the caller's out=),
+the engine bound and run along the route, the results out. Every entry point ends here (cupyffn/api/functional.py
+for the functions, cupyffn/api/backward_plan.py for plans).
+
+GPU, under the engine's lock: the capture query; under a caller's capture no allocation, no host synchronization and
+no event from outside the capture (the engine is pinned: a graph may replay its scratch); otherwise ordering after
+the engine's previous call (cupyffn/cuda/stream_engine.py). Then, by the route's graph policy (cupyffn/api/routes.py):
+into the caller's capture; all on the caller's stream while a capture holds the side stream; the graph of this set
+of arrays (cupyffn/cuda/graph_cache.py), captured once the policy has seen it often enough; or the engine's eager
+call. After a failure (not under capture) the caller's out= arrays are NaN-filled, so no stale or partial value
+passes; the engine's "done" event is recorded also then, so close() waits for the partial work.
+"""
+
+import contextlib
+import math
+
+import numpy
+
+from ..core import arrays as _arrays
+from ..core import plans as _plans
+from ..core.results import FFNForward, FFNGrads
+from ..core.views import numpy_dtype
+
+_NAN16 = {"bfloat16": 0x7FC0, "float16": 0x7E00}
+
+
+def results_type(call):
+    return FFNForward if call.kind == "forward" else FFNGrads
+
+
+# ---------------------------------------------------------------------- outputs
+def outputs(call, out, stream=None, capturing=False, owned=None, what="cupyffn"):
+    """(results for the caller, the outputs as arrays (None where not computed)): the caller's out= object where it
+    gave one, else a new array (NumPy on the CPU; CuPy on `stream` on a GPU), or the plan's own (`owned`: a list a
+    graph=True plan keeps its outputs in)."""
+    shapes, dtypes, computed = call.output_shapes(), call.output_dtypes(), call.computed
+    results, arrays, missing = [], [], []
+    for i, given in enumerate(call.out):
+        if not computed[i]:
+            results.append(None)
+            arrays.append(None)
+        elif given is not None:
+            results.append(out[i])
+            arrays.append(call.out_arrays[i])
+        elif owned is not None and owned[i] is not None:
+            results.append(owned[i])
+            arrays.append(owned[i])
+        else:
+            missing.append(i)
+            results.append(None)
+            arrays.append(None)
+    if missing and capturing:
+        names = ", ".join(_names(call)[i] for i in missing)
+        raise RuntimeError(f"cupyffn: {what} was called during CUDA stream capture without out= for {names}: "
+                           f"allocating from CuPy's memory pool inside a capture would tie that memory to the graph "
+                           f"with nothing keeping it alive. Pass every output in out=")
+    for i in missing:
+        a = _allocate(call, shapes[i], dtypes[i], stream)
+        results[i] = arrays[i] = a
+        if owned is not None:
+            owned[i] = a
+    return results, arrays
+
+
+def _names(call):
+    from .validate import outputs_of
+
+    return outputs_of(call.kind)
+
+
+def _allocate(call, shape, dtype, stream):
+    if call.backend == "cpu":
+        return numpy.empty(shape, numpy_dtype(dtype))
+    import cupy
+
+    try:
+        with cupy.cuda.Device(call.device), stream:
+            return cupy.empty(shape, dtype=numpy_dtype(dtype))
+    except cupy.cuda.memory.OutOfMemoryError as e:
+        nbytes = numpy_dtype(dtype).itemsize * math.prod(shape)
+        raise MemoryError(f"cupyffn could not allocate an output of shape {shape} ({nbytes} bytes): {e}") from None
+
+
+def _geometry(call, arrays):
+    """The outputs' 2-D geometry (None where not computed): the validated out= entries, and the arrays allocated."""
+    dtypes = call.output_dtypes()
+    shapes = call.output_shapes()
+    geometry = []
+    for i, a in enumerate(arrays):
+        if a is None:
+            geometry.append(None)
+        elif call.out[i] is not None:
+            geometry.append(call.out[i])
+        else:
+            cols = shapes[i][-1]
+            geometry.append(_arrays.Matrix(_arrays.data_ptr(a), math.prod(shapes[i][:-1]), cols, cols, dtypes[i]))
+    return geometry
+
+
+# ---------------------------------------------------------------------- running
+def run(call, route, engine, out, stream=None, ready=0, owned=None, what="cupyffn"):
+    """Run `call` (validated) along `route` on `engine` (None when call.tokens == 0: nothing to launch); returns the
+    results (module docstring). `ready`: a raw CUDA event recorded once grad_hidden_states is written."""
+    if call.backend == "cpu":
+        results, arrays = outputs(call, out, what=what)
+        _run_cpu(call, engine, arrays)
+        return results_type(call)(*results)
+    import cupy
+
+    device = contextlib.nullcontext() if cupy.cuda.runtime.getDevice() == call.device else \
+        cupy.cuda.Device(call.device)
+    with device:
+        s = stream if stream is not None else cupy.cuda.get_current_stream()
+        capturing = _plans.is_capturing(s.ptr)
+        results, arrays = outputs(call, out, s, capturing, owned, what)
+        if call.tokens == 0:
+            _no_tokens(call, arrays, s, ready)
+        else:
+            _run_gpu(call, route, engine, arrays, s, capturing, ready)
+    return results_type(call)(*results)
+
+
+def _no_tokens(call, arrays, stream, ready):
+    """T = 0: nothing to multiply; weight and bias gradients are zero (unchanged when accumulating)."""
+    if call.kind == "backward" and not call.request.accumulate:
+        for a in arrays[1:]:
+            if a is not None:
+                _fill(_as_array(a, call), stream, 0)
+    if ready:
+        import cupy
+
+        cupy.cuda.runtime.eventRecord(ready, stream.ptr)
+
+
+def _run_cpu(call, engine, arrays):
+    views = [None if a is None else a.reshape(-1, a.shape[-1]) for a in arrays]  # outputs are C-contiguous
+    if call.tokens == 0:
+        if call.kind == "backward" and not call.request.accumulate:
+            for v in views[1:]:
+                if v is not None:
+                    v[...] = 0
+        return
+    try:
+        engine.bind(call, views)
+        engine.enqueue()
+    except BaseException:
+        for v, given in zip(views, call.out):
+            if given is not None:
+                v[...] = numpy.nan  # as on the GPU: never leave partial results in the caller's arrays
+        raise
+
+
+def _run_gpu(call, route, engine, arrays, stream, capturing, ready):
+    sp = stream.ptr
+    pointers = tuple(0 if m is None else m.ptr for m in _geometry(call, arrays))
+    with engine.lock:
+        if engine.closed:
+            raise RuntimeError(f"this {engine.what} was closed")
+        if capturing:
+            if engine.allocates_for(call):
+                raise RuntimeError("cupyffn was called during CUDA stream capture, but this plan has not yet run in "
+                                   "memory mode (gelu_out=None) and would allocate its buffer; call it once with the "
+                                   "same arguments outside the capture first")
+            _plans.pin(engine)  # from now on a graph may replay this engine's scratch
+        else:
+            engine.order_after_previous(sp)
+        try:
+            _issue(call, route, engine, pointers, sp, capturing, ready)
+        except BaseException as e:
+            if capturing:  # no NaN fill: it would be captured too; the caller must discard the capture
+                raise
+            error = _plans.fill_nan_after_failure(e, lambda: _poison(call, stream))
+            if error is e:
+                raise
+            raise error from e
+        finally:
+            if not capturing:
+                engine.record_done(sp)
+
+
+def _issue(call, route, engine, pointers, sp, capturing, ready):
+    """The call's work on `sp` by the route's graph policy (module docstring)."""
+    io = engine.io_key(call, pointers)
+    if capturing:
+        serial = engine.serial_in_capture(sp)
+        engine.bind_once(call, pointers, io)
+        engine.enqueue(sp, serial=serial, ready=ready)
+        return
+    if not engine.side_stream_free():  # a caller's capture still holds the side stream
+        engine.bind_once(call, pointers, io)
+        engine.enqueue(sp, serial=True, ready=ready)
+        return
+    cache = engine.graphs
+    if cache is None or ready or not route.graphs.capture_after:  # a replayed graph records no event of the caller's
+        engine.bind_once(call, pointers, io)
+        engine.eager(sp, ready)
+        return
+
+    def issue(stream_ptr, captured):
+        engine.bind_once(call, pointers, io)
+        if captured:
+            engine.enqueue(stream_ptr)
+        else:
+            engine.eager(stream_ptr)
+
+    cache.run(io, issue, sp)
+
+
+# ---------------------------------------------------------------------- after a failure
+def _as_array(a, call):
+    if type(a) in (_arrays._torch_types or ()):
+        return _arrays.view2d(a, _arrays.Matrix(a.data_ptr(), math.prod(a.shape[:-1]), a.shape[-1], a.shape[-1],
+                                                _arrays.dtype_name(a)))
+    return a
+
+
+def _fill(array, stream, value):
+    with stream:
+        name = _arrays.dtype_name(array)
+        if value != value and name in _NAN16:  # NaN in a 16-bit dtype CuPy may not fill: its bit pattern
+            array.view(numpy.uint16).fill(_NAN16[name])
+        else:
+            array.fill(value)
+
+
+def _poison(call, stream):
+    """Fill the caller's out= arrays with NaN on `stream` (with accumulate=True too: a partial accumulation cannot be
+    undone)."""
+    for a, m in zip(call.out_arrays, call.out):
+        if m is not None:
+            _fill(_arrays.view2d(a, m), stream, numpy.nan)

@@ -1,0 +1,342 @@
+"""The torch operators: ``torch.ops.cupyffn.forward`` and ``torch.ops.cupyffn.backward``, one pair for every
+configuration of the block (float32, bfloat16 or float16 activations; fp32 master or 16-bit weights, [out, in] or
+transposed [in, out] views; biases or not; every precision), with fake (meta) implementations and an autograd
+formula, so ``torch.compile(fullgraph=True)`` traces any model using them without a graph break, and
+``mode="reduce-overhead"`` / ``torch.cuda.graph`` capture them. Their bodies (`forward_impl`, `backward_impl`) call
+cupyffn's front door (cupyffn/api/functional.py) with torch-allocated outputs as out=, on torch's current stream;
+CUDA tensors are read by pointer, CPU tensors as NumPy views (the NumPy backend). The eager entry point `Eager` runs
+the same bodies through a plain autograd.Function, without the custom-op dispatcher's Python layers.
+
+Schemas (the activation dtype is hidden_states'; the layers cast the input to it, cupyffn/frameworks/torch_layer.py):
+
+    forward(hidden_states, weight1, weight2, bias1?, bias2?, precision?, save) -> (output, linear1_out, tanh_inner,
+        gelu_out)                         tanh_inner: a [0] placeholder for 16-bit activations (recomputed later)
+    backward(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner?, gelu_out?, precision?,
+        need_grad_hidden, need_weight_grads, need_bias_grads) -> (grad_hidden_states, grad_weight1, grad_weight2,
+        grad_bias1, grad_bias2)           [0] placeholders for what is not needed; weight and bias gradients in the
+                                          weights' dtype (fp32 master weights: fp32, straight from the GEMMs)
+"""
+
+from typing import Optional, Tuple
+
+import torch
+
+from ..api import functional as _functional
+from ..core import arrays as _arrays
+from ..core import views as _views
+from ..core.precision import lookup as _lookup_precision
+from ..core.precision import resolve as _resolve_precision
+
+SAVE_MODES = ("all", "linear1_out")
+HALF = (torch.bfloat16, torch.float16)
+_F32 = torch.float32
+_NOTHING = (0,)  # the shape of a placeholder (operators cannot return None)
+
+# torch's current raw stream without building a torch.cuda.Stream object per call (the call inductor's generated
+# code makes); the public spelling where this torch lacks it
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+if _raw_stream is None:  # pragma: no cover
+    def _raw_stream(index):
+        return int(torch.cuda.current_stream(index).cuda_stream)
+_cupy = None  # the cupy module, imported on the first CUDA call
+_get_device = None  # cupy.cuda.runtime.getDevice, bound with it
+_last_stream = (None, None, None)  # (raw pointer, device index, CuPy stream) of the previous call
+
+
+def cuda_stream(index):
+    """torch's current stream on CUDA device `index` as a CuPy stream that does not own it (call with that device
+    current in CuPy); the previous call's object is kept, so a training loop on one stream compares one pointer."""
+    global _last_stream
+    ptr = _raw_stream(index)
+    last = _last_stream
+    if last[0] == ptr and last[1] == index:
+        return last[2]
+    stream = _views.external_stream(ptr, index)
+    _last_stream = (ptr, index, stream)
+    return stream
+
+
+class Call:
+    """How a call reaches cupyffn on `device`: the arguments to pass and the stream (None on the CPU)."""
+
+    __slots__ = ("device", "cuda", "index", "stream", "_switch")
+
+    def __init__(self, device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.index = device.index
+
+    def __enter__(self):
+        global _cupy, _get_device
+        self._switch = None
+        self.stream = None
+        if self.cuda:
+            if _get_device is None:
+                import cupy
+
+                _cupy, _get_device = cupy, cupy.cuda.runtime.getDevice
+            if _get_device() != self.index:
+                self._switch = _cupy.cuda.Device(self.index)
+                self._switch.__enter__()
+            self.stream = cuda_stream(self.index)
+        return self
+
+    def __exit__(self, *exc):
+        if self._switch is not None:
+            self._switch.__exit__(*exc)
+        return False
+
+    def arg(self, tensor):
+        """What cupyffn gets for `tensor`: the tensor itself on CUDA (read by pointer, cupyffn/core/arrays.py), a
+        NumPy view on the CPU (bfloat16 through ml_dtypes' type, which NumPy lacks)."""
+        if tensor is None or self.cuda:
+            return tensor
+        if tensor.dtype is torch.bfloat16:
+            return tensor.detach().view(torch.int16).numpy().view(_views.numpy_dtype("bfloat16"))
+        return tensor.detach().numpy()
+
+    def empty(self, shape, dtype=_F32):
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+
+def check_save(save):
+    if save not in SAVE_MODES:
+        raise ValueError(f"save must be one of {', '.join(repr(s) for s in SAVE_MODES)}; got {save!r}")
+    return save
+
+
+def precision_name(precision):
+    """The checked name of `precision`, or None (the default of the tensors' device, decided per call)."""
+    return None if precision is None else _lookup_precision(precision).name
+
+
+def device_default(tensor):
+    """The name of the default precision for `tensor`'s device: "ieee" on the CPU, "fp16+fp8" on CUDA."""
+    cpu = isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu"
+    return _resolve_precision(None, cpu=cpu).name
+
+
+def check_tensors(named, dtype=_F32):
+    """Torch tensors of `dtype` (None: any) on one CPU or CUDA device; returns that device."""
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__module__}.{type(t).__name__}")
+        if dtype is not None and t.dtype != dtype:
+            raise TypeError(f"{name} must be float32 (cupyffn computes in float32; under torch.autocast the inputs "
+                            f"are cast to float32 for you); got {t.dtype}")
+    device = named[0][1].device
+    for name, t in named:
+        if t.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name} is on {t.device}; cupyffn.torch runs CPU and CUDA tensors")
+        if t.device != device:
+            raise ValueError(f"all tensors must be on one device; {named[0][0]} is on {device} but {name} is on "
+                             f"{t.device}")
+    return device
+
+
+def _row_strided(t):
+    return t.is_contiguous() or t.dim() == 0 or t.numel() == 0 or _arrays.row_stride(
+        tuple(t.shape), tuple(t.element_size() * s for s in t.stride()), t.element_size()) is not None
+
+
+def readable(tensor):
+    """`tensor`, or a contiguous copy where cupyffn cannot read its layout (a last dimension that is not
+    unit-stride, or leading dimensions that do not flatten to one row stride, e.g. an expanded gradient)."""
+    return tensor if _row_strided(tensor) else tensor.contiguous()
+
+
+def _transposed(t):
+    """`t` is the transpose of a row-strided matrix (transformers' Conv1D weight used as [out, in])."""
+    return t.dim() == 2 and not t.is_contiguous() and t.shape[0] > 1 and t.shape[1] > 1 and t.stride(0) == 1 and \
+        t.t().is_contiguous()
+
+
+def weights(w1, w2, act, device):
+    """The weights as cupyffn reads them: transposed views of [in, out] storage are kept on the cuBLASLt route (16-bit
+    activations on CUDA) and on the CPU, copied contiguous for the float32 GPU engine (its conversions read rows)."""
+    keep = _transposed(w1) and _transposed(w2) and (act in HALF or device.type == "cpu")
+    if keep:
+        return w1, w2
+    return readable(w1), readable(w2)
+
+
+# ---------------------------------------------------------------------- the bodies
+def forward_impl(x, w1, w2, b1, b2, precision):
+    """(output, linear1_out, tanh_inner, gelu_out) in x's dtype (tanh_inner a placeholder for 16-bit x), allocated by
+    torch and written by cupyffn (out=). precision: a name for float32 x, None for 16-bit."""
+    act = x.dtype
+    x = readable(x)
+    w1, w2 = weights(w1, w2, act, x.device)
+    lead, dim, hidden = tuple(x.shape[:-1]), x.shape[-1], w1.shape[0]
+    with Call(x.device) as call:
+        y, z, g = call.empty(lead + (dim,), act), call.empty(lead + (hidden,), act), call.empty(lead + (hidden,), act)
+        t = call.empty(lead + (hidden,), act) if act is _F32 else call.empty(_NOTHING, act)
+        arg = call.arg
+        _functional.gelu_ffn_forward(arg(x), arg(w1), arg(w2), bias1=arg(b1), bias2=arg(b2), precision=precision,
+                                     out=[arg(y), arg(z), arg(t) if act is _F32 else None, arg(g)],
+                                     stream=call.stream)
+    return y, z, t, g
+
+
+def backward_impl(dy, x, w1, w2, z, t, g, precision, need_x, need_w, need_b):
+    """(grad_hidden_states, grad_weight1, grad_weight2, grad_bias1, grad_bias2), None where not needed."""
+    act = x.dtype
+    dy = readable(dy if dy.dtype is act else dy.to(act))
+    w1, w2 = weights(w1, w2, act, x.device)
+    wt = w1.dtype
+    with Call(x.device) as call:
+        gx = torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else None
+        gw1 = call.empty(tuple(w1.shape), wt) if need_w else None
+        gw2 = call.empty(tuple(w2.shape), wt) if need_w else None
+        gb1 = call.empty((w1.shape[0],), wt) if need_b else None
+        gb2 = call.empty((w2.shape[0],), wt) if need_b else None
+        grads = (gx, gw1, gw2, gb1, gb2)
+        arg = call.arg
+        _functional.gelu_ffn_backward(arg(dy), arg(x), arg(w1), arg(w2), arg(z), arg(t), arg(g),
+                                      precision=precision, out=[arg(o) for o in (grads if need_b else grads[:3])],
+                                      stream=call.stream, need_grad_hidden=need_x, need_weight_grads=need_w,
+                                      need_bias_grads=need_b)
+    return grads
+
+
+# ---------------------------------------------------------------------- the operators
+@torch.library.custom_op("cupyffn::forward", mutates_args=())
+def forward_op(hidden_states: torch.Tensor, weight1: torch.Tensor, weight2: torch.Tensor,
+               bias1: Optional[torch.Tensor], bias2: Optional[torch.Tensor], precision: Optional[str],
+               save: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(output, linear1_out, tanh_inner, gelu_out); `save` only matters to the autograd formula."""
+    return forward_impl(hidden_states, weight1, weight2, bias1, bias2, precision)
+
+
+@forward_op.register_fake
+def _forward_fake(hidden_states, weight1, weight2, bias1, bias2, precision, save):
+    if hidden_states.dim() < 1 or weight1.dim() != 2:
+        raise ValueError(f"hidden_states must be [..., dim] and weight1 [hidden_dim, dim]; got "
+                         f"{tuple(hidden_states.shape)} and {tuple(weight1.shape)}")
+    act = hidden_states.dtype
+    lead, hidden = tuple(hidden_states.shape[:-1]), weight1.shape[0]
+    inner = lead + (hidden,) if act is _F32 else _NOTHING
+    return (hidden_states.new_empty(tuple(hidden_states.shape)), hidden_states.new_empty(lead + (hidden,)),
+            hidden_states.new_empty(inner), hidden_states.new_empty(lead + (hidden,)))
+
+
+@torch.library.custom_op("cupyffn::backward", mutates_args=())
+def backward_op(grad_output: torch.Tensor, hidden_states: torch.Tensor, weight1: torch.Tensor,
+                weight2: torch.Tensor, linear1_out: torch.Tensor, tanh_inner: Optional[torch.Tensor],
+                gelu_out: Optional[torch.Tensor], precision: Optional[str], need_grad_hidden: bool,
+                need_weight_grads: bool, need_bias_grads: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                         torch.Tensor, torch.Tensor]:
+    """(grad_hidden_states, grad_weight1, grad_weight2, grad_bias1, grad_bias2); one not needed is an empty [0]."""
+    grads = backward_impl(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out, precision,
+                          need_grad_hidden, need_weight_grads, need_bias_grads)
+    dtypes = (hidden_states.dtype,) + (weight1.dtype,) * 4  # the fake's dtypes, placeholders too
+    return tuple(g if g is not None else hidden_states.new_empty(_NOTHING, dtype=d) for g, d in zip(grads, dtypes))
+
+
+@backward_op.register_fake
+def _backward_fake(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out, precision,
+                   need_grad_hidden, need_weight_grads, need_bias_grads):
+    wt = weight1.dtype
+
+    def empty(shape, needed, dtype=wt):
+        return hidden_states.new_empty(tuple(shape) if needed else _NOTHING, dtype=dtype)
+
+    return (empty(hidden_states.shape, need_grad_hidden, hidden_states.dtype),
+            empty(weight1.shape, need_weight_grads), empty(weight2.shape, need_weight_grads),
+            empty((weight1.shape[0],), need_bias_grads), empty((weight2.shape[0],), need_bias_grads))
+
+
+def _save(ctx, inputs, output):
+    """What the backward keeps (both entry points): `save` "all" keeps the saved activations, "linear1_out" only
+    the pre-activation (memory mode: the backward recomputes the rest inside its kernels)."""
+    x, w1, w2, b1, b2, precision, save = inputs
+    _, z, t, g = output
+    ctx.precision = precision
+    ctx.bias_dtypes = (None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
+    keep = save == "all"
+    ctx.save_for_backward(x, w1, w2, z, t if keep and x.dtype is _F32 else None, g if keep else None)
+
+
+def _gradients(ctx, grad_output, backward):
+    """Gradients of (hidden_states, weight1, weight2, bias1, bias2, precision, save) by `backward` (the operator or
+    backward_impl: placeholders or None for what is not needed, dropped here)."""
+    need_x, need_w1, need_w2, need_b1, need_b2 = ctx.needs_input_grad[:5]
+    need_w, need_b = need_w1 or need_w2, need_b1 or need_b2
+    if not (need_x or need_w or need_b):
+        return (None,) * 7
+    x, w1, w2, z, t, g = ctx.saved_tensors
+    gx, gw1, gw2, gb1, gb2 = backward(grad_output, x, w1, w2, z, t, g, ctx.precision, need_x, need_w, need_b)
+    b1_dt, b2_dt = ctx.bias_dtypes
+    if need_b1 and gb1.dtype != b1_dt:
+        gb1 = gb1.to(b1_dt)
+    if need_b2 and gb2.dtype != b2_dt:
+        gb2 = gb2.to(b2_dt)
+    return (gx if need_x else None, gw1 if need_w1 else None, gw2 if need_w2 else None, gb1 if need_b1 else None,
+            gb2 if need_b2 else None, None, None)
+
+
+def _operator_backward(ctx, grad_output, *unused_grads):
+    """The forward operator's autograd formula; the other forward results are internal (no gradient)."""
+    return _gradients(ctx, grad_output, backward_op)
+
+
+forward_op.register_autograd(_operator_backward, setup_context=_save)
+
+
+# ---------------------------------------------------------------------- the eager entry point
+class Eager(torch.autograd.Function):
+    """The operators' bodies in plain eager mode, without the custom-op dispatcher (autograd_impl, redispatch, the
+    dynamo-disable wrapper, the backend lookup), whose Python layers cost more host time per call than the body."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, b1, b2, precision, save):
+        output = forward_impl(x, w1, w2, b1, b2, precision)
+        _save(ctx, (x, w1, w2, b1, b2, precision, save), output)
+        return output[0]  # linear1_out, tanh_inner, gelu_out: saved (or freed in memory mode), not outputs
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        # No double backward (as the operator: no formula for it): once_differentiable. Its wrapper runs the body
+        # under torch.no_grad() and then, where grad mode is on (create_graph=True), marks the results so that
+        # differentiating them raises; where grad mode is already off, as in every backward without create_graph,
+        # both steps do nothing, so the body is called directly (one grad-mode query instead of a no_grad context).
+        if _grad_enabled():
+            return _backward_once(ctx, grad_output)
+        return _gradients(ctx, grad_output, backward_impl)
+
+
+_grad_enabled = torch.is_grad_enabled
+_backward_once = torch.autograd.function.once_differentiable(
+    lambda ctx, grad_output: _gradients(ctx, grad_output, backward_impl))
+
+
+# The eager Function runs only when nothing is tracing or intercepting torch calls; otherwise the operators.
+# torch.compile and torch.export (strict) trace through dynamo, where torch.compiler.is_compiling() is True;
+# inductor and AOT autograd then see the operators dynamo recorded, never this Python. Non-strict export, make_fx,
+# opcheck and FakeTensorMode run under a torch dispatch mode (or hand us FakeTensor / FunctionalTensor subclasses);
+# torch.func transforms wrap tensors in functorch layers: each case is checked below and takes the operators, which
+# are right in every mode (the Function is only a faster route to the same bodies).
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+#: How many calls took each entry point (tests read it; one integer add per call).
+entry_counts = {"eager": 0, "operator": 0}
+
+
+def _eager(tensors):
+    if torch.compiler.is_compiling() or _dispatch_modes is None or _functorch_active is None:
+        return False
+    if any(t is not None and type(t) not in _PLAIN for t in tensors):
+        return False
+    return not _dispatch_modes() and not _functorch_active()
+
+
+def apply(x, w1, w2, b1, b2, precision, save):
+    """The differentiable block through the eager Function or the operators (see _eager); x already in the
+    activation dtype, precision a name (float32 x) or None (16-bit x)."""
+    if _eager((x, w1, w2, b1, b2)):
+        entry_counts["eager"] += 1
+        return Eager.apply(x, w1, w2, b1, b2, precision, save)
+    if not torch.compiler.is_compiling():  # a counter update in a traced graph would be a side effect
+        entry_counts["operator"] += 1
+    return torch.ops.cupyffn.forward(x, w1, w2, b1, b2, precision, save)[0]
