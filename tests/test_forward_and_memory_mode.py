@@ -54,9 +54,10 @@ def test_forward_out_and_errors():
     got = cupyffn.gelu_ffn_forward(x, w1, w2, out=out)
     assert all(g is o for g, o in zip(got, out))
     assert all(numpy.isfinite(o).all() for o in out)
-    with pytest.raises(TypeError, match="hidden_states must be float32; got float64"):
+    with pytest.raises(TypeError, match=r"hidden_states must be float32 \(or bfloat16 / float16.*\); got float64"):
         cupyffn.gelu_ffn_forward(x.astype(numpy.float64), w1, w2)
-    with pytest.raises(ValueError, match=r"weight2 must have shape \(dim, hidden_dim\) = \(32, 64\); got \(64, 32\)"):
+    with pytest.raises(ValueError, match=r"weight2 must have shape \(dim, hidden_dim\) = \(32, 64\) to match .*; "
+                                         r"got \(64, 32\)"):
         cupyffn.gelu_ffn_forward(x, w1, w2.T.copy())
     big = numpy.random.default_rng(2).standard_normal(16 * 32 + 16 * 64).astype(numpy.float32)
     x_view = big[:16 * 32].reshape(16, 32)

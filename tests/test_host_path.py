@@ -14,8 +14,9 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from cupyffn.core import arrays as _arrays, views as _views
-from cupyffn.api import backward_plan as _backward_plan, validate as _validate  # noqa: E402
+from cupyffn.api import backward_plan as _backward_plan, execute as _execute  # noqa: E402
+from cupyffn.api import functional as _functional, validate as _validate  # noqa: E402
+from cupyffn.core import arrays as _arrays, views as _views  # noqa: E402
 
 T, D, H = 12, 64, 256
 INPUT_SHAPES = ((T, D), (T, D), (H, D), (D, H), (T, H), (T, H), (T, H))
@@ -59,6 +60,15 @@ class Stream:
         self.ptr = ptr
 
 
+def prepare(args, out=None, stream=None, **flags):
+    """The one validator on a backward call."""
+    return _validate.validate(_validate.Request("backward", **flags), args, out, stream)
+
+
+def signature(args, out=None):
+    return _validate.signature(args, out)
+
+
 @pytest.fixture
 def fake_torch(monkeypatch):
     """FakeTensor registered as torch's tensor type; torch's current stream TORCH_STREAM; waits recorded."""
@@ -83,54 +93,55 @@ def fake_torch(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 def test_signature_of_torch_tensors(fake_torch):
     args, out = tensors(), tensors(base=1 << 40, shapes=OUT_SHAPES)
-    sig = _validate.signature(args, out, False)
-    assert sig is not None and sig == _validate.signature(args, out, False)
-    assert sig[1] == (args[0].ptr, (T, D), (D, 1))  # pointer, shape, strides in elements
-    # another address, shape or strides: another signature
+    sig = signature(args, out)
+    assert sig is not None and sig == signature(args, out)
+    assert sig[0] == (args[0].ptr, (T, D), (D, 1), F32)  # pointer, shape, strides in elements, dtype
+    # another address, shape, strides or dtype: another signature
     moved = list(args)
     moved[2] = FakeTensor(args[2].ptr + 4096, (H, D))
-    assert _validate.signature(moved, out, False) != sig
+    assert signature(moved, out) != sig
     strided = list(args)
     strided[1] = FakeTensor(args[1].ptr, (T, D), (2 * D, 1))
-    assert _validate.signature(strided, out, False) != sig
-    assert _validate.signature(args, out, True) != sig
-    assert _validate.signature(args, None, False) != sig
+    assert signature(strided, out) != sig
+    half = list(args)
+    half[1] = FakeTensor(args[1].ptr, (T, D), dtype=F16)  # read by pointer too (16-bit activations)
+    assert signature(half, out) not in (None, sig)
+    assert signature(args, None) != sig
     # memory mode: None entries
-    assert _validate.signature(args[:5] + [None, None], out, False) is not None
+    assert signature(args[:5] + [None, None], out) is not None
 
 
 @pytest.mark.parametrize("make", [
-    lambda a: FakeTensor(a.ptr, a.shape, dtype=F16),     # not float32: prepare() says so
     lambda a: FakeTensor(a.ptr, a.shape, cuda=False),    # a CPU tensor: NumPy through DLPack
     lambda a: FakeSubclass(a.ptr, a.shape),              # a subclass: DLPack
     lambda a: object(),                                  # not an array at all
-], ids=["float16", "cpu", "subclass", "object"])
-def test_signature_is_none_where_prepare_must_look(fake_torch, make):
+], ids=["cpu", "subclass", "object"])
+def test_signature_is_none_where_validation_must_look(fake_torch, make):
     args = tensors()
     for i in (0, 3, 6):
         bad = list(args)
         bad[i] = make(args[i])
-        assert _validate.signature(bad, None, False) is None
+        assert signature(bad) is None
     out = tensors(base=1 << 40, shapes=OUT_SHAPES)
     out[1] = make(out[1])
-    assert _validate.signature(args, out, False) is None
+    assert signature(args, out) is None
 
 
 def test_torch_and_cupy_entries_never_collide(fake_torch):
-    """A CuPy view of the same memory has a signature entry of another form (strides in bytes, with the dtype)."""
+    """A CuPy view of the same memory has a signature entry of another form (strides in bytes, NumPy's dtype)."""
     args = tensors()
     view = _views.float32_view(args[0].ptr, (T, D), (D, 1), 0)
     mixed = [view] + args[1:]
-    sig_t, sig_m = _validate.signature(args, None, False), _validate.signature(mixed, None, False)
+    sig_t, sig_m = signature(args), signature(mixed)
     assert sig_t is not None and sig_m is not None and sig_t != sig_m
-    assert sig_m[1] == (args[0].ptr, (T, D), (4 * D, 4), numpy.dtype(numpy.float32))
+    assert sig_m[0] == (args[0].ptr, (T, D), (4 * D, 4), numpy.dtype(numpy.float32))
 
 
 def test_no_torch_no_cupy_means_no_signature(monkeypatch):
     monkeypatch.setattr(_validate, "_cupy_ndarray", None)
     monkeypatch.setattr(_arrays, "_torch_types", None)
     monkeypatch.setitem(__import__("sys").modules, "cupy", None)
-    assert _validate.signature([numpy.zeros(2)] * 7, None, False) is None
+    assert signature([numpy.zeros(2)] * 7) is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,10 +157,10 @@ def test_prepare_reads_geometry_by_pointer(fake_torch):
         args[i] = FakeTensor(args[i].ptr, (3, 4, H), (4 * H, H, 1))
     out = tensors(base=1 << 40, shapes=((3, 4, D), (H, D), (D, H)),)
     out[0] = FakeTensor(out[0].ptr, (3, 4, D), (4 * D, D, 1))
-    call = _validate.prepare(args, out, Stream(TORCH_STREAM))
+    call = prepare(args, out, Stream(TORCH_STREAM))
     assert (call.backend, call.device, call.tokens, call.dim, call.hidden_dim) == ("gpu", 0, T, D, H)
     assert call.lead_shape == (3, 4)
-    assert call.inputs[1] == _arrays.Matrix(args[1].ptr, T, D, 3 * D)
+    assert call.inputs[1] == _arrays.Matrix(args[1].ptr, T, D, 3 * D)  # float32
     assert call.inputs[2] == _arrays.Matrix(args[2].ptr, H, D, D)
     assert call.out[0] == _arrays.Matrix(out[0].ptr, T, D, D)
     assert all(isinstance(a, cupy.ndarray) for a in call.arrays)
@@ -159,19 +170,19 @@ def test_prepare_reads_geometry_by_pointer(fake_torch):
 
 def test_the_stream_is_followed_once_per_call(fake_torch):
     args, out = tensors(), tensors(base=1 << 40, shapes=OUT_SHAPES)
-    _validate.prepare(args, out, Stream(OTHER_STREAM))
+    prepare(args, out, Stream(OTHER_STREAM))
     assert fake_torch.waits == [(TORCH_STREAM, OTHER_STREAM, 0)]  # ten tensors, one wait
     assert fake_torch.stream_queries == 1
     fake_torch.waits.clear()
-    _validate.prepare(args, out, Stream(TORCH_STREAM))  # cupyffn on torch's own stream: stream order holds
+    prepare(args, out, Stream(TORCH_STREAM))  # cupyffn on torch's own stream: stream order holds
     assert fake_torch.waits == []
-    _validate.prepare(args, out, None)  # None: CuPy's current stream of the device (OTHER_STREAM here)
+    prepare(args, out, None)  # None: CuPy's current stream of the device (OTHER_STREAM here)
     assert fake_torch.waits == [(TORCH_STREAM, OTHER_STREAM, 0)]
 
 
 def test_no_wait_for_cupy_arrays(fake_torch):
     views = [_views.float32_view(a.ptr, a.shape, a.stride(), 0) for a in tensors()]
-    call = _validate.prepare(views, None, Stream(OTHER_STREAM))
+    call = prepare(views, None, Stream(OTHER_STREAM))
     assert call.follow is None and fake_torch.waits == [] and fake_torch.stream_queries == 0
 
 
@@ -179,7 +190,7 @@ def test_nothing_is_waited_for_when_validation_fails(fake_torch):
     args = tensors()
     args[2] = FakeTensor(args[2].ptr, (H, D + 1))
     with pytest.raises(ValueError, match=r"^weight1 must have shape"):
-        _validate.prepare(args, None, Stream(OTHER_STREAM))
+        prepare(args, None, Stream(OTHER_STREAM))
     assert fake_torch.waits == []
 
 
@@ -188,28 +199,29 @@ def test_unreadable_layout_names_the_argument(fake_torch, index):
     args = tensors()
     a = args[index]
     args[index] = FakeTensor(a.ptr, a.shape, (1, a.shape[0]))  # a transpose: last dimension not unit-stride
-    name = _validate.INPUT_NAMES[index]
+    name = _validate.BACKWARD_INPUTS[index]
     strides = (4, 4 * a.shape[0])
     with pytest.raises(ValueError, match=rf"^{name} has strides \({strides[0]}, {strides[1]}\) \(bytes\) for shape"):
-        _validate.prepare(args, None, Stream(TORCH_STREAM))
+        prepare(args, None, Stream(TORCH_STREAM))
 
 
 def test_non_contiguous_out_names_the_entry(fake_torch):
     out = tensors(base=1 << 40, shapes=OUT_SHAPES)
     out[2] = FakeTensor(out[2].ptr, (D, H), (2 * H, 1))
     with pytest.raises(ValueError, match=r"^out\[2\] \(grad_weight2\) must be C-contiguous"):
-        _validate.prepare(tensors(), out, Stream(TORCH_STREAM))
+        prepare(tensors(), out, Stream(TORCH_STREAM))
 
 
 def test_devices_must_agree(fake_torch):
     args = tensors()
     args[3] = FakeTensor(args[3].ptr, args[3].shape, device=1)
-    with pytest.raises(ValueError, match=r"^all arrays must be on one device; got .*weight2 on cuda:1"):
-        _validate.prepare(args, None, Stream(TORCH_STREAM))
+    with pytest.raises(ValueError, match=r"^all arrays must be on one device; weight2 is on cuda:1 but grad_output is "
+                                         r"on cuda:0 \(.*weight2 on cuda:1"):
+        prepare(args, None, Stream(TORCH_STREAM))
     out = tensors(base=1 << 40, shapes=OUT_SHAPES)
     out[0] = FakeTensor(out[0].ptr, out[0].shape, device=1)
     with pytest.raises(ValueError, match=r"^out\[0\] \(grad_hidden_states\) is on cuda:1 but the inputs are on cuda:0"):
-        _validate.prepare(tensors(), out, Stream(TORCH_STREAM))
+        prepare(tensors(), out, Stream(TORCH_STREAM))
 
 
 def test_aliasing_is_still_refused(fake_torch):
@@ -217,7 +229,7 @@ def test_aliasing_is_still_refused(fake_torch):
     out = tensors(base=1 << 40, shapes=OUT_SHAPES)
     out[1] = FakeTensor(args[2].ptr, (H, D))  # grad_weight1 written over weight1
     with pytest.raises(ValueError, match=r"^out\[1\] \(grad_weight1\) overlaps the memory of weight1"):
-        _validate.prepare(args, out, Stream(TORCH_STREAM))
+        prepare(args, out, Stream(TORCH_STREAM))
 
 
 def test_real_torch_tensors_of_other_dtypes_keep_dlpacks_message():
@@ -227,7 +239,7 @@ def test_real_torch_tensors_of_other_dtypes_keep_dlpacks_message():
 
     rng = numpy.random.default_rng(0)
     args = [torch.from_numpy(rng.standard_normal(s).astype(numpy.float32)) for s in INPUT_SHAPES]
-    assert _validate.signature(args, None, False) is None  # CPU tensors: never the pointer path
+    assert signature(args) is None  # CPU tensors: never the pointer path
     args[3] = args[3].half()
     with pytest.raises(TypeError, match=r"^weight2 must be float32; got float16$"):
         cupyffn.gelu_ffn_backward(*args)
@@ -236,27 +248,34 @@ def test_real_torch_tensors_of_other_dtypes_keep_dlpacks_message():
 # ---------------------------------------------------------------------------------------------
 # reuse: the validated call of a repeated signature, through a plan
 # ---------------------------------------------------------------------------------------------
-def _plan():
-    """A GeluFFNBackward without an engine behind it: _execute returns the call it would run."""
-    plan = object.__new__(_backward_plan.GeluFFNBackward)
-    plan.tokens, plan.dim, plan.hidden_dim, plan.device = T, D, H, 0
-    plan.need_grad_hidden = plan.need_weight_grads = True
-    plan.need_bias_grads = False
-    plan.graph, plan._closed, plan._validated, plan._engine = False, False, {}, object()
-    plan._execute = lambda call, out, stream, accumulate, ready=None: call
-    return plan
+class _FakePlan:
+    """What the door needs of a GeluFFNBackward (its token in the cache of validated calls, graph, engine,
+    check_call); the executor is replaced by one returning the call it would run."""
+
+    graph, owned_outputs = False, None
+    engine = types.SimpleNamespace(call_graph=False)
+
+    def __init__(self):
+        self.token = next(_backward_plan._tokens)
+
+    def check_call(self, call):
+        assert (call.tokens, call.dim, call.hidden_dim) == (T, D, H)
+
+    def __call__(self, *args, out=None, stream=None):
+        return _functional.run(_validate.Request("backward", "tf32"), args, out, stream, plan=self)
 
 
 def test_a_repeated_call_validates_once_and_follows_each_time(fake_torch, monkeypatch):
-    prepared = []
-    real = _validate.prepare
-    monkeypatch.setattr(_validate, "prepare", lambda *a, **k: prepared.append(1) or real(*a, **k))
-    plan = _plan()
+    validated = []
+    real = _validate.validate
+    monkeypatch.setattr(_validate, "validate", lambda *a, **k: validated.append(1) or real(*a, **k))
+    monkeypatch.setattr(_execute, "run", lambda call, *a, **k: call)
+    plan = _FakePlan()
     args, out = tensors(), tensors(base=1 << 40, shapes=OUT_SHAPES)
     stream = Stream(OTHER_STREAM)
     first = plan(*args, out=out, stream=stream)
     calls = [plan(*args, out=out, stream=stream) for _ in range(3)]
-    assert len(prepared) == 1  # the signature's cache hit skips validation
+    assert len(validated) == 1  # the signature's cache hit skips validation
     assert len(fake_torch.waits) == 4  # but every call is ordered after torch's stream, once
     for call in calls:
         assert call.inputs == first.inputs and call.out == first.out and call.follow == 0
@@ -264,7 +283,7 @@ def test_a_repeated_call_validates_once_and_follows_each_time(fake_torch, monkey
     # torch's stream changed (torch.cuda.stream(...) around the call): the wait follows it
     fake_torch.torch_stream = 0x7100
     plan(*args, out=out, stream=stream)
-    assert fake_torch.waits[-1] == (0x7100, OTHER_STREAM, 0) and len(prepared) == 1
+    assert fake_torch.waits[-1] == (0x7100, OTHER_STREAM, 0) and len(validated) == 1
     # cupyffn's stream is torch's: nothing to wait for
     plan(*args, out=out, stream=Stream(0x7100))
     assert len(fake_torch.waits) == 5
@@ -273,7 +292,10 @@ def test_a_repeated_call_validates_once_and_follows_each_time(fake_torch, monkey
     moved[0] = FakeTensor(out[0].ptr + (1 << 20), (T, D))
     plan(*args, out=moved, stream=stream)
     plan(*args, out=moved, stream=stream)
-    assert len(prepared) == 2
+    assert len(validated) == 2
+    # another plan of the same shape keeps its own entries (its route may differ: graph=True)
+    _FakePlan()(*args, out=out, stream=stream)
+    assert len(validated) == 3
 
 
 def test_view2d_of_a_reused_call_reads_the_tensor(fake_torch):
@@ -301,23 +323,20 @@ def test_import_array_leaves_the_wait_to_a_caller_that_collects_devices(fake_tor
 
 
 def test_the_forward_follows_torch_once_per_call(fake_torch):
-    """gelu_ffn_forward's argument preparation: three inputs and four outputs, all torch tensors, one wait."""
-    from cupyffn.api import forward as _forward
-
+    """gelu_ffn_forward's validation: three inputs and four outputs, all torch tensors, one wait."""
     x, w1, w2 = tensors(shapes=((T, D), (H, D), (D, H)))
     outs = tensors(base=1 << 40, shapes=((T, D), (T, H), (T, H), (T, H)))
-    prepared = _forward._prepare(x, w1, w2, outs, Stream(OTHER_STREAM))
-    assert prepared[0] == "gpu" and [a.data.ptr for a in prepared[-1]] == [o.ptr for o in outs]
+    call = _validate.validate(_validate.Request("forward"), (x, w1, w2, None, None), outs, Stream(OTHER_STREAM))
+    assert call.backend == "gpu" and [a.data.ptr for a in call.out_arrays] == [o.ptr for o in outs]
     assert fake_torch.waits == [(TORCH_STREAM, OTHER_STREAM, 0)] and fake_torch.stream_queries == 1
 
 
 def test_the_forward_waits_for_nothing_when_its_arguments_are_refused(fake_torch):
-    from cupyffn.api import forward as _forward
-
     x, w1, w2 = tensors(shapes=((T, D), (H, D), (D, H)))
     bad = FakeTensor(1 << 40, (T, D + 1))
     with pytest.raises(ValueError, match=r"out\[0\] \(output\) must have shape"):
-        _forward._prepare(x, w1, w2, (bad, None, None, None), Stream(OTHER_STREAM))
+        _validate.validate(_validate.Request("forward"), (x, w1, w2, None, None), (bad, None, None, None),
+                           Stream(OTHER_STREAM))
     assert fake_torch.waits == [] and fake_torch.stream_queries == 0
 
 

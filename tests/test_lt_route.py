@@ -1,5 +1,6 @@
-"""CPU: the route for biases and 16-bit activations (cupyffn/_lt_api.py): its NumPy numerics against float64, its
-argument checks, and the FFNGrads bias attributes."""
+"""CPU: biases and 16-bit activations through the front door (cupyffn/api/validate.py, the NumPy backend's emulation
+of the cuBLASLt route in cupyffn/cpu/half.py and of the float32 engine): numerics against float64, argument checks,
+and the FFNGrads bias attributes."""
 
 import math
 import re
@@ -43,10 +44,12 @@ def test_numpy_route_matches_float64(act, tol):
     x, dy, w1, w2, b1, b2 = make(act=act)
     y, z, g, grads = reference(x, dy, w1, w2, b1, b2)
     f = cupyffn.gelu_ffn_forward(x, w1, w2, bias1=b1, bias2=b2)
-    assert f.output.dtype == act and f.tanh_inner is None
+    # 16-bit activations keep no tanh_inner (their backward recomputes it); float32 ones run the float32 engine's
+    # forward, which returns it as without biases
+    assert f.output.dtype == act and (f.tanh_inner is None) == (act != numpy.float32)
     for got, want in ((f.output, y), (f.linear1_out, z), (f.gelu_out, g)):
         assert rel(got, want) < tol
-    res = cupyffn.gelu_ffn_backward(dy, x, w1, w2, f.linear1_out, None, f.gelu_out, need_bias_grads=True)
+    res = cupyffn.gelu_ffn_backward(dy, x, w1, w2, f.linear1_out, f.tanh_inner, f.gelu_out, need_bias_grads=True)
     dx, dw1, dw2 = res  # unpacks as three, bias gradients are attributes
     assert dx.dtype == act and dw1.dtype == numpy.float32 and res.grad_bias1.dtype == numpy.float32
     for got, want in zip((dx, dw1, dw2, res.grad_bias1, res.grad_bias2), grads):
@@ -83,8 +86,8 @@ def test_memory_mode_recomputes_gelu_out():
     (dict(hidden_states=numpy.zeros((48, 16), numpy.float16)), "hidden_states must be bfloat16"),
     (dict(weight2=numpy.zeros((16, 64), numpy.float16)), "weight2 must be float32"),
     (dict(linear1_out=numpy.zeros((48, 63), BF16)), r"linear1_out must have shape \(48, 64\)"),
-    (dict(out=[None] * 4), "out must be a sequence of 3 or 5"),
-    (dict(accumulate=True), "accumulate=True adds into out="),
+    (dict(out=[None] * 4), "out must be a sequence of three or five arrays"),
+    (dict(accumulate=True), "accumulate=True adds into existing gradients: pass out="),
 ])
 def test_backward_arguments_are_checked(change, match):
     x, dy, w1, w2, b1, b2 = make(act=BF16)
@@ -100,13 +103,11 @@ def test_forward_arguments_are_checked():
     x, dy, w1, w2, b1, b2 = make()
     with pytest.raises(ValueError, match=r"bias1 must have shape \(64,\)"):
         cupyffn.gelu_ffn_forward(x, w1, w2, bias1=b2)
-    # bf16 has no bias path for float32 activations (docs/decisions/049); the split precisions' biases run on the
-    # float32 engine (tests/test_engine_biases.py)
-    with pytest.raises(ValueError, match="run in precision 'ieee' .*'tf32', 'bf16x3' or 'fp16\\+fp8'.*'bf16'"):
-        cupyffn.gelu_ffn_forward(x, w1, w2, bias1=b1, precision="bf16")
-    with pytest.raises(ValueError, match=r"out\[2\] \(tanh_inner\) must be None"):
-        cupyffn.gelu_ffn_forward(x, w1, w2, bias1=b1, out=[None, None, numpy.zeros((48, 64), numpy.float32), None])
     x16 = x.astype(numpy.float16)
+    with pytest.raises(ValueError, match=r"out\[2\] \(tanh_inner\) must be None"):
+        cupyffn.gelu_ffn_forward(x16, w1, w2, bias1=b1, out=[None, None, numpy.zeros((48, 64), numpy.float16), None])
+    with pytest.raises(ValueError, match="precision=None"):
+        cupyffn.gelu_ffn_forward(x16, w1, w2, precision="bf16x3")
     with pytest.raises(TypeError, match="weight2 must be float32"):
         cupyffn.gelu_ffn_forward(x16, w1, w2.astype(numpy.float16))
     before = x.copy()
@@ -114,21 +115,18 @@ def test_forward_arguments_are_checked():
     assert numpy.array_equal(before, x)  # inputs are never modified
 
 
-@pytest.mark.parametrize("precision,contract,factor", [("tf32", 6e-4, 2.0 ** -11)])
-def test_float32_with_biases_in_tf32(precision, contract, factor):
-    """float32 activations with biases in precision tf32: every GEMM operand rounded to nearest TF32 (the tensor
-    cores' inputs); within the precision's contract, and measurably less exact than 'ieee'."""
+@pytest.mark.parametrize("precision", list(cupyffn.PRECISIONS))
+def test_float32_with_biases_in_every_precision(precision):
+    """float32 activations with biases run the float32 engine's recipe of the precision (here its NumPy model): "tf32"
+    means the same scaled-fp16 operands with biases as without (one meaning per name), within each contract."""
     x, dy, w1, w2, b1, b2 = make(T=96, D=32, H=128)
     y, z, g, grads = reference(x, dy, w1, w2, b1, b2)
-    results = {}
-    for p in (precision, "ieee"):
-        f = cupyffn.gelu_ffn_forward(x, w1, w2, bias1=b1, bias2=b2, precision=p)
-        res = cupyffn.gelu_ffn_backward(dy, x, w1, w2, f.linear1_out, None, f.gelu_out, need_bias_grads=True,
-                                        precision=p)
-        got = (f.output, res[0], res[1], res[2], res.grad_bias1, res.grad_bias2)
-        results[p] = [rel(a, r) for a, r in zip(got, (y,) + grads)]
-    mine, exact = results[precision], results["ieee"]
-    assert max(mine) <= contract, mine
-    assert max(exact) <= 1e-6, exact
-    # the GEMM outputs carry the operands' rounding (the bias sums of grad_output do not: no GEMM rounds it)
-    assert min(mine[:4]) >= factor / 8, mine
+    f = cupyffn.gelu_ffn_forward(x, w1, w2, bias1=b1, bias2=b2, precision=precision)
+    res = cupyffn.gelu_ffn_backward(dy, x, w1, w2, f.linear1_out, f.tanh_inner, f.gelu_out, need_bias_grads=True,
+                                    precision=precision)
+    got = (f.output, res[0], res[1], res[2], res.grad_bias1, res.grad_bias2)
+    errors = [rel(a, r) for a, r in zip(got, (y,) + grads)]
+    assert max(errors) <= cupyffn.PRECISIONS[precision].contract, errors
+    plain = cupyffn.gelu_ffn_backward(dy, x, w1, w2, f.linear1_out, f.tanh_inner, f.gelu_out, precision=precision)
+    for a, b in zip(res, plain):
+        assert numpy.array_equal(a, b)  # the bias gradients change nothing else

@@ -94,7 +94,10 @@ def _run_case(case, rank, world, device):
 def poison_outputs(setattr_):
     """Make every tensor cupyffn.torch allocates for cupyffn to write NaN-filled: an output left unwritten,
     or an all-reduce that reads grad_hidden_states before its GEMM wrote it, then shows as NaN."""
-    setattr_(ct._Call, "empty", lambda call, shape: torch.full(shape, float("nan"), device=call.device))
+    from cupyffn.frameworks import torch_ops
+
+    setattr_(torch_ops.Call, "empty", lambda call, shape, dtype=torch.float32: torch.full(
+        shape, float("nan"), dtype=dtype, device=call.device))
 
 
 def _api_checks(rank, world, device):

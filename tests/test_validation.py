@@ -17,6 +17,8 @@ OUTPUT_NAMES = ("grad_hidden_states", "grad_weight1", "grad_weight2")
 SHAPES = {"grad_output": (T, D), "hidden_states": (T, D), "weight1": (H, D), "weight2": (D, H),
           "linear1_out": (T, H), "tanh_inner": (T, H), "gelu_out": (T, H)}
 OUT_SHAPES = ((T, D), (H, D), (D, H))
+#: what the first activation (grad_output) may be, in its dtype error
+FIRST = r"float32 \(or bfloat16 / float16: docs/precisions\.md\)"
 
 
 @pytest.fixture
@@ -61,16 +63,19 @@ def args_with(inp, **replace):
 @pytest.mark.parametrize("name", INPUT_NAMES)
 def test_wrong_dtype(inp, name, dtype):
     bad = (inp[name] * 100).astype(dtype)
-    if name == "grad_output" and dtype is numpy.float16:  # a 16-bit grad_output takes the 16-bit route, which
-        expect_error(ValueError, r"^tanh_inner must be None with bfloat16/float16", args_with(inp, **{name: bad}))
-        return  # checks its own arguments (tests/test_lt_route.py)
-    expect_error(TypeError, rf"^{name} must be float32; got {numpy.dtype(dtype).name}$", args_with(inp, **{name: bad}))
+    if name == "grad_output" and dtype is numpy.float16:  # 16-bit activations: the others must follow grad_output
+        expect_error(TypeError, r"^hidden_states must be float16 \(grad_output's dtype\); got float32$",
+                     args_with(inp, **{name: bad}))
+        return
+    expect_error(TypeError, rf"^{name} must be {FIRST if name == 'grad_output' else 'float32'}; "
+                            rf"got {numpy.dtype(dtype).name}$", args_with(inp, **{name: bad}))
 
 
 @pytest.mark.parametrize("name", INPUT_NAMES)
 def test_byteswapped_float32_is_rejected(inp, name):
     bad = inp[name].astype(">f4")
-    expect_error(TypeError, rf"^{name} must be float32; got >f4$", args_with(inp, **{name: bad}))
+    expect_error(TypeError, rf"^{name} must be {FIRST if name == 'grad_output' else 'float32'}; got >f4$",
+                 args_with(inp, **{name: bad}))
 
 
 @pytest.mark.parametrize("name", INPUT_NAMES)
@@ -94,7 +99,12 @@ def test_hidden_states_shape(inp, rng, bad_shape):
                              rf"got {shape_re(bad_shape)}$", args_with(inp, hidden_states=bad))
 
 
-@pytest.mark.parametrize("bad_shape", [(H, D + 1), (H, D - 1), (H * D,), (1, H, D), (0, D)], ids=repr)
+def test_weight1_without_rows(inp):
+    expect_error(ValueError, rf"^weight1 has no rows \(shape {shape_re((0, D))}\): hidden_dim, its first dimension, "
+                             rf"must be >= 1$", args_with(inp, weight1=numpy.zeros((0, D), F32)))
+
+
+@pytest.mark.parametrize("bad_shape", [(H, D + 1), (H, D - 1), (H * D,), (1, H, D)], ids=repr)
 def test_weight1_shape(inp, rng, bad_shape):
     bad = rng.standard_normal(bad_shape).astype(F32)
     expect_error(ValueError, rf"^weight1 must have shape \(hidden_dim, dim\) with dim = grad_output\.shape\[-1\] = {D} "
@@ -403,11 +413,11 @@ class _Sentinel:
 def _patch_gpu(monkeypatch, stand_ins):
     real = cupyffn.core.arrays.import_array
 
-    def fake(obj, name, stream):
+    def fake(obj, name, stream, torch_devices=None):
         for sentinel, array in stand_ins:
             if obj is sentinel:
                 return "gpu", array
-        return real(obj, name, stream)
+        return real(obj, name, stream, torch_devices)
 
     monkeypatch.setattr(cupyffn.core.arrays, "import_array", fake)
 

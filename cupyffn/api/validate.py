@@ -168,9 +168,9 @@ def validate(request, args, out=None, stream=None):
     required = 5 if kind == "backward" else 3
     for a, n in zip(args[:required], names):
         if a is None:
-            optional = "tanh_inner and gelu_out (recomputed from linear1_out)" if kind == "backward" else \
-                "bias1 and bias2"
-            raise TypeError(f"{n} is required; only {optional} may be None")
+            optional = "tanh_inner and gelu_out may be None (recomputed from linear1_out)" if kind == "backward" \
+                else "bias1 and bias2 may be None"
+            raise TypeError(f"{n} is required; only {optional}")
     backend, arrays, torch_devices = _import(args, names, stream)
     device = _one_device(arrays, names)
     act, weights = _dtypes(kind, arrays, names)
@@ -317,12 +317,9 @@ def _transposed(a):
 
 
 def _weights_transposed(w1, w2):
-    t1, t2 = _transposed(w1), _transposed(w2)
-    if t1 != t2:
-        which = "weight1" if t1 else "weight2"
-        raise ValueError(f"{which} is a transposed view ([in, out] storage) but the other weight is not: pass both "
-                         f"weights in one layout (both [out, in], or both transposed views of [in, out] matrices)")
-    return t1
+    """Both weights are transposed views ([in, out] storage); one alone is read as [out, in] (and refused by _matrix
+    if its rows are not row-strided)."""
+    return _transposed(w1) and _transposed(w2)
 
 
 def _matrix(array, name, transposed=False):
@@ -358,7 +355,7 @@ def _outputs(call, out, stream, torch_devices):
         return (None,) * n, (None,) * n, "float32"
     if not isinstance(out, (tuple, list)) or len(out) not in lengths:
         listed = ", ".join(names[:max(lengths)])
-        counts = " or ".join(map(str, lengths))
+        counts = " or ".join({3: "three", 4: "four", 5: "five"}[n] for n in lengths)
         raise TypeError(f"out must be a sequence of {counts} arrays ({listed}); an entry may be None to have cupyffn "
                         f"allocate it" + (" (need_bias_grads=True adds grad_bias1, grad_bias2)"
                                           if kind == "backward" and not r.need_bias_grads else ""))
@@ -375,10 +372,10 @@ def _outputs(call, out, stream, torch_devices):
             imported.append(None)
             continue
         if not computed[i]:
-            why = ("bfloat16/float16 forwards keep linear1_out and gelu_out only (the backward recomputes the GELU "
-                   "derivative from linear1_out)" if kind == "forward" else
-                   "need_grad_hidden / need_weight_grads is False")
-            raise ValueError(f"{label} must be None: this call does not compute {name} ({why})")
+            if kind == "forward":
+                raise ValueError(f"{label} must be None: bfloat16/float16 forwards keep linear1_out and gelu_out only "
+                                 f"(the backward recomputes the GELU derivative from linear1_out)")
+            raise ValueError(f"{label} was given but is not computed (need_grad_hidden / need_weight_grads is False)")
         b, a = _arrays.import_array(obj, label, stream, torch_devices)
         if b != call.backend:
             where = "NumPy (CPU)" if b == "cpu" else "GPU"

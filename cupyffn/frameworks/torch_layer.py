@@ -31,6 +31,8 @@ def block(x, w1, w2, b1=None, b2=None, precision=None, save="all", act=None):
     """``gelu_tanh(x w1^T + b1) w2^T + b2`` in `act` (None: `activation_dtype`), differentiable. `w1` [H, D] and `w2`
     [D, H]: Parameters or views of them (transposes of transformers' Conv1D weights: read as stored on the
     cuBLASLt route). `precision`: a name or None, for float32 computation."""
+    if x.dtype not in HALF + (torch.float32,):  # nn.Linear refuses a float64 input for float32 weights as well
+        raise TypeError(f"hidden_states must be float32 (or bfloat16 / float16); got {x.dtype}")
     act = activation_dtype(x, w1) if act is None else act
     if act not in HALF + (torch.float32,):
         raise TypeError(f"cupyffn computes in bfloat16, float16 or float32; got {act}")

@@ -4,7 +4,7 @@ transposed [in, out] views; biases or not; every precision), with fake (meta) im
 formula, so ``torch.compile(fullgraph=True)`` traces any model using them without a graph break, and
 ``mode="reduce-overhead"`` / ``torch.cuda.graph`` capture them. Their bodies (`forward_impl`, `backward_impl`) call
 cupyffn's front door (cupyffn/api/functional.py) with torch-allocated outputs as out=, on torch's current stream;
-CUDA tensors are read by pointer, CPU tensors as NumPy views (the NumPy backend). The eager entry point `Eager` runs
+CUDA tensors are read by pointer, CPU tensors as NumPy views (the NumPy backend). The eager entry point `EagerGeluFFN` runs
 the same bodies through a plain autograd.Function, without the custom-op dispatcher's Python layers.
 
 Schemas (the activation dtype is hidden_states'; the layers cast the input to it, cupyffn/frameworks/torch_layer.py):
@@ -185,7 +185,7 @@ def backward_impl(dy, x, w1, w2, z, t, g, precision, need_x, need_w, need_b):
     w1, w2 = weights(w1, w2, act, x.device)
     wt = w1.dtype
     with Call(x.device) as call:
-        gx = torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else None
+        gx = call.empty(tuple(x.shape), act) if need_x else None
         gw1 = call.empty(tuple(w1.shape), wt) if need_w else None
         gw2 = call.empty(tuple(w2.shape), wt) if need_w else None
         gb1 = call.empty((w1.shape[0],), wt) if need_b else None
@@ -284,7 +284,7 @@ forward_op.register_autograd(_operator_backward, setup_context=_save)
 
 
 # ---------------------------------------------------------------------- the eager entry point
-class Eager(torch.autograd.Function):
+class EagerGeluFFN(torch.autograd.Function):
     """The operators' bodies in plain eager mode, without the custom-op dispatcher (autograd_impl, redispatch, the
     dynamo-disable wrapper, the backend lookup), whose Python layers cost more host time per call than the body."""
 
@@ -336,7 +336,7 @@ def apply(x, w1, w2, b1, b2, precision, save):
     activation dtype, precision a name (float32 x) or None (16-bit x)."""
     if _eager((x, w1, w2, b1, b2)):
         entry_counts["eager"] += 1
-        return Eager.apply(x, w1, w2, b1, b2, precision, save)
+        return EagerGeluFFN.apply(x, w1, w2, b1, b2, precision, save)
     if not torch.compiler.is_compiling():  # a counter update in a traced graph would be a side effect
         entry_counts["operator"] += 1
     return torch.ops.cupyffn.forward(x, w1, w2, b1, b2, precision, save)[0]
