@@ -23,9 +23,9 @@ Rows (all "bf16x3", the same arrays, every result checked against float64 first)
 Host time: median over --calls of the time to issue one call with the launch queue drained first, in two
 loop styles: "dropped" (each result freed before the next call, as bench.py --loop runs them) and "kept"
 (the previous result alive during the call, ``r = run()``). For each style also cupyffn's full validations
-per call (``_validate.prepare`` calls) and the distinct grad_hidden_states addresses over 20 calls: if torch's
+per call (``validate.validate`` calls) and the distinct grad_hidden_states addresses over 20 calls: if torch's
 caching allocator alternates two output sets in the kept style, the validated-call fast path must remember
-both (it keeps up to 8 signatures per plan, ``GeluFFNBackward._validated``), which these columns show.
+both (the front door's cache of validated calls, cupyffn/api/functional.py), which these columns show.
 ``layer_impls()`` returns the callables in bench.py --loop's form (name -> (run, plan))
 for the torch rows; ``jax_impl()`` the JAX one with its own synchronization; ``host_impls()`` the rows of the
 loop mode's host-time table (bench.py --loop / --host-only; HOST_ROWS).
@@ -180,17 +180,17 @@ def _host_us(run, sync, calls, keep=False):
 
 
 def _addresses(run, calls, keep):
-    """(prepare() calls per call, distinct addresses of the first result) over `calls` calls."""
+    """(validations per call, distinct addresses of the first result) over `calls` calls."""
     from cupyffn.api import validate as _validate
 
-    original, count, seen = _validate.prepare, [0], set()
+    original, count, seen = _validate.validate, [0], set()
 
     def counting(*a, **k):
         count[0] += 1
         return original(*a, **k)
 
     r = run()
-    _validate.prepare = counting
+    _validate.validate = counting
     try:
         for _ in range(calls):
             if not keep:
@@ -199,7 +199,7 @@ def _addresses(run, calls, keep):
             g = r[0]
             seen.add(g.data_ptr() if hasattr(g, "data_ptr") else g.data.ptr)
     finally:
-        _validate.prepare = original
+        _validate.validate = original
     return count[0] / calls, len(seen)
 
 
@@ -228,7 +228,7 @@ def main(tokens=2048, dim=1536, hidden_dim=6144, calls=200, jax_too=True):
         # the eager layer through autograd: its forward on this stream, so autograd's backward runs here too
         x, w1, w2 = (torch.from_dlpack(a).detach().requires_grad_() for a in args2d[1:4])
         y = ct.gelu_ffn(x, w1, w2, "bf16x3")
-        assert y.grad_fn.name() == "_EagerGeluFFNBackward", y.grad_fn.name()
+        assert y.grad_fn.name() == "EagerGeluFFNBackward", y.grad_fn.name()
         dy = torch.from_dlpack(args2d[0])
         rows["cupyffn-torch-autograd"] = (
             lambda: torch.autograd.grad(y, (x, w1, w2), dy, retain_graph=True), None)

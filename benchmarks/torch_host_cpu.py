@@ -4,7 +4,7 @@ out (so only the torch-side cost is timed: dispatch, views, allocations, autogra
     python -m benchmarks.torch_host_cpu
 
 Rows are interleaved (round robin) and the minimum over rounds is reported, to resist a noisy host. The
-CUDA view rows time a cache hit of cupyffn._views (the GPU path's per-tensor cost) with a placeholder entry.
+CUDA view rows time a cache hit of cupyffn/core/views.py (the GPU path's per-tensor cost) with a placeholder entry.
 Not a GPU measurement: benchmarks.layers measures the real calls on the GPU.
 """
 import time
@@ -12,16 +12,18 @@ import time
 import torch
 
 import cupyffn.torch as ct
+from cupyffn.api import functional
+from cupyffn.frameworks import torch_ops
 
 
 def main():
-    saved = ct._gelu_ffn_backward, ct._gelu_ffn_forward
-    ct._gelu_ffn_backward = lambda *a, out=None, **k: out
-    ct._gelu_ffn_forward = lambda *a, out=None, **k: out
+    saved = functional.gelu_ffn_backward, functional.gelu_ffn_forward
+    functional.gelu_ffn_backward = lambda *a, out=None, **k: out
+    functional.gelu_ffn_forward = lambda *a, out=None, **k: out
     try:
         _measure()
     finally:
-        ct._gelu_ffn_backward, ct._gelu_ffn_forward = saved
+        functional.gelu_ffn_backward, functional.gelu_ffn_forward = saved
 
 
 def _measure():
@@ -34,13 +36,12 @@ def _measure():
 
     rows = {}
     op = torch.ops.cupyffn.backward
-    rows["op torch.ops.cupyffn.backward"] = lambda: op(*args, "bf16x3", True, True)
-    body = getattr(ct._backward_op, "_init_fn", None)  # the function custom_op wraps (torch-private name)
+    rows["op torch.ops.cupyffn.backward"] = lambda: op(*args, "bf16x3", True, True, False)
+    body = getattr(torch_ops.backward_op, "_init_fn", None)  # the function custom_op wraps (torch-private name)
     if body is not None:
-        rows["op body (custom_op's own function)"] = lambda: body(*args, "bf16x3", True, True)
-    if hasattr(ct, "_backward_impl"):
-        rows["_backward_impl"] = lambda: ct._backward_impl(*args, "bf16x3", True, True)
-    rows["piece _readable(x)"] = lambda: ct._readable(x)
+        rows["op body (custom_op's own function)"] = lambda: body(*args, "bf16x3", True, True, False)
+    rows["backward_impl"] = lambda: torch_ops.backward_impl(*args, "bf16x3", True, True, False)
+    rows["piece readable(x)"] = lambda: torch_ops.readable(x)
     rows["piece torch.empty([T,D])"] = lambda: torch.empty((T, D), dtype=torch.float32, device=x.device)
     rows["piece x.detach().numpy()"] = lambda: x.detach().numpy()
     rows["piece data_ptr+shape+stride+index"] = lambda: (x.data_ptr(), tuple(x.shape), x.stride(), x.device.index)
@@ -51,9 +52,9 @@ def _measure():
                                                                          x.device.index or 0)
     rows["piece CUDA view hit, new spelling"] = lambda: _views.float32_view(x.data_ptr(), x.shape, x.stride(), 0)
     def call_ctx():
-        with ct._Call(x.device):
+        with torch_ops.Call(x.device):
             pass
-    rows["piece _Call enter/exit (CPU)"] = call_ctx
+    rows["piece Call enter/exit (CPU)"] = call_ctx
     xs, w1s, w2s = (a.clone().requires_grad_() for a in (x, w1, w2))
     def layer_step():
         xs.grad = w1s.grad = w2s.grad = None

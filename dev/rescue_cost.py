@@ -32,8 +32,9 @@ def strip_rescues(plan):
                                  decide)
     e._executor._steps.clear()
     e._executor.destroy_graphs()
-    e.io_graphs.destroy()
-    plan._io = None  # set_io again: it takes the launches of the (now stripped) mode
+    if e.graphs is not None:
+        e.graphs.destroy()
+    e._io = None  # bind again: it takes the launches of the (now stripped) mode
 
 
 def measure(cupy, cupyffn, T, reps, rounds):

@@ -204,7 +204,7 @@ def test_graph_replay_matches_eager(precision):
         stream.synchronize()
         for e, g in zip(out_e, out_g):
             assert bool((e.view(cupy.uint32) == g.view(cupy.uint32)).all()), f"step {step}"
-    assert len(graphed._graphs) == 1
+    assert len(graphed.engine.graphs._graphs) == 1
 
 
 def test_graph_owned_outputs_are_reused():
@@ -358,8 +358,8 @@ def test_alternating_arrays_skip_validation(monkeypatch):
     for (args, _), out in zip(sets, outs):
         plan(*args, out=out)
     calls = []
-    real = _validate.prepare
-    monkeypatch.setattr(_validate, "prepare", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = _validate.validate
+    monkeypatch.setattr(_validate, "validate", lambda *a, **k: calls.append(1) or real(*a, **k))
     for _ in range(3):
         for (args, inputs), out in zip(sets, outs):
             for o in out:

@@ -257,7 +257,7 @@ def test_repeated_arrays_replay_a_graph_of_their_own():
     graphed, eager = twin_plans(tokens, dim, hidden, "tf32")
     sets = [make(tokens, dim, hidden, seed=170 + k) for k in range(3)]
     outs = [poisoned(tokens, dim, hidden) for _ in sets]
-    replays = graphed._engine.io_graphs
+    replays = graphed.engine.graphs
     for round_ in range(3):
         for k, ((args, inputs), out) in enumerate(zip(sets, outs)):
             if round_ == 2:

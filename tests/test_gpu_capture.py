@@ -94,7 +94,14 @@ def replay_and_check(graph, stream, args, out, precision, seeds, what):
 
 
 def pinned_backward_plans():
-    return [p for p in _plan_cache._pinned.values() if isinstance(p, cupyffn.GeluFFNBackward)]
+    """The backward engines a caller's capture pinned (the functions' cached ones)."""
+    from cupyffn.engine.engine import GpuEngine
+
+    return [p for p in _plan_cache._pinned.values() if isinstance(p, GpuEngine)]
+
+
+def backward_cache():
+    return _backward._caches["float32", "backward"]
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -197,32 +204,32 @@ def test_replay_survives_clear_cache_and_churn():
     cupy.cuda.Device().synchronize()
     graph = capture(cap, lambda: cupyffn.gelu_ffn_backward(*args, out=out, stream=cap))
     (plan,) = pinned_backward_plans()
-    lo = plan._engine._base
-    hi = lo + plan._engine.scratch_bytes
+    lo = plan._base
+    hi = lo + plan.scratch_bytes
     cupyffn.clear_cache()
-    assert not plan._closed and plan._engine._scratch is not None
+    assert not plan.closed and plan._scratch is not None
     seen = 0
     for i, (t, d, h) in enumerate(CHURN):  # more plans than the cache holds: every unpinned one is evicted
         churn_args, _ = make(100 + i, t, d, h)
         cupyffn.gelu_ffn_backward(*churn_args)
-        for other in list(_backward._plans._plans.values()):
+        for other in list(backward_cache()._plans.values()):
             if other is plan:
                 continue
             seen += 1
-            o_lo = other._engine._base
-            o_hi = o_lo + other._engine.scratch_bytes
+            o_lo = other._base
+            o_hi = o_lo + other.scratch_bytes
             assert o_hi <= lo or hi <= o_lo, "a new plan was given the captured plan's scratch"
     assert seen >= len(CHURN)
-    assert not plan._closed
-    assert _backward._plans.acquire(plan._cache_key) is plan  # still the cached plan for its shape
-    _backward._plans.release(plan)
+    assert not plan.closed
+    assert backward_cache().acquire(plan._cache_key) is plan  # still the cached plan for its shape
+    backward_cache().release(plan)
     replay_and_check(graph, cap, args, out, "bf16x3", range(30, 33), "replay after clear_cache and churn")
     del graph
     cupy.cuda.Device().synchronize()
     assert cupyffn.release_captured_plans() == 1
-    assert not _plan_cache.is_pinned(plan) and not plan._closed
+    assert not _plan_cache.is_pinned(plan) and not plan.closed
     cupyffn.clear_cache()  # no longer skipped
-    assert plan._closed
+    assert plan.closed
 
 
 def test_torch_cuda_graph_after_warmup_on_a_side_stream():
@@ -395,7 +402,7 @@ def test_graph_plan_inside_an_external_capture():
     cap = cupy.cuda.Stream(non_blocking=True)
     graph = capture(cap, lambda: plan(*args, out=out, stream=cap))
     replay_and_check(graph, cap, args, out, "bf16x3", range(60, 62), "graph=True plan, external replay")
-    assert len(plan._graphs) == 1  # its own graph, from the eager call
+    assert len(plan.engine.graphs._graphs) == 1  # its own graph, from the eager call
 
 
 def test_user_plan_pinned_by_capture_then_closed():

@@ -190,13 +190,13 @@ def test_one_validation_per_signature(monkeypatch):
     outs = _nan_torch(_out_shapes(arrays))
     cupyffn.gelu_ffn_backward(*tensors, precision="tf32", out=outs)  # may validate (a new signature)
     count = [0]
-    real = _validate.prepare
+    real = _validate.validate
 
     def counting(*a, **k):
         count[0] += 1
         return real(*a, **k)
 
-    monkeypatch.setattr(_validate, "prepare", counting)
+    monkeypatch.setattr(_validate, "validate", counting)
     for _ in range(5):
         cupyffn.gelu_ffn_backward(*tensors, precision="tf32", out=outs)
     assert count[0] == 0
@@ -325,11 +325,11 @@ def test_same_stream_needs_no_wait(monkeypatch):
     monkeypatch.setattr(_arrays, "_wait", lambda *a: waits.append(a))
     arrays = _inputs(13)
     tensors = _as_torch(arrays)
-    from cupyffn.torch import _cupy_stream
+    from cupyffn.frameworks.torch_ops import cuda_stream
 
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
-        s = _cupy_stream(torch.device("cuda", torch.cuda.current_device()))
+        s = cuda_stream(torch.cuda.current_device())
         assert s.ptr == side.cuda_stream
         for _ in range(2):
             cupyffn.gelu_ffn_backward(*tensors, precision="tf32", out=_nan_torch(_out_shapes(arrays)), stream=s)

@@ -18,7 +18,7 @@ def _inputs(seed):
 
 def test_torch_in_and_out_on_a_side_stream():
     torch = pytest.importorskip("torch")
-    from cupyffn.torch import _cupy_stream
+    from cupyffn.frameworks.torch_ops import cuda_stream
 
     inputs = _inputs(1)
     ref64 = W.reference(inputs, xp=cupy)
@@ -28,7 +28,7 @@ def test_torch_in_and_out_on_a_side_stream():
         tensors = [torch.from_dlpack(inputs[n]).clone() for n in W.INPUT_NAMES]  # produced on `side`
         outs = [torch.full(tuple(s), float("nan"), device="cuda") for s in
                 (tensors[1].shape, tensors[2].shape, tensors[3].shape)]
-        stream = _cupy_stream(torch.device("cuda", 0))  # torch's current stream, as a CuPy stream
+        stream = cuda_stream(0)  # torch's current stream, as a CuPy stream
         grads = cupyffn.gelu_ffn_backward(*tensors, out=outs, stream=stream)
         assert all(g is o for g, o in zip(grads, outs))
         copies = [o.clone() for o in outs]  # read on the same stream, no synchronization

@@ -1,5 +1,5 @@
-"""GPU: biases and 16-bit activations (cupyffn/_lt_api.py, cupyffn/_lt_ffn.py) against float64, the NumPy route,
-and torch's autocast on the same inputs."""
+"""GPU: biases and 16-bit activations (the cuBLASLt engine, cupyffn/lt/engine.py, through the front door) against
+float64, the NumPy route, and torch's autocast on the same inputs."""
 
 import math
 
@@ -247,7 +247,7 @@ def test_accuracy_within_torch_autocast(act, T):
         assert rel(a, r) <= 1.25 * theirs + 1e-6, (name, rel(a, r), theirs)
 
 
-def test_torch_tensors_take_the_pointer_path():
+def test_torch_tensors_are_read_by_pointer():
     torch = pytest.importorskip("torch")
     T, D, H = 300, 256, 512
     x, dy, w1, w2, b1, b2 = make(T, D, H, "bfloat16", 11)
@@ -262,13 +262,12 @@ def test_torch_tensors_take_the_pointer_path():
     assert rel(g.grad_bias1, host(gc.grad_bias1)) == 0.0 and rel(g[1], host(gc[1])) == 0.0
 
 
-def test_the_layer_enqueues_its_plans_by_pointer(monkeypatch):
-    """cupyffn.torch.GeluFFN under bf16 autocast on CUDA runs the cached plans by pointer (the functional API is not
-    called: it is made to fail here), with the same bits as the functional API on the same bf16 operands, also when
-    a repeated pointer set is replayed as a captured graph (cupyffn/_graph_replay.py)."""
+def test_the_layer_validates_once_and_replays_its_repeated_tensors(monkeypatch):
+    """cupyffn.torch.GeluFFN under bf16 autocast on CUDA: each set of tensors is validated once (the door remembers
+    the call by its signature), a repeated set is replayed as a captured graph (cupyffn/cuda/graph_cache.py), with
+    the same bits as the functional API on the same bf16 operands; unaligned weights are refused with the reason."""
     torch = pytest.importorskip("torch")
-    import cupyffn.api.lt_api as api
-    import cupyffn.frameworks.torch_layer as lt
+    from cupyffn.api import functional, validate
     import cupyffn.torch as ct
 
     torch.manual_seed(0)
@@ -277,14 +276,12 @@ def test_the_layer_enqueues_its_plans_by_pointer(monkeypatch):
     x = torch.randn(3, 100, 256, device="cuda", requires_grad=True)
     dy = torch.randn(3, 100, 256, device="cuda", dtype=torch.bfloat16)
 
-    def refuse(*a, **k):
-        raise AssertionError("the functional API was called")
-
+    validated = []
+    real = validate.validate
     params = (x, l1.weight, l2.weight, l1.bias, l2.bias)
     kept = [[torch.empty_like(t) for t in params] for _ in range(3)]  # allocated before: the steps' addresses repeat
     with monkeypatch.context() as m:
-        m.setattr(lt, "gelu_ffn_forward", refuse)
-        m.setattr(lt, "gelu_ffn_backward", refuse)
+        m.setattr(validate, "validate", lambda *a, **k: validated.append(a[0].kind) or real(*a, **k))
         with torch.autocast("cuda", dtype=torch.bfloat16):
             y = ffn(x)
         for keep in kept:  # the same backward three times: the second and third replay its graph
@@ -294,7 +291,8 @@ def test_the_layer_enqueues_its_plans_by_pointer(monkeypatch):
             for k, t in zip(keep, params):
                 k.copy_(t.grad)
     torch.cuda.synchronize()
-    assert sum(p.graphs.launches for p in api._backwards._plans.values()) >= 1
+    assert validated.count("forward") == 1 and validated.count("backward") <= 2  # the grads freed step to step
+    assert sum(e.graphs.launches for e in functional._caches["lt", "backward"]._plans.values()) >= 1
     for later in kept[1:]:
         assert all(torch.equal(a, b) for a, b in zip(kept[0], later))
     results = [[y] + kept[0]]

@@ -228,7 +228,7 @@ def _public_imports(tree):
     return names
 
 
-@pytest.mark.parametrize("module", ["torch.py", "jax.py", "_torch_parallel.py", "__init__.py"])
+@pytest.mark.parametrize("module", ["torch.py", "jax.py", "frameworks/torch_parallel.py", "__init__.py"])
 def test_all_lists_every_public_class_and_function(module):
     tree = _module_ast(module)
     listed = _all_of(tree)

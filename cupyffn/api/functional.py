@@ -95,8 +95,7 @@ def run(request, args, out, stream, check_activations=False, grad_hidden_ready=N
     if engine is None:
         if _plans.is_capturing(_stream_ptr(stream, call.device)):  # building allocates and zero-fills
             raise RuntimeError(f"cupyffn: {what} was called during CUDA stream capture but no plan exists for "
-                               f"this shape, dtype and precision; call it once outside the capture first (on any "
-                               f"stream)")
+                               f"this shape/precision; call it once outside the capture first (on any stream)")
         engine = cache.acquire(key, lambda: routes.build(call, key))
     try:
         route = known.route if known is not None else routes.choose(call, engine)

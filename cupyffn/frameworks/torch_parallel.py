@@ -45,7 +45,7 @@ from ..api.functional import gelu_ffn_backward as _gelu_ffn_backward
 from ..api.functional import gelu_ffn_forward as _gelu_ffn_forward
 from ..core.precision import lookup as _lookup_precision
 from ..core.precision import resolve as _resolve_precision
-from . import torch_ops as ct
+from . import torch_ops as _ops
 
 __all__ = ["TensorParallelGeluFFN", "TensorParallelGeluFFNFunction", "shard_weights", "tensor_parallel_gelu_ffn"]
 
@@ -146,14 +146,14 @@ class TensorParallelGeluFFNFunction(torch.autograd.Function):
                 overlap=True):
         if precision is not None:  # a bad name is reported before the tensors are looked at
             _lookup_precision(precision)
-        ct.check_save(save)
+        _ops.check_save(save)
         _group_info(group)
-        device = ct.check_tensors((("hidden_states", hidden_states), ("weight1", weight1), ("weight2", weight2)))
+        device = _ops.check_tensors((("hidden_states", hidden_states), ("weight1", weight1), ("weight2", weight2)))
         prec = _resolve_precision(precision, cpu=device.type == "cpu")  # None: the default of the tensors' device
-        x, w1, w2 = (ct.readable(t) for t in (hidden_states, weight1, weight2))
+        x, w1, w2 = (_ops.readable(t) for t in (hidden_states, weight1, weight2))
         lead = tuple(x.shape[:-1]) if x.dim() else ()
         hidden = w1.shape[0] if w1.dim() == 2 else 0
-        with ct.Call(device) as call:
+        with _ops.Call(device) as call:
             outs = None
             if x.dim() >= 1 and w1.dim() == 2:  # else cupyffn raises the shape error
                 outs = (call.empty(lead + (x.shape[-1],)),) + tuple(call.empty(lead + (hidden,)) for _ in range(3))
@@ -183,9 +183,9 @@ class TensorParallelGeluFFNFunction(torch.autograd.Function):
         t, g = saved[4:] if len(saved) == 6 else (None, None)
         if grad_output.dtype != torch.float32:
             raise TypeError(f"grad_output must be float32; got {grad_output.dtype}")
-        dy = ct.readable(grad_output)
+        dy = _ops.readable(grad_output)
         overlap = ctx.overlap and need_x and x.is_cuda  # CPU results are complete when the call returns
-        with ct.Call(x.device) as call:
+        with _ops.Call(x.device) as call:
             out = (call.empty(x.shape) if need_x else None,
                    call.empty(w1.shape) if need_weights else None,
                    call.empty(w2.shape) if need_weights else None)
@@ -237,7 +237,7 @@ class TensorParallelGeluFFN(torch.nn.Module):
         self.dim = _check_int("dim", dim, 1)
         self.hidden_dim = _check_int("hidden_dim", hidden_dim, 1)
         self.precision = None if precision is None else _lookup_precision(precision).name  # None: per call
-        self.save = ct.check_save(save)
+        self.save = _ops.check_save(save)
         self.overlap = bool(overlap)
         self.process_group = process_group
         self.rank, self.world_size = _group_info(process_group)
