@@ -14,7 +14,6 @@ import pytest
 
 import cupyffn
 from cupyffn import workloads as W
-from cupyffn.engine.options import EngineOptions
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")

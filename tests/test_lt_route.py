@@ -3,7 +3,6 @@ of the cuBLASLt route in cupyffn/cpu/half.py and of the float32 engine): numeric
 and the FFNGrads bias attributes."""
 
 import math
-import re
 
 import numpy
 import pytest
