@@ -26,7 +26,7 @@ INPUT_SETS = 3
 
 def gpu_or_reason():
     """(cupy, None) when CuPy runs a kernel on a GPU, else (None, the one-line reason cupyffn gives everywhere:
-    cupyffn/_device.py, e.g. "no NVIDIA GPU visible (no NVIDIA driver: ...)")."""
+    cupyffn/cuda/device.py, e.g. "no NVIDIA GPU visible (no NVIDIA driver: ...)")."""
     from cupyffn.cuda import device as _device
 
     reason = _device.gpu_unavailable_reason(run_kernel=True)

@@ -41,7 +41,7 @@ synchronized. CPU tensors run on cupyffn's NumPy backend (zero-copy ``Tensor.num
 cupyffn's own scratch buffers and cuBLAS workspaces come from CuPy's memory pool, not torch's.
 
 Host fast path: no DLPack import. CUDA tensors are read by pointer (data_ptr(), shape, stride(), device:
-cupyffn/_arrays.py), on torch's current stream, and repeated tensors take the validated-call fast path keyed
+cupyffn/core/arrays.py), on torch's current stream, and repeated tensors take the validated-call fast path keyed
 by pointers, shapes and strides (docs/decisions/048-dlpack-free-import.md).
 
 Tensor parallelism: autograd hands grad_input on only when this op's backward returns, so this layer cannot

@@ -53,7 +53,7 @@ def kernel_names():
 
 
 def source():
-    """dev/tf32_rs_gemm.cu with its kernels_cu/ headers pasted in (as cupyffn/_kernels.py does)."""
+    """dev/tf32_rs_gemm.cu with its kernels_cu/ headers pasted in (as cupyffn/cuda/kernels.py does)."""
     from cupyffn.cuda import kernels as _kernels
 
     folder, pasted = _kernels.kernel_dir(), set()

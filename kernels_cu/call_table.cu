@@ -1,4 +1,4 @@
-// The first node of a call graph (cupyffn/engine/call_graph.py): this call's operand addresses of the cuBLAS GEMMs,
+// The first node of a call graph (cupyffn/cuda/call_graph.py): this call's operand addresses of the cuBLAS GEMMs,
 // passed as kernel parameters (which the host re-points per call), copied into the table those GEMMs read
 // their pointers from on the GPU (cublasGemmBatchedEx of one matrix: an array of one pointer per operand).
 #include "common.cuh"

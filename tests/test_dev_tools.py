@@ -14,7 +14,7 @@ from benchmarks import timing
 @pytest.mark.parametrize("name,option", [("sm90_precompile", "--match"), ("sm90_trace", "--rasters"),
                                          ("sm90_sass", "--dump"), ("sm90_ptx_diff", "--against"),
                                          ("bias_cost", "--tokens"), ("io_graph_ab", "--rounds"),
-                                         ("tf32_rs_probe", "--tokens"), ("lt_tf32_small_t", "--rounds"),
+                                         ("tf32_rs_probe", "--tokens"),
                                          ("rescue_cost", "--rounds")])
 def test_loads_without_cupy_and_answers_help(name, option, capsys):
     tool = load_tool(name)

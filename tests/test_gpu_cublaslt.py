@@ -283,8 +283,8 @@ def test_close_is_idempotent_and_a_closed_gemm_refuses_calls(bound):
     handle, _ = bound
     g = _cublaslt.LtMatmul(64, 64, 64, F16, F16, F32, name="closing")
     assert g.workspace_size <= _cublas.WORKSPACE_BYTES
-    lt = handle.lt
-    assert isinstance(lt, int) and lt and handle.lt == lt  # created once, then kept
+    lt = _cublaslt.lt_handle(handle)
+    assert isinstance(lt, int) and lt and _cublaslt.lt_handle(handle) == lt  # created once, then kept
     g.close()
     g.close()
     with pytest.raises(RuntimeError, match="'closing' was closed"):

@@ -1,6 +1,8 @@
-"""The house rules of the source tree (issue 29), checked so that they stay true: no Python module of the package
-over 500 lines, no class over 300, no CUDA file over 600; one environment variable chooses anything in the engine
-(CUPYFFN_ENGINE, parsed into EngineOptions); no source cites a removed module or the former tools/ folder."""
+"""The house rules of the source tree, checked so that they stay true: no Python module of the package over 500
+lines, no class over 300, no CUDA file over 600; no environment variable chooses anything; no import cycle among the
+package's modules (imports inside functions included) and internals only in subpackages; one route table (the engine
+modules are imported by cupyffn/api/routes.py alone, and every entry point reaches them through the front door); no
+source cites a removed module or the former tools/ folder."""
 
 import ast
 import re
@@ -34,23 +36,122 @@ def test_cuda_file_sizes(path):
     assert _lines(path) <= 600, f"{_rel(path)} has {_lines(path)} lines (at most 600)"
 
 
-def test_only_the_debug_variable_reads_the_environment_for_choices():
-    """The environment is read for where things are (CUDA_PATH, CUDA_HOME, CUDA_VISIBLE_DEVICES) and for the one
-    documented debug variable; never to choose a kernel."""
+def test_the_environment_chooses_nothing():
+    """The environment is read for where things are (CUDA_PATH, CUDA_HOME, CUDA_VISIBLE_DEVICES), never to choose an
+    algorithm: choices are typed options (EngineOptions) and data (cupyffn/api/routes.py)."""
     reads = {}
     for path in PACKAGE:
-        for name in re.findall(r"os\.environ(?:\.get)?\(\s*[\"']?(\w+)|os\.getenv\(\s*[\"']?(\w+)", path.read_text()):
+        for name in re.findall(r"os\.environ(?:\.get)?\(\s*[\"']?(\w+)|os\.getenv\(\s*[\"']?(\w+)|"
+                               r"os\.environ\[\s*[\"'](\w+)", path.read_text()):
             reads.setdefault(next(n for n in name if n), set()).add(_rel(path))
-    assert set(reads) <= {"CUDA_PATH", "CUDA_HOME", "CUDA_VISIBLE_DEVICES", "ENV"}, reads
-    assert reads.get("ENV", {"cupyffn/engine/options.py"}) == {"cupyffn/engine/options.py"}
-    from cupyffn.engine import options
-
-    assert options.ENV == "CUPYFFN_ENGINE"
+    assert set(reads) <= {"CUDA_PATH", "CUDA_HOME", "CUDA_VISIBLE_DEVICES"}, reads
 
 
-REMOVED = re.compile(r"\b_(?:sm90_gemm|gpu_engine|call_graph|cublas|cublaslt|ksplit|options|gemm)\.py\b|"
-                     r"\bcupyffn\._(?:sm90_gemm|gpu_engine|call_graph|cublas|cublaslt|ksplit|options|gemm)\b|"
-                     r"\btools/\w+\.py\b")
+def _module_name(path):
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path):
+    """Every cupyffn module `path` imports, at the top or inside a function (resolved to module names)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    modules = {_module_name(p) for p in PACKAGE}
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            if node.level:
+                base = base[:len(base) - node.level + 1]
+                base = ".".join(base + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target.startswith("cupyffn") and target != name:
+                found.add(target)
+    return found
+
+
+def _graph():
+    """{module: modules it imports}, the package's own modules only; a package's __init__ is its own module."""
+    return {_module_name(p): _imports(p) for p in PACKAGE}
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    packages = {m for m in graph if (ROOT / m.replace(".", "/") / "__init__.py").exists()}
+
+    def edges(module):  # importing a submodule runs its package's __init__ first: not a cycle by itself
+        return {t for t in graph[module] if not (t in packages and module.startswith(t + "."))}
+
+    done, stack = set(), []
+
+    def visit(module):
+        if module in stack:
+            raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(module):] + [module]))
+        if module in done:
+            return
+        stack.append(module)
+        for target in sorted(edges(module)):
+            visit(target)
+        stack.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
+
+
+def test_internals_live_in_subpackages():
+    """The package's top level holds its public modules only; the rest is in subpackages by role."""
+    top = sorted(p.name for p in (ROOT / "cupyffn").glob("*.py"))
+    assert top == ["__init__.py", "jax.py", "torch.py", "workloads.py"], top
+
+
+ENGINES = ("cupyffn.engine.engine", "cupyffn.engine.forward", "cupyffn.lt.engine", "cupyffn.cpu.backend")
+
+
+def test_one_route_table():
+    """The engines are built in one place: only cupyffn/api/routes.py imports the float32 engine, the forward and the
+    cuBLASLt engine (the NumPy engine: routes' table names it, the door runs it), and GeluFFNBackward, whose plan is
+    its own float32 engine; nothing outside the api/ subpackage (frameworks, the public modules) imports an engine."""
+    graph = _graph()
+    importers = {engine: sorted(m for m, targets in graph.items() if engine in targets) for engine in ENGINES}
+    assert importers["cupyffn.engine.engine"] == ["cupyffn.api.backward_plan", "cupyffn.api.routes"], importers
+    assert importers["cupyffn.engine.forward"] == ["cupyffn.api.routes"], importers
+    assert importers["cupyffn.lt.engine"] == ["cupyffn.api.routes"], importers
+    assert importers["cupyffn.cpu.backend"] == ["cupyffn.api.functional"], importers
+    from cupyffn.api import routes
+
+    assert set(routes.ENGINES.values()) == {routes.NUMPY, routes.FLOAT32, routes.LT}
+    for m in graph:
+        if m.startswith(("cupyffn.frameworks", "cupyffn.torch", "cupyffn.jax")):
+            assert not graph[m] & {"cupyffn.api.execute", "cupyffn.api.routes", *ENGINES}, (m, graph[m])
+
+
+def test_the_numpy_routes_import_nothing_gpu():
+    """What a CPU call imports (the front door, the NumPy backend) never imports CuPy at module level, nor a GPU
+    engine: cupyffn/api, core and cpu modules import cupy only inside functions that run for GPU arrays
+    (tests/test_cpu_without_cupy.py runs the calls with CuPy blocked)."""
+    for path in PACKAGE:
+        if not _module_name(path).startswith(("cupyffn.api", "cupyffn.core", "cupyffn.cpu")):
+            continue
+        top = [n for n in ast.parse(path.read_text()).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = {a.name for n in top for a in n.names} | {n.module or "" for n in top if isinstance(n, ast.ImportFrom)}
+        assert not any(n == "cupy" or n.startswith(("cupy.", "cupy_backends", "cupyx")) for n in names), _rel(path)
+
+
+_GONE = ("sm90_gemm|gpu_engine|call_graph|cublas|cublaslt|ksplit|options|gemm|precision|arrays|views|checks|"
+         "plan_cache|libcuda|device|kernels|graph_replay|numpy_backend|lt_cpu|lt_ffn|lt_api|validate|backward|"
+         "backward_plan|backward_gpu|backward_cpu|forward|torch_lt|torch_parallel|half")
+REMOVED = re.compile(rf"\bcupyffn/_(?:{_GONE})\.py\b|\bcupyffn\._(?:{_GONE})\b|\btools/\w+\.py\b|"
+                     r"\bcupyffn/engine/call_graph\.py\b|\bCUPYFFN_ENGINE\b")
 
 
 def test_no_source_names_a_removed_module():

@@ -172,12 +172,12 @@ def row_stride(shape, strides, itemsize):
 # ---------------------------------------------------------------------- torch tensors read by pointer
 # A float32 CUDA torch.Tensor (or nn.Parameter: exact types, so subclasses such as FakeTensor or tensor
 # subclasses with __torch_function__ keep the DLPack path) is read from its attributes: data_ptr(), shape,
-# stride(), get_device(), giving a cached CuPy view (cupyffn._views) instead of a cupy.from_dlpack import per
-# tensor, and a signature (cupyffn._validate) so that repeated tensors skip validation. torch is detected by
+# stride(), get_device(), giving a cached CuPy view (cupyffn/core/views.py) instead of a cupy.from_dlpack import per
+# tensor, and a signature (cupyffn/api/validate.py) so that repeated tensors skip validation. torch is detected by
 # looking it up in sys.modules, never imported here.
 _torch_types = None  # frozenset of the exact types, once torch is imported
 _torch_f32 = None  # torch.float32 (dtypes are singletons: compared with `is`)
-_torch_16 = {}  # torch.bfloat16 / torch.float16 -> dtype name (the 16-bit activation plans, cupyffn/_lt_ffn.py)
+_torch_16 = {}  # torch.bfloat16 / torch.float16 -> dtype name (the cuBLASLt engine, cupyffn/lt/engine.py)
 _torch_stream = None  # device index -> torch's current raw stream on it
 
 
@@ -205,7 +205,7 @@ def torch_types():
 
 def torch_view(obj):
     """(device id, CuPy view) of a float32, bfloat16 or float16 CUDA torch tensor, read from its data_ptr(), shape,
-    stride() and get_device() (the view cached by cupyffn._views; it owns nothing, the caller keeps `obj` alive
+    stride() and get_device() (the view cached by cupyffn/core/views.py; it owns nothing, the caller keeps `obj` alive
     while it uses it); None for anything else (other dtypes, CPU tensors, subclasses: DLPack's business)."""
     cls = type(obj)
     if cls in (_torch_types or torch_types()) and obj.is_cuda:

@@ -1,5 +1,5 @@
 """CuPy views over raw device pointers and streams, for the framework layers (cupyffn.torch, cupyffn.jax) and for
-float32 CUDA torch tensors given to the functional API (cupyffn/_arrays.py ``torch_view``).
+float32 CUDA torch tensors given to the functional API (cupyffn/core/arrays.py ``torch_view``).
 
 A framework tensor reaches cupyffn as a ``cupy.ndarray`` built from its pointer, shape and strides:
 no DLPack import (whose stream handshake is empty in the layers, since they run cupyffn on the stream the

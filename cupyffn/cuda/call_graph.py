@@ -21,7 +21,7 @@ is instantiated with node priorities: the engine captures its critical path on a
 where two kernels become ready at once the GPU starts them in the order the host's launches gave them (without
 it, convert B went first at T = 8192 and GEMM1's last wave ran alone: +17 us). Where it is the default:
 cupyffn/engine/plan.py CALL_GRAPH_TOKENS. The driver entry points come from libcuda through ctypes (names and
-structs the same under CUDA 12 and 13; cupyffn/_libcuda.py).
+structs the same under CUDA 12 and 13; cupyffn/cuda/libcuda.py).
 """
 
 import ctypes

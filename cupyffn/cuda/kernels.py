@@ -277,7 +277,7 @@ class KernelLaunch:
 
     def node_params(self):
         """(function, grid, block, dynamic shared memory, argument pointer array) of the launch as it stands: what
-        a call graph's node of this launch is set to (cupyffn/engine/call_graph.py)."""
+        a call graph's node of this launch is set to (cupyffn/cuda/call_graph.py)."""
         return self.function, self.grid, self.block, 0, ctypes.addressof(self._argv)
 
 

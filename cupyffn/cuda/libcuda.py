@@ -1,5 +1,5 @@
 """The CUDA driver (libcuda) through ctypes, for the few entry points CuPy does not wrap: tensor maps and cluster
-occupancy (cupyffn/gemm/sm90/), stream capture and executable-graph updates (cupyffn/engine/call_graph.py).
+occupancy (cupyffn/gemm/sm90/), stream capture and executable-graph updates (cupyffn/cuda/call_graph.py).
 
 One library handle per process; each entry point is given its prototype once, by the module that uses it
 (``function(name, argtypes)``); every one returns a CUresult, which ``check`` turns into a :class:`DriverError`

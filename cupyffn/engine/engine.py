@@ -12,7 +12,7 @@ cupyffn/api/execute.py.
 from ..core import plans as _plan_cache
 from ..core import precision as P
 from ..cuda.stream_engine import StreamEngine
-from ..gemm import cublas
+from ..gemm import cublas, cublaslt
 from ..gemm import desc as gemm_desc
 from ..gemm import sm90
 from . import options as _options
@@ -88,7 +88,7 @@ class GpuEngine(StreamEngine):
                 self._sidecar.bind(self.side.ptr)
             if self._fp8:  # the e4m3 GEMMs' cuBLASLt handles now, not inside a call a caller may be capturing
                 for handle in self._handles:
-                    handle.lt
+                    cublaslt.lt_handle(handle)
             if tokens > 0:
                 self.kernels = Kernels(self.plan, self._base, self._state, self._consts, device_id)
                 self.gemms = Gemms(self.plan, self._base, self._consts, self._fp8, device_id, self.kernels.addr)

@@ -59,7 +59,7 @@ FUSED_GEMM1_TOKENS = {P.FMT_F16S: (1, 2 ** 31 - 1)}
 
 
 #: Per format, T (first <= T <= last) at which eager calls run as a call graph by default (call_graph auto;
-#: cupyffn/engine/call_graph.py). Measured on the H200, tf32, same runs (docs/decisions/018-call-graph.md): at
+#: cupyffn/cuda/call_graph.py). Measured on the H200, tf32, same runs (docs/decisions/018-call-graph.md): at
 #: T <= 512 the GPU work of a call (0.11-0.14 ms) is as long as the host's enqueue of its launches, so launched one
 #: by one the call measured 0.112-0.18 ms at T = 256 depending on the host's state, as a graph 0.114-0.116 in every
 #: run; from T = 1024 on the GPU outlasts the enqueue and the graph's own cost (its batched cuBLAS GEMMs, the table

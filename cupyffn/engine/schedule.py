@@ -129,7 +129,7 @@ def stages(engine):
 
 class Executor:
     """Runs an engine's stage graph: `enqueue` walks the steps on S and S2; `launch_graph` runs the same work as
-    one re-pointed call graph (cupyffn/engine/call_graph.py), captured once per `graph_key`."""
+    one re-pointed call graph (cupyffn/cuda/call_graph.py), captured once per `graph_key`."""
 
     def __init__(self, engine):
         # a weak reference: the engine owns its executor, and no cycle keeps an engine (streams, events, scratch)
@@ -209,7 +209,7 @@ class Executor:
     # ------------------------------------------------------------------ the call graph (eager calls)
     def launch_graph(self, stream_ptr):
         """The call set by set_io, on `stream_ptr`, as a call graph: captured on the first call of its graph_key
-        (on a private stream), then re-pointed and launched (cupyffn/engine/call_graph.py)."""
+        (on a private stream), then re-pointed and launched (cupyffn/cuda/call_graph.py)."""
         e = self.engine
         key = e.graph_key()
         graph = self.call_graphs.get(key)

@@ -70,6 +70,17 @@ def gelu_ffn(x, weight1, weight2, precision=None, save="all", *, bias1=None, bia
                  precision, save, act=torch.float32)
 
 
+def linear_weights(layer):
+    """(weight, bias, transposed) of an nn.Linear (weight [out, in]) or a transformers Conv1D (weight [in, out]:
+    transposed True)."""
+    if isinstance(layer, torch.nn.Linear):
+        return layer.weight, layer.bias, False
+    if type(layer).__name__ == "Conv1D":
+        return layer.weight, layer.bias, True
+    raise TypeError(f"expected nn.Linear or Conv1D, got {type(layer).__name__}")
+
+
+
 class GeluFFNFunction:
     """``output = gelu_tanh(hidden_states @ weight1.T) @ weight2.T`` with cupyffn's forward and backward.
 
@@ -139,8 +150,6 @@ class GeluFFN(torch.nn.Module):
     def from_linears(cls, linear1, linear2, **options):
         """A GeluFFN computing ``linear2(gelu_tanh(linear1(x)))`` with these very Parameters (nn.Linear, or a
         transformers Conv1D, whose [in, out] weight is used as stored)."""
-        from .torch_swap import linear_weights
-
         (w1, b1, t1), (w2, b2, t2) = linear_weights(linear1), linear_weights(linear2)
         if t1 != t2:
             raise TypeError("linear1 and linear2 must both be nn.Linear or both transformers Conv1D")

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from .torch_layer import block
+from .torch_layer import block, linear_weights
 from .torch_ops import check_save, precision_name
 
 _TANH_GELUS = ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "GELUPytorchTanh")
@@ -72,16 +72,6 @@ def _layers(module):
         why = _tanh_gelu(module.act) or _no_dropout(getattr(module, "dropout", None))
         return (None, why) if why else ((("c_fc",), ("c_proj",)), None)
     return None, None
-
-
-def linear_weights(layer):
-    """(weight, bias, transposed) of an nn.Linear (weight [out, in]) or a transformers Conv1D (weight [in, out]:
-    transposed True)."""
-    if isinstance(layer, torch.nn.Linear):
-        return layer.weight, layer.bias, False
-    if type(layer).__name__ == "Conv1D":
-        return layer.weight, layer.bias, True
-    raise TypeError(f"expected nn.Linear or Conv1D, got {type(layer).__name__}")
 
 
 def _walk(module, path):

@@ -128,17 +128,6 @@ class Handle:
         self.stream_ptr = None
         self._lt = None
 
-    @property
-    def lt(self):
-        """This handle's cuBLASLt handle (an int), created on first use. Like the cuBLAS handle it lives as long
-        as the pooled Handle, i.e. for the process: it is shared by every plan that takes this Handle, and a
-        destroy at interpreter exit could run after the CUDA context is gone."""
-        if self._lt is None:
-            from . import cublaslt
-
-            self._lt = cublaslt.create_handle(self.device_id)
-        return self._lt
-
     def bind(self, stream_ptr):
         """Route this handle's work to `stream_ptr`. cublasSetStream resets the workspace, so set it again."""
         if stream_ptr == self.stream_ptr:
@@ -206,7 +195,7 @@ class Gemm:
     def indirect(self, handle, table):
         """The same product as cublasGemmBatchedEx of one matrix, its operands' addresses read on the GPU from
         `table`, a device array of three pointers [A, B, C] (row-major roles), when the kernel runs: a CUDA graph
-        replaying this GEMM follows whatever the table holds then (cupyffn/engine/call_graph.py). alpha, beta as set."""
+        replaying this GEMM follows whatever the table holds then (cupyffn/cuda/call_graph.py). alpha, beta as set."""
         a = list(self._args)
         a[0] = handle.ptr
         # the column-major call's A is our B (see the class docstring); pointer arrays of one entry each

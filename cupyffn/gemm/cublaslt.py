@@ -5,7 +5,7 @@ It loads the libcublasLt that CuPy's libcublas itself links (same directory, sam
 status (cublas.CublasError), and runs each GEMM as a prebuilt call: the matmul descriptor, the four
 matrix layouts and the algorithm (cublasLtMatmulAlgoGetHeuristic, asked once) are made at build time, so
 a call only rewrites pointers, allocates nothing and never synchronizes (CUDA-graph capturable). It runs
-on a cublas.Handle: that handle's cuBLASLt handle (Handle.lt), workspace and stream, so it is
+on a cublas.Handle: that handle's cuBLASLt handle (lt_handle), workspace and stream, so it is
 stream-ordered with the handle's cublasGemmEx calls, which share the same workspace.
 """
 
@@ -144,8 +144,17 @@ def version():
     return library().cublasLtGetVersion()
 
 
+def lt_handle(handle):
+    """The cuBLASLt handle (an int) of cuBLAS handle `handle` (a cublas.Handle), created on first use. Like the cuBLAS
+    handle it lives as long as the pooled Handle, i.e. for the process: it is shared by every plan that takes this
+    Handle, and a destroy at interpreter exit could run after the CUDA context is gone."""
+    if handle._lt is None:
+        handle._lt = create_handle(handle.device_id)
+    return handle._lt
+
+
 def create_handle(device_id):
-    """A new cuBLASLt handle (int) made on `device_id`. cublas.Handle.lt owns one per cuBLAS handle."""
+    """A new cuBLASLt handle (int) made on `device_id` (lt_handle keeps one per cuBLAS handle)."""
     import cupy
 
     lib = library()
@@ -391,7 +400,7 @@ class LtMatmul:
         if handle.device_id != self.device_id:
             raise ValueError(f"LtMatmul {self.name!r} was built for device {self.device_id}, "
                              f"got a handle of device {handle.device_id}")
-        self._handle.value = handle.lt
+        self._handle.value = lt_handle(handle)
         self._workspace.value = handle.workspace.ptr
         self._stream.value = handle.stream_ptr
         status = self._matmul(*args)

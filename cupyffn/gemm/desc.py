@@ -13,7 +13,7 @@ Backends, in the order :func:`build` tries them:
 * ``cublaslt`` -- cublasLtMatmul (:class:`cupyffn.gemm.cublaslt.LtMatmul`): also e4m3 operands ("TN" only,
   dimensions multiples of 16), device A/B scales; the algorithm is chosen once by cuBLASLt's heuristic.
 
-A precision's form decides the descriptions (cupyffn/_precision.py); :class:`PairGemm` is the
+A precision's form decides the descriptions (cupyffn/core/precision.py); :class:`PairGemm` is the
 f16+e4m3 form's two products into one output, :class:`Sm90PairGemm` the same form as one launch of our sm90
 kernel (cupyffn/gemm/sm90/launch.py PairLaunch) where the engine takes it (cupyffn/engine/plan.py SM90_PAIR_GEMMS).
 :func:`build` with ``max_k`` runs a GEMM whose K exceeds it as :class:`KChunked` (cupyffn/gemm/ksplit.py).
@@ -51,7 +51,7 @@ class Unsupported(ValueError):
     """No backend builds this GEMM; the message lists each backend's reason."""
 
 
-#: cudaDataType of the operands each conversion format writes (cupyffn/_precision.py FMT_*) for cublasGemmEx.
+#: cudaDataType of the operands each conversion format writes (cupyffn/core/precision.py FMT_*) for cublasGemmEx.
 OPERAND_TYPE = {P.FMT_F32: cublas.R_32F, P.FMT_BF16: cublas.R_16BF, P.FMT_BF16X3: cublas.R_16BF,
                 P.FMT_F16S: cublas.R_16F}
 

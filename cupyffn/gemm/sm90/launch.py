@@ -1,5 +1,5 @@
 """Launches of the sm90 GEMM: the kernel arguments (:class:`GemmArgs`, a ctypes mirror), each variant's function
-compiled on first use through the one RawModule loader (cupyffn/_kernels.py compiled_module), and the engine's
+compiled on first use through the one RawModule loader (cupyffn/cuda/kernels.py compiled_module), and the engine's
 prebuilt launches :class:`DgeluLaunch` (the fused GEMM1 + dgelu) and :class:`PairLaunch` (the fp16+fp8 pair).
 No validation here: the engine owns its buffers and checks the shapes once; cupyffn/gemm/sm90/entry.py validates
 for direct use."""
