@@ -11,7 +11,7 @@ measured the way SOL-ExecBench measures L2/068.
     python bench.py --timer events --rounds 1 --json /tmp/events.json   # CUDA-event timing, for comparison
     python bench.py --timer events-idle --rounds 1 --no-write   # events from an idle GPU: the host's part counts
     python bench.py --suite sd35-bf16 --compile   # SD3.5's MLP with biases, bf16 autocast, vs torch eager/compile
-    python bench.py --suite train-bf16            # whole training steps of GPT-2 / an SD3.5 stack, torch vs cupyffn
+    python bench.py --suite train-bf16            # whole training steps of GPT-2s / an SD3.5 stack, torch vs cupyffn
     python bench.py --readme             # regenerate README.md's tables from results/*.json (no GPU needed)
 
 Correctness: per workload, --rounds rounds of freshly seeded inputs for every implementation, each
@@ -70,10 +70,12 @@ def _parser():
     parser.add_argument("--readme", action="store_true", help="regenerate README.md from results/ and exit")
     parser.add_argument("--suite", choices=("official", "sd35-bf16", "train-bf16"), default="official",
                         help="official: the benchmark's fp32 block (default); sd35-bf16: SD3.5's MLP with biases under "
-                             "bf16 autocast, cupyffn's layer against torch eager and torch.compile (benchmarks/sd35.py; "
-                             "needs torch; writes results/sd35-bf16-<gpu>.json and .md); train-bf16: training steps of "
-                             "examples/train_gpt2.py's two models, torch eager / torch.compile / cupyffn "
-                             "(benchmarks/training.py; needs torch and transformers; results/train-bf16-<gpu>.*)")
+                             "bf16 autocast, cupyffn's layer against torch eager (with --compile: both also under "
+                             "torch.compile) (benchmarks/sd35.py; needs torch; writes results/sd35-bf16-<gpu>.json and "
+                             ".md); train-bf16: training steps of examples/train_gpt2.py's GPT-2 (SD3.5's MLP shape), "
+                             "GPT-2 medium's width and SD3.5 stack, torch and cupyffn's MLPs, each eager, under "
+                             "torch.compile and under torch.compile reduce-overhead (benchmarks/training.py; needs "
+                             "torch and transformers; results/train-bf16-<gpu>.*)")
     return parser
 
 
