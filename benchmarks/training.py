@@ -79,8 +79,8 @@ def markdown(result):
              f"{result['date'][:10]}, commit {str(result['git_commit'])[:7]}, CuPy {env['cupy']}, torch "
              f"{env['torch']}: `{result['command']}` ({result['steps']} AdamW steps per run; benchmarks/training.py "
              "says what is timed).", "",
-             "| model | run | ms/step | torch eager / this | cupyffn vs its torch twin | final loss / eager's | agree | "
-             "graph breaks |",
+             "| model | run | ms/step | torch eager / this | cupyffn vs its torch twin | final loss / eager's | "
+             "agree | graph breaks |",
              "|---|---|---|---|---|---|---|---|"]
     errors = []
     for name, m in result["models"].items():

@@ -8,7 +8,7 @@ under ``torch.compile`` (default mode) and ``torch.compile(mode="reduce-overhead
 plain model and the swapped one compiled alike. Reports the median step time and final loss of every run.
 
     python examples/train_gpt2.py                       # dim 1536, hidden 6144 (SD3.5 medium's MLP shape), 4 layers
-    python examples/train_gpt2.py --model gpt2-medium   # GPT-2 medium's width: dim 1024, hidden 4096, 24 layers, seq 1024
+    python examples/train_gpt2.py --model gpt2-medium   # GPT-2 medium: dim 1024, hidden 4096, 24 layers, seq 1024
     python examples/train_gpt2.py --small --device cpu  # a tiny config on the CPU (NumPy backend)
 
 The same comparison for an SD3.5-shaped stack of residual MLP blocks (diffusers' FeedForward when diffusers is

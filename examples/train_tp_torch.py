@@ -53,8 +53,9 @@ NAMES = ("output", "grad_hidden_states", "grad_weight1", "grad_weight2")
 
 
 def pick_device(device):
-    """The device kind, "cpu" or "cuda", for --device ("auto", "cpu" or "cuda"): auto is CUDA where torch.cuda.is_available(). "cuda"
-    where it is not exits (SystemExit, status 1) with the reason on one line; setup() checks CuPy on the rank's GPU."""
+    """The device kind, "cpu" or "cuda", for --device ("auto", "cpu" or "cuda"): auto is CUDA where
+    torch.cuda.is_available(). "cuda" where it is not exits (SystemExit, status 1) with the reason on one line;
+    setup() checks CuPy on the rank's GPU."""
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda'; got {device!r}")
     if device == "auto":

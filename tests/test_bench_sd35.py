@@ -65,7 +65,8 @@ def test_summary_and_markdown_with_a_failed_implementation():
     s = sd35.summarize(rows)
     assert list(s["implementations"]) == ["cupyffn", "torch-eager", "torch-compile"]
     assert s["best_torch"] == "torch-eager" and s["backward_speedup_vs_best_torch"] == pytest.approx(2.0)
-    assert s["errors"] == {"cupyffn-compile": {"error": "TorchRuntimeError: x | y", "workloads": ["B2xS128", "B4xS2048"]}}
+    assert s["errors"] == {"cupyffn-compile": {"error": "TorchRuntimeError: x | y",
+                                               "workloads": ["B2xS128", "B4xS2048"]}}
     text = sd35.markdown({"summary": s, "env": {"device": "CPU", "cupy": "-", "torch": "-"}, "date": "2026-12-05",
                           "git_commit": "abcdef0", "timing": "cupti", "command": "python bench.py", "workloads": rows})
     assert "cupyffn-compile failed at 2 workloads (B2xS128, B4xS2048): TorchRuntimeError: x \\| y" in text.splitlines()
