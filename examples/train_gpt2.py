@@ -171,7 +171,7 @@ def layers_that_fit(kind, sizes, device):
         except torch.cuda.OutOfMemoryError:
             if layers == 1:
                 raise
-            free, total = torch.cuda.mem_get_info()
+            total = torch.cuda.mem_get_info()[1]
             print(f"note: {kind} with {layers} layers (dim {sizes['dim']}, seq {sizes['seq']}, batch {sizes['batch']}) "
                   f"does not fit in GPU memory ({total / 2**30:.0f} GiB); trying {layers // 2} layers", flush=True)
             layers //= 2

@@ -42,7 +42,7 @@ def cuda_unavailable_reason():
     return _device.gpu_unavailable_reason(run_kernel=True)
 
 
-def pick_device(device, script="train_torch.py"):
+def pick_device(device):
     """The device to run on, "cpu" or "cuda", for `device` ("auto", "cpu" or "cuda"). "cuda" where CUDA cannot
     be used exits (SystemExit, status 1) with cuda_unavailable_reason() on one line."""
     if device not in ("auto", *SIZES):
@@ -54,7 +54,7 @@ def pick_device(device, script="train_torch.py"):
         return "cuda"
     if device == "auto":
         return "cpu"
-    raise SystemExit(f"{script}: --device cuda, but {reason}; --device cpu runs on CPU tensors (NumPy backend)")
+    raise SystemExit(f"train_torch.py: --device cuda, but {reason}; --device cpu runs on CPU tensors (NumPy backend)")
 
 
 def main(steps=200, device="auto", precision=None, save="all", optimizer="adam", dim=None, hidden_dim=None,
