@@ -11,8 +11,9 @@ measured the way SOL-ExecBench measures L2/068.
     python bench.py --timer events --rounds 1 --json /tmp/events.json   # CUDA-event timing, for comparison
     python bench.py --timer events-idle --rounds 1 --no-write   # events from an idle GPU: the host's part counts
     python bench.py --suite sd35-bf16 --compile   # SD3.5's MLP with biases, bf16 autocast, vs torch eager/compile
-    python bench.py --suite train-bf16            # whole training steps of GPT-2 / an SD3.5 stack, torch vs cupyffn
+    python bench.py --suite train-bf16            # whole training steps of GPT-2s / an SD3.5 stack, torch vs cupyffn
     python bench.py --readme             # regenerate README.md's tables from results/*.json (no GPU needed)
+    python bench.py --readme --no-write  # only show what that would change (a diff), writing nothing
 
 Correctness: per workload, --rounds rounds of freshly seeded inputs for every implementation, each
 output NaN-poisoned before the call (where the call writes into given buffers) and judged by the
@@ -64,16 +65,19 @@ def _parser():
                              "8192 (implies --loop-only; refused on the CPU)")
     parser.add_argument("--loop-calls", type=int, default=50,
                         help="calls per measurement of the loop mode (default 50)")
-    parser.add_argument("--no-write", action="store_true", help="do not write results/")
+    parser.add_argument("--no-write", action="store_true",
+                        help="do not write results/ (with --readme: nor README.md; print what would change)")
     parser.add_argument("--json", default=None, metavar="PATH",
                         help="write the run's results JSON to PATH instead of results/ (e.g. a comparison run)")
     parser.add_argument("--readme", action="store_true", help="regenerate README.md from results/ and exit")
     parser.add_argument("--suite", choices=("official", "sd35-bf16", "train-bf16"), default="official",
                         help="official: the benchmark's fp32 block (default); sd35-bf16: SD3.5's MLP with biases under "
-                             "bf16 autocast, cupyffn's layer against torch eager and torch.compile (benchmarks/sd35.py; "
-                             "needs torch; writes results/sd35-bf16-<gpu>.json and .md); train-bf16: training steps of "
-                             "examples/train_gpt2.py's two models, torch eager / torch.compile / cupyffn "
-                             "(benchmarks/training.py; needs torch and transformers; results/train-bf16-<gpu>.*)")
+                             "bf16 autocast, cupyffn's layer against torch eager (with --compile: both also under "
+                             "torch.compile) (benchmarks/sd35.py; needs torch; writes results/sd35-bf16-<gpu>.json and "
+                             ".md); train-bf16: training steps of examples/train_gpt2.py's GPT-2 (SD3.5's MLP shape), "
+                             "GPT-2 medium's width and SD3.5 stack, torch and cupyffn's MLPs, each eager, under "
+                             "torch.compile and under torch.compile reduce-overhead (benchmarks/training.py; needs "
+                             "torch and transformers; results/train-bf16-<gpu>.*)")
     return parser
 
 
@@ -98,10 +102,19 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     if args.readme:
+        old = R.README.read_text()
+        new = render_readme(old)
+        if args.no_write:  # nothing written: what the regeneration would change, as a diff
+            import difflib
+
+            diff = "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), "README.md",
+                                                "README.md regenerated"))
+            sys.stdout.write(diff or f"README.md is up to date with {R.RESULTS}\n")
+            return 0
         full, _ = newest_results()
         if full is not None:
             R.plot(full, R.RESULTS / (R.slug(full["env"]["device"]) + ".png"))
-        R.README.write_text(render_readme(R.README.read_text()))
+        R.README.write_text(new)
         print(f"README.md regenerated from {R.RESULTS}")
         return 0
     if os.environ.get("CUPY_TF32", "0") not in ("", "0"):

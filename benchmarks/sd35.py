@@ -3,7 +3,9 @@
 The block is diffusers' FeedForward of SD3.5 medium: dim 1536, hidden 6144, biases on both linears, GELU(tanh),
 under bf16 autocast with fp32 master weights; the input and the incoming gradient are bf16. Side by side in one
 run: cupyffn's layer (``GeluFFN.from_linears``, the 16-bit/bias plan), torch eager (nn.Linear, F.gelu, nn.Linear
-under the same autocast) and, with --compile, torch.compile of that eager block (dynamic shapes, one compile).
+under the same autocast) and, with --compile, torch.compile of that eager block and of cupyffn's layer (the same
+call for both: dynamic shapes, one compile each). An implementation that raises at a workload is recorded there with
+its error, and the suite goes on.
 Per workload: the backward alone (autograd, the graph retained, gradients reset to None before each call) and
 forward + backward, timed by benchmarks/protocol.py's Timer (CUPTI span; L2 flushed before each call, inputs
 rotated); every output's relative L2 error against float64 for each implementation; at every T the four bf16
@@ -24,7 +26,7 @@ from .gpu import INPUT_SETS, QUICK, environment, git_commit
 from .report import write_suite
 
 SUITE = "sd35-bf16"
-IMPLS = ("cupyffn", "torch-eager", "torch-compile")
+IMPLS = ("cupyffn", "torch-eager", "torch-compile", "cupyffn-compile")
 OUTPUTS = ("output", "grad_hidden_states", "grad_weight1", "grad_weight2", "grad_bias1", "grad_bias2")
 
 
@@ -32,11 +34,16 @@ def _geomean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
-def _models(torch, params, compile):
+def _one_line(error, limit=1000):
+    text = f"{type(error).__name__}: {' '.join(str(error).split())}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _models(torch, params, compile, device="cuda"):
     import cupyffn.torch as ct
 
     F = torch.nn.functional
-    l1, l2 = torch.nn.Linear(W.DIM, W.HIDDEN_DIM, device="cuda"), torch.nn.Linear(W.HIDDEN_DIM, W.DIM, device="cuda")
+    l1, l2 = torch.nn.Linear(W.DIM, W.HIDDEN_DIM, device=device), torch.nn.Linear(W.HIDDEN_DIM, W.DIM, device=device)
     with torch.no_grad():
         for p, v in zip((l1.weight, l1.bias, l2.weight, l2.bias), params):
             p.copy_(v)
@@ -51,6 +58,7 @@ def _models(torch, params, compile):
 
         torch._functorch.config.donated_buffer = False
         models["torch-compile"] = torch.compile(eager, dynamic=True)
+        models["cupyffn-compile"] = torch.compile(models["cupyffn"], dynamic=True)  # compiled as torch-compile is
     return models, [l1.weight, l2.weight, l1.bias, l2.bias]
 
 
@@ -59,7 +67,7 @@ def _step(torch, model, params, x, dy, forward):
     for p in params:
         p.grad = None
     if forward is None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(dy.device.type, dtype=torch.bfloat16):
             y = model(x)
         y.backward(dy)
     else:
@@ -70,7 +78,7 @@ def _errors(torch, model, params, x, dy, ref):
     xg = x.detach().clone().requires_grad_()
     for p in params:
         p.grad = None
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
         y = model(xg)
     y.backward(dy)
     got = [y, xg.grad, params[0].grad, params[1].grad, params[2].grad, params[3].grad]
@@ -147,26 +155,30 @@ def run_suite(args, cupy):
         with ctx():
             row["gemm_floor_ms"] = _gemm_floor(torch, T, timer)
         for name, model in models.items():
-            with ctx():
-                errors = _errors(torch, model, leaves, xs[0], dy, ref)
-                fb = timer.measure(lambda i: _step(torch, model, leaves, xs[i % len(xs)], dy, None))
-                graphs = []
-                for x in xs:
-                    xg = x.detach().clone().requires_grad_()
-                    with torch.autocast("cuda", dtype=torch.bfloat16):
-                        graphs.append(model(xg))
-                bw = timer.measure(lambda i: _step(torch, model, leaves, None, dy, graphs[i % len(graphs)]))
-                graphs.clear()
-            row["results"][name] = {"backward_ms": statistics.median(bw["times"]),
-                                    "fwd_bwd_ms": statistics.median(fb["times"]), "timing": bw["timing"],
-                                    "rel_l2": errors}
-            if T in (256, 8192):
+            graphs = []
+            try:
                 with ctx():
-                    row["results"][name]["host_backward_us"] = _host_us(torch, model, leaves, xs[0], dy)
+                    errors = _errors(torch, model, leaves, xs[0], dy, ref)
+                    fb = timer.measure(lambda i: _step(torch, model, leaves, xs[i % len(xs)], dy, None))
+                    for x in xs:
+                        xg = x.detach().clone().requires_grad_()
+                        with torch.autocast("cuda", dtype=torch.bfloat16):
+                            graphs.append(model(xg))
+                    bw = timer.measure(lambda i: _step(torch, model, leaves, None, dy, graphs[i % len(graphs)]))
+                    graphs.clear()
+                row["results"][name] = {"backward_ms": statistics.median(bw["times"]),
+                                        "fwd_bwd_ms": statistics.median(fb["times"]), "timing": bw["timing"],
+                                        "rel_l2": errors}
+                if T in (256, 8192):
+                    with ctx():
+                        row["results"][name]["host_backward_us"] = _host_us(torch, model, leaves, xs[0], dy)
+            except Exception as e:  # recorded in the row; the other implementations still run
+                graphs.clear()
+                row["results"][name] = {"error": _one_line(e)}
         rows.append(row)
         print(f"{w.label:12s} T={T:5d} floor {row['gemm_floor_ms']:.4f} ms  " + "  ".join(
-            f"{n} bwd {r['backward_ms']:.4f} fwd+bwd {r['fwd_bwd_ms']:.4f}" for n, r in row["results"].items()),
-            flush=True)
+            f"{n} failed: {r['error'][:200]}" if "error" in r else f"{n} bwd {r['backward_ms']:.4f} fwd+bwd "
+            f"{r['fwd_bwd_ms']:.4f}" for n, r in row["results"].items()), flush=True)
         del models
         torch.cuda.empty_cache()
     return {"suite": SUITE, "env": env, "git_commit": git_commit(), "command": " ".join(["python", "bench.py"] +
@@ -176,30 +188,37 @@ def run_suite(args, cupy):
 
 
 def summarize(rows):
-    names = [n for n in IMPLS if all(n in r["results"] for r in rows)]
-    out = {"implementations": {}}
+    """Geomeans and means per implementation (those that ran at every workload), the comparisons, and "errors": each
+    implementation's first error and the workloads where it failed."""
+    names = [n for n in IMPLS if all(n in r["results"] and "error" not in r["results"][n] for r in rows)]
+    out = {"implementations": {}, "errors": {}}
+    for r in rows:
+        for n, res in r["results"].items():
+            if "error" in res:
+                out["errors"].setdefault(n, {"error": res["error"], "workloads": []})["workloads"].append(r["label"])
     for n in names:
         bw = [r["results"][n]["backward_ms"] for r in rows]
         fb = [r["results"][n]["fwd_bwd_ms"] for r in rows]
         out["implementations"][n] = {"backward_geomean_ms": _geomean(bw), "backward_mean_ms": statistics.mean(bw),
                                      "fwd_bwd_geomean_ms": _geomean(fb), "fwd_bwd_mean_ms": statistics.mean(fb)}
     per = out["implementations"]
-    rivals = [n for n in names if n != "cupyffn"]
+    rivals = [n for n in names if n.startswith("torch-")]
     if "cupyffn" in per and rivals:
         best = min(rivals, key=lambda n: per[n]["backward_geomean_ms"])
         out["backward_speedup_vs_best_torch"] = per[best]["backward_geomean_ms"] / per["cupyffn"]["backward_geomean_ms"]
         out["best_torch"] = best
         out["fwd_bwd_speedup_vs_best_torch"] = (min(per[n]["fwd_bwd_geomean_ms"] for n in rivals)
                                                 / per["cupyffn"]["fwd_bwd_geomean_ms"])
+    if "cupyffn" in per and "torch-eager" in per:
         worst = max((r["results"]["cupyffn"]["rel_l2"][o] / max(r["results"]["torch-eager"]["rel_l2"][o], 1e-30), o,
                      r["tokens"]) for r in rows for o in OUTPUTS)
         out["worst_error_ratio_vs_torch_eager"] = {"ratio": worst[0], "output": worst[1], "tokens": worst[2]}
     big = [r for r in rows if r["tokens"] == 8192]
-    if big and "cupyffn" in big[0]["results"]:
+    if big and "backward_ms" in big[0]["results"].get("cupyffn", {}):
         out["t8192_backward_over_gemm_floor"] = big[0]["results"]["cupyffn"]["backward_ms"] / big[0]["gemm_floor_ms"]
     host = [r for r in rows if "host_backward_us" in r["results"].get("cupyffn", {})]
-    out["host_backward_us"] = {r["tokens"]: {n: r["results"][n]["host_backward_us"] for n in r["results"]}
-                               for r in host}
+    out["host_backward_us"] = {r["tokens"]: {n: res["host_backward_us"] for n, res in r["results"].items()
+                                              if "host_backward_us" in res} for r in host}
     return out
 
 
@@ -215,17 +234,21 @@ def markdown(result):
         lines.append(f"| {n} | {e['backward_geomean_ms']:.4f} | {e['backward_mean_ms']:.4f} | "
                      f"{e['fwd_bwd_geomean_ms']:.4f} | {e['fwd_bwd_mean_ms']:.4f} |")
     if "backward_speedup_vs_best_torch" in s:
-        wr = s["worst_error_ratio_vs_torch_eager"]
         lines += ["", f"Backward: cupyffn {s['backward_speedup_vs_best_torch']:.2f}x faster (geomean) than the faster "
-                  f"torch ({s['best_torch']}); forward + backward {s['fwd_bwd_speedup_vs_best_torch']:.2f}x. Worst "
-                  f"error ratio against torch eager's own (rel. L2 vs float64): {wr['ratio']:.2f} ({wr['output']}, "
-                  f"T = {wr['tokens']})."]
+                  f"torch ({s['best_torch']}); forward + backward {s['fwd_bwd_speedup_vs_best_torch']:.2f}x."]
+    if "worst_error_ratio_vs_torch_eager" in s:
+        wr = s["worst_error_ratio_vs_torch_eager"]
+        lines[-1] += (f" Worst error ratio against torch eager's own (rel. L2 vs float64): {wr['ratio']:.2f} "
+                      f"({wr['output']}, T = {wr['tokens']}).")
     if "t8192_backward_over_gemm_floor" in s:
         lines.append(f"At T = 8192 the backward takes {s['t8192_backward_over_gemm_floor']:.2f}x the four bf16 "
                      "GEMMs alone (torch.matmul).")
     for T, h in s.get("host_backward_us", {}).items():
         lines.append(f"Host time per backward call at T = {T}: " + ", ".join(f"{n} {v:.0f} us" for n, v in h.items())
                      + ".")
+    for n, e in s.get("errors", {}).items():
+        lines.append(f"{n} failed at {len(e['workloads'])} workloads ({', '.join(e['workloads'])}): "
+                     + e["error"].replace("|", "\\|"))
     lines += ["", "| workload | T | GEMM floor ms | " + " | ".join(f"{n} bwd ms | {n} fwd+bwd ms" for n in per) + " |",
               "|---|---|---|" + "---|---|" * len(per)]
     for r in result["workloads"]:

@@ -1,14 +1,18 @@
-"""``bench.py --suite train-bf16``: whole training steps of two models under bf16 autocast, torch against cupyffn.
+"""``bench.py --suite train-bf16``: whole training steps of three models under bf16 autocast, torch against cupyffn.
 
-examples/train_gpt2.py's comparison, run for both of its models at their default (GPU) sizes: a transformers GPT-2
-from a config (dim 1536, hidden 6144, 4 layers, seq 256, batch 8: T = 2048 tokens per MLP call) and an SD3.5-shaped
-stack of residual MLP blocks (diffusers' FeedForward when diffusers is installed, else the equivalent
-nn.Sequential). Each model is trained three times from the same initial weights on the same synthetic batches:
-torch eager, torch.compile of it, and a clone whose MLPs ``cupyffn.torch.replace_mlps`` swapped. A step is AdamW's
+examples/train_gpt2.py's comparison (its PRESETS), run for: a transformers GPT-2 from a config at SD3.5's MLP shape
+("gpt2": dim 1536, hidden 6144, 4 layers, seq 256, batch 8: T = 2048 tokens per MLP call), GPT-2 medium's width
+("gpt2-medium": dim 1024, hidden 4096, 24 layers where GPU memory allows, fewer with a printed note otherwise,
+seq 1024, batch 8: T = 8192), and an SD3.5-shaped stack of residual MLP blocks ("sd35": diffusers' FeedForward when
+diffusers is installed, else the equivalent nn.Sequential; dim 1536, 4 layers). Each model is trained six times from
+the same initial weights on the same synthetic batches (the example's RUNS): torch eager, and a clone whose MLPs
+``cupyffn.torch.replace_mlps`` swapped; each of the two also under torch.compile (default mode) and under
+torch.compile(mode="reduce-overhead") (CUDA graphs), the two compiled through the same call. A step is AdamW's
 forward + backward + optimizer step, timed by CUDA events around the whole step with the host synchronized after
-it (host work included); the median over the steps after the fifth is reported, with the final losses (mean of
-the last fifth of the steps) and whether cupyffn's agrees with eager torch's (the example's tolerance); torch.compile's
-ratio to eager is the spread two torch implementations of the same model show.
+it (host work included); the median over the steps after the fifth is reported, with each run's final loss (mean
+of the last fifth of the steps) against eager torch's and whether it agrees (the example's tolerance); the plain
+compiled runs' ratios to eager are the spread torch implementations of the same model show. A run that raises is
+recorded with its error, and the suite goes on.
 """
 
 import datetime
@@ -21,7 +25,7 @@ from . import report as R
 from .gpu import environment, git_commit
 
 SUITE = "train-bf16"
-RUNS = ("torch eager", "torch.compile", "cupyffn")
+MODELS = ("gpt2", "gpt2-medium", "sd35")  # examples/train_gpt2.py PRESETS
 
 
 def _example():
@@ -38,11 +42,12 @@ def run_suite(args, cupy, steps=300):
     example = _example()
     started = time.perf_counter()
     models = {}
-    for model in ("gpt2", "sd35"):
-        models[model] = summarize(example.main(model, steps=steps, device="cuda", compile=True))
-        print(f"{model}: " + ", ".join(f"{n} {e['median_step_ms']:.2f} ms" for n, e in models[model]["runs"].items())
-              + f"; final loss ratio {models[model]['final_loss_ratio']:.4f}, agree {models[model]['agree']}",
-              flush=True)
+    for model in MODELS:
+        entry = summarize(example.main(model, steps=steps, device="cuda", compile=True, keep_going=True), example)
+        models[model] = entry
+        print(f"{model}: " + ", ".join(f"{n} " + ("failed" if "error" in e else f"{e['median_step_ms']:.2f} ms")
+                                       for n, e in entry["runs"].items())
+              + f"; final loss ratio cupyffn / eager {entry['final_loss_ratio']}, agree {entry['agree']}", flush=True)
     return {"suite": SUITE, "env": environment(cupy, torch), "git_commit": git_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "python bench.py " + " ".join(sys.argv[1:]), "steps": steps,
@@ -50,14 +55,22 @@ def run_suite(args, cupy, steps=300):
             "wall_s": round(time.perf_counter() - started, 1)}
 
 
-def summarize(r):
-    """One model's entry of the results from examples/train_gpt2.py's main() output `r`."""
-    runs = {n: {"median_step_ms": r[n]["median_step_ms"], "final_loss": r[n]["final_loss"],
-                "losses": r[n]["losses"]} for n in RUNS if n in r}
-    mine = runs["cupyffn"]["median_step_ms"]
-    return {"runs": runs, "final_loss_ratio": r["final_loss_ratio"], "agree": r["agree"], "learned": r["learned"],
-            "step_speedup": {n: e["median_step_ms"] / mine for n, e in runs.items() if n != "cupyffn"},
-            "final_loss_vs_eager": {n: e["final_loss"] / runs["torch eager"]["final_loss"] for n, e in runs.items()}}
+def summarize(r, example=None):
+    """One model's entry of the results from examples/train_gpt2.py's main() output `r` (`example`: that module,
+    loaded here when not given)."""
+    example = example or _example()
+    keys = ("median_step_ms", "final_loss", "final_loss_vs_eager", "agree", "graph_breaks", "losses", "error")
+    runs = {n: {k: r[n][k] for k in keys if k in r[n]} for n, _, _ in example.RUNS if n in r}
+    timed = {n: e["median_step_ms"] for n, e in runs.items() if "median_step_ms" in e}
+    return {"sizes": r["sizes"], "runs": runs, "final_loss_ratio": r["final_loss_ratio"], "agree": r["agree"],
+            "learned": r["learned"],
+            # torch eager's step time over each run's; each cupyffn run's twin's step time over its own
+            "speedup_vs_eager": {n: timed["torch eager"] / ms for n, ms in timed.items() if "torch eager" in timed},
+            "speedup_vs_twin": {n: timed[t] / timed[n] for n, t in example.TWINS.items() if n in timed and t in timed}}
+
+
+def _cell(text):
+    return text.replace("|", "\\|")
 
 
 def markdown(result):
@@ -66,19 +79,28 @@ def markdown(result):
              f"{result['date'][:10]}, commit {str(result['git_commit'])[:7]}, CuPy {env['cupy']}, torch "
              f"{env['torch']}: `{result['command']}` ({result['steps']} AdamW steps per run; benchmarks/training.py "
              "says what is timed).", "",
-             "| model | torch eager ms/step | torch.compile ms/step | cupyffn ms/step | cupyffn vs eager | "
-             "cupyffn vs compile | final loss cupyffn / eager | final loss compile / eager | agree |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| model | run | ms/step | torch eager / this | cupyffn vs its torch twin | final loss / eager's | "
+             "agree | graph breaks |",
+             "|---|---|---|---|---|---|---|---|"]
+    errors = []
     for name, m in result["models"].items():
-        runs, up = m["runs"], m["step_speedup"]
-        cell = lambda n, v, f: f.format(v) if n in runs else "n/a"  # noqa: E731
-        lines.append(f"| {name} | " + " | ".join(cell(n, runs.get(n, {}).get("median_step_ms"), "{:.2f}")
-                                                 for n in RUNS)
-                     + f" | {cell('torch eager', up.get('torch eager'), '{:.2f}x')} | "
-                     f"{cell('torch.compile', up.get('torch.compile'), '{:.2f}x')} | "
-                     f"{m['final_loss_ratio']:.4f} | "
-                     f"{cell('torch.compile', m['final_loss_vs_eager'].get('torch.compile'), '{:.4f}')} | "
-                     f"{m['agree']} (tolerance {result['tolerance']}) |")
+        for run, e in m["runs"].items():
+            if "error" in e:
+                errors.append(f"- {name}, {run}: {_cell(e['error'])}")
+                lines.append(f"| {name} | {run} | failed ({len(errors)}) | | | | | |")
+                continue
+            up, twin, ratio = (m["speedup_vs_eager"].get(run), m["speedup_vs_twin"].get(run),
+                               e.get("final_loss_vs_eager"))
+            lines.append(f"| {name} | {run} | {e['median_step_ms']:.2f} | " + ("n/a" if up is None else f"{up:.2f}x")
+                         + " | " + ("" if twin is None else f"{twin:.2f}x") + " | "
+                         + ("n/a" if ratio is None else f"{ratio:.4f}") + " | "
+                         + f"{e.get('agree', 'n/a')} | {e.get('graph_breaks', '')} |")
+    lines += ["", f"Agree: the final loss within {result['tolerance']} (relative) of torch eager's. Sizes (hidden = 4 "
+              "dim): " + "; ".join(f"{name} dim {m['sizes']['dim']}, {m['sizes']['layers']} layers, seq "
+                                   f"{m['sizes']['seq']}, batch {m['sizes']['batch']}"
+                                   for name, m in result["models"].items()) + "."]
+    if errors:
+        lines += ["", "Runs that failed:", ""] + errors
     return "\n".join(lines) + "\n"
 
 

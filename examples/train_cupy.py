@@ -6,12 +6,14 @@ x ~ N(0, 1) of shape [batch, dim], computes the teacher's output, and minimizes
 
     python examples/train_cupy.py                    # CuPy on the GPU if one is usable, else NumPy
     python examples/train_cupy.py --device cpu --steps 100
+    python examples/train_cupy.py --device cuda      # the GPU, or exit saying why it cannot be used
 
 Defaults: GPU dim=512, hidden_dim=2048, batch=1024; CPU (NumPy backend) dim=32, hidden_dim=128,
 batch=256. Precision: cupyffn's default for the device unless --precision says otherwise ("fp16+fp8" on the
 GPU, "ieee", plain fp32, on the CPU). ``main()`` returns the per-step losses.
 
-Without CuPy installed, or without a usable GPU, --device auto runs on the CPU with NumPy.
+Without CuPy installed, or without a usable GPU, --device auto runs on the CPU with NumPy; --device cuda exits
+with status 1 and the reason (cupyffn/_device.py).
 """
 
 import argparse
@@ -26,17 +28,25 @@ except ImportError:  # running from a checkout without installing: use the packa
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import cupyffn
 
-SIZES = {"cpu": (32, 128, 256), "gpu": (512, 2048, 1024)}  # dim, hidden_dim, batch
+from cupyffn import _device  # noqa: E402 (found as cupyffn was)
+
+SIZES = {"cpu": (32, 128, 256), "cuda": (512, 2048, 1024)}  # dim, hidden_dim, batch
 
 
-def gpu_available():
-    """True when CuPy imports and can run a kernel on a CUDA device."""
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0 and float(cupy.arange(4, dtype=cupy.float32).sum()) == 6.0
-    except Exception:
-        return False
+def pick_device(device):
+    """The device to run on, "cpu" or "cuda", for `device` ("auto", "cpu" or "cuda"). "cuda" without a usable GPU
+    exits (SystemExit, status 1) with the reason on one line: CuPy must import and run a kernel on a CUDA device."""
+    if device not in ("auto", *SIZES):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda'; got {device!r}")
+    if device == "cpu":
+        return device
+    reason = _device.gpu_unavailable_reason(run_kernel=True)
+    if reason is None:
+        return "cuda"
+    if device == "auto":
+        return "cpu"
+    raise SystemExit(f"train_cupy.py: --device cuda, but CuPy cannot use a GPU here: {reason}; "
+                     "--device cpu runs on the CPU with NumPy")
 
 
 def linear_init(rng, out_features, in_features, xp, scale=1.0):
@@ -49,15 +59,12 @@ def main(steps=200, device="auto", precision=None, dim=None, hidden_dim=None, ba
          verbose=False):
     """Train for `steps` SGD steps; returns the list of losses (floats), one per step.
 
-    device: "auto" (GPU if usable, else CPU), "gpu" or "cpu". precision: None for cupyffn's default on that
+    device: "auto" (GPU if usable, else CPU), "cuda" or "cpu". precision: None for cupyffn's default on that
     device (cupyffn.DEFAULT_PRECISION on the GPU, cupyffn.CPU_DEFAULT_PRECISION on the CPU) or a name of
     cupyffn.PRECISIONS. lr defaults to 20 / hidden_dim.
     """
-    if device == "auto":
-        device = "gpu" if gpu_available() else "cpu"
-    if device not in SIZES:
-        raise ValueError(f"device must be 'auto', 'gpu' or 'cpu'; got {device!r}")
-    if device == "gpu":
+    device = pick_device(device)
+    if device == "cuda":
         import cupy as xp
     else:
         xp = numpy
@@ -96,7 +103,7 @@ def main(steps=200, device="auto", precision=None, dim=None, hidden_dim=None, ba
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--precision", choices=tuple(cupyffn.PRECISIONS), default=None,
                    help=f"default: {cupyffn.DEFAULT_PRECISION} on the GPU, {cupyffn.CPU_DEFAULT_PRECISION} on the CPU")
     p.add_argument("--lr", type=float, default=None)

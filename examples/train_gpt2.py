@@ -3,13 +3,17 @@
 Builds a transformers GPT-2 from a config (no downloaded weights), clones it, swaps the clone's MLPs for
 ``cupyffn.torch.GeluFFN`` with ``cupyffn.torch.replace_mlps``, trains both from the same initial weights on the
 same synthetic batches, and checks that the loss curves agree: the mean loss of the last fifth of the steps (at
-least 20) within `tolerance` (relative). Reports the median step time of eager torch, torch.compile (optional) and cupyffn.
+least 20) within `tolerance` (relative) of eager torch's. With compilation (the default) both are also trained
+under ``torch.compile`` (default mode) and ``torch.compile(mode="reduce-overhead")`` (CUDA graphs on the GPU), the
+plain model and the swapped one compiled alike. Reports the median step time and final loss of every run.
 
-    python examples/train_gpt2.py                  # dim 1536, hidden 6144 (SD3.5 medium's MLP shape), 4 layers
-    python examples/train_gpt2.py --small --cpu    # a tiny config on the CPU (NumPy backend)
+    python examples/train_gpt2.py                       # dim 1536, hidden 6144 (SD3.5 medium's MLP shape), 4 layers
+    python examples/train_gpt2.py --model gpt2-medium   # GPT-2 medium: dim 1024, hidden 4096, 24 layers, seq 1024
+    python examples/train_gpt2.py --small --device cpu  # a tiny config on the CPU (NumPy backend)
 
 The same comparison for an SD3.5-shaped stack of residual MLP blocks (diffusers' FeedForward when diffusers is
-installed, else the equivalent nn.Sequential): ``--model sd35``.
+installed, else the equivalent nn.Sequential): ``--model sd35``. ``--device cuda`` (the default) on a machine where
+torch or CuPy cannot use a GPU exits with the reason; ``--device auto`` takes the CPU there.
 """
 
 import argparse
@@ -20,6 +24,47 @@ import time
 import torch
 
 import cupyffn.torch as ct
+from cupyffn import _device
+
+#: --model: the model kind ("gpt2": transformers' GPT-2; "sd35": SD35Stack) and main()'s default sizes (hidden = 4 dim).
+PRESETS = {
+    "gpt2": dict(kind="gpt2", dim=1536, layers=4, heads=12, vocab=512, seq=256, batch=8),  # SD3.5 medium's MLP shape
+    "gpt2-medium": dict(kind="gpt2", dim=1024, layers=24, heads=16, vocab=512, seq=1024, batch=8),  # GPT-2 medium
+    "sd35": dict(kind="sd35", dim=1536, layers=4, heads=12, vocab=512, seq=256, batch=8),
+}
+#: The runs, in order: (name, MLPs swapped by replace_mlps, torch.compile mode: None for eager). The plain model and
+#: the swapped one go through the same torch.compile call for each mode.
+RUNS = (("torch eager", False, None), ("cupyffn", True, None),
+        ("torch.compile", False, "default"), ("cupyffn + torch.compile", True, "default"),
+        ("torch.compile reduce-overhead", False, "reduce-overhead"),
+        ("cupyffn + torch.compile reduce-overhead", True, "reduce-overhead"))
+#: Each cupyffn run and the plain run it is compared with.
+TWINS = {"cupyffn": "torch eager", "cupyffn + torch.compile": "torch.compile",
+         "cupyffn + torch.compile reduce-overhead": "torch.compile reduce-overhead"}
+
+
+def cuda_unavailable_reason():
+    """None when CUDA can train here, else why not (one line): torch must see a device (torch.cuda.is_available())
+    and cupyffn's GPU path, CuPy, must run a kernel on it."""
+    if not torch.cuda.is_available():
+        build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        return f"torch.cuda.is_available() is False (torch {torch.__version__}, {build})"
+    return _device.gpu_unavailable_reason(run_kernel=True)
+
+
+def pick_device(device):
+    """The device to run on, "cpu" or "cuda", for `device` ("auto", "cpu" or "cuda"); "cuda" where CUDA cannot be
+    used exits (SystemExit, status 1) with cuda_unavailable_reason() on one line."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda'; got {device!r}")
+    if device == "cpu":
+        return device
+    reason = cuda_unavailable_reason()
+    if reason is None:
+        return "cuda"
+    if device == "auto":
+        return "cpu"
+    raise SystemExit(f"train_gpt2.py: --device cuda, but {reason}; --device cpu runs on the CPU (NumPy backend)")
 
 
 def gpt2(dim, layers, heads, vocab, seq, device):
@@ -73,9 +118,9 @@ def batches(kind, steps, batch, seq, dim, vocab, device):
             yield x.to(device), torch.tanh(x @ proj).to(device)
 
 
-def train(model, kind, data, device, lr):
+def train(model, kind, data, device, lr, mark_steps=False):
     """Losses and step times (ms; CUDA events on the GPU) of AdamW steps under bf16 autocast, the gradient norm
-    clipped at 1."""
+    clipped at 1. mark_steps: tell torch.compile's CUDA graphs (reduce-overhead) where each step begins."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses, times = [], []
     cuda = device != "cpu"
@@ -84,7 +129,9 @@ def train(model, kind, data, device, lr):
         if cuda:
             t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             t0.record()
-        with torch.autocast(device.split(":")[0], dtype=torch.bfloat16):
+        if mark_steps:
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.autocast(device, dtype=torch.bfloat16):
             if kind == "gpt2":
                 loss = model(item, labels=item).loss
             else:
@@ -103,53 +150,126 @@ def train(model, kind, data, device, lr):
     return losses, times
 
 
-def main(model="gpt2", steps=300, device="cuda", dim=1536, layers=4, heads=12, vocab=512, seq=256, batch=8,
-         lr=None, compile=True, tolerance=0.03):
-    """Train the torch model and its cupyffn clone (and torch.compile of the former); returns a dict of the losses,
-    median step times and whether the curves agree (the mean loss of the last fifth of the steps, at least 20,
-    within `tolerance`, relative). lr: AdamW's (default 3e-4 for gpt2; 1e-4 for sd35, whose regression at 3e-4
-    spikes: measured on the H200, eager and torch.compile then ended 17% apart)."""
+def build(kind, sizes, device):
+    """The plain model of `kind` at `sizes` (dim, layers, heads, vocab, seq), seeded: the same weights every time."""
+    if kind == "gpt2":
+        return gpt2(sizes["dim"], sizes["layers"], sizes["heads"], sizes["vocab"], sizes["seq"], device)
+    torch.manual_seed(0)
+    return SD35Stack(sizes["dim"], sizes["layers"]).to(device)
+
+
+def layers_that_fit(kind, sizes, device):
+    """sizes["layers"], or on a GPU where one eager training step at that depth runs out of memory, the first of
+    half, a quarter, ... that does not (with a printed note). The other runs may still need more (each is recorded)."""
+    layers = sizes["layers"]
+    while device == "cuda":
+        try:
+            model = build(kind, dict(sizes, layers=layers), device)
+            train(model, kind, batches(kind, 1, sizes["batch"], sizes["seq"], sizes["dim"], sizes["vocab"], device),
+                  device, 1e-4)  # one step: the learning rate does not matter
+            return layers
+        except torch.cuda.OutOfMemoryError:
+            if layers == 1:
+                raise
+            total = torch.cuda.mem_get_info()[1]
+            print(f"note: {kind} with {layers} layers (dim {sizes['dim']}, seq {sizes['seq']}, batch {sizes['batch']}) "
+                  f"does not fit in GPU memory ({total / 2**30:.0f} GiB); trying {layers // 2} layers", flush=True)
+            layers //= 2
+        finally:
+            model = None
+            torch.cuda.empty_cache()
+    return layers
+
+
+def _one_line(error, limit=1000):
+    text = f"{type(error).__name__}: {' '.join(str(error).split())}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def main(model="gpt2", steps=300, device="cuda", dim=None, layers=None, heads=None, vocab=None, seq=None, batch=None,
+         lr=None, compile=True, tolerance=0.03, keep_going=False):
+    """Train the torch model and its cupyffn clone, each eager and (compile=True) under torch.compile's default and
+    reduce-overhead modes (RUNS); returns a dict: per run its losses, median step time, final loss (the mean of the
+    last fifth of the steps, at least 20), its ratio to torch eager's and whether that is within `tolerance`
+    (relative); "final_loss_ratio" and "agree" of cupyffn (eager) against torch eager; "learned"; "sizes".
+
+    model: a PRESETS name; dim, layers, heads, vocab, seq, batch default to its sizes (gpt2-medium's 24 layers come
+    down on a GPU whose memory they do not fit: layers_that_fit). device: "auto", "cpu" or "cuda" (pick_device).
+    lr: AdamW's (default 3e-4 for GPT-2; 1e-4 for sd35, whose regression at 3e-4 spikes: measured on the H200,
+    eager and torch.compile then ended 17% apart). keep_going: a run that raises is recorded as {"error": "..."}
+    and the others still run (the bench suite); otherwise the exception propagates."""
+    if model not in PRESETS:
+        raise ValueError(f"model must be one of {sorted(PRESETS)}; got {model!r}")
+    given = dict(dim=dim, layers=layers, heads=heads, vocab=vocab, seq=seq, batch=batch)
+    sizes = {k: PRESETS[model][k] if v is None else v for k, v in given.items()}
+    kind = PRESETS[model]["kind"]
+    device = pick_device(device)
     if lr is None:
-        lr = 3e-4 if model == "gpt2" else 1e-4
-    if model == "gpt2":
-        base = gpt2(dim, layers, heads, vocab, seq, device)
-    else:
-        torch.manual_seed(0)
-        base = SD35Stack(dim, layers).to(device)
+        lr = 3e-4 if kind == "gpt2" else 1e-4
+    sizes["layers"] = layers_that_fit(kind, sizes, device)
+    base = build(kind, sizes, device)
     fast = copy.deepcopy(base)
     replaced, skipped = ct.replace_mlps(fast)
-    if len(replaced) != layers or skipped:
+    if len(replaced) != sizes["layers"] or skipped:
         raise RuntimeError(f"replace_mlps swapped {replaced}, left {skipped}")
-    runs = {"torch eager": base, "cupyffn": fast}
-    if compile:
-        runs["torch.compile"] = torch.compile(copy.deepcopy(base))
-    results = {}
-    for name, m in runs.items():
-        losses, times = train(m, model, batches(model, steps, batch, seq, dim, vocab, device), device, lr)
-        results[name] = {"losses": losses, "median_step_ms": statistics.median(times[5:] or times)}
-    theirs = results["torch eager"]["losses"]
+    results = {"sizes": dict(sizes, hidden=4 * sizes["dim"])}
+    for name, swapped, mode in RUNS:
+        if mode is not None and not compile:
+            continue
+        breaks = sum(torch._dynamo.utils.counters["graph_break"].values())  # Dynamo's count (no public API)
+        try:
+            m = copy.deepcopy(fast if swapped else base)  # every run from the same initial weights
+            if mode is not None:
+                torch._dynamo.reset()  # each compiled run from empty caches (and no CUDA graphs of the last)
+                m = torch.compile(m, mode=None if mode == "default" else mode)
+            data = batches(kind, steps, sizes["batch"], sizes["seq"], sizes["dim"], sizes["vocab"], device)
+            losses, times = train(m, kind, data, device, lr, mark_steps=mode == "reduce-overhead")
+            results[name] = {"losses": losses, "median_step_ms": statistics.median(times[5:] or times)}
+            if mode is not None:
+                results[name]["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks
+        except Exception as e:
+            if not keep_going:
+                raise
+            results[name] = {"error": _one_line(e)}
+            print(f"{model}: {name} failed: {results[name]['error'][:300]}", flush=True)
+        finally:
+            m = None  # free this run's model (and its optimizer state) before the next
+            if device == "cuda":
+                torch.cuda.empty_cache()
     tail = min(max(20, steps // 5), steps)
-    for r in results.values():
-        r["final_loss"] = sum(r["losses"][-tail:]) / tail
-    end_mine, end_theirs = results["cupyffn"]["final_loss"], results["torch eager"]["final_loss"]
-    results["final_loss_ratio"] = end_mine / end_theirs
-    results["agree"] = abs(end_mine / end_theirs - 1) <= tolerance
-    results["learned"] = end_theirs < 0.8 * sum(theirs[:tail]) / tail
+    for name, _, _ in RUNS:
+        if "losses" in results.get(name, {}):
+            results[name]["final_loss"] = sum(results[name]["losses"][-tail:]) / tail
+    eager = results.get("torch eager", {})
+    for name, _, _ in RUNS:
+        r = results.get(name, {})
+        if "final_loss" in r and "final_loss" in eager:
+            r["final_loss_vs_eager"] = r["final_loss"] / eager["final_loss"]
+            r["agree"] = abs(r["final_loss_vs_eager"] - 1) <= tolerance
+    results["final_loss_ratio"] = results.get("cupyffn", {}).get("final_loss_vs_eager")
+    results["agree"] = results.get("cupyffn", {}).get("agree", False)
+    results["learned"] = "final_loss" in eager and eager["final_loss"] < 0.8 * sum(eager["losses"][:tail]) / tail
     return results
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=("gpt2", "sd35"), default="gpt2")
+    p.add_argument("--model", choices=tuple(PRESETS), default="gpt2")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--small", action="store_true", help="dim 64, 2 layers, 2 heads, vocab 64, seq 32, batch 4")
-    p.add_argument("--cpu", action="store_true")
-    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cuda")
+    p.add_argument("--no-compile", action="store_true", help="eager runs only (no torch.compile)")
     a = p.parse_args()
     sizes = dict(dim=64, layers=2, heads=2, vocab=64, seq=32, batch=4) if a.small else {}
-    r = main(a.model, a.steps, "cpu" if a.cpu else "cuda", compile=not a.no_compile, **sizes)
-    for name in ("torch eager", "torch.compile", "cupyffn"):
-        if name in r:
-            print(f"{name:14s} median step {r[name]['median_step_ms']:8.2f} ms   final loss "
-                  f"{r[name]['final_loss']:.4f}")
-    print(f"final loss cupyffn / torch eager = {r['final_loss_ratio']:.4f}  agree: {r['agree']}")
+    r = main(a.model, a.steps, a.device, compile=not a.no_compile, keep_going=True, **sizes)
+    failed = [name for name, _, _ in RUNS if "error" in r.get(name, {})]
+    for name, _, _ in RUNS:
+        if name in failed:
+            print(f"{name:40s} failed: {r[name]['error']}")
+        elif name in r:
+            print(f"{name:40s} median step {r[name]['median_step_ms']:8.2f} ms   final loss {r[name]['final_loss']:.4f}"
+                  + (f" ({r[name]['final_loss_vs_eager']:.4f}x eager's)" if "final_loss_vs_eager" in r[name] else ""))
+    if r["final_loss_ratio"] is not None:
+        print(f"final loss cupyffn / torch eager = {r['final_loss_ratio']:.4f}  agree: {r['agree']}")
+    if failed:
+        raise SystemExit(f"train_gpt2.py: {len(failed)} of the runs failed: {', '.join(failed)}")

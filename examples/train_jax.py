@@ -7,8 +7,9 @@ of shape [batch, dim] (inside the jitted step, from the step number) and minimiz
 cupyffn's custom VJP, SGD update) is one XLA program: on a GPU, cupyffn's forward and backward run on
 XLA's stream from inside it, and the host never waits until the losses are read at the end.
 
-    python examples/train_jax.py                   # the GPU if JAX has one, else the CPU
+    python examples/train_jax.py                   # the GPU if JAX and CuPy can use one, else the CPU
     python examples/train_jax.py --device cpu --steps 100
+    python examples/train_jax.py --device cuda     # the GPU, or exit saying why it cannot be used
 
 GPU memory: XLA preallocates 75% of the GPU by default; cupyffn's buffers come from CuPy's pool beside
 it. This script leaves room with XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 unless the variable (or
@@ -37,29 +38,38 @@ except ImportError:  # running from a checkout without installing: use the packa
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import cupyffn.jax as cupyffn_jax
 import cupyffn  # noqa: E402 (found as cupyffn.jax was)
+from cupyffn import _device  # noqa: E402
 
-SIZES = {"cpu": (32, 128, 256), "gpu": (512, 2048, 1024)}  # dim, hidden_dim, batch
+SIZES = {"cpu": (32, 128, 256), "cuda": (512, 2048, 1024)}  # dim, hidden_dim, batch
 
 
-def _device(kind):
+def pick_device(kind):
+    """The JAX device to run on for `kind` ("auto", "cpu" or "cuda"). "cuda" needs JAX's CUDA backend
+    (jax.devices("cuda")) and cupyffn's GPU path, CuPy, running a kernel; without them it exits (SystemExit,
+    status 1) with the reason on one line, and "auto" takes the CPU."""
+    if kind not in ("auto", *SIZES):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda'; got {kind!r}")
+    if kind == "cpu":
+        return jax.devices("cpu")[0]
+    try:
+        gpu, reason = jax.devices("cuda")[0], _device.gpu_unavailable_reason(run_kernel=True)
+    except RuntimeError as e:  # no CUDA backend in this jaxlib, or it failed to start
+        gpu, reason = None, f"JAX has no CUDA device (jax.devices('cuda'): {' '.join(str(e).split())})"
+    if reason is None:
+        return gpu
     if kind == "auto":
-        try:
-            return jax.devices("gpu")[0]
-        except RuntimeError:
-            return jax.devices("cpu")[0]
-    if kind not in SIZES:
-        raise ValueError(f"device must be 'auto', 'gpu' or 'cpu'; got {kind!r}")
-    return jax.devices(kind)[0]
+        return jax.devices("cpu")[0]
+    raise SystemExit(f"train_jax.py: --device cuda, but {reason}; --device cpu runs on the CPU")
 
 
 def main(steps=200, device="auto", precision=None, dim=None, hidden_dim=None, batch=None, lr=None, seed=0,
          verbose=False):
     """Train for `steps` SGD steps; returns the list of losses (floats), one per step.
 
-    device: "auto" (JAX's first GPU, else the CPU), "gpu" or "cpu".
+    device: "auto" (JAX's first CUDA device where cupyffn can use it, else the CPU), "cuda" or "cpu".
     """
-    dev = _device(device)
-    kind = "cpu" if dev.platform == "cpu" else "gpu"
+    dev = pick_device(device)
+    kind = "cpu" if dev.platform == "cpu" else "cuda"
     d, h, t = SIZES[kind]
     dim, hidden_dim, batch = dim or d, hidden_dim or h, batch or t
     lr = 20.0 / hidden_dim if lr is None else lr
@@ -106,7 +116,7 @@ def main(steps=200, device="auto", precision=None, dim=None, hidden_dim=None, ba
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--precision", choices=("fp16+fp8", "bf16x3", "ieee", "tf32", "bf16"), default=None,
                    help="default: fp16+fp8 on the GPU, ieee on the CPU")
     p.add_argument("--dim", type=int)

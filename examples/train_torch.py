@@ -5,8 +5,9 @@ GELU(tanh) -> Linear, weights of twice the default scale). Each step draws a fre
 x ~ N(0, 1) of shape [batch, dim] and minimizes ``0.5 * mean over the batch of ||y - target||^2``
 with torch.optim.Adam (or SGD).
 
-    python examples/train_torch.py                   # CUDA if torch sees a GPU, else CPU
+    python examples/train_torch.py                   # CUDA if torch and CuPy can use a GPU, else CPU
     python examples/train_torch.py --device cpu --optimizer sgd
+    python examples/train_torch.py --device cuda     # CUDA, or exit saying why it cannot be used
 
 Defaults: CUDA dim=512, hidden_dim=2048, batch=1024; CPU dim=32, hidden_dim=128, batch=256; precision
 cupyffn's default for the device ("fp16+fp8" on CUDA, "ieee", plain fp32, on the CPU).
@@ -26,22 +27,44 @@ except ImportError:  # running from a checkout without installing: use the packa
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import cupyffn.torch as cupyffn_torch
 import cupyffn  # noqa: E402 (found as cupyffn.torch was)
+from cupyffn import _device  # noqa: E402
 
 SIZES = {"cpu": (32, 128, 256), "cuda": (512, 2048, 1024)}  # dim, hidden_dim, batch
 DEFAULT_LR = {"adam": 3e-3, "sgd": None}  # SGD: 20 / hidden_dim
+
+
+def cuda_unavailable_reason():
+    """None when CUDA tensors can train here, else why not (one line): torch must see a device
+    (torch.cuda.is_available()) and cupyffn's GPU path, CuPy, must run a kernel on it."""
+    if not torch.cuda.is_available():
+        build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        return f"torch.cuda.is_available() is False (torch {torch.__version__}, {build})"
+    return _device.gpu_unavailable_reason(run_kernel=True)
+
+
+def pick_device(device):
+    """The device to run on, "cpu" or "cuda", for `device` ("auto", "cpu" or "cuda"). "cuda" where CUDA cannot
+    be used exits (SystemExit, status 1) with cuda_unavailable_reason() on one line."""
+    if device not in ("auto", *SIZES):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda'; got {device!r}")
+    if device == "cpu":
+        return device
+    reason = cuda_unavailable_reason()
+    if reason is None:
+        return "cuda"
+    if device == "auto":
+        return "cpu"
+    raise SystemExit(f"train_torch.py: --device cuda, but {reason}; --device cpu runs on CPU tensors (NumPy backend)")
 
 
 def main(steps=200, device="auto", precision=None, save="all", optimizer="adam", dim=None, hidden_dim=None,
          batch=None, lr=None, seed=0, verbose=False):
     """Train for `steps` optimizer steps; returns the list of losses (floats), one per step.
 
-    device: "auto" (CUDA if torch.cuda.is_available(), else CPU), "cuda" or "cpu".
+    device: "auto" (CUDA where cuda_unavailable_reason() is None, else CPU), "cuda" or "cpu".
     optimizer: "adam" (lr 3e-3) or "sgd" (lr 20 / hidden_dim).
     """
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in SIZES:
-        raise ValueError(f"device must be 'auto', 'cuda' or 'cpu'; got {device!r}")
+    device = pick_device(device)
     if optimizer not in DEFAULT_LR:
         raise ValueError(f"optimizer must be 'adam' or 'sgd'; got {optimizer!r}")
     d, h, t = SIZES[device]
@@ -99,7 +122,7 @@ def summary(losses):
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--precision", choices=("fp16+fp8", "bf16x3", "ieee", "tf32", "bf16"), default=None,
                    help="default: fp16+fp8 on CUDA, ieee on the CPU")
     p.add_argument("--save", choices=("all", "linear1_out"), default="all")

@@ -1,7 +1,8 @@
 """Train ``cupyffn.torch.TensorParallelGeluFFN`` over the ranks torchrun starts (Megatron-style sharding).
 
-    torchrun --nproc_per_node=2 examples/train_tp_torch.py            # NCCL, one GPU per rank
-    torchrun --nproc_per_node=2 examples/train_tp_torch.py --cpu      # gloo, CPU tensors (NumPy backend)
+    torchrun --nproc_per_node=2 examples/train_tp_torch.py                 # NCCL, one GPU per rank (--device cuda)
+    torchrun --nproc_per_node=2 examples/train_tp_torch.py --device cpu    # gloo, CPU tensors (NumPy backend)
+    torchrun --nproc_per_node=2 examples/train_tp_torch.py --device auto   # CUDA where torch sees it, else the CPU
     torchrun --nproc_per_node=2 examples/train_tp_torch.py --bench results/tp-bench.json   # GPU timings
 
 Every rank holds hidden_dim / world_size rows of weight1 and the same columns of weight2; the input batch
@@ -22,6 +23,8 @@ alone; each after the same check as above. CUDA-event times on each rank's strea
 iterations, the slowest rank's; JSON written to PATH by rank 0.
 
 Defaults (those of examples/train_torch.py): CUDA dim=512, hidden_dim=2048, batch=1024; CPU dim=32, hidden_dim=128, batch=256.
+--device cuda (the default) where torch sees no CUDA device, or CuPy cannot use the rank's GPU, exits on every rank
+with the reason on one line.
 """
 
 import argparse
@@ -42,23 +45,39 @@ except ImportError:  # running from a checkout without installing: use the packa
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import cupyffn.torch as cupyffn_torch
 import cupyffn
+from cupyffn import _device
 from train_torch import SIZES, fit, make_teacher, summary  # the task of examples/train_torch.py (beside this file)
 
 BENCH_SHAPES = "4096x4096x16384,8192x4096x16384"  # tokens x dim x hidden_dim
 NAMES = ("output", "grad_hidden_states", "grad_weight1", "grad_weight2")
 
 
-def setup(cpu):
-    """Join the default process group from torchrun's environment; returns this rank's device."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise SystemExit("launch with torchrun, e.g.: torchrun --nproc_per_node=2 examples/train_tp_torch.py [--cpu]")
-    if cpu:
+def pick_device(device):
+    """The device kind, "cpu" or "cuda", for --device ("auto", "cpu" or "cuda"): auto is CUDA where
+    torch.cuda.is_available(). "cuda" where it is not exits (SystemExit, status 1) with the reason on one line;
+    setup() checks CuPy on the rank's GPU."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda'; got {device!r}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise SystemExit(f"train_tp_torch.py: --device cuda, but torch.cuda.is_available() is False (torch "
+                         f"{torch.__version__}, {build}); --device cpu runs on CPU tensors with gloo")
+    return device
+
+
+def setup(kind):
+    """Join the default process group (kind "cpu": gloo; "cuda": NCCL, one GPU per rank); returns this rank's device."""
+    if kind == "cpu":
         dist.init_process_group("gloo")
         return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise SystemExit("torch sees no CUDA device: pass --cpu to run on CPU tensors with gloo")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     torch.cuda.set_device(device)
+    reason = _device.gpu_unavailable_reason(run_kernel=True)  # after set_device: CuPy tries this rank's GPU
+    if reason is not None:
+        raise SystemExit(f"train_tp_torch.py: --device cuda, but CuPy (cupyffn's GPU path) cannot use {device}: "
+                         f"{reason}")
     dist.init_process_group("nccl", device_id=device)
     return device
 
@@ -225,10 +244,12 @@ def bench(path, shapes, device, precision, save, seed, warmup, iters):
 
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cpu", action="store_true", help="CPU tensors and the gloo backend")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cuda",
+                   help="cuda: NCCL, one GPU per rank (default); cpu: CPU tensors and gloo; auto: cuda where torch "
+                        "sees a CUDA device, else cpu")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--precision", choices=tuple(cupyffn.PRECISIONS), default=None,
-                   help=f"default: {cupyffn.DEFAULT_PRECISION} on CUDA, {cupyffn.CPU_DEFAULT_PRECISION} with --cpu")
+                   help=f"default: {cupyffn.DEFAULT_PRECISION} on CUDA, {cupyffn.CPU_DEFAULT_PRECISION} on the CPU")
     p.add_argument("--save", choices=("all", "linear1_out"), default="all")
     p.add_argument("--no-overlap", action="store_true", help="all-reduce grad_hidden_states after the whole backward")
     p.add_argument("--dim", type=int)
@@ -245,11 +266,15 @@ def _parse(argv):
 
 def main(argv):
     args = _parse(argv)
-    if args.bench and args.cpu:
-        raise SystemExit("--bench times CUDA streams; it cannot run with --cpu")
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise SystemExit("launch with torchrun, e.g.: torchrun --nproc_per_node=2 examples/train_tp_torch.py "
+                         "[--device cpu]")
+    kind = pick_device(args.device)
+    if args.bench and kind == "cpu":
+        raise SystemExit("--bench times CUDA streams; it cannot run on the CPU")
     if args.precision is None:  # cupyffn's default for the device, named: the check and the output report it
-        args.precision = cupyffn.CPU_DEFAULT_PRECISION if args.cpu else cupyffn.DEFAULT_PRECISION
-    device = setup(args.cpu)
+        args.precision = cupyffn.CPU_DEFAULT_PRECISION if kind == "cpu" else cupyffn.DEFAULT_PRECISION
+    device = setup(kind)
     try:
         if args.bench:
             shapes = [tuple(int(v) for v in s.split("x")) for s in args.bench_shapes.split(",")]

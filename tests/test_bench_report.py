@@ -252,3 +252,37 @@ def test_an_a_b_twin_is_never_the_headline():
     s = R.summarize(rows)
     assert s["implementations"][twin]["passes"] and s["implementations"][twin]["mean_ms"] < 5.0
     assert s["headline"]["implementation"] == "cupyffn-a"
+
+
+@pytest.fixture
+def stale_readme_copy(tmp_path, monkeypatch):
+    """A copy of README.md whose generated results section is stale, in place of README.md, and a recorder in place of
+    the plot (the real one writes results/<gpu>.png)."""
+    import bench
+
+    readme = tmp_path / "README.md"
+    text = R.README.read_text()
+    head, rest = text.split(R.BEGIN, 1)
+    readme.write_text(head + R.BEGIN + "\nstale line\n" + R.END + rest.split(R.END, 1)[1])
+    plots = []
+    monkeypatch.setattr(R, "README", readme)
+    monkeypatch.setattr(R, "plot", lambda result, path: plots.append(path))
+    return bench, readme, plots
+
+
+def test_readme_no_write_writes_nothing_and_shows_the_diff(stale_readme_copy, capsys):
+    bench, readme, plots = stale_readme_copy
+    before = readme.read_bytes()
+    assert bench.main(["--readme", "--no-write"]) == 0
+    assert readme.read_bytes() == before and plots == []
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == ["--- README.md", "+++ README.md regenerated"] and "-stale line" in out
+    assert "+" + bench.readme_sections()[(R.BEGIN, R.END)].splitlines()[0] in out
+
+
+def test_readme_writes_the_regenerated_sections(stale_readme_copy):
+    bench, readme, plots = stale_readme_copy
+    assert bench.main(["--readme"]) == 0
+    assert readme.read_text() == (R.ROOT / "README.md").read_text()  # the checkout's README is up to date
+    assert "stale line" not in readme.read_text() and len(plots) == 1
+    assert bench.main(["--readme", "--no-write"]) == 0  # now up to date

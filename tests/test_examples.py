@@ -2,6 +2,7 @@
 
 CPU runs use the NumPy backend (small sizes); GPU runs are marked gpu (the torch one also needs
 torch.cuda). The measure is mean(loss of the last 10 steps) / mean(loss of the first 10 steps).
+Asked for ``--device cuda`` where there is no usable GPU, an example exits with status 1 and one line saying why.
 """
 
 import importlib.util
@@ -52,7 +53,7 @@ def test_cupy_example_bf16_on_cpu():
 
 @pytest.mark.gpu
 def test_cupy_example_on_gpu():
-    losses = load("train_cupy").main(steps=400, device="gpu")
+    losses = load("train_cupy").main(steps=400, device="cuda")
     assert len(losses) == 400
     assert ratio(losses) < 0.5, losses[:10] + losses[-10:]
 
@@ -76,16 +77,44 @@ def test_torch_example_on_cuda():
 
 
 def test_cupy_example_runs_as_a_script():
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)  # the script finds the checkout's cupyffn by itself when it is not installed
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "train_cupy.py"), "--device", "cpu", "--steps", "30"],
-                          cwd=EXAMPLES, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_example("train_cupy.py", "--device", "cpu", "--steps", "30")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert lines[0].startswith("device=cpu dim=32 hidden_dim=128 batch=256 precision=ieee")  # the CPU default
     last = lines[-1].split()
     assert last[:7] == ["mean", "loss", "of", "the", "first", "10", "steps"]
     assert float(last[-2]) < float(last[7].rstrip(","))  # last-10 mean below first-10 mean
+
+
+def run_example(script, *args):
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)  # the script finds the checkout's cupyffn by itself when it is not installed
+    return subprocess.run([sys.executable, str(EXAMPLES / script), *args], cwd=EXAMPLES, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cupy_example_asked_for_cuda_without_a_gpu_says_why():
+    from cupyffn import _device
+
+    reason = _device.gpu_unavailable_reason(run_kernel=True)
+    if reason is None:
+        pytest.skip("CuPy can use a GPU here, so --device cuda trains on it (test_cupy_example_on_gpu)")
+    proc = run_example("train_cupy.py", "--device", "cuda", "--steps", "5")
+    assert proc.returncode == 1 and proc.stdout == "", (proc.returncode, proc.stdout[-500:])
+    assert proc.stderr.splitlines() == [f"train_cupy.py: --device cuda, but CuPy cannot use a GPU here: {reason}; "
+                                        "--device cpu runs on the CPU with NumPy"], proc.stderr[-2000:]
+
+
+def test_torch_example_asked_for_cuda_without_cuda_says_why():
+    torch = torch_or_skip()
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a CUDA device here, so --device cuda trains on it (test_torch_example_on_cuda)")
+    build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+    proc = run_example("train_torch.py", "--device", "cuda", "--steps", "5")
+    assert proc.returncode == 1 and proc.stdout == "", (proc.returncode, proc.stdout[-500:])
+    assert proc.stderr.splitlines() == [
+        f"train_torch.py: --device cuda, but torch.cuda.is_available() is False (torch {torch.__version__}, {build}); "
+        "--device cpu runs on CPU tensors (NumPy backend)"], proc.stderr[-2000:]
 
 
 def test_gpt2_example_sd35_stack_on_cpu():

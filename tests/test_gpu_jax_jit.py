@@ -99,7 +99,7 @@ def test_eager_and_vmap_on_the_gpu(rng, gpu):
 
 
 def test_jitted_training_example_learns(gpu):
-    losses = load_example("train_jax").main(steps=150, device="gpu")
+    losses = load_example("train_jax").main(steps=150, device="cuda")
     assert len(losses) == 150 and all(math.isfinite(v) for v in losses)
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     assert last / first < 0.5, (losses[:10], losses[-10:])

@@ -25,8 +25,13 @@ def test_generated_sections_are_up_to_date():
 def test_ci_runs_the_readme_commands():
     block = re.search(r"## Install and test\n\n```\n(.*?)```", README, re.S).group(1).strip().splitlines()
     assert block == ['python -m pip install ".[cuda12,test]"', "python -m pytest"]
+    # and the commands for a machine without a GPU, in the text after the block
+    section = README.split("## Install and test\n", 1)[1].split("\n## ", 1)[0].split("```", 2)[2]
+    no_gpu = re.findall(r"`(python -m [^`]+)`", section)
+    assert no_gpu == ['python -m pip install ".[test]"', 'python -m pip install ".[test-frameworks]"',
+                      "python -m pytest"]
     ci = (ROOT / ".ci" / "run").read_text()
-    for command in block:
+    for command in block + no_gpu:
         assert command in ci, command
 
 

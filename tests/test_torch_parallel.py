@@ -418,7 +418,7 @@ def unsharded_example_means(steps, device):
 
 
 def test_example_trains_like_the_unsharded_layer_under_torchrun_on_cpu():
-    lines = torchrun(2, "--cpu", "--steps", "60")
+    lines = torchrun(2, "--device", "cpu", "--steps", "60")
     assert lines[0].startswith(f"check (256x32x128, {cupyffn.CPU_DEFAULT_PRECISION}, world size 2): ") and lines[0].endswith(": ok"), lines[0]
     head, tail = example_means(lines)
     assert tail / head < 0.25, lines[-1]
