@@ -30,6 +30,7 @@ from .core.precision import CPU_DEFAULT as CPU_DEFAULT_PRECISION
 from .core.precision import DEFAULT as DEFAULT_PRECISION
 from .core.precision import PRECISIONS, Precision
 from .core.results import FFNForward, FFNGrads
+from .cuda.device import gpu_unavailable_reason
 from .gemm.cublas import CublasError
 
 __version__ = "0.1.0"
@@ -48,5 +49,6 @@ __all__ = [
     "CublasError",
     "clear_cache",
     "release_captured_plans",
+    "gpu_unavailable_reason",
     "__version__",
 ]

@@ -13,7 +13,7 @@ batch=256. Precision: cupyffn's default for the device unless --precision says o
 GPU, "ieee", plain fp32, on the CPU). ``main()`` returns the per-step losses.
 
 Without CuPy installed, or without a usable GPU, --device auto runs on the CPU with NumPy; --device cuda exits
-with status 1 and the reason (cupyffn/_device.py).
+with status 1 and the reason (cupyffn.gpu_unavailable_reason).
 """
 
 import argparse
@@ -28,7 +28,6 @@ except ImportError:  # running from a checkout without installing: use the packa
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import cupyffn
 
-from cupyffn import _device  # noqa: E402 (found as cupyffn was)
 
 SIZES = {"cpu": (32, 128, 256), "cuda": (512, 2048, 1024)}  # dim, hidden_dim, batch
 
@@ -40,7 +39,7 @@ def pick_device(device):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda'; got {device!r}")
     if device == "cpu":
         return device
-    reason = _device.gpu_unavailable_reason(run_kernel=True)
+    reason = cupyffn.gpu_unavailable_reason(run_kernel=True)
     if reason is None:
         return "cuda"
     if device == "auto":

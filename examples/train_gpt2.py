@@ -23,8 +23,8 @@ import time
 
 import torch
 
+import cupyffn
 import cupyffn.torch as ct
-from cupyffn import _device
 
 #: --model: the model kind ("gpt2": transformers' GPT-2; "sd35": SD35Stack) and main()'s default sizes (hidden = 4 dim).
 PRESETS = {
@@ -49,7 +49,7 @@ def cuda_unavailable_reason():
     if not torch.cuda.is_available():
         build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         return f"torch.cuda.is_available() is False (torch {torch.__version__}, {build})"
-    return _device.gpu_unavailable_reason(run_kernel=True)
+    return cupyffn.gpu_unavailable_reason(run_kernel=True)
 
 
 def pick_device(device):

@@ -38,7 +38,6 @@ except ImportError:  # running from a checkout without installing: use the packa
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import cupyffn.jax as cupyffn_jax
 import cupyffn  # noqa: E402 (found as cupyffn.jax was)
-from cupyffn import _device  # noqa: E402
 
 SIZES = {"cpu": (32, 128, 256), "cuda": (512, 2048, 1024)}  # dim, hidden_dim, batch
 
@@ -52,7 +51,7 @@ def pick_device(kind):
     if kind == "cpu":
         return jax.devices("cpu")[0]
     try:
-        gpu, reason = jax.devices("cuda")[0], _device.gpu_unavailable_reason(run_kernel=True)
+        gpu, reason = jax.devices("cuda")[0], cupyffn.gpu_unavailable_reason(run_kernel=True)
     except RuntimeError as e:  # no CUDA backend in this jaxlib, or it failed to start
         gpu, reason = None, f"JAX has no CUDA device (jax.devices('cuda'): {' '.join(str(e).split())})"
     if reason is None:

@@ -27,7 +27,6 @@ except ImportError:  # running from a checkout without installing: use the packa
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import cupyffn.torch as cupyffn_torch
 import cupyffn  # noqa: E402 (found as cupyffn.torch was)
-from cupyffn import _device  # noqa: E402
 
 SIZES = {"cpu": (32, 128, 256), "cuda": (512, 2048, 1024)}  # dim, hidden_dim, batch
 DEFAULT_LR = {"adam": 3e-3, "sgd": None}  # SGD: 20 / hidden_dim
@@ -39,7 +38,7 @@ def cuda_unavailable_reason():
     if not torch.cuda.is_available():
         build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         return f"torch.cuda.is_available() is False (torch {torch.__version__}, {build})"
-    return _device.gpu_unavailable_reason(run_kernel=True)
+    return cupyffn.gpu_unavailable_reason(run_kernel=True)
 
 
 def pick_device(device):

@@ -44,8 +44,8 @@ try:
 except ImportError:  # running from a checkout without installing: use the package beside examples/
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import cupyffn.torch as cupyffn_torch
-import cupyffn
-from cupyffn import _device
+import cupyffn  # noqa: E402 (found as cupyffn.torch was)
+
 from train_torch import SIZES, fit, make_teacher, summary  # the task of examples/train_torch.py (beside this file)
 
 BENCH_SHAPES = "4096x4096x16384,8192x4096x16384"  # tokens x dim x hidden_dim
@@ -74,7 +74,7 @@ def setup(kind):
         return torch.device("cpu")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     torch.cuda.set_device(device)
-    reason = _device.gpu_unavailable_reason(run_kernel=True)  # after set_device: CuPy tries this rank's GPU
+    reason = cupyffn.gpu_unavailable_reason(run_kernel=True)  # after set_device: CuPy tries this rank's GPU
     if reason is not None:
         raise SystemExit(f"train_tp_torch.py: --device cuda, but CuPy (cupyffn's GPU path) cannot use {device}: "
                          f"{reason}")

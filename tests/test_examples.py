@@ -94,9 +94,9 @@ def run_example(script, *args):
 
 
 def test_cupy_example_asked_for_cuda_without_a_gpu_says_why():
-    from cupyffn import _device
+    import cupyffn
 
-    reason = _device.gpu_unavailable_reason(run_kernel=True)
+    reason = cupyffn.gpu_unavailable_reason(run_kernel=True)
     if reason is None:
         pytest.skip("CuPy can use a GPU here, so --device cuda trains on it (test_cupy_example_on_gpu)")
     proc = run_example("train_cupy.py", "--device", "cuda", "--steps", "5")
