@@ -8,16 +8,18 @@ with a NumPy backend of the same semantics for the CPU.
     g = cupyffn.gelu_ffn_backward(grad_output, x, weight1, weight2, f.linear1_out, f.tanh_inner, f.gelu_out)
     g.grad_hidden_states, g.grad_weight1, g.grad_weight2
 
-Arrays: float32 NumPy (computed on the CPU), CuPy, or any DLPack / CUDA Array Interface producer (torch, JAX);
-biases (bias1=, need_bias_grads=) and bf16 / fp16 activations take cuBLASLt's fused epilogues (docs/precisions.md).
+Arrays: NumPy (computed on the CPU), CuPy, or any DLPack / CUDA Array Interface producer (torch, JAX); float32
+activations in any precision, bfloat16 / float16 ones on cuBLASLt's fused epilogues; biases with either
+(bias1=, need_bias_grads=; docs/precisions.md).
 
-Functions  gelu_ffn_forward, gelu_ffn_backward; clear_cache and release_captured_plans (cached plans)
+Functions  gelu_ffn_forward, gelu_ffn_backward; clear_cache and release_captured_plans (cached plans);
+           gpu_unavailable_reason (None, or why no GPU can be used here)
 Classes    GeluFFNBackward (a reusable plan for one shape), FFNForward and FFNGrads (the results),
            Precision, ActivationMismatchError, CublasError
 Precisions PRECISIONS (name -> Precision with its accuracy contract), DEFAULT_PRECISION (GPU),
            CPU_DEFAULT_PRECISION (CPU)
-Modules    cupyffn.torch (torch.nn layer, custom ops, tensor parallel), cupyffn.jax (JAX function),
-           cupyffn.workloads (the benchmark's shapes, inputs and check); modules named _* are internal
+Modules    cupyffn.torch (torch.nn layer, custom ops, replace_mlps, tensor parallel), cupyffn.jax (JAX function),
+           cupyffn.workloads (the benchmark's shapes, inputs and check); the subpackages are internal
 
 Each name's own help() gives the details.
 """

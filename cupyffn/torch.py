@@ -58,10 +58,11 @@ from .frameworks import torch_ops as _ops
 from .frameworks.torch_layer import GeluFFN, GeluFFNFunction, gelu_ffn
 from .frameworks.torch_parallel import (TensorParallelGeluFFN, TensorParallelGeluFFNFunction, shard_weights,
                                         tensor_parallel_gelu_ffn)
-from .frameworks.torch_swap import replace_mlps, restore_mlps
+from .frameworks.torch_swap import replace_mlps, restore_mlps, swapped_mlps
 
 __all__ = ["GeluFFN", "GeluFFNFunction", "gelu_ffn", "gelu_ffn_backward", "replace_mlps", "restore_mlps",
-           "TensorParallelGeluFFN", "TensorParallelGeluFFNFunction", "shard_weights", "tensor_parallel_gelu_ffn"]
+           "swapped_mlps", "TensorParallelGeluFFN", "TensorParallelGeluFFNFunction", "shard_weights",
+           "tensor_parallel_gelu_ffn"]
 
 #: How many layer calls took each entry point, the eager Function or the operators (tests read it).
 entry_counts = _ops.entry_counts

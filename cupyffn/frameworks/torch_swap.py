@@ -132,6 +132,6 @@ def restore_mlps(model):
     return restored
 
 
-def swapped(module):
-    """The Swap of a module `replace_mlps` swapped, or None."""
-    return getattr(module, _MARK, None)
+def swapped_mlps(model):
+    """The names of `model`'s modules that run on cupyffn now (swapped by replace_mlps, not restored)."""
+    return [name for name, module in model.named_modules() if getattr(module, _MARK, None) is not None]
