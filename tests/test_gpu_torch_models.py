@@ -1,0 +1,123 @@
+"""cupyffn in real torch models on CUDA (issue 40): the bf16/bias layer under torch.compile (inductor, fullgraph; and
+mode="reduce-overhead"), captured by torch.cuda.graph, a swapped GPT-2 against the plain one, and its checkpoint
+round trip. Values against float64 autograd of the plain block, or against the plain model within bf16 error;
+outputs a replay must rewrite are NaN-poisoned first. (The CPU twin: tests/test_torch_models.py.)"""
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("ml_dtypes")
+import cupyffn.torch as ct  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.cuda is not available")]
+
+F = torch.nn.functional
+DIM, HIDDEN = 256, 1024
+
+
+def reference64(ffn, x, r):
+    """float64 autograd of the plain block on the layer's parameters: output and gradients (x, w1, b1, w2, b2)."""
+    xd = x.detach().double().requires_grad_()
+    p = [t.detach().double().requires_grad_() for t in (ffn.weight1, ffn.bias1, ffn.weight2, ffn.bias2)]
+    y = F.linear(F.gelu(F.linear(xd, p[0], p[1]), approximate="tanh"), p[2], p[3])
+    (y * r.double()).sum().backward()
+    return [y, xd.grad] + [t.grad for t in p]
+
+
+def run(model, ffn, x, r):
+    xs = x.clone().requires_grad_()
+    ffn.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = model(xs)
+    (y.float() * r).sum().backward()
+    torch.cuda.synchronize()
+    return [y, xs.grad, ffn.weight1.grad, ffn.bias1.grad, ffn.weight2.grad, ffn.bias2.grad]
+
+
+def rel(a, ref):
+    return float((a.detach().double() - ref.detach().double()).norm() / ref.detach().double().norm())
+
+
+@pytest.fixture(scope="module")
+def ffn():
+    torch.manual_seed(7)
+    return ct.GeluFFN(DIM, HIDDEN, bias=True, device="cuda")
+
+
+@pytest.mark.parametrize("mode", [None, "max-autotune", "reduce-overhead"])
+def test_bf16_bias_layer_compiled(ffn, mode):
+    """SD3.5's configuration under torch.compile(fullgraph=True): inductor default, max-autotune, and CUDA graphs
+    (reduce-overhead, several steps so that its recorded graph replays), each against float64 within bf16 error
+    (torch autocast's own error on the same inputs: tests/test_gpu_lt.py)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(ffn, fullgraph=True, mode=mode)
+    for seed in range(4):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        x = torch.randn(4, 128, DIM, device="cuda", generator=g)
+        r = torch.randn(4, 128, DIM, device="cuda", generator=g)
+        got = run(compiled, ffn, x, r)
+        for name, a, want in zip(("y", "dx", "dw1", "db1", "dw2", "db2"), got, reference64(ffn, x, r)):
+            assert torch.isfinite(a.float()).all() and rel(a, want) <= 2e-2, (mode, seed, name, rel(a, want))
+
+
+def test_torch_cuda_graph_of_the_bf16_bias_layer(ffn):
+    """A training step of the layer captured by torch.cuda.graph after a warm-up on a side stream (torch's recipe):
+    each replay with new input values gives that input's results."""
+    static_x = torch.randn(2, 64, DIM, device="cuda", requires_grad=True)
+    static_r = torch.randn(2, 64, DIM, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run(ffn, ffn, static_x, static_r)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    ffn.zero_grad(set_to_none=True)
+    static_x.grad = None
+    with torch.cuda.graph(graph):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            static_y = ffn(static_x)
+        (static_y.float() * static_r).sum().backward()
+    for seed in range(3):
+        g = torch.Generator(device="cuda").manual_seed(100 + seed)
+        with torch.no_grad():
+            static_x.copy_(torch.randn(static_x.shape, device="cuda", generator=g))
+            static_y.fill_(float("nan"))
+            static_x.grad.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = reference64(ffn, static_x, static_r)
+        assert rel(static_y, want[0]) <= 2e-2 and rel(static_x.grad, want[1]) <= 2e-2
+        assert rel(ffn.weight1.grad, want[2]) <= 2e-2
+
+
+def test_swapped_gpt2_trains_compiled_and_keeps_its_checkpoint(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_embd=DIM, n_layer=2, n_head=4, vocab_size=512, n_positions=128,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(11)
+    plain = transformers.GPT2LMHeadModel(config).cuda()
+    model = copy.deepcopy(plain)
+    keys = list(model.state_dict())
+    assert ct.replace_mlps(model)[0] == ["transformer.h.0.mlp", "transformer.h.1.mlp"]
+    assert list(model.state_dict()) == keys
+    ids = torch.randint(0, 512, (4, 128), device="cuda")
+    losses = {}
+    for name, m in (("plain", plain), ("cupyffn", model)):
+        torch._dynamo.reset()
+        compiled = torch.compile(m, fullgraph=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = compiled(ids, labels=ids).loss
+        loss.backward()
+        losses[name] = float(loss)
+    assert abs(losses["cupyffn"] - losses["plain"]) <= 1e-2 * abs(losses["plain"]), losses
+    fc, fc_plain = model.transformer.h[0].mlp.c_fc, plain.transformer.h[0].mlp.c_fc
+    assert rel(fc.weight.grad, fc_plain.weight.grad) <= 5e-2  # bf16 GEMMs both: within bf16 error
+    model.save_pretrained(tmp_path)
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).cuda().eval()
+    model.eval()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        a, b = loaded(ids).logits.float(), model(ids).logits.float()
+    assert rel(b, a) <= 2e-2
