@@ -231,8 +231,9 @@ def host_breakdown(cupy, stream, tokens=256):
         return statistics.median(samples) * 1e6
 
     result = {
-        "signature": timed(lambda: _validate.signature(args, out, False)),
-        "prepare (full validation)": timed(lambda: _validate.prepare(args, out, stream)),
+        "signature": timed(lambda: _validate.signature(args, out)),
+        "validate (full validation)": timed(lambda: _validate.validate(_validate.Request("backward", "bf16x3"), args,
+                                                                       out, stream)),
         "enqueue (all launches)": timed(lambda: engine.enqueue(stream.ptr)),
         "one cublasGemmEx": timed(lambda: engine.gemm1(engine._main)),
         "one kernel launch": timed(lambda: engine._dgelu(stream.ptr)),

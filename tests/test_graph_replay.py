@@ -82,3 +82,27 @@ def test_remembered_sightings_are_bounded(monkeypatch):
 def test_the_eager_policy_has_no_cache():
     with pytest.raises(ValueError, match="capture_after >= 1"):
         R.GraphCache(routes.EAGER, device_id=0)
+
+
+def test_a_thrashing_cycle_stops_capturing(monkeypatch):
+    """More sets of arrays cycling than REPEATED keeps (a deep model's layers of one shape): once `keep` graphs
+    were dropped, no more captures (each would be dropped before its next use); kept graphs still launch.
+    GRAPH_PLAN (graph=True: the caller asked for graphs) keeps capturing."""
+    c, log, graphs = cache(monkeypatch, routes.REPEATED)
+    keep = routes.REPEATED.keep
+    keys = range(2 * keep)
+    for _ in range(2):
+        for key in keys:
+            c.run((key,), lambda s, captured: None, 7)
+    assert c.evictions == keep and c.thrashing
+    captured, launches = c.captures, c.launches
+    for _ in range(2):
+        for key in keys:
+            c.run((key,), lambda s, captured: None, 7)
+    assert c.captures == captured  # eager from now on,
+    assert c.launches == launches + 2 * keep  # but for the graphs kept
+    plan, _, _ = cache(monkeypatch, routes.GRAPH_PLAN)
+    for _ in range(3):
+        for key in range(2 * routes.GRAPH_PLAN.keep):
+            plan.run((key,), lambda s, captured: None, 7)
+    assert not plan.thrashing and plan.captures == 6 * routes.GRAPH_PLAN.keep

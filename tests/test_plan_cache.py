@@ -566,3 +566,47 @@ def test_profile_stages_refuses_a_plan_closed_meanwhile(monkeypatch):
     with pytest.raises(RuntimeError, match="this GeluFFNBackward plan was closed"):
         plan.profile_stages(*args, out=[numpy.zeros(1)] * 3, stream=FakeStream(7), reps=1)
     assert engine.log == []  # nothing was enqueued on the closed engine
+
+
+def test_graph_plans_bind_before_their_capture(gpu_like, monkeypatch):
+    """A graph=True plan captures at a set of arrays' first call: the launches are bound (which may allocate on
+    first use, refused inside a capture) before the capture begins, and the capture only enqueues."""
+    h, _ = gpu_like
+    engine = h.engine
+    h.route = routes.choose(h.call, engine, graph=True)
+    assert h.route.graphs is routes.GRAPH_PLAN
+    engine.graphs = GraphCache(h.route.graphs, 0)
+
+    class Graph:
+        def launch(self, stream_ptr):
+            engine.log.append(("replay", stream_ptr))
+
+        def destroy(self):
+            pass
+
+    def capture(issue, stream_ptr):
+        engine.log.append(("begin capture",))
+        issue(99, True)
+        engine.log.append(("end capture",))
+        engine.graphs.captures += 1
+        return Graph()
+
+    monkeypatch.setattr(engine.graphs, "_capture", capture)
+    h.run(7)
+    h.run(7)
+    assert engine.log == [("order", 7), ("bind",), ("begin capture",), ("enqueue", 99, False), ("end capture",),
+                          ("replay", 7), ("done", 7), ("order", 7), ("replay", 7), ("done", 7)]
+
+
+def test_a_plans_captured_call_pins_the_plan(gpu_like):
+    """Under a caller's capture a plan's call pins the plan (it holds the engine and the outputs it owns), so the
+    plan stays alive and closed-proof until release_captured_plans(); the functions' engines are pinned themselves."""
+    h, capturing = gpu_like
+    owner = cupyffn.GeluFFNBackward(16, 8, 32, device="cpu")
+    capturing.add(9)
+    execute.run(h.call, h.route, h.engine, h.out, FakeStream(9), owner=owner)
+    assert _plan_cache.is_pinned(owner) and not _plan_cache.is_pinned(h.engine)
+    with pytest.raises(RuntimeError, match="pinned"):
+        owner.close()
+    assert cupyffn.release_captured_plans() == 1
+    owner.close()

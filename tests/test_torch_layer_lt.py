@@ -207,3 +207,17 @@ def test_from_linears_keeps_conv1d_weights_as_stored():
     assert rel(y, want) < 1e-6
     for a, b in zip(got, (x.grad, mlp.c_fc.weight.grad, mlp.c_proj.bias.grad)):
         assert a.shape == b.shape and rel(a, b) < 1e-5
+
+
+def test_bias_gradients_alone():
+    """Frozen weights and an input without grad: only the biases train, with torch's gradients."""
+    l1, l2 = pair(seed=4)
+    for w in (l1.weight, l2.weight):
+        w.requires_grad_(False)
+    ffn = ct.GeluFFN.from_linears(l1, l2, precision="ieee")
+    x = torch.randn(6, 32)
+    ffn(x).square().sum().backward()
+    got = (l1.bias.grad.clone(), l2.bias.grad.clone())
+    l1.bias.grad = l2.bias.grad = None
+    torch_block(x, l1, l2).square().sum().backward()
+    assert l1.weight.grad is None and rel(got[0], l1.bias.grad) < 1e-5 and rel(got[1], l2.bias.grad) < 1e-5

@@ -222,10 +222,14 @@ class GeluFFNBackward:
         import cupy
 
         s = stream if stream is not None else cupy.cuda.get_current_stream()
-        self(*arrays, out=out, stream=s)
+        engine = self.engine
+        graphs, engine.graphs = engine.graphs, None  # the ordinary call without graphs binds these very arrays
+        try:
+            self(*arrays, out=out, stream=s)
+        finally:
+            engine.graphs = graphs
         from ..engine.schedule import time_stages
 
-        engine = self.engine
         with engine.lock:  # no ordinary call of this plan interleaves with the serialized ones
             if engine.closed:  # closed by another thread since the call above: its scratch is being freed
                 raise RuntimeError("this GeluFFNBackward plan was closed")

@@ -98,9 +98,11 @@ def _geometry(call, arrays):
 
 
 # ---------------------------------------------------------------------- running
-def run(call, route, engine, out, stream=None, ready=0, owned=None, what="cupyffn"):
+def run(call, route, engine, out, stream=None, ready=0, owned=None, what="cupyffn", owner=None):
     """Run `call` (validated) along `route` on `engine` (None when call.tokens == 0: nothing to launch); returns the
-    results (module docstring). `ready`: a raw CUDA event recorded once grad_hidden_states is written."""
+    results (module docstring). `ready`: a raw CUDA event recorded once grad_hidden_states is written; `owner`: the
+    GeluFFNBackward whose engine this is (pinned instead of the engine under a caller's capture: it holds the
+    engine and the outputs it owns)."""
     if call.backend == "cpu":
         results, arrays = outputs(call, out, what=what)
         _run_cpu(call, engine, arrays)
@@ -116,7 +118,7 @@ def run(call, route, engine, out, stream=None, ready=0, owned=None, what="cupyff
         if call.tokens == 0:
             _no_tokens(call, arrays, s, ready)
         else:
-            _run_gpu(call, route, engine, arrays, s, capturing, ready)
+            _run_gpu(call, route, engine, arrays, s, capturing, ready, owner)
     return results_type(call)(*results)
 
 
@@ -150,7 +152,7 @@ def _run_cpu(call, engine, arrays):
         raise
 
 
-def _run_gpu(call, route, engine, arrays, stream, capturing, ready):
+def _run_gpu(call, route, engine, arrays, stream, capturing, ready, owner=None):
     sp = stream.ptr
     pointers = tuple(0 if m is None else m.ptr for m in _geometry(call, arrays))
     with engine.lock:
@@ -161,7 +163,7 @@ def _run_gpu(call, route, engine, arrays, stream, capturing, ready):
                 raise RuntimeError("cupyffn was called during CUDA stream capture, but this plan has not yet run in "
                                    "memory mode (gelu_out=None) and would allocate its buffer; call it once with the "
                                    "same arguments outside the capture first")
-            _plans.pin(engine)  # from now on a graph may replay this engine's scratch
+            _plans.pin(engine if owner is None else owner)  # from now on a graph may replay this engine's scratch
         else:
             engine.order_after_previous(sp)
         try:
@@ -181,29 +183,27 @@ def _run_gpu(call, route, engine, arrays, stream, capturing, ready):
 def _issue(call, route, engine, pointers, sp, capturing, ready):
     """The call's work on `sp` by the route's graph policy (module docstring)."""
     io = engine.io_key(call, pointers)
+    cache = engine.graphs
+    graphs = cache is not None and not capturing and not ready  # a replayed graph records no event of the caller's
+    if graphs:
+        graph = cache.graph(io)
+        if graph is not None:  # nothing to bind or re-point: the graph holds this set of arrays
+            cache.launch(graph, sp)
+            return
     if capturing:
         serial = engine.serial_in_capture(sp)
         engine.bind_once(call, pointers, io)
         engine.enqueue(sp, serial=serial, ready=ready)
         return
+    # bound here, outside any capture of cupyffn's own: binding may allocate on first use (ieee's memory mode)
+    engine.bind_once(call, pointers, io)
     if not engine.side_stream_free():  # a caller's capture still holds the side stream
-        engine.bind_once(call, pointers, io)
         engine.enqueue(sp, serial=True, ready=ready)
-        return
-    cache = engine.graphs
-    if cache is None or ready or not route.graphs.capture_after:  # a replayed graph records no event of the caller's
-        engine.bind_once(call, pointers, io)
+    elif not graphs:
         engine.eager(sp, ready)
-        return
-
-    def issue(stream_ptr, captured):
-        engine.bind_once(call, pointers, io)
-        if captured:
-            engine.enqueue(stream_ptr)
-        else:
-            engine.eager(stream_ptr)
-
-    cache.run(io, issue, sp)
+    else:
+        cache.run(io, lambda stream_ptr, captured: engine.enqueue(stream_ptr) if captured else
+                  engine.eager(stream_ptr), sp)
 
 
 # ---------------------------------------------------------------------- after a failure

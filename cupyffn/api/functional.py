@@ -88,7 +88,8 @@ def run(request, args, out, stream, check_activations=False, grad_hidden_ready=N
         route = known.route if known is not None else routes.choose(call, plan.engine, plan.graph)
         if sig is not None and known is None:
             _remember(sig, request, owner, call, route, None)
-        return execute.run(call, route, plan.engine, out, stream, ready, owned=plan.owned_outputs, what=what)
+        return execute.run(call, route, plan.engine, out, stream, ready, owned=plan.owned_outputs, what=what,
+                           owner=plan)
     cache = _cache(call)
     key = known.key if known is not None else routes.plan_key(call)
     engine = cache.acquire(key)

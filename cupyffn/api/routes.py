@@ -25,8 +25,9 @@ from ..cuda.graph_cache import GraphPolicy
 NUMPY, FLOAT32, LT = "numpy", "float32", "lt"
 
 #: graph policies (cupyffn/cuda/graph_cache.py). REPEATED: a set of arrays seen twice is captured (decisions 051,
-#: 052); 64 kept per engine, so the layers of a deep model, each with its own arrays, keep theirs.
-REPEATED = GraphPolicy("a graph per repeated set of arrays", capture_after=2, keep=64)
+#: 052); 64 kept per engine, so the layers of a deep model, each with its own arrays, keep theirs; a model cycling
+#: through more sets than that stops capturing (its captures would be dropped before their next use).
+REPEATED = GraphPolicy("a graph per repeated set of arrays", capture_after=2, keep=64, stop_when_thrashing=True)
 #: GeluFFNBackward(graph=True): every set of arrays captured at its first call, four kept.
 GRAPH_PLAN = GraphPolicy("graph=True: a graph per set of arrays", capture_after=1, keep=4)
 EAGER = GraphPolicy("eager", capture_after=None, keep=0)

@@ -9,7 +9,8 @@ engine's re-pointed call graph re-points its launches on every call; tensors fro
 get the same addresses step after step in a training loop, so a call whose key repeats is captured once and then
 launched as one cuGraphLaunch. A key seen fewer times than the policy's `capture_after` runs eagerly, so calls whose
 addresses never repeat cost an eager call and nothing more. The least recently used graph beyond `keep` is dropped
-(the driver frees an executable graph once its launches finish). Captures go through one private stream per
+(the driver frees an executable graph once its launches finish); a policy that stops when thrashing captures no more
+once `keep` graphs were dropped (more sets of arrays cycle than are kept: each capture would be wasted). Captures go through one private stream per
 device, in the driver's thread-local capture mode (cupyffn/cuda/call_graph.py).
 """
 
@@ -26,6 +27,9 @@ class GraphPolicy(NamedTuple):
     name: str
     capture_after: Optional[int]  # sightings of one key before its graph is captured (1: the first); None: never
     keep: int                     # graphs kept per engine
+    # stop capturing once `keep` graphs were dropped: the calls cycle through more sets of arrays than are kept (a
+    # deep model's layers of one shape), where each capture (~1 ms) would be dropped before its next use
+    stop_when_thrashing: bool = False
 
 
 _capture_streams = {}  # device id -> the private stream every capture on that device goes through
@@ -53,7 +57,7 @@ class GraphCache:
         self.device_id = device_id
         self._graphs = collections.OrderedDict()
         self._seen = {}  # key -> sightings so far (below capture_after)
-        self.captures = self.launches = 0
+        self.captures = self.launches = self.evictions = 0
 
     def graph(self, key):
         """The graph captured for `key` (now the most recently used), or None."""
@@ -72,7 +76,7 @@ class GraphCache:
         graph = self.graph(key)
         if graph is None:
             seen = self._seen.get(key, 0) + 1
-            if seen < self.policy.capture_after:
+            if seen < self.policy.capture_after or self.thrashing:
                 if len(self._seen) >= 8 * self.policy.keep:  # keys that never repeat are forgotten in bulk
                     self._seen.clear()
                 self._seen[key] = seen
@@ -83,7 +87,14 @@ class GraphCache:
             self._graphs[key] = graph
             while len(self._graphs) > self.policy.keep:
                 self._graphs.popitem(last=False)[1].destroy()
+                self.evictions += 1
         self.launch(graph, stream_ptr)
+
+    @property
+    def thrashing(self):
+        """Whether the policy has stopped capturing (stop_when_thrashing, after `keep` graphs were dropped): the
+        graphs kept are still launched, other sets of arrays run eagerly."""
+        return self.policy.stop_when_thrashing and self.evictions >= self.policy.keep
 
     def _capture(self, issue, stream_ptr):
         graph = CallGraph()  # no re-pointed nodes: every pointer is the key's
