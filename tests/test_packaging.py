@@ -165,7 +165,7 @@ def test_framework_tests_are_opt_in(wheel):
     assert {"pytest", "setuptools", "wheel", "ml-dtypes"} <= {r[0] for r in by_extra["test"]}, by_extra["test"]
     assert [r[0] for r in by_extra["bf16"]] == ["ml-dtypes"], by_extra["bf16"]  # CuPy's and NumPy's bfloat16
     frameworks = {r[0]: r for r in by_extra["test-frameworks"]}
-    assert set(frameworks) == {"torch", "jax", "transformers"}, frameworks  # transformers: the tiny GPT-2 tests
+    assert set(frameworks) == {"torch", "jax", "transformers", "diffusers"}, frameworks  # the models' round trips
     # CI's machine keeps the CPU build of torch 2.13.0 for Python 3.11 on x86_64; anywhere else that pin
     # would be PyPI's multi-GB CUDA build
     _, spec, _, marker = frameworks["torch"]
