@@ -14,7 +14,7 @@ from benchmarks import timing
 @pytest.mark.parametrize("name,option", [("sm90_precompile", "--match"), ("sm90_trace", "--rasters"),
                                          ("sm90_sass", "--dump"), ("sm90_ptx_diff", "--against"),
                                          ("bias_cost", "--tokens"), ("io_graph_ab", "--rounds"),
-                                         ("tf32_rs_probe", "--tokens"),
+                                         ("tf32_rs_probe", "--tokens"), ("ptx_hashes", "--against"),
                                          ("rescue_cost", "--rounds")])
 def test_loads_without_cupy_and_answers_help(name, option, capsys):
     tool = load_tool(name)
@@ -186,3 +186,23 @@ def test_tf32_probe_kernel_compiles_without_spills():
         nvrtc.destroyProgram(prog)
     assert log.count("0 bytes spill stores, 0 bytes spill loads") == len(names), log
     assert "serialized" not in log, log
+
+
+def test_ptx_hashes_are_stable_and_tell_a_change(tmp_path, capsys, monkeypatch):
+    """dev/ptx_hashes.py on one small module: two compilations hash alike (NVRTC's per-compile symbol names
+    normalized), and a changed source is reported."""
+    pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+    tool = load_tool("ptx_hashes")
+    out = tmp_path / "before.json"
+    assert tool.main(["--match", "^call_table$", "--out", str(out), "--jobs", "1"]) == 0
+    assert tool.main(["--match", "^call_table$", "--against", str(out), "--jobs", "1"]) == 0
+    assert "0 differ" in capsys.readouterr().out
+    real = tool.jobs
+
+    def changed(match=""):
+        return [(n, s.replace("*table = values;", "if (values.gemm[0].a) *table = values;"), e, o)
+                for n, s, e, o in real(match)]
+
+    monkeypatch.setattr(tool, "jobs", changed)
+    assert tool.main(["--match", "^call_table$", "--against", str(out), "--jobs", "1"]) == 1
+    assert "differs: call_table" in capsys.readouterr().out
