@@ -492,3 +492,11 @@ def test_host_results_are_written_beside_the_loop_results(monkeypatch, tmp_path)
                                 "host_per_call": host})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nvidia-h200-host.json", "nvidia-h200-host.md"]
     assert "| cupy-functional-out | 70.0 | CuPy |" in (tmp_path / "nvidia-h200-host.md").read_text()
+
+
+def test_a_bias_on_another_gpu_is_named(fake_torch):
+    x, w1, w2 = tensors(shapes=((T, D), (H, D), (D, H)))
+    b2 = FakeTensor(1 << 40, (D,), (1,), device=1)
+    with pytest.raises(ValueError, match=r"^all arrays must be on one device; bias2 is on cuda:1 but hidden_states is "
+                                         r"on cuda:0"):
+        _validate.validate(_validate.Request("forward"), (x, w1, w2, None, b2), None, Stream(TORCH_STREAM))

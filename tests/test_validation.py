@@ -484,3 +484,14 @@ def test_plan_validates_its_calls(inp, rng):
         plan(*args_with(inp), stream=types.SimpleNamespace(ptr=0))
     for o, b in zip(outs, before):
         assert o.tobytes() == b.tobytes()
+
+
+def test_a_bias_elsewhere_is_named(inp, monkeypatch):
+    """A bias on another device than hidden_states: the error names the bias (forward and backward share the one
+    validator)."""
+    sentinel = _Sentinel()
+    _patch_gpu(monkeypatch, [(sentinel, numpy.zeros(H, F32))])
+    x, w1, w2 = inp["hidden_states"], inp["weight1"], inp["weight2"]
+    with pytest.raises(ValueError, match=r"^cannot mix NumPy \(CPU\) and GPU arrays: hidden_states is on the CPU but "
+                                         r"bias1 is on a GPU$"):
+        cupyffn.gelu_ffn_forward(x, w1, w2, bias1=sentinel)
