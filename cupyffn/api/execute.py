@@ -20,6 +20,7 @@ from ..core import arrays as _arrays
 from ..core import plans as _plans
 from ..core.results import FFNForward, FFNGrads
 from ..core.views import numpy_dtype
+from .validate import outputs_of
 
 _NAN16 = {"bfloat16": 0x7FC0, "float16": 0x7E00}
 
@@ -50,7 +51,7 @@ def outputs(call, out, stream=None, capturing=False, owned=None, what="cupyffn")
             results.append(None)
             arrays.append(None)
     if missing and capturing:
-        names = ", ".join(_names(call)[i] for i in missing)
+        names = ", ".join(outputs_of(call.kind)[i] for i in missing)
         raise RuntimeError(f"cupyffn: {what} was called during CUDA stream capture without out= for {names}: "
                            f"allocating from CuPy's memory pool inside a capture would tie that memory to the graph "
                            f"with nothing keeping it alive. Pass every output in out=")
@@ -60,12 +61,6 @@ def outputs(call, out, stream=None, capturing=False, owned=None, what="cupyffn")
         if owned is not None:
             owned[i] = a
     return results, arrays
-
-
-def _names(call):
-    from .validate import outputs_of
-
-    return outputs_of(call.kind)
 
 
 def _allocate(call, shape, dtype, stream):
