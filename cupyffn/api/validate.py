@@ -192,7 +192,7 @@ def validate(request, args, out=None, stream=None):
     call = Call(request, backend, device, act, weights, act if kind == "forward" else "float32", precision,
                 math.prod(lead), dim, hidden, lead, transposed, inputs, (), tuple(arrays), (), None)
     given, given_arrays, grads = _outputs(call, out, stream, torch_devices)
-    call = call._replace(out=given, out_arrays=given_arrays, grads=grads)
+    call = call._replace(out=given, out_arrays=given_arrays, grads=grads if kind == "backward" else act)
     if torch_devices:  # all on `device` (checked): one wait, not one per tensor (the DLPack handshake's)
         call = call._replace(follow=device)
         _arrays.follow_torch(device, stream)
