@@ -23,6 +23,8 @@ from typing import NamedTuple
 
 import numpy
 
+from .core import activation
+
 _DATA = json.loads((Path(__file__).resolve().parent / "workloads.json").read_text())
 
 DIM = _DATA["dim"]
@@ -120,8 +122,8 @@ def make_inputs(lead_shape, dim=DIM, hidden_dim=HIDDEN_DIM, xp=numpy, seed=0):
     weight2 = normal((dim, hidden_dim), 0.02)
     z = (hidden_states.reshape(-1, dim).astype(xp.float64) @ weight1.T.astype(xp.float64)).astype(f32)
     z64 = z.astype(xp.float64)
-    t = xp.tanh(math.sqrt(2.0 / math.pi) * (z64 + 0.044715 * z64 ** 3)).astype(f32)
-    g = (0.5 * z64 * (1.0 + t.astype(xp.float64))).astype(f32)
+    t = activation.tanh_inner(z64, xp).astype(f32)
+    g = activation.value(z64, t.astype(xp.float64)).astype(f32)
     act = lead_shape + (hidden_dim,)
     return {"grad_output": grad_output, "hidden_states": hidden_states, "weight1": weight1, "weight2": weight2,
             "linear1_out": z.reshape(act), "tanh_inner": t.reshape(act), "gelu_out": g.reshape(act)}
@@ -135,11 +137,9 @@ def reference(inputs, xp=numpy, dtype=numpy.float64):
     dy, x, w1, w2 = (inputs[n].reshape(-1, inputs[n].shape[-1]).astype(dtype) for n in INPUT_NAMES[:4])
     z, t = (inputs[n].reshape(-1, hidden_dim).astype(dtype) for n in ("linear1_out", "tanh_inner"))
     g = inputs["gelu_out"].reshape(-1, hidden_dim).astype(dtype)
-    c = dtype(math.sqrt(2.0 / math.pi))
     grad_gelu = dy @ w2
     grad_w2 = dy.T @ g
-    half, one = dtype(0.5), dtype(1.0)
-    grad_linear1 = grad_gelu * (half * (one + t) + half * z * (one - t * t) * c * (one + dtype(0.134145) * z * z))
+    grad_linear1 = grad_gelu * activation.grad_reference(z, t)
     grad_hidden = grad_linear1 @ w1
     grad_w1 = grad_linear1.T @ x
     assert grad_hidden.shape == (dy.shape[0], dim)
@@ -150,8 +150,7 @@ def forward_reference(hidden_states, weight1, weight2, xp=numpy):
     """The forward in float64: (output, linear1_out, tanh_inner, gelu_out) as 2-D arrays."""
     x, w1, w2 = (a.astype(xp.float64) for a in (hidden_states, weight1, weight2))
     z = x.reshape(-1, x.shape[-1]) @ w1.T
-    t = xp.tanh(math.sqrt(2.0 / math.pi) * (z + 0.044715 * z ** 3))
-    g = 0.5 * z * (1.0 + t)
+    t, g = activation.forward(z, xp)
     return g @ w2.T, z, t, g
 
 
