@@ -61,9 +61,6 @@ def run(request, args, out, stream, check_activations=False, grad_hidden_ready=N
     sig = _validate.signature(args, out)
     known = _known.get((sig, request, owner)) if sig is not None else None
     if known is not None:
-        if stream is not None and not hasattr(stream, "ptr"):
-            raise TypeError(f"stream must be a cupy.cuda.Stream (or ExternalStream) or None; "
-                            f"got {type(stream).__name__}")
         call = _validate.reuse(known.call, args, out, stream)
     else:
         call = _validate.validate(request, args, out, stream)

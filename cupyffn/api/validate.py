@@ -151,6 +151,7 @@ def signature(args, out):
 def reuse(call, args, out, stream):
     """`call` (remembered for this signature) for the arrays of a new call with the same signature; where the call
     has torch tensors, cupyffn's stream is ordered after torch's current stream here, as `validate` does."""
+    _check_stream(stream)
     if call.follow is not None:
         _arrays.follow_torch(call.follow, stream)
     return call._replace(arrays=tuple(args), out_arrays=tuple(out) if out is not None else (None,) * len(call.out))
@@ -163,8 +164,7 @@ def validate(request, args, out=None, stream=None):
     names = inputs_of(kind)
     if kind == "backward" and not request.need_grad_hidden and not request.need_weight_grads:
         raise ValueError("need_grad_hidden and need_weight_grads are both False: there is nothing to compute")
-    if stream is not None and not hasattr(stream, "ptr"):
-        raise TypeError(f"stream must be a cupy.cuda.Stream (or ExternalStream) or None; got {type(stream).__name__}")
+    _check_stream(stream)
     required = 5 if kind == "backward" else 3
     for a, n in zip(args[:required], names):
         if a is None:
@@ -197,6 +197,11 @@ def validate(request, args, out=None, stream=None):
         call = call._replace(follow=device)
         _arrays.follow_torch(device, stream)
     return call
+
+
+def _check_stream(stream):
+    if stream is not None and not hasattr(stream, "ptr"):
+        raise TypeError(f"stream must be a cupy.cuda.Stream (or ExternalStream) or None; got {type(stream).__name__}")
 
 
 def _import(args, names, stream):
