@@ -20,6 +20,7 @@ states what an engine needs of a call's layout, the one fast-path eligibility te
 
 from typing import NamedTuple, Optional
 
+from ..core.results import BACKWARD_INPUTS, BACKWARD_OUTPUTS, FORWARD_INPUTS, FORWARD_OUTPUTS
 from ..cuda.graph_cache import GraphPolicy
 
 NUMPY, FLOAT32, LT = "numpy", "float32", "lt"
@@ -67,8 +68,7 @@ def choose(call, engine, graph=False):
 def requirement(call) -> Optional[str]:
     """None when the engine of `call` can take its layout, else what it needs (an error message)."""
     kind = engine_of(call)
-    names = ("hidden_states", "weight1", "weight2", "bias1", "bias2") if call.kind == "forward" else \
-        ("grad_output", "hidden_states", "weight1", "weight2", "linear1_out", "tanh_inner", "gelu_out")
+    names = FORWARD_INPUTS if call.kind == "forward" else BACKWARD_INPUTS
     if kind == FLOAT32 and call.weights_transposed:
         return ("weight1 and weight2 are transposed views ([in, out] storage): the float32 engine reads weights as "
                 "[out, in] rows (its conversions write their operands); pass ascontiguousarray of each")
@@ -82,9 +82,10 @@ def requirement(call) -> Optional[str]:
                     f"rows); pass ascontiguousarray({name})")
         if m.ptr % 16:
             return f"{name} must start on a 16-byte boundary (cuBLASLt); got address {m.ptr:#x}"
-    for m, name in zip(call.out, ("output",) * 5):
+    outputs = FORWARD_OUTPUTS if call.kind == "forward" else BACKWARD_OUTPUTS
+    for i, (m, name) in enumerate(zip(call.out, outputs)):
         if m is not None and m.ptr % 16:
-            return f"an output in out= must start on a 16-byte boundary (cuBLASLt); got address {m.ptr:#x}"
+            return f"out[{i}] ({name}) must start on a 16-byte boundary (cuBLASLt); got address {m.ptr:#x}"
     size = 2
     if call.dim * size % 16 or call.hidden_dim * size % 16:
         return (f"dim = {call.dim} and hidden_dim = {call.hidden_dim} must be multiples of 8 for {call.act} "

@@ -32,11 +32,8 @@ import numpy
 from ..core import arrays as _arrays
 from ..core import precision as _precision
 from ..core.arrays import Matrix, dtype_name
+from ..core.results import BACKWARD_INPUTS, BACKWARD_OUTPUTS, FORWARD_INPUTS, FORWARD_OUTPUTS
 
-FORWARD_INPUTS = ("hidden_states", "weight1", "weight2", "bias1", "bias2")
-FORWARD_OUTPUTS = ("output", "linear1_out", "tanh_inner", "gelu_out")
-BACKWARD_INPUTS = ("grad_output", "hidden_states", "weight1", "weight2", "linear1_out", "tanh_inner", "gelu_out")
-BACKWARD_OUTPUTS = ("grad_hidden_states", "grad_weight1", "grad_weight2", "grad_bias1", "grad_bias2")
 ACTIVATIONS = ("float32", "bfloat16", "float16")
 HALF = ("bfloat16", "float16")
 

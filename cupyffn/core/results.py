@@ -1,6 +1,12 @@
-"""What the forward and the backward return: `FFNForward` and `FFNGrads` (named tuples)."""
+"""What the forward and the backward take and return: their arguments' names, in order, and their results
+`FFNForward` and `FFNGrads` (named tuples)."""
 
 from typing import Any, NamedTuple
+
+FORWARD_INPUTS = ("hidden_states", "weight1", "weight2", "bias1", "bias2")
+FORWARD_OUTPUTS = ("output", "linear1_out", "tanh_inner", "gelu_out")
+BACKWARD_INPUTS = ("grad_output", "hidden_states", "weight1", "weight2", "linear1_out", "tanh_inner", "gelu_out")
+BACKWARD_OUTPUTS = ("grad_hidden_states", "grad_weight1", "grad_weight2", "grad_bias1", "grad_bias2")
 
 
 class FFNForward(NamedTuple):

@@ -18,6 +18,7 @@ them take the other operand layout, no copy.
 """
 
 from ..core import activation
+from ..core.results import BACKWARD_INPUTS, BACKWARD_OUTPUTS
 from ..cuda import kernels as _kernels
 from ..cuda.stream_engine import StreamEngine
 from ..gemm import cublas, cublaslt
@@ -185,8 +186,6 @@ _GEMM1 = "grad_linear1 = (grad_output @ weight2) * GELU'(linear1_out)"
 _GEMM2 = "grad_weight2 = grad_output^T @ gelu_out"
 _GEMM3 = "grad_hidden_states = grad_linear1 @ weight1"
 _GEMM4 = "grad_weight1 = grad_linear1^T @ hidden_states"
-_INPUTS = ("grad_output", "hidden_states", "weight1", "weight2", "linear1_out", "tanh_inner", "gelu_out")
-_GRADS = ("grad_hidden_states", "grad_weight1", "grad_weight2", "grad_bias1", "grad_bias2")
 
 
 class LtBackward(_Engine):
@@ -230,8 +229,8 @@ class LtBackward(_Engine):
     def bind(self, call, pointers):
         """`call`'s input pointers and the outputs `pointers` (grad_hidden_states, grad_weight1, grad_weight2,
         grad_bias1, grad_bias2; 0 where not wanted), and accumulate."""
-        self._a = {n: (None if m is None else m.ptr) for n, m in zip(_INPUTS, call.inputs)}
-        self._out = {n: (p or None) for n, p in zip(_GRADS, pointers)}
+        self._a = {n: (None if m is None else m.ptr) for n, m in zip(BACKWARD_INPUTS, call.inputs)}
+        self._out = {n: (p or None) for n, p in zip(BACKWARD_OUTPUTS, pointers)}
         self._accumulate = bool(call.request.accumulate)
 
     def enqueue(self, stream_ptr, serial=False, ready=0):
