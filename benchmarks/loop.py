@@ -216,7 +216,7 @@ def host_breakdown(cupy, stream, tokens=256):
            cupy.empty((W.DIM, W.HIDDEN_DIM), cupy.float32))
     plan = cupyffn.GeluFFNBackward(tokens, W.DIM, W.HIDDEN_DIM)
     plan(*args, out=out, stream=stream)
-    engine = plan._engine  # a diagnostic of the host cost of the engine's pieces: it needs them by name
+    engine = plan.engine  # a diagnostic of the host cost of the engine's pieces: it needs them by name
     event = cupy.cuda.Event(disable_timing=True)
 
     def timed(fn, reps=200):

@@ -64,7 +64,7 @@ def measure(cupy, cupyffn, T, reps, rounds):
     cupy.cuda.Device().synchronize()  # the inputs were made on the null stream; s does not wait for it
     s = cupy.cuda.Stream(non_blocking=True)
     plan = cupyffn.GeluFFNBackward(T, D, H, precision="tf32")
-    engine = plan._engine
+    engine = plan.engine
     modes = {"replay": engine.graphs, "re-pointed": None}  # None: no graph cache, every call re-points
     got = {m: {"idle": [], "queued": [], "host": []} for m in modes}
     for _ in range(rounds):

@@ -26,7 +26,7 @@ from io_graph_ab import SPIN, sample  # noqa: E402
 
 def strip_rescues(plan):
     """Remove the rescue launches from `plan`'s engine (measurement build; see the module docstring)."""
-    e = plan._engine
+    e = plan.engine
     for mode, (convert, fused, _, decide) in list(e.kernels.modes.items()):
         e.kernels.modes[mode] = ({k: (names, first, None) for k, (names, first, _) in convert.items()}, fused, None,
                                  decide)
@@ -82,7 +82,7 @@ def measure(cupy, cupyffn, T, reps, rounds):
                     if i >= 3:
                         got[name][timer].append(ms)
     row["bitwise equal after timing"] = same()
-    row["launches"] = {name: [st.stage for st in plan._engine._executor.steps() if st.run]
+    row["launches"] = {name: [st.stage for st in plan.engine._executor.steps() if st.run]
                        for name, plan in plans.items()}
     for name, timers in got.items():
         row[name] = {k: round(statistics.median(v), 4) for k, v in timers.items()}

@@ -120,8 +120,6 @@ class GeluFFNBackward:
                                     need_bias_grads=self.need_bias_grads)
             self.engine.use_graphs(routes.graph_policy(routes.FLOAT32, "backward", self.engine, self.graph))
 
-    _engine = property(lambda self: self.engine)  # the name tests and tools used before the front door
-
     # ------------------------------------------------------------------ introspection
     @property
     def scratch_bytes(self):
