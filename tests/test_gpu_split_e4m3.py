@@ -245,12 +245,12 @@ _REF = None
 
 
 def reference_module():
-    """The GELU pieces of common.cuh in plain elementwise kernels: the matrix the kernel must encode
-    (recomputed in NumPy it could differ in the last bit: tanhf and FMA contraction)."""
+    """The GELU of activation.cuh (through common.cuh, headers pasted as the product pastes them) in plain
+    elementwise kernels: the matrix the kernel must encode (recomputed in NumPy it could differ in the last bit:
+    tanhf and FMA contraction)."""
     global _REF
     if _REF is None:
-        common = (_kernels.kernel_dir() / "common.cuh").read_text().replace("#pragma once\n", "")
-        code = common + r"""
+        code = '#include "common.cuh"\n' + r"""
 extern "C" __global__ void ref_gelu_out(const float* z, const float* t, float* out, long long n) {
   const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
   if (i >= n) return;
@@ -269,7 +269,7 @@ extern "C" __global__ void ref_grad_linear1(const float* gg, const float* x, con
   out[i] = gg[i] * cupyffn::gelu_grad(x[i], tt);
 }
 """
-        _REF = cupy.RawModule(code=code, options=_kernels.NVRTC_OPTIONS)
+        _REF = cupy.RawModule(code=_kernels.with_headers(code), options=_kernels.NVRTC_OPTIONS)
     return _REF
 
 

@@ -85,14 +85,20 @@ _INCLUDE = re.compile(r'^#include "([^"]+)"\n', re.M)
 
 
 def source_with_common(filename, folder=None):
-    """kernels_cu/`filename` with the headers it includes from kernels_cu/ (``#include "common.cuh"``,
-    ``#include "sm90/ptx.cuh"``, ...) pasted in place, each once, their own includes too (so CuPy's disk cache,
-    which hashes the source text, sees an edited header). `folder`: another kernels_cu folder (the tools' A/B of
-    an older checkout's sources); default kernel_dir()."""
+    """kernels_cu/`filename` with the headers it includes from kernels_cu/ pasted in place (with_headers).
+    `folder`: another kernels_cu folder (the tools' A/B of an older checkout's sources); default kernel_dir()."""
     folder = kernel_dir() if folder is None else Path(folder)
     text = (folder / filename).read_text()
     if '#include "common.cuh"' not in text:
         raise RuntimeError(f"{filename} must include common.cuh")
+    return with_headers(text, folder)
+
+
+def with_headers(text, folder=None):
+    """CUDA C `text` with the headers it includes from kernels_cu/ (``#include "common.cuh"``,
+    ``#include "sm90/ptx.cuh"``, ...) pasted in place, each once, their own includes too (so CuPy's disk cache,
+    which hashes the source text, sees an edited header)."""
+    folder = kernel_dir() if folder is None else Path(folder)
     pasted = set()
 
     def paste(match):
