@@ -216,3 +216,20 @@ def test_stage_graph_with_bias_gradients(precision, tokens):
     assert d < steps.index(bias2) and staged.index(("S", "dgelu")) < i
     if ("S2", "GEMM4 grad_weight1") in staged:
         assert i < staged.index(("S2", "GEMM4 grad_weight1"))
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32", "bf16x3", "bf16", "fp16+fp8"])
+@pytest.mark.parametrize("tokens", [256, 8192])
+def test_bias_gradients_alone(precision, tokens):
+    """need_bias_grads without grad_hidden_states or weight gradients (frozen weights and input): GEMM1, the dgelu
+    pass (its column sums are grad_bias1's) and the two sums; no other GEMM and no convert B. Where no GEMM reads
+    grad_linear1, fp16+fp8's dgelu pass still writes one encoding of it (fp16, the cheapest): split_e4m3 needs one."""
+    plan = build(precision, tokens, need_grad_hidden=False, need_weight_grads=False, need_bias_grads=True)
+    assert sorted(plan.forms) == ["gemm1"] and not plan.fused_gemm1
+    stand_in = _StandIn(plan)
+    assert not stand_in.cvt_b and not plan.layout.cvt_late
+    staged = [s.stage for s in S.stages(stand_in) if s.stage]
+    assert [s for s in staged if s.startswith("GEMM")] == ["GEMM1 grad_gelu"]
+    assert "dgelu" in staged and "grad_bias1" in staged and "grad_bias2" in staged
+    if plan.fmt == P.FMT_F16E4M3:
+        assert [k for k in plan.layout.ops if k.startswith("grad_linear1")] == ["grad_linear1"]

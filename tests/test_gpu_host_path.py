@@ -217,8 +217,11 @@ def test_wrong_dtype_names_the_argument(dtype, name, index):
     tensors = _as_torch(arrays)
     tensors[index] = tensors[index].to(dtype)
     arg = W.INPUT_NAMES[index]
-    if index == 0 and dtype in (torch.float16, torch.bfloat16):  # a 16-bit grad_output takes the 16-bit route
-        with pytest.raises(ValueError, match=r"^tanh_inner must be None with bfloat16/float16"):
+    if index == 0:  # grad_output's dtype is the activation dtype: a 16-bit one makes float32 hidden_states wrong
+        want = {torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(dtype)
+        match = (rf"^hidden_states must be {want} \(grad_output's dtype\); got float32$" if want else
+                 r"^grad_output must be float32 \(or bfloat16 / float16: docs/precisions.md\); got float64$")
+        with pytest.raises(TypeError, match=match):
             cupyffn.gelu_ffn_backward(*tensors, precision="tf32")
         return
     # float16 / float64 as DLPack always reported them; bfloat16 (no NumPy dtype) through DLPack's own message

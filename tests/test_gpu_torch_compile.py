@@ -121,7 +121,7 @@ def test_eager_function_and_operators_agree_bitwise(rng, precision):
     x, r = tensors(rng, (256,))
     before = dict(ct.entry_counts)
     step(ffn, ffn, x, r)  # the same values first: tf32's scale state then starts alike for both below
-    ops = step(lambda a: torch.ops.cupyffn.forward(a, ffn.weight1, ffn.weight2, precision, "all")[0], ffn, x, r)
+    ops = step(lambda a: torch.ops.cupyffn.forward(a, ffn.weight1, ffn.weight2, None, None, precision, "all")[0], ffn, x, r)
     eager = step(ffn, ffn, x, r)
     torch.cuda.synchronize()
     assert ct.entry_counts == {"eager": before["eager"] + 2, "operator": before["operator"]}

@@ -249,8 +249,8 @@ def test_layouts_zero_copy_where_readable(rng, device, spy):
     assert_within(results, refs, cupyffn.PRECISIONS["ieee"].contract)
     assert float(x_base.grad[..., dim:].abs().max()) == 0 and float(w2_base.grad[:, hidden:].abs().max()) == 0
 
-    def ptr(a):  # NumPy views on the CPU, CuPy views on CUDA
-        return a.__array_interface__["data"][0] if isinstance(a, numpy.ndarray) else a.data.ptr
+    def ptr(a):  # NumPy views on the CPU; on CUDA the torch tensors themselves (read by pointer)
+        return a.__array_interface__["data"][0] if isinstance(a, numpy.ndarray) else a.data_ptr()
 
     fwd_args, bwd_args = spy["forward"][-1][0], spy["backward"][-1][0]
     assert ptr(fwd_args[0]) == x.data_ptr() and ptr(fwd_args[2]) == w2.data_ptr()  # zero-copy

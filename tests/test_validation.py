@@ -316,10 +316,11 @@ def test_accumulate_with_a_missing_weight_grad(inp, rng, missing):
 
 
 def test_nothing_to_compute(inp, rng):
-    expect_error(ValueError, r"^need_grad_hidden and need_weight_grads are both False: there is nothing to compute$",
-                 args_with(inp), need_grad_hidden=False, need_weight_grads=False)
-    with pytest.raises(ValueError, match=r"need_grad_hidden and need_weight_grads are both False"):
-        cupyffn.GeluFFNBackward(T, D, H, device="cpu", need_grad_hidden=False, need_weight_grads=False)
+    nothing = dict(need_grad_hidden=False, need_weight_grads=False, need_bias_grads=False)
+    expect_error(ValueError, r"^need_grad_hidden, need_weight_grads and need_bias_grads are all False: there is "
+                             r"nothing to compute$", args_with(inp), **nothing)
+    with pytest.raises(ValueError, match=r"need_bias_grads are all False"):
+        cupyffn.GeluFFNBackward(T, D, H, device="cpu", **nothing)
 
 
 def test_read_only_out_is_rejected_before_anything_is_written(inp, rng):

@@ -91,8 +91,9 @@ class GeluFFNBackward:
         self.hidden_dim = check_size("hidden_dim", hidden_dim, 1)
         if precision is not None:  # a bad name is reported before the device is looked at
             _precision.lookup(precision)
-        if not need_grad_hidden and not need_weight_grads:
-            raise ValueError("need_grad_hidden and need_weight_grads are both False: there is nothing to compute")
+        if not (need_grad_hidden or need_weight_grads or need_bias_grads):
+            raise ValueError("need_grad_hidden, need_weight_grads and need_bias_grads are all False: there is nothing "
+                             "to compute")
         self.need_grad_hidden = bool(need_grad_hidden)
         self.need_weight_grads = bool(need_weight_grads)
         self.need_bias_grads = bool(need_bias_grads)

@@ -159,8 +159,9 @@ def validate(request, args, out=None, stream=None):
     """Check a call's inputs (`inputs_of(request.kind)` order) and `out`; return its Call (module docstring)."""
     kind = request.kind
     names = inputs_of(kind)
-    if kind == "backward" and not request.need_grad_hidden and not request.need_weight_grads:
-        raise ValueError("need_grad_hidden and need_weight_grads are both False: there is nothing to compute")
+    if kind == "backward" and not (request.need_grad_hidden or request.need_weight_grads or request.need_bias_grads):
+        raise ValueError("need_grad_hidden, need_weight_grads and need_bias_grads are all False: there is nothing to "
+                         "compute")
     _check_stream(stream)
     required = 5 if kind == "backward" else 3
     for a, n in zip(args[:required], names):

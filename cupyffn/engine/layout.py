@@ -122,6 +122,10 @@ class Layout:
                 else:
                     enc["f16"] = None
                     enc["e4" + orient] = order
+        if plan.need_bias_grads and "grad_linear1" not in need:
+            # bias gradients alone: no GEMM reads grad_linear1, but the dgelu pass that sums its columns writes one
+            # encoding (the cheapest, fp16)
+            need["grad_linear1"] = {"f16": None}
         ops = {}
         for name in ("grad_output", "weight2", "gelu_out", "hidden_states", "weight1", "grad_linear1"):
             if name not in need:

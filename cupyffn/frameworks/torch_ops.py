@@ -265,10 +265,7 @@ def _gradients(ctx, grad_output, backward):
     if not (need_x or need_w or need_b):
         return (None,) * 7
     x, w1, w2, z, t, g = ctx.saved_tensors
-    # the biases alone (frozen weights, an input without grad): a call computes at least one GEMM's gradient, so
-    # grad_hidden_states is computed and dropped
-    gx, gw1, gw2, gb1, gb2 = backward(grad_output, x, w1, w2, z, t, g, ctx.precision, need_x or not need_w, need_w,
-                                      need_b)
+    gx, gw1, gw2, gb1, gb2 = backward(grad_output, x, w1, w2, z, t, g, ctx.precision, need_x, need_w, need_b)
     b1_dt, b2_dt = ctx.bias_dtypes
     if need_b1 and gb1.dtype != b1_dt:
         gb1 = gb1.to(b1_dt)
