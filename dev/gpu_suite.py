@@ -26,7 +26,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-_SUMMARY = re.compile(r"^=+ (.*(?:passed|failed|error|skipped|deselected|no tests ran).*) in [\d.]+s.*=+$", re.M)
+# pytest's last line, with -q bare ("3 failed, 998 passed, ... in 172.51s (0:02:52)"), else between "=" rules
+_SUMMARY = re.compile(r"^=*\s*((?:\d+ \w+(?:, )?)+|no tests ran) in [\d.]+s\b.*$", re.M)
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.M)
 
 

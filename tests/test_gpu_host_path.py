@@ -185,10 +185,14 @@ def test_no_dlpack_import_for_float32_cuda_tensors(monkeypatch):
 
 
 def test_one_validation_per_signature(monkeypatch):
+    """A call is validated once per signature (its arrays' pointers, shapes, strides, dtypes): also the process's
+    first call with torch tensors is remembered. (The cache is emptied first: torch's allocator may hand this test
+    memory an earlier test's remembered call used, which is rightly the same signature.)"""
+    cupyffn.clear_cache()
     arrays = _inputs(8)
     tensors = _as_torch(arrays)
     outs = _nan_torch(_out_shapes(arrays))
-    cupyffn.gelu_ffn_backward(*tensors, precision="tf32", out=outs)  # may validate (a new signature)
+    cupyffn.gelu_ffn_backward(*tensors, precision="tf32", out=outs)  # validates: a new signature
     count = [0]
     real = _validate.validate
 

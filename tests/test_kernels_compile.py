@@ -31,7 +31,7 @@ class Compiled:
     def __init__(self, name):
         self.name = name
         self.filename, self.expressions = _kernels.MODULES[name]
-        self.source = _kernels.module_source(name)
+        self.source = _kernels.source(_kernels.MODULES[name][0])
         prog = nvrtc.createProgram(self.source, self.filename, (), ())
         try:
             for e in self.expressions:

@@ -64,6 +64,8 @@ def run(request, args, out, stream, check_activations=False, grad_hidden_ready=N
         call = _validate.reuse(known.call, args, out, stream)
     else:
         call = _validate.validate(request, args, out, stream)
+        if sig is None:  # the process's first torch tensors: their types are known once validate has imported one
+            sig = _validate.signature(args, out)
         why = routes.requirement(call)
         if why is not None:
             raise ValueError(why)

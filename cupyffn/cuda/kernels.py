@@ -70,9 +70,7 @@ def kernel_dir():
         f"level above it ({_HERE}); the installation is incomplete")
 
 
-def module_source(name):
-    """Full CUDA C text of module `name` with its headers pasted in."""
-    return source(MODULES[name][0])
+_INCLUDE = re.compile(r'^#include "([^"]+)"\n', re.M)
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,12 +79,9 @@ def source(filename):
     return source_with_common(filename)
 
 
-_INCLUDE = re.compile(r'^#include "([^"]+)"\n', re.M)
-
-
 def source_with_common(filename, folder=None):
-    """kernels_cu/`filename` with the headers it includes from kernels_cu/ pasted in place (with_headers).
-    `folder`: another kernels_cu folder (the tools' A/B of an older checkout's sources); default kernel_dir()."""
+    """kernels_cu/`filename` with its headers pasted in (with_headers), read from `folder` (another kernels_cu
+    folder: the tools' A/B of an older checkout's sources; default kernel_dir())."""
     folder = kernel_dir() if folder is None else Path(folder)
     text = (folder / filename).read_text()
     if '#include "common.cuh"' not in text:
@@ -95,9 +90,8 @@ def source_with_common(filename, folder=None):
 
 
 def with_headers(text, folder=None):
-    """CUDA C `text` with the headers it includes from kernels_cu/ (``#include "common.cuh"``,
-    ``#include "sm90/ptx.cuh"``, ...) pasted in place, each once, their own includes too (so CuPy's disk cache,
-    which hashes the source text, sees an edited header)."""
+    """CUDA C `text` with the headers it includes from kernels_cu/ (``#include "common.cuh"``, ...) pasted in place,
+    each once, their own includes too (so CuPy's disk cache, which hashes the source text, sees an edited header)."""
     folder = kernel_dir() if folder is None else Path(folder)
     pasted = set()
 
