@@ -3,7 +3,7 @@
 * Tests marked ``gpu`` (the marker is registered in setup.cfg; GPU test modules set
   ``pytestmark = pytest.mark.gpu``) are skipped, with the reason, when no CUDA device is usable.
   The device check runs once per session and only when some collected test carries the marker;
-  the reason is cupyffn's own (cupyffn/_device.py: "no NVIDIA GPU visible (...)" where there is
+  the reason is cupyffn's own (cupyffn/cuda/device.py: "no NVIDIA GPU visible (...)" where there is
   none, CUDA's driver message only for a GPU whose driver is too old), and cupy is imported inside
   it, so this file also loads where cupy is not installed.
 * The ``rng`` fixture gives each test its own ``numpy.random.Generator`` seeded from the test's

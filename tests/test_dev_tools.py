@@ -212,9 +212,9 @@ def test_gpu_suite_reads_pytest_summaries():
     """dev/gpu_suite.py's summary file quotes pytest's last line (bare with -q, or between rules) and lists the
     tests the short summary (-rfE) names, once each; a run that printed no summary says so."""
     tool = load_tool("gpu_suite")
-    quiet = ("FAILED tests/test_a.py::test_x[1-2] - assert 1 == 0\nERROR tests/test_b.py::test_y\n"
-             "FAILED tests/test_a.py::test_x[1-2] - again\n2 failed, 998 passed, 16 skipped, 1 error in 172.51s (0:02:52)\n")
+    quiet = ("FAILED t/test_a.py::test_x[1-2] - assert 1 == 0\nERROR t/test_b.py::test_y\n"
+             "FAILED t/test_a.py::test_x[1-2] - again\n2 failed, 998 passed, 16 skipped, 1 error in 172.51s (0:02:52)\n")
     assert tool.summary_line(quiet) == "2 failed, 998 passed, 16 skipped, 1 error"
-    assert tool.failed_tests(quiet) == ["tests/test_a.py::test_x[1-2]", "tests/test_b.py::test_y"]
+    assert tool.failed_tests(quiet) == ["t/test_a.py::test_x[1-2]", "t/test_b.py::test_y"]
     assert tool.summary_line("====== 5 passed in 0.31s ======") == "5 passed"
     assert tool.summary_line("Segmentation fault") == "(no pytest summary line: pytest did not finish)"

@@ -1,4 +1,4 @@
-"""cupyffn/_device.py: the one reason every "no GPU" message gives. Where there is no GPU it says "no NVIDIA GPU
+"""cupyffn/cuda/device.py: the one reason every "no GPU" message gives. Where there is no GPU it says "no NVIDIA GPU
 visible (<why>)", never CUDA's "driver version is insufficient" (what CuPy reports on a machine with no driver at
 all); that message only for a GPU whose driver is older than CuPy's CUDA runtime.
 

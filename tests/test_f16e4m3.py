@@ -1,5 +1,5 @@
 """The "fp16+fp8" plan on the CPU: the exact e4m3 rounding, the f16+e4m3 encoding of an operand
-(/work brief f16e4m3.md, cupyffn/_numpy_backend.py f16e4m3_split), the pair product's accuracy and
+(/work brief f16e4m3.md, cupyffn/cpu/backend.py f16e4m3_split), the pair product's accuracy and
 the whole backward under the plan's recipe (_precision.effective_forms).
 
 ml_dtypes.float8_e4m3fn is the oracle for the rounding (test-only: the package does not use it);

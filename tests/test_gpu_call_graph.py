@@ -1,4 +1,4 @@
-"""The call graph (cupyffn/engine/call_graph.py): an eager call as one CUDA graph launch, re-pointed at each call's arrays.
+"""The call graph (cupyffn/cuda/call_graph.py): an eager call as one CUDA graph launch, re-pointed at each call's arrays.
 
 Every test compares the call-graph plan (the default) with the same plan built with
 EngineOptions(call_graph=False) (each launch from the host) on fresh inputs at new addresses every call, outputs

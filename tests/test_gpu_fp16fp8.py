@@ -1,7 +1,7 @@
 """GPU: the fp16+fp8 plan (fp16 hi*hi + one e4m3 GEMM for the cross terms, or bf16x3, per GEMM).
 
 The shapes are chosen so that the recipe's table puts the e4m3 pair on each of the four GEMMs in
-some case (cupyffn/_precision.py FORM_TABLE), and the plan must report it ran them (a cuBLASLt
+some case (cupyffn/core/precision.py FORM_TABLE), and the plan must report it ran them (a cuBLASLt
 refusal would silently fall back to bf16x3: the expected forms catch that). The accuracy test is
 relative to the tf32 plan on the same inputs: the pair's correction must remove most of fp16's
 error (a missing, doubled or mis-scaled correction leaves tf32-sized or larger errors).

@@ -151,7 +151,7 @@ def test_reduce_overhead_mode(rng):
 def test_autocast_runs_the_bf16_plan_like_nn_linear(rng, ffn):
     """Under bf16 autocast the layer computes in bf16 as nn.Linear would: bf16 output, fp32 weight gradients,
     errors against float64 of the bf16 computation's size (the contract against torch's autocast itself is
-    tests/test_gpu_lt.py and tests/test_gpu_torch_layer_lt.py)."""
+    tests/test_gpu_lt.py and tests/test_torch_layer_lt.py)."""
     x, r = tensors(rng)
     xb = x.bfloat16().requires_grad_()
     ffn.zero_grad(set_to_none=True)

@@ -1,6 +1,6 @@
 """The host path of torch tensors in the functional API, on the CPU: a float32 CUDA torch tensor is read from its
 attributes (data_ptr, shape, stride, device) instead of a DLPack import, validated once per signature, and the call
-follows torch's current stream once (cupyffn/_arrays.py, cupyffn/_validate.py; docs/decisions/048-dlpack-free-import.md).
+follows torch's current stream once (cupyffn/core/arrays.py, cupyffn/api/validate.py; docs/decisions/048-dlpack-free-import.md).
 
 No GPU here: a fake tensor type stands for torch.Tensor (it is registered as the type read by pointer), views over
 its made-up addresses are built but never touched, and the stream queries and the device-side wait are recorded
@@ -309,7 +309,7 @@ def test_view2d_of_a_reused_call_reads_the_tensor(fake_torch):
 
 
 def test_import_array_follows_per_tensor(fake_torch):
-    """import_array itself (cupyffn._forward's path) reads torch tensors by pointer and follows torch's stream."""
+    """import_array itself (the float32 forward's path, cupyffn/engine/forward.py) reads torch tensors by pointer and follows torch's stream."""
     a = FakeTensor(1 << 36, (T, D))
     backend, view = _arrays.import_array(a, "hidden_states", Stream(OTHER_STREAM))
     assert backend == "gpu" and view.data.ptr == a.ptr and view.shape == (T, D)

@@ -172,7 +172,7 @@ def defines():
 
 
 def mirrors():
-    """The ctypes structures of cupyffn._kernels that mirror a CUDA struct (by name)."""
+    """The ctypes structures of cupyffn.cuda.kernels that mirror a CUDA struct (by name)."""
     found = {}
     for name in dir(_kernels):
         obj = getattr(_kernels, name)

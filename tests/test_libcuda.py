@@ -1,4 +1,4 @@
-"""cupyffn/_libcuda.py: the driver error and the entry-point cache (the library itself only where a driver is
+"""cupyffn/cuda/libcuda.py: the driver error and the entry-point cache (the library itself only where a driver is
 installed: on a machine without one those tests skip, saying so)."""
 
 import ctypes
