@@ -68,7 +68,9 @@ def assert_within(results, refs, contract):
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Records the arguments of every cupyffn forward / backward call cupyffn.torch makes."""
+    """Records the arguments of every cupyffn forward / backward call cupyffn.torch makes: the door's functions (NumPy
+    views on the CPU, tensors on CUDA), and the torch CPU route's (cupyffn/frameworks/torch_cpu.py: torch tensors, its
+    options as the functions' keywords, "route": "torch")."""
     calls = {"forward": [], "backward": []}
 
     def wrap(kind, fn):
@@ -77,10 +79,20 @@ def spy(monkeypatch):
             return fn(*args, **kwargs)
         return recorder
 
+    def wrap_cpu(kind, fn, names):
+        def recorder(*args):
+            calls[kind].append((args[:-len(names)], dict(zip(names, args[-len(names):]), route="torch")))
+            return fn(*args)
+        return recorder
+
     from cupyffn.api import functional
+    from cupyffn.frameworks import torch_cpu
 
     monkeypatch.setattr(functional, "gelu_ffn_forward", wrap("forward", functional.gelu_ffn_forward))
     monkeypatch.setattr(functional, "gelu_ffn_backward", wrap("backward", functional.gelu_ffn_backward))
+    monkeypatch.setattr(torch_cpu, "forward", wrap_cpu("forward", torch_cpu.forward, ("precision",)))
+    monkeypatch.setattr(torch_cpu, "backward", wrap_cpu("backward", torch_cpu.backward, (
+        "precision", "need_grad_hidden", "need_weight_grads", "need_bias_grads")))
     return calls
 
 
@@ -178,8 +190,13 @@ def test_sgd_steps_track_the_torch_module(rng, device, precision):
         assert float((update - update_ref).norm() / update_ref.norm()) < 10 * cupyffn.PRECISIONS[precision].contract
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_needs_input_grad_selects_the_work(rng, device, spy):
+# On the CPU, "bf16x3" takes the door's NumPy backend and None ("ieee") the torch route; on CUDA the default.
+WORK_PRECISIONS = [pytest.param("cpu", "bf16x3", id="cpu-numpy"), pytest.param("cpu", None, id="cpu-torch"),
+                   pytest.param("cuda", None, marks=CUDA, id="cuda")]
+
+
+@pytest.mark.parametrize("device,precision", WORK_PRECISIONS)
+def test_needs_input_grad_selects_the_work(rng, device, precision, spy):
     x, w1, w2, r = make(rng, device)
     refs = reference(x, w1, w2, r)
     contract = cupyffn.PRECISIONS["bf16x3"].contract
@@ -187,24 +204,25 @@ def test_needs_input_grad_selects_the_work(rng, device, spy):
     # x is data (no grad): only the weight gradients are computed
     w1p, w2p = w1.clone().requires_grad_(), w2.clone().requires_grad_()
     xd = x.clone()
-    (ct.gelu_ffn(xd, w1p, w2p) * r).sum().backward()
+    (ct.gelu_ffn(xd, w1p, w2p, precision) * r).sum().backward()
     kwargs = spy["backward"][-1][1]
     assert kwargs["need_grad_hidden"] is False and kwargs["need_weight_grads"] is True
+    assert kwargs.get("route") == ("torch" if device == "cpu" and precision is None else None)
     assert xd.grad is None
     assert rel(w1p.grad, refs[2]) <= contract and rel(w2p.grad, refs[3]) <= contract
 
     # frozen weights: only grad_hidden_states
     xg = x.clone().requires_grad_()
-    (ct.gelu_ffn(xg, w1, w2) * r).sum().backward()
+    (ct.gelu_ffn(xg, w1, w2, precision) * r).sum().backward()
     kwargs = spy["backward"][-1][1]
     assert kwargs["need_grad_hidden"] is True and kwargs["need_weight_grads"] is False
-    assert kwargs["out"][1] is None and kwargs["out"][2] is None
+    assert "out" not in kwargs or (kwargs["out"][1] is None and kwargs["out"][2] is None)
     assert w1.grad is None and w2.grad is None
     assert rel(xg.grad, refs[1]) <= contract
 
     # one weight frozen: both weight gradients come from the same GEMMs, the frozen one is dropped
     xg, w1p = x.clone().requires_grad_(), w1.clone().requires_grad_()
-    (ct.gelu_ffn(xg, w1p, w2) * r).sum().backward()
+    (ct.gelu_ffn(xg, w1p, w2, precision) * r).sum().backward()
     kwargs = spy["backward"][-1][1]
     assert kwargs["need_grad_hidden"] is True and kwargs["need_weight_grads"] is True
     assert w2.grad is None
@@ -249,15 +267,17 @@ def test_layouts_zero_copy_where_readable(rng, device, spy):
     assert_within(results, refs, cupyffn.PRECISIONS["ieee"].contract)
     assert float(x_base.grad[..., dim:].abs().max()) == 0 and float(w2_base.grad[:, hidden:].abs().max()) == 0
 
-    def ptr(a):  # NumPy views on the CPU, CuPy views on CUDA
+    def ptr(a):  # torch tensors (the torch CPU route, and CUDA), NumPy views (the door on the CPU), CuPy views
+        if isinstance(a, torch.Tensor):
+            return a.data_ptr()
         return a.__array_interface__["data"][0] if isinstance(a, numpy.ndarray) else a.data.ptr
 
     fwd_args, bwd_args = spy["forward"][-1][0], spy["backward"][-1][0]
     assert ptr(fwd_args[0]) == x.data_ptr() and ptr(fwd_args[2]) == w2.data_ptr()  # zero-copy
     assert ptr(fwd_args[1]) != w1t.data_ptr() and fwd_args[1].shape == (hidden, dim)  # contiguous copy
-    dy = bwd_args[0]  # a NumPy view on the CPU; on CUDA the torch tensor itself (read by pointer)
-    assert dy.flags.c_contiguous if isinstance(dy, numpy.ndarray) else dy.is_contiguous()  # was stride 0
-    assert 0 not in (dy.strides if isinstance(dy, numpy.ndarray) else dy.stride())
+    dy = bwd_args[0]  # the torch tensor itself (the CPU route computes with torch; CUDA: read by pointer)
+    assert dy.is_contiguous() and 0 not in dy.stride()  # was stride 0
+    assert (spy["forward"][-1][1].get("route") == "torch") == (device == "cpu")  # "ieee" on the CPU: torch's ops
 
 
 @pytest.mark.parametrize("device", DEVICES)
