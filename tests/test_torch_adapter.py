@@ -546,3 +546,42 @@ def _saved(x, w1):
     z = F.linear(x, w1)
     t = torch.tanh(0.7978845608028654 * (z + 0.044715 * z ** 3))
     return z, t, 0.5 * z * (1 + t)
+
+
+@pytest.mark.parametrize("precision", ("ieee", "bf16x3"), ids=("torch-route", "numpy-route"))
+def test_geluffn_takes_every_input_layout_nn_linear_takes(rng, precision):
+    """A transposed, permuted, expanded or sliced input: GeluFFN computes what it computes on the contiguous copy, as
+    nn.Linear does, in the forward and the backward (no error naming internal arguments or NumPy's functions)."""
+    torch.manual_seed(0)
+    ffn = ct.GeluFFN(32, 64, bias=True, precision=precision)
+    base = torch.from_numpy(rng.standard_normal((6, 8, 32)).astype(numpy.float32))
+    layouts = {  # each a view of a leaf tensor the gradient reaches through it
+        "transposed": (base[0].t().contiguous(), lambda leaf: leaf.t()),                 # [8, 32], strides (1, 8)
+        "permuted": (base.permute(2, 0, 1).contiguous(), lambda leaf: leaf.permute(1, 2, 0)),
+        "expanded": (base[:1].clone(), lambda leaf: leaf.expand(6, 8, 32)),             # stride 0
+        "column slice": (torch.cat([base, base], -1), lambda leaf: leaf[..., 7:39]),
+        "batch-major transpose": (base.transpose(0, 1).contiguous(), lambda leaf: leaf.transpose(0, 1)),
+    }
+    for name, (source, view) in layouts.items():
+        results = []
+        for contiguous in (False, True):
+            leaf = source.clone().requires_grad_()
+            x = view(leaf)
+            assert x.is_contiguous() is False, name
+            ffn.zero_grad(set_to_none=True)
+            y = ffn(x.contiguous() if contiguous else x)
+            (y * y).sum().backward()
+            results.append([y.detach(), leaf.grad] + [p.grad.clone() for p in ffn.parameters()])
+        for a, b in zip(*results):
+            assert torch.equal(a, b), name
+        x = view(source)
+        plain = F.linear(F.gelu(F.linear(x, ffn.weight1, ffn.bias1), approximate="tanh"), ffn.weight2, ffn.bias2)
+        assert float((results[0][0] - plain).norm() / plain.norm()) <= cupyffn.PRECISIONS[precision].contract
+
+
+def test_geluffn_signature_is_public_only():
+    import inspect
+
+    params = inspect.signature(ct.GeluFFN).parameters
+    assert list(params) == ["dim", "hidden_dim", "bias", "precision", "save", "device", "dtype"]
+    assert not any(name.startswith("_") for name in params)
