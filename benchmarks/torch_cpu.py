@@ -16,12 +16,17 @@ ratio is cupyffn's over torch's. Not the benchmark (bench.py): a CPU measurement
 
 import argparse
 import copy
+import datetime
 import importlib.util
 import json
+import os
+import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
+import numpy
 import torch
 
 import cupyffn.torch as ct
@@ -75,7 +80,7 @@ def _example():
     return module
 
 
-def gpt2_rows(steps, warmup, sizes=GPT2_SMALL):
+def gpt2_rows(steps, warmup, sizes=GPT2_SMALL, modes=("eager", "torch.compile")):
     example = _example()
     plain = example.build("gpt2", sizes, "cpu")
     swapped = copy.deepcopy(plain)
@@ -84,7 +89,8 @@ def gpt2_rows(steps, warmup, sizes=GPT2_SMALL):
         raise RuntimeError(f"replace_mlps swapped {replaced}, left {skipped}")
     ids = next(example.batches("gpt2", 1, sizes["batch"], sizes["seq"], sizes["dim"], sizes["vocab"], "cpu"))
     rows = []
-    for label, compiled in (("eager", False), ("torch.compile", True)):
+    for label in modes:
+        compiled = label == "torch.compile"
         torch._dynamo.reset()
         models = {"torch": copy.deepcopy(plain), "cupyffn": copy.deepcopy(swapped)}
         steps_of = {}
@@ -127,8 +133,13 @@ def main(argv=None):
         print(f"{r['row']:48s} torch {r['torch_ms']:8.2f} ms   cupyffn {r['cupyffn_ms']:8.2f} ms   "
               f"ratio {r['ratio']:.2f}")
     if a.json:
-        Path(a.json).write_text(json.dumps(dict(torch=torch.__version__, threads=torch.get_num_threads(), rows=rows),
-                                           indent=1))
+        env = dict(torch=torch.__version__, numpy=numpy.__version__, python=platform.python_version(),
+                   cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
+                   threads=torch.get_num_threads())
+        Path(a.json).write_text(json.dumps(dict(
+            command="python -m benchmarks.torch_cpu " + " ".join(argv if argv is not None else sys.argv[1:]),
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), env=env, rows=rows),
+            indent=1) + "\n")
     return rows
 
 

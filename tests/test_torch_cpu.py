@@ -194,3 +194,17 @@ def test_validation_is_remembered_per_geometry(rng, monkeypatch):
     assert len(count) == 1
     torch_ops.forward_impl(x[:6], w1, w2, None, None, "ieee")
     assert len(count) == 2
+
+
+def test_the_cpu_benchmark_runs_and_reports_ratios():
+    """benchmarks/torch_cpu.py (docs/performance.md's CPU figures) at toy sizes: both sides timed, the ratio theirs."""
+    from benchmarks import torch_cpu as bench
+
+    rows = bench.layer_rows(steps=2, warmup=1, tokens=64, dim=16, hidden=64)
+    assert [r["row"] for r in rows] == ["T=64 dim=16 hidden=64 float32", "T=64 dim=16 hidden=64 bf16 autocast"]
+    pytest.importorskip("transformers", reason="transformers not installed (the GPT-2 rows build its model)")
+    rows += bench.gpt2_rows(steps=2, warmup=1, modes=("eager",))
+    assert rows[-1]["row"] == "train_gpt2.py --small step, eager"
+    for r in rows:
+        assert r["torch_ms"] > 0 and r["cupyffn_ms"] > 0
+        assert r["ratio"] == pytest.approx(r["cupyffn_ms"] / r["torch_ms"])

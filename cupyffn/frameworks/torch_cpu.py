@@ -1,20 +1,21 @@
 """The torch layer's CPU route: CPU tensors computed with torch's own ops where the precision's numerics are torch's,
 so the layer runs in torch's thread pool at torch's speed (docs/decisions/058-torch-cpu-route.md):
 
-* float32 activations, precision "ieee" (the CPU's default): plain fp32 GEMMs, torch's ``F.linear`` / ``mm``;
-* bfloat16 activations: torch's bf16 GEMMs (fp32 accumulation, results rounded to bf16, as torch's autocast
-  computes ``nn.Linear``); the GELU and its derivative in fp32 from linear1_out, results rounded where the cuBLASLt
-  route rounds them (cupyffn/cpu/half.py);
-* float16 activations: fp32 GEMMs of the fp16 operands (each product exact in fp32, fp32 accumulation: the
-  cuBLASLt route's numbers; torch's CPU fp16 GEMM was 6-50x slower here, 058), results rounded to fp16 where that
-  route rounds them.
+* float32 activations, precision "ieee" (the CPU's default): plain fp32 GEMMs, torch's ``F.linear`` and ``mm``;
+* bfloat16 activations: torch's bf16 GEMMs, fp32 accumulation with every result rounded to bf16, as torch's autocast
+  computes ``nn.Linear`` (linear1_out, grad_gelu and the weight gradients included, which the cuBLASLt route keeps
+  in fp32: the errors are autocast's, within the 16-bit contract of 1.25x them); the GELU of the rounded
+  linear1_out, its derivative in fp32, grad_linear1 rounded once;
+* float16 activations: fp32 GEMMs of the fp16 operands (each product exact in fp32, fp32 accumulation: the cuBLASLt
+  route's numbers, as the NumPy backend computes them; torch's CPU fp16 GEMM was 6-50x slower here, 058).
 
 Every other precision ("tf32", "bf16", "bf16x3", "fp16+fp8" on float32 activations) keeps the NumPy backend, which
 reproduces the GPU's roundings (cupyffn/cpu/backend.py). The GELU and its derivative are cupyffn/core/activation.py's
-NumPy functions, the NumPy backend's very arithmetic, on NumPy views of the tensors, a block of rows at a time so that
-their temporaries stay in the cache (torch's elementwise ops were slower here, 058). A call is validated by the door's validator (cupyffn/api/validate.py) on NumPy views of the tensors, so
-a bad call reads the same on every route; the validated geometries are remembered (`_checked`), as the door remembers
-the calls of GPU arrays.
+NumPy functions, the NumPy backend's own arithmetic, on NumPy views of the tensors a block of rows at a time, so that
+their temporaries stay in the cache (torch's elementwise ops were slower, 058); NumPy's elementwise work runs on the
+calling thread and uses no thread pool of its own. A call is validated by the door's validator
+(cupyffn/api/validate.py) on NumPy views of the tensors, so a bad call reads the same on every route; the validated
+geometries are remembered (`_checked`), as the door remembers the calls of GPU arrays.
 """
 
 import numpy
@@ -96,28 +97,27 @@ def _blocks(rows, hidden):
 
 def _gelu(z, t_out, g_out):
     """tanh_inner into t_out (None: not kept) and gelu_out into g_out (may be z itself) of z: fp32 [T, H] tensors."""
-    zn, gn = z.numpy(), g_out.numpy()
-    tn = None if t_out is None else t_out.numpy()
-    for s in _blocks(*zn.shape):
-        zs = zn[s]
-        t = activation.tanh_inner(zs)
-        if tn is not None:
-            tn[s] = t
-        gn[s] = activation.value(zs, t)
+    zn, gn, tn = numpy_view(z), numpy_view(g_out), numpy_view(t_out)
+    with numpy.errstate(all="ignore"):  # inf and NaN propagate, as in torch's ops, without NumPy's warnings
+        for s in _blocks(*zn.shape):
+            zs = zn[s]
+            t = activation.tanh_inner(zs)
+            if tn is not None:
+                tn[s] = t
+            gn[s] = activation.value(zs, t)
 
 
 def _dgelu(gl, z, t, g_out):
     """grad_linear1 = grad_gelu * gelu'(z) in place in gl (grad_gelu), from z and t (None: recomputed from z), and
     gelu_out into g_out where given (memory mode): fp32 [T, H] tensors."""
-    gn, zn = gl.numpy(), z.numpy()
-    tn = None if t is None else t.numpy()
-    on = None if g_out is None else g_out.numpy()
-    for s in _blocks(*zn.shape):
-        zs = zn[s]
-        ts = activation.tanh_inner(zs) if tn is None else tn[s]
-        numpy.multiply(gn[s], activation.grad(zs, ts), out=gn[s])
-        if on is not None:
-            on[s] = activation.value(zs, ts)
+    gn, zn, tn, on = numpy_view(gl), numpy_view(z), numpy_view(t), numpy_view(g_out)
+    with numpy.errstate(all="ignore"):
+        for s in _blocks(*zn.shape):
+            zs = zn[s]
+            ts = activation.tanh_inner(zs) if tn is None else tn[s]
+            numpy.multiply(gn[s], activation.grad(zs, ts), out=gn[s])
+            if on is not None:
+                on[s] = activation.value(zs, ts)
 
 
 def forward(x, w1, w2, b1, b2, precision):

@@ -3,9 +3,11 @@ configuration of the block (float32, bfloat16 or float16 activations; fp32 maste
 transposed [in, out] views; biases or not; every precision), with fake (meta) implementations and an autograd
 formula, so ``torch.compile(fullgraph=True)`` traces any model using them without a graph break, and
 ``mode="reduce-overhead"`` / ``torch.cuda.graph`` capture them. Their bodies (`forward_impl`, `backward_impl`) call
-cupyffn's front door (cupyffn/api/functional.py) with torch-allocated outputs as out=, on torch's current stream;
-CUDA tensors are read by pointer, CPU tensors as NumPy views (the NumPy backend). The eager entry point `EagerGeluFFN` runs
-the same bodies through a plain autograd.Function, without the custom-op dispatcher's Python layers.
+cupyffn's front door (cupyffn/api/functional.py) with torch-allocated outputs as out=, on torch's current stream,
+CUDA tensors read by pointer; CPU tensors take the torch CPU route where it computes the call ("ieee", 16-bit
+activations: cupyffn/frameworks/torch_cpu.py), else the door's NumPy backend on NumPy views. The eager entry point
+`EagerGeluFFN` runs the same bodies through a plain autograd.Function, without the custom-op dispatcher's Python
+layers.
 
 Schemas (the activation dtype is hidden_states'; the layers cast the input to it, cupyffn/frameworks/torch_layer.py):
 
