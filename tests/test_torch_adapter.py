@@ -1,10 +1,11 @@
 """cupyffn.torch (GeluFFNFunction, GeluFFN, gelu_ffn) against torch autograd of the plain block in float64;
 the custom operators (opcheck), torch.compile(fullgraph=True) and autocast on the CPU.
 
-Every test runs on CPU torch (cupyffn's NumPy backend) and on CUDA (marked gpu; also skipped where torch
-has no CUDA). The reference is ``F.linear(F.gelu(F.linear(x, w1), approximate="tanh"), w2)`` evaluated and
-differentiated by torch in float64 from the same float32 values; each output must be within the
-precision's contract (relative L2 error, cupyffn.PRECISIONS[p].contract).
+Every test runs on CPU torch (the torch CPU route, or the NumPy backend for the emulated precisions) and on CUDA
+(marked gpu; also skipped where torch has no CUDA). The reference is
+``F.linear(F.gelu(F.linear(x, w1), approximate="tanh"), w2)`` evaluated and differentiated by torch in float64 from
+the same float32 values; each output must be within the precision's contract (relative L2 error,
+cupyffn.PRECISIONS[p].contract).
 """
 
 import subprocess
