@@ -240,6 +240,9 @@ def test_feedforward_dropout_before_the_second_linear_swaps_in_eval_only():
     ff.eval()
     assert ct.swapped_mlps(ff) == [""] and rel(ff(x), plain.eval()(x)) <= 1e-5
     assert sum(ct.entry_counts.values()) == calls + 2
+    ff.train()  # swapping it again in training updates its options, and it stays eval-only
+    assert ct.replace_mlps(ff, precision="bf16x3") == ([""], {}) and ct.swapped_mlps(ff) == []
+    assert ff.eval()._cupyffn_mlp.precision == "bf16x3" and ct.swapped_mlps(ff) == [""]
 
 
 def test_feedforward_final_dropout_is_on_the_output():

@@ -176,7 +176,7 @@ def _check(module, path1, act, path2, dropout, inner):
         why = _dropout_p(_walk(module, dropout), "on the output")[1]
     if why:
         return None, why
-    if inner > 0 and module.training:
+    if inner > 0 and module.training and getattr(module, _MARK, None) is None:  # swapped already: options only
         return None, (f"dropout p={inner} between the activation and the second linear, in training (cupyffn has no "
                       f"dropout there; in eval mode, where it is the identity, the MLP is swapped: call "
                       f"model.eval() first)")
