@@ -108,8 +108,9 @@ def _dropout_p(m, where):
 
 def _linear(layer, name):
     """None when `layer` computes as nn.Linear or transformers' Conv1D, in a dtype cupyffn takes; else why not."""
-    plain = type(layer).forward is torch.nn.Linear.forward or type(layer).__name__ == "Conv1D"
-    if not isinstance(layer, torch.nn.Module) or not plain or "forward" in vars(layer):
+    plain = isinstance(layer, torch.nn.Module) and (
+        type(layer).forward is torch.nn.Linear.forward or type(layer).__name__ == "Conv1D")
+    if not plain or "forward" in vars(layer):
         return f"{name} is {type(layer).__name__} (cupyffn computes nn.Linear or transformers' Conv1D layers)"
     if layer.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"{name}'s weight is {layer.weight.dtype} (cupyffn takes float32, bfloat16 or float16)"
@@ -158,9 +159,10 @@ def _layers(module):
     extra = sorted(children - expected - set(family.identity))
     if extra or not expected <= children:
         return None, f"a {name} with submodules {sorted(children)} (expected {sorted(expected)})"
-    for n in family.identity:
-        if not isinstance(getattr(module, n), torch.nn.Identity):
-            return None, f"{n} is {type(getattr(module, n)).__name__} between the activation and the second linear"
+    for n in family.identity:  # absent (an older timm) or nn.Identity
+        m = getattr(module, n, None)
+        if m is not None and not isinstance(m, torch.nn.Identity):
+            return None, f"{n} is {type(m).__name__} between the activation and the second linear"
     inner, why = _dropout_p(getattr(module, family.inner) if family.inner else None,
                             "between the activation and the second linear")
     if why:
