@@ -40,14 +40,14 @@ callback has no sharding rule): use it on single-device arrays or inside ``shard
 This module imports jax; ``import cupyffn`` does not import it.
 """
 
-import ctypes
-import functools
-import math
+import ctypes as _ctypes
+import functools as _functools
+import math as _math
 
-import jax
-import jax.numpy as jnp
-import numpy
-from jax.experimental.buffer_callback import buffer_callback
+import jax as _jax
+import jax.numpy as _jnp
+import numpy as _numpy
+from jax.experimental.buffer_callback import buffer_callback as _buffer_callback
 
 from .api.functional import gelu_ffn_backward as _gelu_ffn_backward
 from .api.functional import gelu_ffn_forward as _gelu_ffn_forward
@@ -57,7 +57,7 @@ from .core.precision import lookup as _lookup_precision
 __all__ = ["gelu_ffn"]
 
 try:
-    _Tracer = jax.core.Tracer
+    _Tracer = _jax.core.Tracer
 except AttributeError:  # pragma: no cover - a JAX that moved it
     from jax._src.core import Tracer as _Tracer
 
@@ -75,7 +75,7 @@ def _in_host_memory(buffers):
 def _on_device(ctx, buffers):
     """cupyffn's view of XLA's `buffers` and the stream to run on: (arrays, stream, device id or None for the CPU)."""
     if _in_host_memory(buffers):
-        return [numpy.asarray(b) for b in buffers], None, None
+        return [_numpy.asarray(b) for b in buffers], None, None
     stream = ctx.stream
     if callable(stream):  # a JAX whose ExecutionContext spells it as a method
         stream = stream()
@@ -88,7 +88,7 @@ def _on_device(ctx, buffers):
     arrays = []
     for b, c in zip(buffers, cai):
         dtype = str(b.dtype)
-        size = numpy.dtype(b.dtype).itemsize
+        size = _numpy.dtype(b.dtype).itemsize
         shape = tuple(c["shape"])
         strides = c.get("strides")
         if strides is None:  # C order
@@ -109,10 +109,10 @@ def _pointer(obj):
         return 0
     if isinstance(obj, int):
         return obj
-    api = ctypes.pythonapi
-    api.PyCapsule_GetName.restype, api.PyCapsule_GetName.argtypes = ctypes.c_char_p, [ctypes.py_object]
-    api.PyCapsule_GetPointer.restype = ctypes.c_void_p
-    api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    api = _ctypes.pythonapi
+    api.PyCapsule_GetName.restype, api.PyCapsule_GetName.argtypes = _ctypes.c_char_p, [_ctypes.py_object]
+    api.PyCapsule_GetPointer.restype = _ctypes.c_void_p
+    api.PyCapsule_GetPointer.argtypes = [_ctypes.py_object, _ctypes.c_char_p]
     try:
         return int(api.PyCapsule_GetPointer(obj, api.PyCapsule_GetName(obj)) or 0)
     except (TypeError, ValueError) as e:
@@ -130,7 +130,7 @@ def _run(ctx, buffers, compute):
         compute(arrays, stream)
 
 
-@functools.lru_cache(maxsize=None)
+@_functools.lru_cache(maxsize=None)
 def _forward_callback(precision, has_bias1, has_bias2, half):
     # one callback object per configuration: JAX caches compiled eager calls by the callback's identity
     def callback(ctx, out, x, w1, w2, *biases):
@@ -148,7 +148,7 @@ def _forward_callback(precision, has_bias1, has_bias2, half):
     return callback
 
 
-@functools.lru_cache(maxsize=None)
+@_functools.lru_cache(maxsize=None)
 def _backward_callback(precision, bias_grads, half):
     def callback(ctx, out, dy, x, w1, w2, z, *saved):
         def compute(arrays, stream):
@@ -173,7 +173,7 @@ def _shapes(x, w1, w2, b1=None, b2=None):
     for name, a in named:
         if a is None:
             continue
-        if not isinstance(a, jax.Array):
+        if not isinstance(a, _jax.Array):
             raise TypeError(f"{name} must be a jax.Array; got {type(a).__module__}.{type(a).__name__}")
         if not isinstance(a, _Tracer) and len(a.devices()) != 1:
             raise ValueError(f"{name} is sharded over {len(a.devices())} devices; cupyffn.jax takes single-device "
@@ -207,19 +207,19 @@ def _shapes(x, w1, w2, b1=None, b2=None):
 def _forward(x, w1, w2, b1, b2, precision):
     """(output, linear1_out, tanh_inner or None (16-bit x), gelu_out)."""
     lead, dim, hidden = _shapes(x, w1, w2, b1, b2)
-    half = x.dtype != jnp.float32
-    if math.prod(lead) == 0:  # no tokens: nothing for cupyffn to do
-        z = jnp.zeros(lead + (hidden,), x.dtype)
-        return jnp.zeros(lead + (dim,), x.dtype), z, None if half else z, z
-    act = jax.ShapeDtypeStruct(lead + (hidden,), x.dtype)
-    shapes = (jax.ShapeDtypeStruct(lead + (dim,), x.dtype),) + (act,) * (2 if half else 3)
+    half = x.dtype != _jnp.float32
+    if _math.prod(lead) == 0:  # no tokens: nothing for cupyffn to do
+        z = _jnp.zeros(lead + (hidden,), x.dtype)
+        return _jnp.zeros(lead + (dim,), x.dtype), z, None if half else z, z
+    act = _jax.ShapeDtypeStruct(lead + (hidden,), x.dtype)
+    shapes = (_jax.ShapeDtypeStruct(lead + (dim,), x.dtype),) + (act,) * (2 if half else 3)
     biases = tuple(b for b in (b1, b2) if b is not None)
     callback = _forward_callback(precision, b1 is not None, b2 is not None, half)
-    results = tuple(buffer_callback(callback, shapes, vmap_method="sequential")(x, w1, w2, *biases))
+    results = tuple(_buffer_callback(callback, shapes, vmap_method="sequential")(x, w1, w2, *biases))
     return (results[0], results[1], None, results[2]) if half else results
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+@_functools.partial(_jax.custom_vjp, nondiff_argnums=(5,))
 def _gelu_ffn(x, w1, w2, b1, b2, precision):
     return _forward(x, w1, w2, b1, b2, precision)[0]
 
@@ -236,18 +236,18 @@ def _gelu_ffn_bwd(precision, residuals, dy):
         raise TypeError(f"the output cotangent must be {x.dtype} (the output's dtype); got {dy.dtype}")
     lead, dim, hidden = x.shape[:-1], x.shape[-1], w1.shape[0]
     bias_grads = has_b1 or has_b2
-    half = x.dtype != jnp.float32
-    if math.prod(lead) == 0:
-        grads = (jnp.zeros_like(x), jnp.zeros_like(w1), jnp.zeros_like(w2),
-                 jnp.zeros((hidden,), w1.dtype), jnp.zeros((dim,), w1.dtype))
+    half = x.dtype != _jnp.float32
+    if _math.prod(lead) == 0:
+        grads = (_jnp.zeros_like(x), _jnp.zeros_like(w1), _jnp.zeros_like(w2),
+                 _jnp.zeros((hidden,), w1.dtype), _jnp.zeros((dim,), w1.dtype))
     else:
         # with any bias both bias gradients are computed (each costs one column sum)
-        shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, w1, w2))
+        shapes = tuple(_jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, w1, w2))
         if bias_grads:
-            shapes += (jax.ShapeDtypeStruct((hidden,), w1.dtype), jax.ShapeDtypeStruct((dim,), w1.dtype))
+            shapes += (_jax.ShapeDtypeStruct((hidden,), w1.dtype), _jax.ShapeDtypeStruct((dim,), w1.dtype))
         saved = (g,) if half else (t, g)
         callback = _backward_callback(precision, bias_grads, half)
-        grads = tuple(buffer_callback(callback, shapes, vmap_method="sequential")(dy, x, w1, w2, z, *saved))
+        grads = tuple(_buffer_callback(callback, shapes, vmap_method="sequential")(dy, x, w1, w2, z, *saved))
         grads += (None, None)
     return grads[:3] + (grads[3] if has_b1 else None, grads[4] if has_b2 else None)
 

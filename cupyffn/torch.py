@@ -31,13 +31,14 @@ outside autocast only float32 tensors are accepted (TypeError naming the tensor)
 swapped MLP) instead computes under autocast as ``nn.Linear`` would, in the autocast dtype, as it does with 16-bit
 parameters (cupyffn/frameworks/torch_layer.py).
 
-Models: ``replace_mlps(model)`` runs a model's MLPs (nn.Sequential, diffusers' FeedForward, transformers' GPT-2
-and GPTBigCode MLPs) on cupyffn without changing its modules, parameters or state_dict keys; ``restore_mlps``
-undoes it (cupyffn/frameworks/torch_swap.py).
+Models: ``replace_mlps(model)`` runs a model's MLPs (nn.Sequential, diffusers' FeedForward, transformers' GPT-2,
+GPTBigCode, GPT-Neo, GPT-J, CodeGen and Phi MLPs, timm's Mlp; their dropout as they place it) on cupyffn without
+changing its modules, parameters or state_dict keys; ``restore_mlps`` undoes it (cupyffn/frameworks/torch_swap.py).
 
 Devices and streams: the work is enqueued on torch's current stream of the tensors' device
 (``torch.cuda.current_stream(device)``), so it is ordered like any torch op and the host is never
-synchronized. CPU tensors run on cupyffn's NumPy backend (zero-copy ``Tensor.numpy()`` views).
+synchronized. CPU tensors in "ieee" and bf16 / fp16 run on torch's own GEMMs with the GELU in NumPy
+(cupyffn/frameworks/torch_cpu.py), the emulated GPU precisions on cupyffn's NumPy backend (zero-copy views).
 cupyffn's own scratch buffers and cuBLAS workspaces come from CuPy's memory pool, not torch's.
 
 Host fast path: no DLPack import. CUDA tensors are read by pointer (data_ptr(), shape, stride(), device:

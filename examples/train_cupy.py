@@ -114,5 +114,7 @@ if __name__ == "__main__":
     args = _parse(sys.argv[1:])
     losses = main(steps=args.steps, device=args.device, precision=args.precision, lr=args.lr, seed=args.seed,
                   verbose=True)
-    head, tail = numpy.mean(losses[:10]), numpy.mean(losses[-10:])
-    print(f"mean loss of the first 10 steps {head:.5f}, of the last 10 steps {tail:.5f} ({tail / head:.3f}x)")
+    n = min(10, len(losses))  # fewer steps than 10: the mean of those there are, and the line says so
+    if n:
+        head, tail = numpy.mean(losses[:n]), numpy.mean(losses[-n:])
+        print(f"mean loss of the first {n} steps {head:.5f}, of the last {n} steps {tail:.5f} ({tail / head:.3f}x)")

@@ -9,7 +9,7 @@ plain model and the swapped one compiled alike. Reports the median step time and
 
     python examples/train_gpt2.py                       # dim 1536, hidden 6144 (SD3.5 medium's MLP shape), 4 layers
     python examples/train_gpt2.py --model gpt2-medium   # GPT-2 medium: dim 1024, hidden 4096, 24 layers, seq 1024
-    python examples/train_gpt2.py --small --device cpu  # a tiny config on the CPU (NumPy backend)
+    python examples/train_gpt2.py --small --device cpu  # a tiny config on the CPU (torch's CPU ops)
 
 The same comparison for an SD3.5-shaped stack of residual MLP blocks (diffusers' FeedForward when diffusers is
 installed, else the equivalent nn.Sequential): ``--model sd35``. ``--device cuda`` (the default) on a machine where
@@ -64,7 +64,7 @@ def pick_device(device):
         return "cuda"
     if device == "auto":
         return "cpu"
-    raise SystemExit(f"train_gpt2.py: --device cuda, but {reason}; --device cpu runs on the CPU (NumPy backend)")
+    raise SystemExit(f"train_gpt2.py: --device cuda, but {reason}; --device cpu runs on the CPU")
 
 
 def gpt2(dim, layers, heads, vocab, seq, device):
@@ -187,7 +187,7 @@ def _one_line(error, limit=1000):
 
 
 def main(model="gpt2", steps=300, device="cuda", dim=None, layers=None, heads=None, vocab=None, seq=None, batch=None,
-         lr=None, compile=True, tolerance=0.03, keep_going=False):
+         lr=None, compile=True, tolerance=0.03, keep_going=False, say=None):
     """Train the torch model and its cupyffn clone, each eager and (compile=True) under torch.compile's default and
     reduce-overhead modes (RUNS); returns a dict: per run its losses, median step time, final loss (the mean of the
     last fifth of the steps, at least 20), its ratio to torch eager's and whether that is within `tolerance`
@@ -197,7 +197,8 @@ def main(model="gpt2", steps=300, device="cuda", dim=None, layers=None, heads=No
     down on a GPU whose memory they do not fit: layers_that_fit). device: "auto", "cpu" or "cuda" (pick_device).
     lr: AdamW's (default 3e-4 for GPT-2; 1e-4 for sd35, whose regression at 3e-4 spikes: measured on the H200,
     eager and torch.compile then ended 17% apart). keep_going: a run that raises is recorded as {"error": "..."}
-    and the others still run (the bench suite); otherwise the exception propagates."""
+    and the others still run (the bench suite); otherwise the exception propagates. say(line), if given, reports
+    each run as it starts and ends (the script prints them: a compiled run can take a minute)."""
     if model not in PRESETS:
         raise ValueError(f"model must be one of {sorted(PRESETS)}; got {model!r}")
     given = dict(dim=dim, layers=layers, heads=heads, vocab=vocab, seq=seq, batch=batch)
@@ -213,9 +214,11 @@ def main(model="gpt2", steps=300, device="cuda", dim=None, layers=None, heads=No
     if len(replaced) != sizes["layers"] or skipped:
         raise RuntimeError(f"replace_mlps swapped {replaced}, left {skipped}")
     results = {"sizes": dict(sizes, hidden=4 * sizes["dim"])}
-    for name, swapped, mode in RUNS:
-        if mode is not None and not compile:
-            continue
+    say = say or (lambda line: None)
+    runs = [r for r in RUNS if compile or r[2] is None]
+    for i, (name, swapped, mode) in enumerate(runs):
+        say(f"{model}: run {i + 1}/{len(runs)}, {name}: {steps} steps on {device}"
+            + (" (compiling first)" if mode is not None else ""))
         breaks = sum(torch._dynamo.utils.counters["graph_break"].values())  # Dynamo's count (no public API)
         try:
             m = copy.deepcopy(fast if swapped else base)  # every run from the same initial weights
@@ -225,6 +228,8 @@ def main(model="gpt2", steps=300, device="cuda", dim=None, layers=None, heads=No
             data = batches(kind, steps, sizes["batch"], sizes["seq"], sizes["dim"], sizes["vocab"], device)
             losses, times = train(m, kind, data, device, lr, mark_steps=mode == "reduce-overhead")
             results[name] = {"losses": losses, "median_step_ms": statistics.median(times[5:] or times)}
+            say(f"{model}: run {i + 1}/{len(runs)}, {name}: median step {results[name]['median_step_ms']:.2f} ms, "
+                f"last loss {losses[-1]:.4f}")
             if mode is not None:
                 results[name]["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks
         except Exception as e:
@@ -261,7 +266,8 @@ if __name__ == "__main__":
     p.add_argument("--no-compile", action="store_true", help="eager runs only (no torch.compile)")
     a = p.parse_args()
     sizes = dict(dim=64, layers=2, heads=2, vocab=64, seq=32, batch=4) if a.small else {}
-    r = main(a.model, a.steps, a.device, compile=not a.no_compile, keep_going=True, **sizes)
+    r = main(a.model, a.steps, a.device, compile=not a.no_compile, keep_going=True,
+             say=lambda line: print(line, flush=True), **sizes)
     failed = [name for name, _, _ in RUNS if "error" in r.get(name, {})]
     for name, _, _ in RUNS:
         if name in failed:

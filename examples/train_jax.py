@@ -107,8 +107,10 @@ def main(steps=200, device="auto", precision=None, dim=None, hidden_dim=None, ba
     if verbose:
         for step in sorted({*range(0, steps, max(1, steps // 10)), steps - 1}):
             print(f"step {step:5d}  loss {losses[step]:.5f}")
-        first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
-        print(f"mean loss of the first 10 steps {first:.5f}, of the last 10 steps {last:.5f}")
+        n = min(10, len(losses))  # fewer steps than 10: the mean of those there are
+        if n:
+            first, last = sum(losses[:n]) / n, sum(losses[-n:]) / n
+            print(f"mean loss of the first {n} steps {first:.5f}, of the last {n} steps {last:.5f}")
     return losses
 
 

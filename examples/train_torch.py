@@ -53,7 +53,7 @@ def pick_device(device):
         return "cuda"
     if device == "auto":
         return "cpu"
-    raise SystemExit(f"train_torch.py: --device cuda, but {reason}; --device cpu runs on CPU tensors (NumPy backend)")
+    raise SystemExit(f"train_torch.py: --device cuda, but {reason}; --device cpu runs on CPU tensors")
 
 
 def main(steps=200, device="auto", precision=None, save="all", optimizer="adam", dim=None, hidden_dim=None,
@@ -113,9 +113,13 @@ def fit(model, opt, teacher, gen, steps, batch, device, say=None):
 
 
 def summary(losses):
-    """The last line both training examples print: mean loss of the first and of the last 10 steps."""
-    head, tail = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
-    return f"mean loss of the first 10 steps {head:.5f}, of the last 10 steps {tail:.5f} ({tail / head:.3f}x)"
+    """The last line the torch training examples print: mean loss of the first and of the last 10 steps (of all of
+    them, and saying so, where fewer ran)."""
+    n = min(10, len(losses))
+    if n == 0:
+        return "no steps were run"
+    head, tail = sum(losses[:n]) / n, sum(losses[-n:]) / n
+    return f"mean loss of the first {n} steps {head:.5f}, of the last {n} steps {tail:.5f} ({tail / head:.3f}x)"
 
 
 def _parse(argv):

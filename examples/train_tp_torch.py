@@ -1,7 +1,7 @@
 """Train ``cupyffn.torch.TensorParallelGeluFFN`` over the ranks torchrun starts (Megatron-style sharding).
 
     torchrun --nproc_per_node=2 examples/train_tp_torch.py                 # NCCL, one GPU per rank (--device cuda)
-    torchrun --nproc_per_node=2 examples/train_tp_torch.py --device cpu    # gloo, CPU tensors (NumPy backend)
+    torchrun --nproc_per_node=2 examples/train_tp_torch.py --device cpu    # gloo, CPU tensors
     torchrun --nproc_per_node=2 examples/train_tp_torch.py --device auto   # CUDA where torch sees it, else the CPU
     torchrun --nproc_per_node=2 examples/train_tp_torch.py --bench results/tp-bench.json   # GPU timings
 

@@ -255,3 +255,25 @@ def test_help_describes_flags_plainly(capsys):
         assert not re.search(word, text, re.IGNORECASE), (word, text)
     for flag in ("--compile", "--loop", "--timer events", "--impls", "--rounds", "--json", "--quick"):
         assert flag in text.split("options:")[0], flag  # the CPU behaviour of each is described
+
+
+def test_cpu_run_line_says_what_passed(cpu_bench, capsys, tmp_path):
+    """A passing bf16 row whose worst element is beyond atol (|err|/atol > 1) reads without contradiction: the line
+    gives the fraction of elements within tolerance and the fraction the check needs, beside the worst element."""
+    import re
+
+    main, _ = cpu_bench
+    path = tmp_path / "cpu.json"
+    assert main(["--quick", "--rounds", "1", "--iters", "1", "--impls", "cupyffn-bf16", "--json", str(path)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("cupyffn-bf16")]
+    rows = [r["results"]["cupyffn-bf16"] for r in json.loads(path.read_text())["sizes"]]
+    assert len(lines) == len(rows) == 2
+    pattern = re.compile(r"check (PASS|FAIL) (\d)/1 \(within tolerance: ([\d.]+)% of the elements at worst, "
+                         r"([\d.]+)% needed; worst element \|err\|/atol ([\d.]+)\)")
+    for line, row in zip(lines, rows):
+        verdict, _, within, needed, worst = pattern.search(line).groups()
+        assert float(needed) == 100 * W.REQUIRED_MATCH
+        assert (verdict == "PASS") == (float(within) >= float(needed)) == row["passes"]
+        assert float(within) == pytest.approx(100 * row["least_matched"], abs=0.01)
+        assert float(worst) == pytest.approx(row["max_err_over_atol"], abs=1e-3)
+    assert any(r["passes"] and r["max_err_over_atol"] > 1 for r in rows)  # the case the line used to blur

@@ -1,6 +1,6 @@
 """The training examples (examples/train_cupy.py, examples/train_torch.py) learn: the loss goes down clearly.
 
-CPU runs use the NumPy backend (small sizes); GPU runs are marked gpu (the torch one also needs
+CPU runs use the CPU routes (small sizes); GPU runs are marked gpu (the torch one also needs
 torch.cuda). The measure is mean(loss of the last 10 steps) / mean(loss of the first 10 steps).
 Asked for ``--device cuda`` where there is no usable GPU, an example exits with status 1 and one line saying why.
 """
@@ -114,7 +114,7 @@ def test_torch_example_asked_for_cuda_without_cuda_says_why():
     assert proc.returncode == 1 and proc.stdout == "", (proc.returncode, proc.stdout[-500:])
     assert proc.stderr.splitlines() == [
         f"train_torch.py: --device cuda, but torch.cuda.is_available() is False (torch {torch.__version__}, {build}); "
-        "--device cpu runs on CPU tensors (NumPy backend)"], proc.stderr[-2000:]
+        "--device cpu runs on CPU tensors"], proc.stderr[-2000:]
 
 
 def test_gpt2_example_sd35_stack_on_cpu():
@@ -128,9 +128,31 @@ def test_gpt2_example_sd35_stack_on_cpu():
 def test_gpt2_example_on_cpu():
     torch_or_skip()
     pytest.importorskip("transformers", reason="transformers not installed (the GPT-2 example builds its model)")
+    said = []
     r = load("train_gpt2").main("gpt2", steps=40, device="cpu", dim=64, layers=2, heads=2, vocab=64, seq=32,
-                                batch=4, compile=False, lr=3e-3)
+                                batch=4, compile=False, lr=3e-3, say=said.append)
     assert r["learned"] and r["agree"], r["final_loss_ratio"]
+    # progress: each run as it starts and as it ends (the script prints these as they come)
+    assert said[0] == "gpt2: run 1/2, torch eager: 40 steps on cpu"
+    assert said[1].startswith("gpt2: run 1/2, torch eager: median step ") and "last loss" in said[1]
+    assert said[2] == "gpt2: run 2/2, cupyffn: 40 steps on cpu" and len(said) == 4
+
+
+def test_torch_example_summary_counts_the_steps_it_had():
+    """Fewer than 10 steps: the means are over the steps there are, and the line says how many."""
+    torch_or_skip()
+    summary = load("train_torch").summary
+    assert summary([7.0, 6.0, 5.0]) == ("mean loss of the first 3 steps 6.00000, of the last 3 steps 6.00000 "
+                                        "(1.000x)")
+    losses = [float(20 - i) for i in range(20)]
+    assert summary(losses).startswith("mean loss of the first 10 steps 15.50000, of the last 10 steps 5.50000")
+    assert summary([]) == "no steps were run"
+    proc = run_example("train_torch.py", "--device", "cpu", "--steps", "3")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    losses = [float(line.split()[-1]) for line in lines if line.startswith("step ")]
+    assert len(losses) == 3 and lines[-1].startswith("mean loss of the first 3 steps ")
+    assert abs(float(lines[-1].split()[7].rstrip(",")) - sum(losses) / 3) <= 1e-4  # the mean of its 3 steps
 
 
 @pytest.mark.gpu

@@ -95,3 +95,38 @@ def test_swapped_gpt2_trains_compiled_and_keeps_its_checkpoint(tmp_path):
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         a, b = loaded(ids).logits.float(), model(ids).logits.float()
     assert rel(b, a) <= 2e-2
+
+
+@pytest.mark.parametrize("family", ("gpt2", "gptj", "codegen", "phi", "gpt_neo"))
+def test_families_swap_every_mlp_and_train_as_the_plain_model(family, tmp_path):
+    """The CPU twin's families (tests/test_torch_families.py) on CUDA, in float32 with precision "ieee" (plain fp32
+    GEMMs, as torch's own without TF32): every MLP swapped, keys kept, loss and gradients equal to the plain model's
+    in train mode (dropout on, the same seed: cupyffn draws nothing from the RNG) and eval mode, and the checkpoint
+    loads into the plain library."""
+    from test_torch_families import FAMILIES, MLP_CLASSES, build  # noqa: E402  (tests/ is on sys.path)
+
+    _, model_class, plain = build(family, seed=12, **({FAMILIES[family][3]: 0.1} if FAMILIES[family][3] else {}))
+    plain = plain.cuda()
+    model = copy.deepcopy(plain)
+    keys = list(model.state_dict())
+    replaced, skipped = ct.replace_mlps(model, precision="ieee")
+    assert len(replaced) == 2 and skipped == {} and list(model.state_dict()) == keys
+    assert all(type(model.get_submodule(n)).__name__ == MLP_CLASSES[family] for n in replaced)
+    ids = torch.randint(0, 64, (2, 16), device="cuda")
+    for mode in ("train", "eval"):
+        results = {}
+        for name, m in (("plain", plain), ("cupyffn", model)):
+            getattr(m, mode)()
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(5)
+            loss = m(ids, labels=ids).loss
+            loss.backward()
+            results[name] = (loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None})
+        (loss_p, grads_p), (loss_c, grads_c) = results["plain"], results["cupyffn"]
+        assert rel(loss_c, loss_p) <= 1e-5, (mode, float(loss_c), float(loss_p))
+        worst = max(rel(grads_c[n], g) for n, g in grads_p.items() if float(g.norm()) > 0)
+        assert worst <= 1e-4, (mode, worst)
+    model.save_pretrained(tmp_path)
+    loaded = model_class.from_pretrained(tmp_path).cuda().eval()
+    with torch.no_grad():
+        assert rel(model(ids).logits, loaded(ids).logits) <= 1e-5

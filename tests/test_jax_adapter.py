@@ -281,3 +281,11 @@ def test_default_precision_is_the_devices(rng, device):
     if device.platform == "cpu":  # the GPU's default stays selectable on the CPU, and computes something else
         emulated = jax.grad(loss_fn("fp16+fp8", r), argnums=1)(x, w1, w2)
         assert not numpy.array_equal(numpy.asarray(emulated), numpy.asarray(named[1][1]))
+
+
+def test_the_module_shows_its_api_only():
+    """dir(cupyffn.jax) lists gelu_ffn, not the modules it imports (numpy, jax, ctypes: imported privately)."""
+    public = [name for name in dir(cj) if not name.startswith("_")]
+    assert public == ["gelu_ffn"] == cj.__all__
+    for name in ("numpy", "jax", "jnp", "ctypes", "functools", "math", "buffer_callback"):
+        assert not hasattr(cj, name), name

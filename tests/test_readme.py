@@ -81,3 +81,19 @@ def test_gpu_blocks_run(index):
 
 def test_there_are_blocks_of_both_kinds():
     assert sum(b.startswith("# GPU") for b in BLOCKS) >= 1 and sum(not b.startswith("# GPU") for b in BLOCKS) >= 3
+
+
+def test_the_skip_reasons_it_names_are_the_ones_given():
+    """The README's GPU-skip reasons are those the suite gives: the device check's (tests/conftest.py through
+    cupyffn.cuda.device) and pytest.importorskip's for the files that need CuPy itself."""
+    from cupyffn.cuda import device
+
+    section = " ".join(README.split("## Install and test\n", 1)[1].split("\n## ", 1)[0].split())
+    assert f'"{device.NO_GPU} (...)"' in section
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        pytest.importorskip("cupy_not_installed_here")
+    prefix = str(skipped.value).split("'", 1)[0]  # pytest's wording: "could not import '<name>': ..."
+    assert f"\"{prefix}'cupy' (...)\"" in section
+    uses = [p for p in (ROOT / "tests").glob("test_*.py") if 'importorskip("cupy")' in p.read_text()]
+    assert uses, "no test file imports CuPy through importorskip: the README need not name that reason"
+    assert '"torch.cuda is not available"' in section

@@ -1,10 +1,11 @@
 """cupyffn.torch (GeluFFNFunction, GeluFFN, gelu_ffn) against torch autograd of the plain block in float64;
 the custom operators (opcheck), torch.compile(fullgraph=True) and autocast on the CPU.
 
-Every test runs on CPU torch (cupyffn's NumPy backend) and on CUDA (marked gpu; also skipped where torch
-has no CUDA). The reference is ``F.linear(F.gelu(F.linear(x, w1), approximate="tanh"), w2)`` evaluated and
-differentiated by torch in float64 from the same float32 values; each output must be within the
-precision's contract (relative L2 error, cupyffn.PRECISIONS[p].contract).
+Every test runs on CPU torch (the torch CPU route, or the NumPy backend for the emulated precisions) and on CUDA
+(marked gpu; also skipped where torch has no CUDA). The reference is
+``F.linear(F.gelu(F.linear(x, w1), approximate="tanh"), w2)`` evaluated and differentiated by torch in float64 from
+the same float32 values; each output must be within the precision's contract (relative L2 error,
+cupyffn.PRECISIONS[p].contract).
 """
 
 import subprocess
@@ -68,7 +69,9 @@ def assert_within(results, refs, contract):
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Records the arguments of every cupyffn forward / backward call cupyffn.torch makes."""
+    """Records the arguments of every cupyffn forward / backward call cupyffn.torch makes: the door's functions (NumPy
+    views on the CPU, tensors on CUDA), and the torch CPU route's (cupyffn/frameworks/torch_cpu.py: torch tensors, its
+    options as the functions' keywords, "route": "torch")."""
     calls = {"forward": [], "backward": []}
 
     def wrap(kind, fn):
@@ -77,10 +80,20 @@ def spy(monkeypatch):
             return fn(*args, **kwargs)
         return recorder
 
+    def wrap_cpu(kind, fn, names):
+        def recorder(*args):
+            calls[kind].append((args[:-len(names)], dict(zip(names, args[-len(names):]), route="torch")))
+            return fn(*args)
+        return recorder
+
     from cupyffn.api import functional
+    from cupyffn.frameworks import torch_cpu
 
     monkeypatch.setattr(functional, "gelu_ffn_forward", wrap("forward", functional.gelu_ffn_forward))
     monkeypatch.setattr(functional, "gelu_ffn_backward", wrap("backward", functional.gelu_ffn_backward))
+    monkeypatch.setattr(torch_cpu, "forward", wrap_cpu("forward", torch_cpu.forward, ("precision",)))
+    monkeypatch.setattr(torch_cpu, "backward", wrap_cpu("backward", torch_cpu.backward, (
+        "precision", "need_grad_hidden", "need_weight_grads", "need_bias_grads")))
     return calls
 
 
@@ -178,8 +191,13 @@ def test_sgd_steps_track_the_torch_module(rng, device, precision):
         assert float((update - update_ref).norm() / update_ref.norm()) < 10 * cupyffn.PRECISIONS[precision].contract
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_needs_input_grad_selects_the_work(rng, device, spy):
+# On the CPU, "bf16x3" takes the door's NumPy backend and None ("ieee") the torch route; on CUDA the default.
+WORK_PRECISIONS = [pytest.param("cpu", "bf16x3", id="cpu-numpy"), pytest.param("cpu", None, id="cpu-torch"),
+                   pytest.param("cuda", None, marks=CUDA, id="cuda")]
+
+
+@pytest.mark.parametrize("device,precision", WORK_PRECISIONS)
+def test_needs_input_grad_selects_the_work(rng, device, precision, spy):
     x, w1, w2, r = make(rng, device)
     refs = reference(x, w1, w2, r)
     contract = cupyffn.PRECISIONS["bf16x3"].contract
@@ -187,24 +205,25 @@ def test_needs_input_grad_selects_the_work(rng, device, spy):
     # x is data (no grad): only the weight gradients are computed
     w1p, w2p = w1.clone().requires_grad_(), w2.clone().requires_grad_()
     xd = x.clone()
-    (ct.gelu_ffn(xd, w1p, w2p) * r).sum().backward()
+    (ct.gelu_ffn(xd, w1p, w2p, precision) * r).sum().backward()
     kwargs = spy["backward"][-1][1]
     assert kwargs["need_grad_hidden"] is False and kwargs["need_weight_grads"] is True
+    assert kwargs.get("route") == ("torch" if device == "cpu" and precision is None else None)
     assert xd.grad is None
     assert rel(w1p.grad, refs[2]) <= contract and rel(w2p.grad, refs[3]) <= contract
 
     # frozen weights: only grad_hidden_states
     xg = x.clone().requires_grad_()
-    (ct.gelu_ffn(xg, w1, w2) * r).sum().backward()
+    (ct.gelu_ffn(xg, w1, w2, precision) * r).sum().backward()
     kwargs = spy["backward"][-1][1]
     assert kwargs["need_grad_hidden"] is True and kwargs["need_weight_grads"] is False
-    assert kwargs["out"][1] is None and kwargs["out"][2] is None
+    assert "out" not in kwargs or (kwargs["out"][1] is None and kwargs["out"][2] is None)
     assert w1.grad is None and w2.grad is None
     assert rel(xg.grad, refs[1]) <= contract
 
     # one weight frozen: both weight gradients come from the same GEMMs, the frozen one is dropped
     xg, w1p = x.clone().requires_grad_(), w1.clone().requires_grad_()
-    (ct.gelu_ffn(xg, w1p, w2) * r).sum().backward()
+    (ct.gelu_ffn(xg, w1p, w2, precision) * r).sum().backward()
     kwargs = spy["backward"][-1][1]
     assert kwargs["need_grad_hidden"] is True and kwargs["need_weight_grads"] is True
     assert w2.grad is None
@@ -249,15 +268,17 @@ def test_layouts_zero_copy_where_readable(rng, device, spy):
     assert_within(results, refs, cupyffn.PRECISIONS["ieee"].contract)
     assert float(x_base.grad[..., dim:].abs().max()) == 0 and float(w2_base.grad[:, hidden:].abs().max()) == 0
 
-    def ptr(a):  # NumPy views on the CPU; on CUDA the torch tensors themselves (read by pointer)
-        return a.__array_interface__["data"][0] if isinstance(a, numpy.ndarray) else a.data_ptr()
+    def ptr(a):  # torch tensors (the torch CPU route, and CUDA), NumPy views (the door on the CPU), CuPy views
+        if isinstance(a, torch.Tensor):
+            return a.data_ptr()
+        return a.__array_interface__["data"][0] if isinstance(a, numpy.ndarray) else a.data.ptr
 
     fwd_args, bwd_args = spy["forward"][-1][0], spy["backward"][-1][0]
     assert ptr(fwd_args[0]) == x.data_ptr() and ptr(fwd_args[2]) == w2.data_ptr()  # zero-copy
     assert ptr(fwd_args[1]) != w1t.data_ptr() and fwd_args[1].shape == (hidden, dim)  # contiguous copy
-    dy = bwd_args[0]  # a NumPy view on the CPU; on CUDA the torch tensor itself (read by pointer)
-    assert dy.flags.c_contiguous if isinstance(dy, numpy.ndarray) else dy.is_contiguous()  # was stride 0
-    assert 0 not in (dy.strides if isinstance(dy, numpy.ndarray) else dy.stride())
+    dy = bwd_args[0]  # the torch tensor itself (the CPU route computes with torch; CUDA: read by pointer)
+    assert dy.is_contiguous() and 0 not in dy.stride()  # was stride 0
+    assert (spy["forward"][-1][1].get("route") == "torch") == (device == "cpu")  # "ieee" on the CPU: torch's ops
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -526,3 +547,42 @@ def _saved(x, w1):
     z = F.linear(x, w1)
     t = torch.tanh(0.7978845608028654 * (z + 0.044715 * z ** 3))
     return z, t, 0.5 * z * (1 + t)
+
+
+@pytest.mark.parametrize("precision", ("ieee", "bf16x3"), ids=("torch-route", "numpy-route"))
+def test_geluffn_takes_every_input_layout_nn_linear_takes(rng, precision):
+    """A transposed, permuted, expanded or sliced input: GeluFFN computes what it computes on the contiguous copy, as
+    nn.Linear does, in the forward and the backward (no error naming internal arguments or NumPy's functions)."""
+    torch.manual_seed(0)
+    ffn = ct.GeluFFN(32, 64, bias=True, precision=precision)
+    base = torch.from_numpy(rng.standard_normal((6, 8, 32)).astype(numpy.float32))
+    layouts = {  # each a view of a leaf tensor the gradient reaches through it
+        "transposed": (base[0].t().contiguous(), lambda leaf: leaf.t()),                 # [8, 32], strides (1, 8)
+        "permuted": (base.permute(2, 0, 1).contiguous(), lambda leaf: leaf.permute(1, 2, 0)),
+        "expanded": (base[:1].clone(), lambda leaf: leaf.expand(6, 8, 32)),             # stride 0
+        "column slice": (torch.cat([base, base], -1), lambda leaf: leaf[..., 7:39]),
+        "batch-major transpose": (base.transpose(0, 1).contiguous(), lambda leaf: leaf.transpose(0, 1)),
+    }
+    for name, (source, view) in layouts.items():
+        results = []
+        for contiguous in (False, True):
+            leaf = source.clone().requires_grad_()
+            x = view(leaf)
+            assert x.is_contiguous() is False, name
+            ffn.zero_grad(set_to_none=True)
+            y = ffn(x.contiguous() if contiguous else x)
+            (y * y).sum().backward()
+            results.append([y.detach(), leaf.grad] + [p.grad.clone() for p in ffn.parameters()])
+        for a, b in zip(*results):
+            assert torch.equal(a, b), name
+        x = view(source)
+        plain = F.linear(F.gelu(F.linear(x, ffn.weight1, ffn.bias1), approximate="tanh"), ffn.weight2, ffn.bias2)
+        assert float((results[0][0] - plain).norm() / plain.norm()) <= cupyffn.PRECISIONS[precision].contract
+
+
+def test_geluffn_signature_is_public_only():
+    import inspect
+
+    params = inspect.signature(ct.GeluFFN).parameters
+    assert list(params) == ["dim", "hidden_dim", "bias", "precision", "save", "device", "dtype"]
+    assert not any(name.startswith("_") for name in params)

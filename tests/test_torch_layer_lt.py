@@ -158,24 +158,31 @@ def test_replace_mlps_swaps_what_it_reproduces_and_reports_the_rest():
         "dropped": GPT2MLP(32, 128, p=0.1),
     })
     x = torch.randn(8, 32)
-    before = {k: model[k](x) for k in ("seq", "gpt2")}
+
+    def outputs():  # "dropped" in training: its dropout draws from torch's RNG, seeded alike each time
+        torch.manual_seed(11)
+        return {k: model[k](x) for k in ("seq", "gpt2", "dropped")}
+
+    before = outputs()
     modules = dict(model.named_modules())
     keys = list(model.state_dict())
     replaced, skipped = ct.replace_mlps(model, precision="ieee")
-    assert sorted(replaced) == ["gpt2", "seq"]
-    assert "erf GELU" in skipped["erf"] and "dropout p=0.1" in skipped["dropped"]
+    assert sorted(replaced) == ["dropped", "gpt2", "seq"]  # GPT-2's dropout is on the output: the module's own
+    assert list(skipped) == ["erf"] and "erf GELU" in skipped["erf"]
     assert dict(model.named_modules()) == modules and list(model.state_dict()) == keys  # the same modules
     assert type(model["seq"]) is torch.nn.Sequential and type(model["gpt2"]) is GPT2MLP
     calls = dict(ct.entry_counts)
+    after = outputs()
     for k, y in before.items():
-        assert rel(model[k](x), y) < 1e-5
-    assert sum(ct.entry_counts.values()) == sum(calls.values()) + 2  # both ran cupyffn
+        assert rel(after[k], y) < 1e-5, k
+    assert float((after["dropped"] == 0).float().mean()) > 0.05  # the dropout ran, with the same draws
+    assert sum(ct.entry_counts.values()) == sum(calls.values()) + 3  # all three ran cupyffn
     model["erf"](x)
-    assert sum(ct.entry_counts.values()) == sum(calls.values()) + 2  # the skipped one did not
-    assert sorted(ct.restore_mlps(model)) == ["gpt2", "seq"]
-    for k, y in before.items():
-        assert torch.equal(model[k](x), y)  # the module's own forward again
-    assert sum(ct.entry_counts.values()) == sum(calls.values()) + 2
+    assert sum(ct.entry_counts.values()) == sum(calls.values()) + 3  # the skipped one did not
+    assert sorted(ct.restore_mlps(model)) == ["dropped", "gpt2", "seq"]
+    for k, y in outputs().items():
+        assert torch.equal(y, before[k])  # the module's own forward again
+    assert sum(ct.entry_counts.values()) == sum(calls.values()) + 3
 
 
 def test_transformers_gpt2_mlp_when_installed():

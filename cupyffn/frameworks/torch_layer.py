@@ -126,7 +126,7 @@ class GeluFFN(torch.nn.Module):
     """
 
     def __init__(self, dim, hidden_dim, *, bias=False, precision=None, save="all", device=None,
-                 dtype=torch.float32, _empty=False):
+                 dtype=torch.float32):
         super().__init__()
         if dtype not in (torch.float32,) + HALF:
             raise TypeError(f"GeluFFN supports dtype float32, bfloat16 or float16; got {dtype}")
@@ -137,8 +137,6 @@ class GeluFFN(torch.nn.Module):
         self.precision = precision_name(precision)
         self.save = check_save(save)
         self.weights_transposed = False
-        if _empty:  # from_linears sets the Parameters
-            return
         factory = {"device": device, "dtype": dtype}
         self.weight1 = torch.nn.Parameter(torch.empty((hidden_dim, dim), **factory))
         self.weight2 = torch.nn.Parameter(torch.empty((dim, hidden_dim), **factory))
@@ -158,7 +156,8 @@ class GeluFFN(torch.nn.Module):
         if w2_shape != (D, H):
             raise ValueError(f"linear2 must map hidden_dim {H} back to dim {D}; its weight is {w2_shape} "
                              f"([out_features, in_features])")
-        ffn = cls(D, H, bias=b1 is not None or b2 is not None, _empty=True, **options)
+        # built on the meta device (nothing allocated, nothing initialized), then given the layers' Parameters
+        ffn = cls(D, H, bias=b1 is not None or b2 is not None, device="meta", **options)
         ffn.weight1, ffn.weight2 = w1, w2
         ffn.bias1, ffn.bias2 = b1, b2
         ffn.weights_transposed = t1

@@ -3,9 +3,11 @@ configuration of the block (float32, bfloat16 or float16 activations; fp32 maste
 transposed [in, out] views; biases or not; every precision), with fake (meta) implementations and an autograd
 formula, so ``torch.compile(fullgraph=True)`` traces any model using them without a graph break, and
 ``mode="reduce-overhead"`` / ``torch.cuda.graph`` capture them. Their bodies (`forward_impl`, `backward_impl`) call
-cupyffn's front door (cupyffn/api/functional.py) with torch-allocated outputs as out=, on torch's current stream;
-CUDA tensors are read by pointer, CPU tensors as NumPy views (the NumPy backend). The eager entry point `EagerGeluFFN` runs
-the same bodies through a plain autograd.Function, without the custom-op dispatcher's Python layers.
+cupyffn's front door (cupyffn/api/functional.py) with torch-allocated outputs as out=, on torch's current stream,
+CUDA tensors read by pointer; CPU tensors take the torch CPU route where it computes the call ("ieee", 16-bit
+activations: cupyffn/frameworks/torch_cpu.py), else the door's NumPy backend on NumPy views. The eager entry point
+`EagerGeluFFN` runs the same bodies through a plain autograd.Function, without the custom-op dispatcher's Python
+layers.
 
 Schemas (the activation dtype is hidden_states'; the layers cast the input to it, cupyffn/frameworks/torch_layer.py):
 
@@ -26,6 +28,7 @@ from ..core import arrays as _arrays
 from ..core import views as _views
 from ..core.precision import lookup as _lookup_precision
 from ..core.precision import resolve as _resolve_precision
+from . import torch_cpu as _cpu
 
 SAVE_MODES = ("all", "linear1_out")
 HALF = (torch.bfloat16, torch.float16)
@@ -91,9 +94,7 @@ class Call:
         NumPy view on the CPU (bfloat16 through ml_dtypes' type, which NumPy lacks)."""
         if tensor is None or self.cuda:
             return tensor
-        if tensor.dtype is torch.bfloat16:
-            return tensor.detach().view(torch.int16).numpy().view(_views.numpy_dtype("bfloat16"))
-        return tensor.detach().numpy()
+        return _cpu.numpy_view(tensor)
 
     def empty(self, shape, dtype=_F32):
         return torch.empty(shape, dtype=dtype, device=self.device)
@@ -163,10 +164,13 @@ def weights(w1, w2, act, device):
 # ---------------------------------------------------------------------- the bodies
 def forward_impl(x, w1, w2, b1, b2, precision):
     """(output, linear1_out, tanh_inner, gelu_out) in x's dtype (tanh_inner a placeholder for 16-bit x), allocated by
-    torch and written by cupyffn (out=). precision: a name for float32 x, None for 16-bit."""
+    torch and written by cupyffn (out=), or on the CPU computed by torch where `torch_cpu.takes` the call. precision: a
+    name for float32 x, None for 16-bit."""
     act = x.dtype
     x = readable(x)
     w1, w2 = weights(w1, w2, act, x.device)
+    if x.device.type == "cpu" and _cpu.takes(act, precision):
+        return _cpu.forward(x, w1, w2, b1, b2, precision)
     lead, dim, hidden = tuple(x.shape[:-1]), x.shape[-1], w1.shape[0]
     with Call(x.device) as call:
         y, z, g = call.empty(lead + (dim,), act), call.empty(lead + (hidden,), act), call.empty(lead + (hidden,), act)
@@ -182,7 +186,10 @@ def backward_impl(dy, x, w1, w2, z, t, g, precision, need_x, need_w, need_b):
     """(grad_hidden_states, grad_weight1, grad_weight2, grad_bias1, grad_bias2), None where not needed."""
     act = x.dtype
     dy = readable(dy if dy.dtype is act else dy.to(act))
+    x = readable(x)  # the forward's input as saved: a layout the forward copied (a transposed x) is copied again
     w1, w2 = weights(w1, w2, act, x.device)
+    if x.device.type == "cpu" and _cpu.takes(act, precision):
+        return _cpu.backward(dy, x, w1, w2, z, t, g, precision, need_x, need_w, need_b)
     wt = w1.dtype
     with Call(x.device) as call:
         gx = call.empty(tuple(x.shape), act) if need_x else None

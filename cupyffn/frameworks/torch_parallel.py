@@ -151,15 +151,11 @@ class TensorParallelGeluFFNFunction(torch.autograd.Function):
         device = _ops.check_tensors((("hidden_states", hidden_states), ("weight1", weight1), ("weight2", weight2)))
         prec = _resolve_precision(precision, cpu=device.type == "cpu")  # None: the default of the tensors' device
         x, w1, w2 = (_ops.readable(t) for t in (hidden_states, weight1, weight2))
-        lead = tuple(x.shape[:-1]) if x.dim() else ()
-        hidden = w1.shape[0] if w1.dim() == 2 else 0
-        with _ops.Call(device) as call:
-            outs = None
-            if x.dim() >= 1 and w1.dim() == 2:  # else cupyffn raises the shape error
-                outs = (call.empty(lead + (x.shape[-1],)),) + tuple(call.empty(lead + (hidden,)) for _ in range(3))
-            _gelu_ffn_forward(call.arg(x), call.arg(w1), call.arg(w2), precision=prec.name,
-                              out=None if outs is None else [call.arg(o) for o in outs], stream=call.stream)
-        output, z, t, g = outs
+        if x.dim() >= 1 and w1.dim() == 2:  # the layer's own body (on the CPU: torch_cpu's route where it takes it)
+            output, z, t, g = _ops.forward_impl(x, w1, w2, None, None, prec.name)
+        else:  # the door raises the shape error
+            arg = _ops.Call(device).arg
+            _gelu_ffn_forward(arg(x), arg(w1), arg(w2), precision=prec.name)
         # The ranks' partial outputs sum to the full one; the caller's stream waits for it (async_op=False).
         dist.all_reduce(output, group=group)
         ctx.group, ctx.precision, ctx.overlap = group, prec.name, bool(overlap)
@@ -185,6 +181,12 @@ class TensorParallelGeluFFNFunction(torch.autograd.Function):
             raise TypeError(f"grad_output must be float32; got {grad_output.dtype}")
         dy = _ops.readable(grad_output)
         overlap = ctx.overlap and need_x and x.is_cuda  # CPU results are complete when the call returns
+        if not overlap:  # the layer's own body (torch_cpu's route on the CPU where it takes it), then the sum
+            grad_x, grad_w1, grad_w2 = _ops.backward_impl(dy, x, w1, w2, z, t, g, ctx.precision, need_x,
+                                                          need_weights, False)[:3]
+            if need_x:
+                _start_all_reduce(grad_x, ctx.group, None).wait()
+            return (grad_x, grad_w1 if need_w1 else None, grad_w2 if need_w2 else None) + none
         with _ops.Call(x.device) as call:
             out = (call.empty(x.shape) if need_x else None,
                    call.empty(w1.shape) if need_weights else None,

@@ -7,27 +7,79 @@ The module itself stays: the same class, submodules, Parameter objects and state
 (a ``functools.partial`` of `_forward`, which pickles and deep-copies with the module), as Liger-Kernel patches a
 module's forward. transformers' Conv1D weights (``[in, out]``) are used as stored: cupyffn reads their transposes
 as views (cupyffn/frameworks/torch_ops.py `weights`).
+
+What is recognized is data (`FAMILIES`, and the two structural forms in `_layers`): which attributes are the two
+linear layers, the activation and the dropouts, and where each dropout sits. A dropout on the MLP's output (after the
+second linear) is the module's own, run on cupyffn's output as the module runs it (train and eval, the same RNG
+draws). A dropout between the activation and the second linear cannot be placed around cupyffn's block: with p > 0
+such an MLP is swapped in eval mode only, and in training its swapped forward is the module's own forward
+(docs/decisions/060-swap-places-dropout.md).
 """
 
 import functools
-from typing import NamedTuple
+import warnings
+from typing import NamedTuple, Optional
 
 import torch
 
 from .torch_layer import block, linear_weights
 from .torch_ops import check_save, precision_name
 
-_TANH_GELUS = ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "GELUPytorchTanh")
+_TANH_GELUS = ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "GELUPytorchTanh", "FastGELUActivation")
+_ERF_GELUS = ("GELUActivation",)
 _MARK = "_cupyffn_mlp"  # the attribute a swapped module carries (its Swap)
 
 
+class Family(NamedTuple):
+    """An MLP class whose forward is ``dropout(linear2(inner(act(linear1(x)))))``, by attribute name."""
+
+    linear1: str
+    act: str
+    linear2: str
+    dropout: Optional[str] = None     # after linear2, on the output
+    inner: Optional[str] = None       # between the activation and linear2
+    identity: tuple = ()              # children that must be nn.Identity (timm's norm)
+
+
+_TRANSFORMERS_GPT = Family("c_fc", "act", "c_proj", "dropout")
+_TRANSFORMERS_FC = Family("fc_in", "act", "fc_out", "dropout")
+#: MLP classes by name (transformers' modeling files; timm's Mlp also by module, its name being common).
+FAMILIES = {
+    "GPT2MLP": _TRANSFORMERS_GPT,            # Conv1D layers, gelu_new
+    "GPTBigCodeMLP": _TRANSFORMERS_GPT,      # gelu_pytorch_tanh
+    "GPTNeoMLP": _TRANSFORMERS_GPT,          # nn.Linear, gelu_new
+    "GPTJMLP": _TRANSFORMERS_FC,
+    "CodeGenMLP": _TRANSFORMERS_FC,
+    "PhiMLP": Family("fc1", "activation_fn", "fc2"),
+    "timm.Mlp": Family("fc1", "act", "fc2", dropout="drop2", inner="drop1", identity=("norm",)),
+}
+
+
 class Swap(NamedTuple):
-    """How a swapped MLP runs: its two linear layers by attribute path, and the layer's options."""
+    """How a swapped MLP runs: its layers by attribute path, and the layer's options."""
 
     linear1: tuple     # attribute path from the MLP to its first Linear / Conv1D
     linear2: tuple
     precision: str     # None: the device's default (float32 computation)
     save: str
+    dropout: tuple = None      # path of the dropout on the output, run after cupyffn's block
+    eval_only: bool = False    # a dropout p > 0 before linear2: in training, the module's own forward runs
+
+
+def _probe_is_tanh_gelu(act):
+    """None when `act` computes GELU(tanh) on a probe (fp32, -6..6), else why not."""
+    x = torch.linspace(-6.0, 6.0, 193)
+    try:
+        with torch.no_grad():
+            got = act(x)
+    except Exception as e:  # an activation that cannot run here cannot be verified
+        return f"activation {type(act).__name__} could not be checked ({type(e).__name__}: {e})"
+    if not isinstance(got, torch.Tensor) or got.shape != x.shape:
+        return f"activation {type(act).__name__} is not elementwise"
+    if float((got.float() - torch.nn.functional.gelu(x, approximate="tanh")).abs().max()) <= 1e-5:
+        return None
+    erf = float((got.float() - torch.nn.functional.gelu(x)).abs().max()) <= 1e-5
+    return f"activation {type(act).__name__} computes {'erf GELU' if erf else 'something other than GELU(tanh)'}"
 
 
 def _tanh_gelu(act):
@@ -36,42 +88,101 @@ def _tanh_gelu(act):
         return None if act.approximate == "tanh" else f"GELU(approximate={act.approximate!r}) (erf GELU)"
     name = type(act).__name__
     if name in _TANH_GELUS:
-        return None
-    if name == "GELU" and getattr(act, "approximate", None) == "tanh":  # diffusers' GELU (with .proj)
-        return None
+        return _probe_is_tanh_gelu(act)  # known by name, and checked by value
+    if name in _ERF_GELUS:
+        return f"activation {name} (erf GELU; cupyffn computes GELU(tanh) only)"
+    if name == "GELU" and hasattr(act, "proj"):  # diffusers' GELU (with .proj)
+        approximate = getattr(act, "approximate", None)
+        return None if approximate == "tanh" else f"diffusers GELU(approximate={approximate!r}) (erf GELU)"
     return f"activation {name} (cupyffn computes GELU(tanh) only)"
 
 
-def _no_dropout(*modules):
-    for m in modules:
-        if m is None or isinstance(m, torch.nn.Identity):
-            continue
-        if isinstance(m, torch.nn.Dropout):
-            if m.p > 0:
-                return f"dropout p={m.p} (cupyffn has no dropout; set it to 0 to swap this MLP)"
-            continue
-        return f"unexpected module {type(m).__name__} in the MLP"
+def _dropout_p(m, where):
+    """(p, None) of a dropout slot (None, Identity: p = 0), or (None, why) for another module."""
+    if m is None or isinstance(m, torch.nn.Identity):
+        return 0.0, None
+    if type(m) is torch.nn.Dropout:
+        return m.p, None
+    return None, f"unexpected module {type(m).__name__} {where}"
+
+
+def _linear(layer, name):
+    """None when `layer` computes as nn.Linear or transformers' Conv1D, in a dtype cupyffn takes; else why not."""
+    plain = isinstance(layer, torch.nn.Module) and (
+        type(layer).forward is torch.nn.Linear.forward or type(layer).__name__ == "Conv1D")
+    if not plain or "forward" in vars(layer):
+        return f"{name} is {type(layer).__name__} (cupyffn computes nn.Linear or transformers' Conv1D layers)"
+    if layer.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"{name}'s weight is {layer.weight.dtype} (cupyffn takes float32, bfloat16 or float16)"
     return None
 
 
+def _shapes(module, path1, path2):
+    """None when linear2 maps linear1's output back to its input's width (dim -> hidden -> dim), else why not."""
+    (w1, _, t1), (w2, _, t2) = linear_weights(_walk(module, path1)), linear_weights(_walk(module, path2))
+    if t1 != t2:
+        return "one linear layer is nn.Linear and the other Conv1D"
+    (h, d), (d2, h2) = (tuple(w1.shape[::-1]), tuple(w2.shape[::-1])) if t1 else (tuple(w1.shape), tuple(w2.shape))
+    if (d2, h2) != (d, h):
+        return f"the layers map {d} -> {h} and {h2} -> {d2}; cupyffn's block maps dim -> hidden -> dim"
+    return None
+
+
+def _family(module):
+    name = type(module).__name__
+    if name == "Mlp" and type(module).__module__.startswith("timm."):
+        return FAMILIES["timm.Mlp"]
+    return FAMILIES.get(name)
+
+
 def _layers(module):
-    """((path of linear1, path of linear2), None) for an MLP cupyffn reproduces, (None, reason) for an MLP-like
-    module it would compute otherwise, (None, None) for anything else."""
+    """(Swap fields, None) for an MLP cupyffn reproduces (linear1, linear2, dropout, inner dropout's p), (None, why)
+    for an MLP-like module it would compute otherwise, (None, None) for anything else."""
     name = type(module).__name__
     if isinstance(module, torch.nn.Sequential) and len(module) == 3 and all(
             isinstance(module[i], torch.nn.Linear) for i in (0, 2)):
-        why = _tanh_gelu(module[1])
-        return (None, why) if why else ((("0",), ("2",)), None)
+        return _check(module, ("0",), module[1], ("2",), None, 0.0)
     if name == "FeedForward" and hasattr(module, "net"):  # diffusers: net = [GELU(proj), Dropout, Linear(, Dropout)]
         net = list(module.net)
-        if len(net) < 3 or not hasattr(net[0], "proj") or not isinstance(net[2], torch.nn.Linear):
-            return None, "a FeedForward whose net is not [GELU(proj), Dropout, Linear]"
-        why = _tanh_gelu(net[0]) or _no_dropout(net[1], *net[3:])
-        return (None, why) if why else ((("net", "0", "proj"), ("net", "2")), None)
-    if name in ("GPT2MLP", "GPTBigCodeMLP") and hasattr(module, "c_fc") and hasattr(module, "c_proj"):
-        why = _tanh_gelu(module.act) or _no_dropout(getattr(module, "dropout", None))
-        return (None, why) if why else ((("c_fc",), ("c_proj",)), None)
-    return None, None
+        if not 3 <= len(net) <= 4 or not hasattr(net[0], "proj") or not isinstance(net[2], torch.nn.Linear):
+            return None, "a FeedForward whose net is not [GELU(proj), Dropout, Linear(, Dropout)]"
+        inner, why = _dropout_p(net[1], "between the activation and the second linear")
+        if why:
+            return None, why
+        out = ("net", "3") if len(net) == 4 else None
+        return _check(module, ("net", "0", "proj"), net[0], ("net", "2"), out, inner)
+    family = _family(module)
+    if family is None:
+        return None, None
+    expected = {family.linear1, family.act, family.linear2} | {n for n in (family.dropout, family.inner) if n}
+    children = set(dict(module.named_children()))
+    extra = sorted(children - expected - set(family.identity))
+    if extra or not expected <= children:
+        return None, f"a {name} with submodules {sorted(children)} (expected {sorted(expected)})"
+    for n in family.identity:  # absent (an older timm) or nn.Identity
+        m = getattr(module, n, None)
+        if m is not None and not isinstance(m, torch.nn.Identity):
+            return None, f"{n} is {type(m).__name__} between the activation and the second linear"
+    inner, why = _dropout_p(getattr(module, family.inner) if family.inner else None,
+                            "between the activation and the second linear")
+    if why:
+        return None, why
+    return _check(module, (family.linear1,), getattr(module, family.act), (family.linear2,),
+                  (family.dropout,) if family.dropout else None, inner)
+
+
+def _check(module, path1, act, path2, dropout, inner):
+    why = _linear(_walk(module, path1), ".".join(path1)) or _linear(_walk(module, path2), ".".join(path2))
+    why = why or _tanh_gelu(act) or _shapes(module, path1, path2)
+    if dropout is not None and not why:
+        why = _dropout_p(_walk(module, dropout), "on the output")[1]
+    if why:
+        return None, why
+    if inner > 0 and module.training and getattr(module, _MARK, None) is None:  # swapped already: options only
+        return None, (f"dropout p={inner} between the activation and the second linear, in training (cupyffn has no "
+                      f"dropout there; in eval mode, where it is the identity, the MLP is swapped: call "
+                      f"model.eval() first)")
+    return (path1, path2, dropout, inner > 0), None
 
 
 def _walk(module, path):
@@ -81,45 +192,69 @@ def _walk(module, path):
 
 
 def _forward(module, swap, hidden_states, *args, **kwargs):
-    """A swapped MLP's forward: linear2(gelu_tanh(linear1(hidden_states))) on cupyffn (extra arguments, which
-    diffusers' FeedForward accepts and ignores, are ignored)."""
+    """A swapped MLP's forward: linear2(gelu_tanh(linear1(hidden_states))) on cupyffn, then the module's own output
+    dropout (extra arguments, which diffusers' FeedForward accepts and ignores, are ignored). An eval-only swap in
+    training runs the module's own forward (its dropout before linear2 included)."""
+    if swap.eval_only and module.training:
+        return type(module).forward(module, hidden_states, *args, **kwargs)
     w1, b1, t1 = linear_weights(_walk(module, swap.linear1))
     w2, b2, _ = linear_weights(_walk(module, swap.linear2))
     if t1:  # Conv1D: [in, out] as stored, read through the transposed views
         w1, w2 = w1.t(), w2.t()
-    return block(hidden_states, w1, w2, b1, b2, swap.precision, swap.save)
+    out = block(hidden_states, w1, w2, b1, b2, swap.precision, swap.save)
+    return out if swap.dropout is None else _walk(module, swap.dropout)(out)
 
 
 def replace_mlps(model, precision=None, save="all"):
     """Run every MLP of `model` that cupyffn reproduces exactly on cupyffn, in place, keeping the model (module
     docstring).
 
-    Recognized: ``nn.Sequential(Linear, GELU(approximate="tanh"), Linear)``, diffusers' ``FeedForward`` with
-    activation "gelu-approximate", transformers' ``GPT2MLP`` (``gelu_new``) and ``GPTBigCodeMLP``
-    (``gelu_pytorch_tanh``). `precision` and `save` as in ``GeluFFN``. Swapping a swapped MLP again updates its
-    options; ``restore_mlps`` undoes it.
+    Recognized, with GELU(tanh) verified (``nn.GELU(approximate="tanh")``, transformers' ``gelu_new``,
+    ``gelu_pytorch_tanh``, ``gelu_fast``; an erf GELU or another activation is refused, saying so):
+    ``nn.Sequential(Linear, GELU, Linear)``; diffusers' ``FeedForward`` (``activation_fn="gelu-approximate"``: DiT,
+    PixArt, SD3, Flux); transformers' ``GPT2MLP``, ``GPTBigCodeMLP``, ``GPTNeoMLP``, ``GPTJMLP``, ``CodeGenMLP`` and
+    ``PhiMLP``; timm's ``Mlp`` (``act_layer=partial(nn.GELU, approximate="tanh")``, SigLIP-style ViTs). A dropout on the
+    MLP's output runs as the module runs it; an MLP with a dropout p > 0 between the activation and the second linear
+    is swapped only when it is in eval mode, and computes with its own forward whenever it is in training
+    (``swapped_mlps`` then leaves it out). `precision` and `save` as in ``GeluFFN``. Swapping a swapped MLP again
+    updates its options; ``restore_mlps`` undoes it.
 
     Returns ``(replaced, skipped)``: the names of the modules now running on cupyffn, and {name: reason} for
-    MLP-like modules left alone because cupyffn would compute something else (erf GELU, other activations,
-    dropout with p > 0).
+    MLP-like modules left alone because cupyffn would compute something else. Where the model has MLP-like modules
+    and none was swapped, one warning says why.
     """
     precision, save = precision_name(precision), check_save(save)
     replaced, skipped = [], {}
     for name, module in model.named_modules():
         if any(name.startswith(r + ".") for r in replaced):
             continue
-        layers, why = _layers(module)
+        if "forward" in vars(module) and getattr(module, _MARK, None) is None:
+            if _layers(module) != (None, None):
+                skipped[name] = "its forward was replaced already (by another library?)"
+            continue
+        fields, why = _layers(module)
         if why:
             skipped[name] = why
-        if layers is None:
+        if fields is None:
             continue
-        for path in layers:
-            linear_weights(_walk(module, path))  # a layer of another type: refused before anything is set
-        swap = Swap(layers[0], layers[1], precision, save)
+        path1, path2, dropout, eval_only = fields
+        swap = Swap(path1, path2, precision, save, dropout, eval_only)
         setattr(module, _MARK, swap)
         module.forward = functools.partial(_forward, module, swap)
         replaced.append(name)
+    if skipped and not replaced:
+        _warn_none_swapped(model, skipped)
     return replaced, skipped
+
+
+def _warn_none_swapped(model, skipped):
+    reasons = {}
+    for name, why in skipped.items():
+        reasons.setdefault(why, []).append(name or "(the model)")
+    parts = [f"{names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''}: {why}"
+             for why, names in reasons.items()]
+    warnings.warn(f"cupyffn.torch.replace_mlps swapped none of the {len(skipped)} MLP-like modules of "
+                  f"{type(model).__name__}: " + "; ".join(parts), stacklevel=3)
 
 
 def restore_mlps(model):
@@ -133,5 +268,11 @@ def restore_mlps(model):
 
 
 def swapped_mlps(model):
-    """The names of `model`'s modules that run on cupyffn now (swapped by replace_mlps, not restored)."""
-    return [name for name, module in model.named_modules() if getattr(module, _MARK, None) is not None]
+    """The names of `model`'s modules that run on cupyffn now: swapped by replace_mlps and not restored (an MLP
+    swapped for eval mode only is left out while it is in training)."""
+    names = []
+    for name, module in model.named_modules():
+        swap = getattr(module, _MARK, None)
+        if swap is not None and not (swap.eval_only and module.training):
+            names.append(name)
+    return names
