@@ -94,7 +94,7 @@ def test_installed_layout_finds_its_files(wheel, tmp_path):
     script = (
         "import json, cupyffn, cupyffn.cuda.kernels as k, cupyffn.workloads as w\n"
         "print(json.dumps({'kernel_dir': str(k.kernel_dir()), 'package': cupyffn.__file__,\n"
-        "                  'sources': {m: len(k.module_source(m)) for m in k.MODULES},\n"
+        "                  'sources': {m: len(k.source(k.MODULES[m][0])) for m in k.MODULES},\n"
         "                  'workloads': len(w.WORKLOADS)}))\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], cwd=elsewhere, env=env, capture_output=True, text=True,
