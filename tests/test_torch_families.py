@@ -23,7 +23,8 @@ FAMILIES = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=32, n_layer=2, n_head=2, n_positions=32), "resid_pdrop"),
     "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(n_embd=32, n_layer=2, n_head=2, n_positions=32, rotary_dim=8),
              "resid_pdrop"),
-    "codegen": ("CodeGenConfig", "CodeGenForCausalLM", dict(n_embd=32, n_layer=2, n_head=2, n_positions=32,
+    # CodeGen splits its heads over mp_num = 4 model-parallel groups: n_head a multiple of 4
+    "codegen": ("CodeGenConfig", "CodeGenForCausalLM", dict(n_embd=32, n_layer=2, n_head=4, n_positions=32,
                                                             n_ctx=32, rotary_dim=8), "resid_pdrop"),
     "phi": ("PhiConfig", "PhiForCausalLM", dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2,
                                                 num_attention_heads=2, max_position_embeddings=32), None),
