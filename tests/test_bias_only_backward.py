@@ -4,49 +4,21 @@ NumPy backend, the float32 engine in every precision, cuBLASLt for bfloat16 / fl
 accumulation, and the torch layer with frozen weights. The bias gradients are those of the full call (the same
 GEMM1 and the same sums), every other result is None, and the values hold against float64."""
 
-import math
-
 import numpy
 import pytest
 
 import cupyffn
 from cupyffn.core.views import numpy_dtype
+from test_engine_biases import host, make, reference, rel  # noqa: E402  (tests/ is on sys.path)
 
 ONLY_BIASES = dict(need_grad_hidden=False, need_weight_grads=False, need_bias_grads=True)
 #: relative L2 bound against float64 per activation dtype (float32: the precision's contract)
 HALF_BOUND = {"bfloat16": 1.5e-2, "float16": 2e-3}
 
 
-def make(rng, T, D, H):
-    x = rng.standard_normal((T, D), dtype=numpy.float32)
-    dy = rng.standard_normal((T, D), dtype=numpy.float32)
-    w1 = (rng.standard_normal((H, D)) / math.sqrt(D)).astype(numpy.float32)
-    w2 = (rng.standard_normal((D, H)) / math.sqrt(H)).astype(numpy.float32)
-    b1 = (0.5 * rng.standard_normal(H)).astype(numpy.float32)
-    b2 = (0.5 * rng.standard_normal(D)).astype(numpy.float32)
-    return x, dy, w1, w2, b1, b2
-
-
 def bias_grads64(x, dy, w1, w2, b1):
     """float64 (grad_bias1, grad_bias2) of the block at these values."""
-    x, dy, w1, w2, b1 = (numpy.asarray(a, numpy.float64) for a in (x, dy, w1, w2, b1))
-    c = math.sqrt(2 / math.pi)
-    z = x @ w1.T + b1
-    t = numpy.tanh(c * (z + 0.044715 * z ** 3))
-    gl = (dy @ w2) * (0.5 * (1 + t) + 0.5 * z * (1 - t * t) * c * (1 + 3 * 0.044715 * z * z))
-    return gl.sum(0), dy.sum(0)
-
-
-def host(a):
-    if type(a).__module__.startswith("cupy"):
-        a = a.get()
-    return numpy.asarray(a, numpy.float64)
-
-
-def rel(got, ref):
-    got = host(got)
-    assert numpy.isfinite(got).all()
-    return float(numpy.linalg.norm(got - ref) / numpy.linalg.norm(ref))
+    return reference(x, dy, w1, w2, b1, None)[1][3:]
 
 
 def check(xp, rng, T, D, H, precision=None, act="float32"):
