@@ -74,6 +74,10 @@ def test_enum_values_match_the_header(headers):
         "CUDA_R_16BF": BF16,
         "CUDA_R_8F_E4M3": E4M3,
         "CUDA_R_8F_E5M2": _cublaslt.R_8F_E5M2,
+        "CUBLASLT_EPILOGUE_DEFAULT": _cublaslt.EPILOGUE_DEFAULT,
+        "CUBLASLT_EPILOGUE_BIAS": _cublaslt.EPILOGUE_BIAS,
+        "CUBLASLT_EPILOGUE_BGRADA": _cublaslt.EPILOGUE_BGRADA,
+        "CUBLASLT_EPILOGUE_BGRADB": _cublaslt.EPILOGUE_BGRADB,
     }
     got = {name: value(name) for name in expected}
     assert got == expected

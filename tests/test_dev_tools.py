@@ -15,7 +15,8 @@ from benchmarks import timing
                                          ("sm90_sass", "--dump"), ("sm90_ptx_diff", "--against"),
                                          ("bias_cost", "--tokens"), ("io_graph_ab", "--rounds"),
                                          ("tf32_rs_probe", "--tokens"), ("ptx_hashes", "--against"),
-                                         ("rescue_cost", "--rounds"), ("gpu_suite", "--workers")])
+                                         ("rescue_cost", "--rounds"), ("gpu_suite", "--workers"),
+                                         ("step_breakdown", "--modes"), ("lt_gemm_choices", "--shapes")])
 def test_loads_without_cupy_and_answers_help(name, option, capsys):
     tool = load_tool(name)
     with pytest.raises(SystemExit) as info:

@@ -1,0 +1,192 @@
+"""Where a training step's time goes, the plain model against the one whose MLPs ``cupyffn.torch.replace_mlps``
+swapped, both run alike (eager, torch.compile, or reduce-overhead) (GPU).
+
+The step is examples/train_gpt2.py's (bf16 autocast, forward, loss, backward, gradient clipping at 1, AdamW, grads
+set to None), on one fixed batch of the example's synthetic data, the plain model and the swapped clone from the
+same initial weights. Per run: the median step (CUDA events around the step, the host synchronized after it, as the
+example times it), then a few steps under torch.profiler: every GPU kernel's time, grouped (`GROUPS`: GEMMs,
+cuBLAS's own reductions, attention, optimizer, copies and casts, cupyffn's own kernels, other elementwise and
+reductions), the GPU's busy time (the union of kernel intervals, streams overlapped once) and the rest of the step
+(host work the GPU waited for), per step; and the kernels that take the most time.
+
+    PYTHONPATH=. python dev/step_breakdown.py --model gpt2 --modes default eager --out $OUT/step-breakdown-gpt2.json
+
+Models: examples/train_gpt2.py's PRESETS (gpt2, gpt2-medium, sd35); --layers overrides the preset's depth.
+"""
+
+import argparse
+import copy
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import statistics
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MODES = {"eager": None, "default": "default", "reduce-overhead": "reduce-overhead"}
+#: (group, substrings of a lower-cased kernel name), the first match wins; cupyffn's own kernels are found first by
+#: name (`own_kernels`), and what matches nothing is "other elementwise and reductions".
+GROUPS = (("cuBLAS reductions (bias gradient, split-K)", ("bgrad", "splitkreduce", "reduce_1block", "gemvx")),
+          ("GEMMs (cuBLAS, cuBLASLt)", ("nvjet", "xmma", "gemm", "cutlass", "cublas")),
+          ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+          ("optimizer and gradient clipping", ("multi_tensor", "adam", "foreach", "lpnorm")),
+          ("copies and casts", ("copy", "cast", "convert", "to_half", "_to_")))
+OWN = "cupyffn's own kernels"
+OTHER = "other elementwise and reductions"
+
+
+def own_kernels():
+    """The names of the kernels in kernels_cu/ (cupyffn's NVRTC modules)."""
+    names = set()
+    for path in (ROOT / "kernels_cu").rglob("*.cu"):
+        text = path.read_text()
+        names.update(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?([A-Za-z_]\w*)", text))
+    return names
+
+
+def group_of(name, own):
+    base = re.split(r"[<(]", name.split(" ")[-1] if name.startswith("void ") else name)[0]
+    if base in own or any(k in name for k in own):
+        return OWN
+    low = name.lower()
+    for group, keys in GROUPS:
+        if any(k in low for k in keys):
+            return group
+    return OTHER
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="gpt2", help="examples/train_gpt2.py PRESETS name (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=None, help="layers instead of the preset's")
+    p.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["default"],
+                   help="how both models run (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=30, help="timed steps per run (default: %(default)s)")
+    p.add_argument("--profiled", type=int, default=5, help="profiled steps per run (default: %(default)s)")
+    p.add_argument("--top", type=int, default=12, help="kernels listed per run (default: %(default)s)")
+    p.add_argument("--out", default=None, help="JSON file (default: $OUT/step-breakdown-<model>.json where $OUT is set)")
+    return p.parse_args(argv)
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("cupyffn_example_train_gpt2", ROOT / "examples" / "train_gpt2.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _busy_ms(intervals):
+    """Total length of the union of (start, end) intervals, in ms (ns in)."""
+    total, end = 0, None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total / 1e6
+
+
+def measure(example, model, kind, item, mode, args, own):
+    import torch
+
+    runner = model if mode is None else torch.compile(model, mode=mode)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    mark = mode == "reduce-overhead"
+
+    def step():
+        if mark:
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if kind == "gpt2":
+                loss = runner(item, labels=item).loss
+            else:
+                loss = torch.nn.functional.mse_loss(runner(item[0]).float(), item[1])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(8):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(args.steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.profiled):
+            step()
+        torch.cuda.synchronize()
+    kernels, intervals = {}, []
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() != torch.autograd.DeviceType.CUDA or e.duration_ns() <= 0:
+            continue
+        name = e.name()
+        if name.startswith(("Memcpy", "Memset")) and "Kernel" not in name:
+            name = name.split(" ")[0]  # a copy engine's transfer, not a kernel
+        kernels[name] = kernels.get(name, 0) + e.duration_ns()
+        intervals.append((e.start_ns(), e.start_ns() + e.duration_ns()))
+    n = args.profiled
+    groups = {}
+    for name, ns in kernels.items():
+        g = group_of(name, own)
+        groups[g] = groups.get(g, 0.0) + ns / 1e6 / n
+    step_ms = statistics.median(times)
+    busy = _busy_ms(intervals) / n
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:args.top]
+    return {"step_ms": step_ms, "gpu_busy_ms": busy, "host_or_idle_ms": step_ms - busy,
+            "kernel_ms": sum(groups.values()), "groups_ms": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
+            "top_kernels": [{"ms": ns / 1e6 / n, "group": group_of(k, own), "name": k[:200]} for k, ns in top]}
+
+
+def main(argv=None):
+    args = parse(argv)
+    import torch
+
+    import cupyffn.torch as ct
+
+    example = _example()
+    preset = dict(example.PRESETS[args.model])
+    kind = preset.pop("kind")
+    if args.layers:
+        preset["layers"] = args.layers
+    item = next(example.batches(kind, 1, preset["batch"], preset["seq"], preset["dim"], preset["vocab"], "cuda"))
+    own = own_kernels()
+    result = {"model": args.model, "sizes": preset, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "commit": os.environ.get("CUPYFFN_GIT_COMMIT"), "runs": {}}
+    for mode in args.modes:
+        for swapped in (False, True):
+            model = example.build(kind, preset, "cuda")
+            if swapped:
+                ct.replace_mlps(model)
+            name = ("cupyffn + " if swapped else "torch ") + mode
+            torch._dynamo.reset()
+            r = measure(example, model, kind, item, MODES[mode], args, own)
+            result["runs"][name] = r
+            print(f"== {name}: step {r['step_ms']:.3f} ms, GPU busy {r['gpu_busy_ms']:.3f}, host or idle "
+                  f"{r['host_or_idle_ms']:.3f}, kernels {r['kernel_ms']:.3f}", flush=True)
+            for g, ms in r["groups_ms"].items():
+                print(f"     {ms:8.3f} ms  {g}")
+            for k in r["top_kernels"]:
+                print(f"        {k['ms']:7.3f} ms  {k['name'][:110]}")
+            del model
+            torch.cuda.empty_cache()
+    out = args.out or (os.path.join(os.environ["OUT"], f"step-breakdown-{args.model}.json")
+                       if os.environ.get("OUT") else None)
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
