@@ -56,11 +56,18 @@ def outputs(call, out, stream=None, capturing=False, owned=None, what="cupyffn")
                            f"allocating from CuPy's memory pool inside a capture would tie that memory to the graph "
                            f"with nothing keeping it alive. Pass every output in out=")
     for i in missing:
-        a = _allocate(call, shapes[i], dtypes[i], stream)
+        if _stored_transposed(call, i):  # the weight gradients as the weights are stored: [in, out]
+            a = _allocate(call, shapes[i][::-1], dtypes[i], stream).T
+        else:
+            a = _allocate(call, shapes[i], dtypes[i], stream)
         results[i] = arrays[i] = a
         if owned is not None:
             owned[i] = a
     return results, arrays
+
+
+def _stored_transposed(call, i):
+    return call.grads_transposed and call.kind == "backward" and i in (1, 2)
 
 
 def _allocate(call, shape, dtype, stream):
@@ -87,8 +94,9 @@ def _geometry(call, arrays):
         elif call.out[i] is not None:
             geometry.append(call.out[i])
         else:
-            cols = shapes[i][-1]
-            geometry.append(_arrays.Matrix(_arrays.data_ptr(a), math.prod(shapes[i][:-1]), cols, cols, dtypes[i]))
+            shape = shapes[i][::-1] if _stored_transposed(call, i) else shapes[i]  # the storage's rows and columns
+            cols = shape[-1]
+            geometry.append(_arrays.Matrix(_arrays.data_ptr(a), math.prod(shape[:-1]), cols, cols, dtypes[i]))
     return geometry
 
 
@@ -130,7 +138,8 @@ def _no_tokens(call, arrays, stream, ready):
 
 
 def _run_cpu(call, engine, arrays):
-    views = [None if a is None else a.reshape(-1, a.shape[-1]) for a in arrays]  # outputs are C-contiguous
+    # outputs are C-contiguous (reshaped to 2-D without a copy) or transposed 2-D weight gradients (kept as they are)
+    views = [None if a is None else a.reshape(-1, a.shape[-1]) for a in arrays]
     if call.tokens == 0:
         if call.kind == "backward" and not call.request.accumulate:
             for v in views[1:]:

@@ -113,7 +113,7 @@ def plan_key(call):
                      weights_transposed=call.weights_transposed)
     return LtKey(call.device, call.tokens, call.dim, call.hidden_dim, call.act, call.weights, call.grads,
                  r.need_bias_grads, r.need_bias_grads, r.need_grad_hidden, r.need_weight_grads,
-                 call.inputs[6] is None, call.weights_transposed)
+                 call.inputs[6] is None, call.weights_transposed, call.grads_transposed)
 
 
 def build(call, key):

@@ -13,7 +13,9 @@ What a call may be (docs/precisions.md, "16-bit activations and biases"):
   the weights' dtype (chosen by out=, float32 by default);
 * arrays whose last dimension is contiguous and whose leading dimensions flatten to one row stride; weights also as
   the transpose of such a matrix (``[in, out]`` storage, as transformers' Conv1D keeps them: `weights_transposed`);
-  outputs C-contiguous. Which engine takes which layout: cupyffn/api/routes.py (`requirement`).
+  outputs C-contiguous, except that with transposed weights the weight gradients may be stored as the weights are
+  (transposes of C-contiguous ``[in, out]`` matrices: `grads_transposed`, the parameter's own layout, so no copy
+  follows). Which engine takes which layout: cupyffn/api/routes.py (`requirement`).
 
 Repeated calls (training loops, CUDA graphs) pass the same arrays again: `signature` is the identity of a call's
 arrays (pointer, shape, strides, dtype of every CuPy array and CUDA torch tensor), and the functional API keeps the
@@ -69,6 +71,7 @@ class Call(NamedTuple):
     arrays: Tuple[Any, ...]                # the imported input arrays (None where absent)
     out_arrays: Tuple[Any, ...]            # the imported out= arrays (None where not given)
     follow: Any = None           # device id whose torch current stream the call follows, or None
+    grads_transposed: bool = False  # backward: the weight gradients stored [in, out], as the transposed weights are
 
     @property
     def kind(self):
@@ -189,8 +192,9 @@ def validate(request, args, out=None, stream=None):
                          f"as they are (bf16/fp16 tensor cores, fp32 accumulation): pass precision=None")
     call = Call(request, backend, device, act, weights, act if kind == "forward" else "float32", precision,
                 math.prod(lead), dim, hidden, lead, transposed, inputs, (), tuple(arrays), (), None)
-    given, given_arrays, grads = _outputs(call, out, stream, torch_devices)
-    call = call._replace(out=given, out_arrays=given_arrays, grads=grads if kind == "backward" else act)
+    given, given_arrays, grads, grads_transposed = _outputs(call, out, stream, torch_devices)
+    call = call._replace(out=given, out_arrays=given_arrays, grads=grads if kind == "backward" else act,
+                         grads_transposed=grads_transposed)
     if torch_devices:  # all on `device` (checked): one wait, not one per tensor (the DLPack handshake's)
         call = call._replace(follow=device)
         _arrays.follow_torch(device, stream)
@@ -348,14 +352,15 @@ def _matrix(array, name, transposed=False):
 
 
 def _outputs(call, out, stream, torch_devices):
-    """(given out= geometry, the imported out= arrays, the gradients' dtype) of `call` (OUTPUTS order)."""
+    """(given out= geometry, the imported out= arrays, the gradients' dtype, whether the weight gradients are stored
+    transposed) of `call` (OUTPUTS order)."""
     kind, r = call.kind, call.request
     names = outputs_of(kind)
     computed = call.computed
     lengths = (4,) if kind == "forward" else ((3, 5) if r.need_bias_grads else (3,))
     n = max(lengths) if kind == "forward" or r.need_bias_grads else 3
     if out is None:
-        return (None,) * n, (None,) * n, "float32"
+        return (None,) * n, (None,) * n, "float32", False
     if not isinstance(out, (tuple, list)) or len(out) not in lengths:
         listed = ", ".join(names[:max(lengths)])
         counts = " or ".join({3: "three", 4: "four", 5: "five"}[n] for n in lengths)
@@ -365,7 +370,7 @@ def _outputs(call, out, stream, torch_devices):
     out = tuple(out) + (None,) * (n - len(out))
     shapes = call.output_shapes()
     spans = [(m, nm) for m, nm in zip(call.inputs, inputs_of(kind)) if m is not None]
-    given, imported, grads = [], [], set()
+    given, imported, grads, layouts = [], [], set(), {}
     for i, (obj, name) in enumerate(zip(out, names)):
         label = f"out[{i}] ({name})"
         if obj is None:
@@ -394,11 +399,18 @@ def _outputs(call, out, stream, torch_devices):
             grads.add(dtype_name(a))
         if tuple(a.shape) != shapes[i]:
             raise ValueError(f"{label} must have shape {shapes[i]}; got {tuple(a.shape)}")
-        if not a.flags.c_contiguous:
-            raise ValueError(f"{label} must be C-contiguous; got strides {tuple(a.strides)} for shape {tuple(a.shape)}")
+        weight_grad = kind == "backward" and i in (1, 2)
+        stored_transposed = weight_grad and call.weights_transposed and _transposed(a) and a.T.flags.c_contiguous
+        if not (a.flags.c_contiguous or stored_transposed):
+            also = (" (or, as the weights are given, the transpose of a C-contiguous [in, out] matrix)"
+                    if weight_grad and call.weights_transposed else "")
+            raise ValueError(f"{label} must be C-contiguous{also}; got strides {tuple(a.strides)} for shape "
+                             f"{tuple(a.shape)}")
         if not getattr(a.flags, "writeable", True):
             raise ValueError(f"{label} is read-only")
-        m = _matrix(a, label)
+        if weight_grad:
+            layouts[label] = stored_transposed
+        m = _matrix(a, label, stored_transposed)
         for inp, iname in spans:
             if m.overlaps(inp):
                 raise ValueError(f"{label} overlaps the memory of {iname}: outputs may not alias inputs")
@@ -409,7 +421,11 @@ def _outputs(call, out, stream, torch_devices):
         imported.append(a)
     if len(grads) > 1:
         raise TypeError(f"the weight and bias gradients in out= must share one dtype; got {sorted(grads)}")
-    return tuple(given), tuple(imported), grads.pop() if grads else "float32"
+    if len(set(layouts.values())) > 1:
+        raise ValueError("out[1] (grad_weight1) and out[2] (grad_weight2) must share one layout: both C-contiguous "
+                         "or both stored as the weights are ([in, out]); got " + ", ".join(
+                             f"{k} {'[in, out]' if v else 'C-contiguous'}" for k, v in layouts.items()))
+    return tuple(given), tuple(imported), grads.pop() if grads else "float32", any(layouts.values())
 
 
 def check_size(name, value, minimum):

@@ -12,11 +12,16 @@ layers.
 Schemas (the activation dtype is hidden_states'; the layers cast the input to it, cupyffn/frameworks/torch_layer.py):
 
     forward(hidden_states, weight1, weight2, bias1?, bias2?, precision?, save) -> (output, linear1_out, tanh_inner,
-        gelu_out)                         tanh_inner: a [0] placeholder for 16-bit activations (recomputed later)
+        gelu_out, weight1_cast, weight2_cast)
+                                          tanh_inner: a [0] placeholder for 16-bit activations (recomputed later);
+                                          weight*_cast: fp32 master weights in the 16-bit activation dtype (CUDA),
+                                          made once per step here and reused by the backward, else [0] placeholders
     backward(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner?, gelu_out?, precision?,
-        need_grad_hidden, need_weight_grads, need_bias_grads) -> (grad_hidden_states, grad_weight1, grad_weight2,
-        grad_bias1, grad_bias2)           [0] placeholders for what is not needed; weight and bias gradients in the
-                                          weights' dtype (fp32 master weights: fp32, straight from the GEMMs)
+        need_grad_hidden, need_weight_grads, need_bias_grads, weight1_cast?, weight2_cast?) -> (grad_hidden_states,
+        grad_weight1, grad_weight2, grad_bias1, grad_bias2)
+                                          [0] placeholders for what is not needed; weight and bias gradients in the
+                                          weights' dtype (fp32 master weights: fp32, straight from the GEMMs) and,
+                                          for [in, out] weights on the cuBLASLt route, in their layout (no copy)
 """
 
 from typing import Optional, Tuple
@@ -161,16 +166,41 @@ def weights(w1, w2, act, device):
     return readable(w1), readable(w2)
 
 
+def casts_weights(x, w1):
+    """Whether the forward makes the weights' 16-bit copies: fp32 master weights with 16-bit activations on CUDA
+    (autocast's case). They are returned and saved, so the backward reuses them: one conversion per step."""
+    return x.dtype in HALF and w1.dtype is _F32 and x.device.type == "cuda"
+
+
+def grads_transposed(x, w1, w2):
+    """Whether the weight gradients are written in the weights' [in, out] layout: transposed weights on the cuBLASLt
+    route (16-bit activations on CUDA), whose GEMMs write either layout at the same cost; the parameter's gradient
+    is then its own layout, and autograd copies nothing."""
+    return x.dtype in HALF and x.device.type == "cuda" and _transposed(w1) and _transposed(w2)
+
+
+def weight_grad(w, dtype, transposed, device):
+    """An empty gradient for weight `w` in `dtype`: [in, out] storage seen as w's shape where `transposed`."""
+    if transposed:
+        return torch.empty(tuple(w.shape[::-1]), dtype=dtype, device=device).t()
+    return torch.empty(tuple(w.shape), dtype=dtype, device=device)
+
+
 # ---------------------------------------------------------------------- the bodies
 def forward_impl(x, w1, w2, b1, b2, precision):
-    """(output, linear1_out, tanh_inner, gelu_out) in x's dtype (tanh_inner a placeholder for 16-bit x), allocated by
-    torch and written by cupyffn (out=), or on the CPU computed by torch where `torch_cpu.takes` the call. precision: a
-    name for float32 x, None for 16-bit."""
+    """(output, linear1_out, tanh_inner, gelu_out, weight1_cast, weight2_cast) in x's dtype (tanh_inner a placeholder
+    for 16-bit x; the casts placeholders unless `casts_weights`), allocated by torch and written by cupyffn (out=), or
+    on the CPU computed by torch where `torch_cpu.takes` the call. precision: a name for float32 x, None for 16-bit."""
     act = x.dtype
     x = readable(x)
     w1, w2 = weights(w1, w2, act, x.device)
     if x.device.type == "cpu" and _cpu.takes(act, precision):
-        return _cpu.forward(x, w1, w2, b1, b2, precision)
+        return _cpu.forward(x, w1, w2, b1, b2, precision) + (x.new_empty(_NOTHING), x.new_empty(_NOTHING))
+    if casts_weights(x, w1):  # torch's cast kernel keeps the [in, out] layout of transposed weights
+        w1c, w2c = w1.to(act), w2.to(act)
+        w1, w2, b1, b2 = w1c, w2c, None if b1 is None else b1.to(act), None if b2 is None else b2.to(act)
+    else:
+        w1c, w2c = x.new_empty(_NOTHING), x.new_empty(_NOTHING)  # two: an operator's outputs may not alias
     lead, dim, hidden = tuple(x.shape[:-1]), x.shape[-1], w1.shape[0]
     with Call(x.device) as call:
         y, z, g = call.empty(lead + (dim,), act), call.empty(lead + (hidden,), act), call.empty(lead + (hidden,), act)
@@ -179,22 +209,26 @@ def forward_impl(x, w1, w2, b1, b2, precision):
         _functional.gelu_ffn_forward(arg(x), arg(w1), arg(w2), bias1=arg(b1), bias2=arg(b2), precision=precision,
                                      out=[arg(y), arg(z), arg(t) if act is _F32 else None, arg(g)],
                                      stream=call.stream)
-    return y, z, t, g
+    return y, z, t, g, w1c, w2c
 
 
-def backward_impl(dy, x, w1, w2, z, t, g, precision, need_x, need_w, need_b):
-    """(grad_hidden_states, grad_weight1, grad_weight2, grad_bias1, grad_bias2), None where not needed."""
+def backward_impl(dy, x, w1, w2, z, t, g, precision, need_x, need_w, need_b, w1c=None, w2c=None):
+    """(grad_hidden_states, grad_weight1, grad_weight2, grad_bias1, grad_bias2), None where not needed. w1c, w2c: the
+    forward's 16-bit copies of fp32 master weights w1, w2 (None or placeholders: none), multiplied in their place;
+    the gradients keep the masters' dtype (and layout: `grads_transposed`)."""
     act = x.dtype
     dy = readable(dy if dy.dtype is act else dy.to(act))
     x = readable(x)  # the forward's input as saved: a layout the forward copied (a transposed x) is copied again
+    wt, flip = w1.dtype, grads_transposed(x, w1, w2)
+    if w1c is not None and w1c.dim() == 2:
+        w1, w2 = w1c, w2c
     w1, w2 = weights(w1, w2, act, x.device)
     if x.device.type == "cpu" and _cpu.takes(act, precision):
         return _cpu.backward(dy, x, w1, w2, z, t, g, precision, need_x, need_w, need_b)
-    wt = w1.dtype
     with Call(x.device) as call:
         gx = call.empty(tuple(x.shape), act) if need_x else None
-        gw1 = call.empty(tuple(w1.shape), wt) if need_w else None
-        gw2 = call.empty(tuple(w2.shape), wt) if need_w else None
+        gw1 = weight_grad(w1, wt, flip, x.device) if need_w else None
+        gw2 = weight_grad(w2, wt, flip, x.device) if need_w else None
         gb1 = call.empty((w1.shape[0],), wt) if need_b else None
         gb2 = call.empty((w2.shape[0],), wt) if need_b else None
         grads = (gx, gw1, gw2, gb1, gb2)
@@ -210,8 +244,9 @@ def backward_impl(dy, x, w1, w2, z, t, g, precision, need_x, need_w, need_b):
 @torch.library.custom_op("cupyffn::forward", mutates_args=())
 def forward_op(hidden_states: torch.Tensor, weight1: torch.Tensor, weight2: torch.Tensor,
                bias1: Optional[torch.Tensor], bias2: Optional[torch.Tensor], precision: Optional[str],
-               save: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(output, linear1_out, tanh_inner, gelu_out); `save` only matters to the autograd formula."""
+               save: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(output, linear1_out, tanh_inner, gelu_out, weight1_cast, weight2_cast); `save` only matters to the autograd
+    formula."""
     return forward_impl(hidden_states, weight1, weight2, bias1, bias2, precision)
 
 
@@ -223,33 +258,42 @@ def _forward_fake(hidden_states, weight1, weight2, bias1, bias2, precision, save
     act = hidden_states.dtype
     lead, hidden = tuple(hidden_states.shape[:-1]), weight1.shape[0]
     inner = lead + (hidden,) if act is _F32 else _NOTHING
+    if casts_weights(hidden_states, weight1):
+        casts = (torch.empty_like(weight1, dtype=act), torch.empty_like(weight2, dtype=act))  # strides kept, as .to
+    else:
+        casts = (hidden_states.new_empty(_NOTHING), hidden_states.new_empty(_NOTHING))
     return (hidden_states.new_empty(tuple(hidden_states.shape)), hidden_states.new_empty(lead + (hidden,)),
-            hidden_states.new_empty(inner), hidden_states.new_empty(lead + (hidden,)))
+            hidden_states.new_empty(inner), hidden_states.new_empty(lead + (hidden,))) + casts
 
 
 @torch.library.custom_op("cupyffn::backward", mutates_args=())
 def backward_op(grad_output: torch.Tensor, hidden_states: torch.Tensor, weight1: torch.Tensor,
                 weight2: torch.Tensor, linear1_out: torch.Tensor, tanh_inner: Optional[torch.Tensor],
                 gelu_out: Optional[torch.Tensor], precision: Optional[str], need_grad_hidden: bool,
-                need_weight_grads: bool, need_bias_grads: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                         torch.Tensor, torch.Tensor]:
+                need_weight_grads: bool, need_bias_grads: bool, weight1_cast: Optional[torch.Tensor] = None,
+                weight2_cast: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                      torch.Tensor, torch.Tensor]:
     """(grad_hidden_states, grad_weight1, grad_weight2, grad_bias1, grad_bias2); one not needed is an empty [0]."""
     grads = backward_impl(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out, precision,
-                          need_grad_hidden, need_weight_grads, need_bias_grads)
+                          need_grad_hidden, need_weight_grads, need_bias_grads, weight1_cast, weight2_cast)
     dtypes = (hidden_states.dtype,) + (weight1.dtype,) * 4  # the fake's dtypes, placeholders too
     return tuple(g if g is not None else hidden_states.new_empty(_NOTHING, dtype=d) for g, d in zip(grads, dtypes))
 
 
 @backward_op.register_fake
 def _backward_fake(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out, precision,
-                   need_grad_hidden, need_weight_grads, need_bias_grads):
+                   need_grad_hidden, need_weight_grads, need_bias_grads, weight1_cast=None, weight2_cast=None):
     wt = weight1.dtype
 
     def empty(shape, needed, dtype=wt):
         return hidden_states.new_empty(tuple(shape) if needed else _NOTHING, dtype=dtype)
 
-    return (empty(hidden_states.shape, need_grad_hidden, hidden_states.dtype),
-            empty(weight1.shape, need_weight_grads), empty(weight2.shape, need_weight_grads),
+    def weight(w):
+        if not need_weight_grads:
+            return empty(w.shape, False)
+        return weight_grad(w, wt, grads_transposed(hidden_states, weight1, weight2), hidden_states.device)
+
+    return (empty(hidden_states.shape, need_grad_hidden, hidden_states.dtype), weight(weight1), weight(weight2),
             empty((weight1.shape[0],), need_bias_grads), empty((weight2.shape[0],), need_bias_grads))
 
 
@@ -257,11 +301,12 @@ def _save(ctx, inputs, output):
     """What the backward keeps (both entry points): `save` "all" keeps the saved activations, "linear1_out" only
     the pre-activation (memory mode: the backward recomputes the rest inside its kernels)."""
     x, w1, w2, b1, b2, precision, save = inputs
-    _, z, t, g = output
+    _, z, t, g, w1c, w2c = output
     ctx.precision = precision
     ctx.bias_dtypes = (None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
-    keep = save == "all"
-    ctx.save_for_backward(x, w1, w2, z, t if keep and x.dtype is _F32 else None, g if keep else None)
+    keep, cast = save == "all", casts_weights(x, w1)
+    ctx.save_for_backward(x, w1, w2, z, t if keep and x.dtype is _F32 else None, g if keep else None,
+                          w1c if cast else None, w2c if cast else None)
 
 
 def _gradients(ctx, grad_output, backward):
@@ -271,8 +316,9 @@ def _gradients(ctx, grad_output, backward):
     need_w, need_b = need_w1 or need_w2, need_b1 or need_b2
     if not (need_x or need_w or need_b):
         return (None,) * 7
-    x, w1, w2, z, t, g = ctx.saved_tensors
-    gx, gw1, gw2, gb1, gb2 = backward(grad_output, x, w1, w2, z, t, g, ctx.precision, need_x, need_w, need_b)
+    x, w1, w2, z, t, g, w1c, w2c = ctx.saved_tensors
+    gx, gw1, gw2, gb1, gb2 = backward(grad_output, x, w1, w2, z, t, g, ctx.precision, need_x, need_w, need_b, w1c,
+                                      w2c)
     b1_dt, b2_dt = ctx.bias_dtypes
     if need_b1 and gb1.dtype != b1_dt:
         gb1 = gb1.to(b1_dt)

@@ -152,7 +152,7 @@ class TensorParallelGeluFFNFunction(torch.autograd.Function):
         prec = _resolve_precision(precision, cpu=device.type == "cpu")  # None: the default of the tensors' device
         x, w1, w2 = (_ops.readable(t) for t in (hidden_states, weight1, weight2))
         if x.dim() >= 1 and w1.dim() == 2:  # the layer's own body (on the CPU: torch_cpu's route where it takes it)
-            output, z, t, g = _ops.forward_impl(x, w1, w2, None, None, prec.name)
+            output, z, t, g = _ops.forward_impl(x, w1, w2, None, None, prec.name)[:4]
         else:  # the door raises the shape error
             arg = _ops.Call(device).arg
             _gelu_ffn_forward(arg(x), arg(w1), arg(w2), precision=prec.name)

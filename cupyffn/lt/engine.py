@@ -14,7 +14,8 @@ Backward, two streams: main  [W2, W1 to 16-bit] ─► GEMM1 grad_linear1 = (dy 
 grad_linear1 is rounded to the activation dtype once (as torch's autocast rounds the matmul's output before the GELU
 backward); weight and bias gradients leave the GEMMs in fp32 (or the grads' dtype) without a rounding step between.
 Weights may come as stored by transformers' Conv1D ([in, out]: `LtKey.weights_transposed`): the GEMMs that read
-them take the other operand layout, no copy.
+them take the other operand layout, no copy; their gradients may be written in that layout too
+(`LtKey.grads_transposed`: GEMM2 and GEMM4 with their operands swapped), so that no transposing copy follows.
 """
 
 from ..core import activation
@@ -214,10 +215,14 @@ class LtBackward(_Engine):
         if key.need_grad_hidden:
             self.gemm(_GEMM3, T, D, H, act, act, act, weight_b=True)
         if self.weight_gemms:
-            self.gemm(_GEMM4, H, D, T, act, act, gt, a_trans=True,
-                      epilogue=E.EPILOGUE_BGRADB if key.bias1 else E.EPILOGUE_DEFAULT)
-            self.gemm(_GEMM2, D, H, T, act, act, gt, a_trans=True,
-                      epilogue=E.EPILOGUE_BGRADB if key.bias2 else E.EPILOGUE_DEFAULT)
+            # Weight gradients stored [in, out] (the parameter's layout) are the same products with the operands
+            # swapped: grad_weight1^T = x^T grad_linear1. The bias gradient then sums the B operand (BGRADA).
+            flip = key.grads_transposed
+            bgrad = E.EPILOGUE_BGRADA if flip else E.EPILOGUE_BGRADB
+            self.gemm(_GEMM4, *((D, H) if flip else (H, D)), T, act, act, gt, a_trans=True,
+                      epilogue=bgrad if key.bias1 else E.EPILOGUE_DEFAULT)
+            self.gemm(_GEMM2, *((H, D) if flip else (D, H)), T, act, act, gt, a_trans=True,
+                      epilogue=bgrad if key.bias2 else E.EPILOGUE_DEFAULT)
         with cupy.cuda.Device(key.device):
             self._main, self._side_h = self.handle(), self.handle()
             self.side = cupy.cuda.Stream(non_blocking=True)
@@ -276,7 +281,8 @@ class LtBackward(_Engine):
                     kernel = _kernels.get_function("half", f"gelu_half_kernel<{HALF_CODE[k.act]}>", self.device_id)
                     _launch(kernel, T * H, side, (z, H, g, H, T, H), self.device_id)
                 g2 = gm[_GEMM2]
-                g2.a.value, g2.b.value, g2.c.value = dy, g, target("grad_weight2")
+                g2.a.value, g2.b.value = (g, dy) if k.grads_transposed else (dy, g)
+                g2.c.value = target("grad_weight2")
                 g2.beta.value = beta if out.get("grad_weight2") is not None else self.zero
                 if k.bias2:
                     g2.set_epilogue(bias=bias_target("grad_bias2"))
@@ -296,7 +302,8 @@ class LtBackward(_Engine):
                     runtime.eventRecord(ready, stream_ptr)
             if self.weight_gemms:
                 g4 = gm[_GEMM4]
-                g4.a.value, g4.b.value, g4.c.value = gl, x, target("grad_weight1")
+                g4.a.value, g4.b.value = (x, gl) if k.grads_transposed else (gl, x)
+                g4.c.value = target("grad_weight1")
                 g4.beta.value = beta if out.get("grad_weight1") is not None else self.zero
                 if k.bias1:
                     g4.set_epilogue(bias=bias_target("grad_bias1"))

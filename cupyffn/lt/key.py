@@ -19,3 +19,4 @@ class LtKey(NamedTuple):
     need_weight_grads: bool = True
     recompute_gelu: bool = False  # backward: gelu_out not given (memory mode)
     weights_transposed: bool = False  # weights stored [in, out] (transformers' Conv1D)
+    grads_transposed: bool = False    # backward: weight gradients written [in, out], as such weights are stored
