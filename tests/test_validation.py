@@ -228,6 +228,39 @@ def test_out_entry_not_c_contiguous(inp, rng, index, layout):
                              rf"{shape_re(bad.strides)} for shape {shape_re((rows, cols))}$", args_with(inp), out=outs)
 
 
+def transposed_weights(inp):
+    """The inputs with weight1 and weight2 as views of [in, out] storage (transformers' Conv1D), same values."""
+    return args_with(inp, weight1=numpy.ascontiguousarray(inp["weight1"].T).T,
+                     weight2=numpy.ascontiguousarray(inp["weight2"].T).T)
+
+
+def test_weight_gradients_stored_as_the_transposed_weights(inp, rng):
+    """With [in, out] weights the weight gradients may be given in that layout (the parameter's own): the same
+    values as C-contiguous ones, written through the views; the layout of the two must agree."""
+    args = transposed_weights(inp)
+    want = cupyffn.gelu_ffn_backward(*args, precision="ieee")
+    outs = random_outs(rng)
+    outs[1], outs[2] = (numpy.full(s[::-1], numpy.nan, F32).T for s in OUT_SHAPES[1:])
+    got = cupyffn.gelu_ffn_backward(*args, precision="ieee", out=outs)
+    assert got.grad_weight1 is outs[1] and got.grad_weight2 is outs[2]
+    for a, b in zip(got, want):
+        assert numpy.array_equal(a, b)
+    mixed = random_outs(rng)
+    mixed[1] = numpy.zeros(OUT_SHAPES[1][::-1], F32).T
+    expect_error(ValueError, r"^out\[1\] \(grad_weight1\) and out\[2\] \(grad_weight2\) must share one layout: "
+                             r"both C-contiguous or both stored as the weights are \(\[in, out\]\); got out\[1\] "
+                             r"\(grad_weight1\) \[in, out\], out\[2\] \(grad_weight2\) C-contiguous$", args,
+                 out=mixed, precision="ieee")
+
+
+def test_weight_gradients_of_another_layout_name_both_choices(inp, rng):
+    outs = random_outs(rng)
+    outs[2] = rng.standard_normal((D, H + 2)).astype(F32)[:, :H]  # neither C-contiguous nor an [in, out] transpose
+    expect_error(ValueError, r"^out\[2\] \(grad_weight2\) must be C-contiguous \(or, as the weights are given, the "
+                             r"transpose of a C-contiguous \[in, out\] matrix\); got strides", transposed_weights(inp),
+                 out=outs)
+
+
 @pytest.mark.parametrize("case", ["w1_itself", "w1_view", "w2_itself", "hidden_states", "grad_output",
                                   "w1_reshaped_as_w2"])
 def test_out_aliasing_an_input(inp, rng, case):
