@@ -219,3 +219,26 @@ def test_gpu_suite_reads_pytest_summaries():
     assert tool.failed_tests(quiet) == ["t/test_a.py::test_x[1-2]", "t/test_b.py::test_y"]
     assert tool.summary_line("====== 5 passed in 0.31s ======") == "5 passed"
     assert tool.summary_line("Segmentation fault") == "(no pytest summary line: pytest did not finish)"
+
+
+def test_step_breakdown_groups_kernels_by_name():
+    """dev/step_breakdown.py's groups: cupyffn's own kernels by their names in kernels_cu/, cuBLAS's reductions apart
+    from its GEMMs, torch's and inductor's copies and casts apart from other elementwise work."""
+    tool = load_tool("step_breakdown")
+    own = tool.own_kernels()
+    assert {"to_half_kernel", "gelu_half_kernel", "gemm_sm90_kernel", "dgelu_kernel"} <= own
+    cases = {
+        "void to_half_kernel<0>(float const*, long long, __nv_bfloat16*, long long, long long, long long, int)":
+            tool.OWN,
+        "nvjet_sm90_tst_128x256_64x4_1x2_h_bz_coopA_TNT": "GEMMs (cuBLAS, cuBLASLt)",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_cublas_aux_bf16_dgelu": "GEMMs (cuBLAS, cuBLASLt)",
+        "void globalKernelBgradAB<float>()": "cuBLAS reductions (bias gradient, split-K)",
+        "void at::native::elementwise_kernel<128, 4, direct_copy_kernel_cuda>": "copies and casts",
+        "triton_poi_fused__to_copy_3": "copies and casts",
+        "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer and gradient clipping",
+        "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel": "attention",
+        "triton_red_fused_native_layer_norm_backward_2": tool.OTHER,
+    }
+    for name, group in cases.items():
+        assert tool.group_of(name, own) == group, name
+    assert tool._busy_ms([(0, 2_000_000), (1_000_000, 3_000_000), (5_000_000, 6_000_000)]) == 4.0
