@@ -61,10 +61,10 @@ def main(argv=None):
         return {"ms": samples[len(samples) // 2], "kernels": kernels}
 
     def lt(m, n, k, a, b, c, a_trans=False, b_trans=False, epilogue=cublaslt.EPILOGUE_DEFAULT, out_type=None,
-           bias=None, aux=None):
+           bias=None, aux=None, bias_type=None):
         try:
             g = cublaslt.LtMatmul(m, n, k, A, A, out_type or A, a_trans, b_trans, device_id=dev.index or 0,
-                                  epilogue=epilogue)
+                                  epilogue=epilogue, bias_type=bias_type)
         except cublaslt.LtUnsupported as e:
             return None, str(e)
         g.alpha.value, g.beta.value = consts.data_ptr() + 4, consts.data_ptr()
@@ -117,6 +117,11 @@ def main(argv=None):
         record(rows, "fwd2 torch addmm", lambda: torch.addmm(b2, g, w2.t(), out=out_td))
         # backward GEMM1: grad_linear1 = (dy w2) * GELU'(z)
         record(rows, "bwd1 dgelu", *lt(T, H, D, dy, w2, out_th, epilogue=E.EPILOGUE_DGELU, aux=z))
+        gb_h.fill_(float("nan"))
+        run, why = lt(T, H, D, dy, w2, out_th, epilogue=E.EPILOGUE_DGELU_BGRAD, aux=z, bias=gb_h, bias_type=F)
+        record(rows, "bwd1 dgelu_bgrad (fp32 bias grad)", run, why)
+        if run is not None:
+            rows["bwd1 dgelu_bgrad (fp32 bias grad)"]["bias_rel_err"] = rel(gb_h, out_th.float().sum(0))
         record(rows, "bwd1 plain", *lt(T, H, D, dy, w2, out_th))
         record(rows, "bwd1 torch mm", lambda: torch.mm(dy, w2, out=out_th))
         rows["bwd1 elementwise floor"] = {"ms": 3 * T * H * 2 / bw / 1e9,

@@ -66,6 +66,8 @@ def parse(argv):
     p.add_argument("--steps", type=int, default=30, help="timed steps per run (default: %(default)s)")
     p.add_argument("--profiled", type=int, default=5, help="profiled steps per run (default: %(default)s)")
     p.add_argument("--top", type=int, default=12, help="kernels listed per run (default: %(default)s)")
+    p.add_argument("--host", type=int, default=0, metavar="N",
+                   help="also profile N steps' host work with cProfile: the functions with the most own time")
     p.add_argument("--out", default=None, help="JSON file (default: $OUT/step-breakdown-<model>.json where $OUT is set)")
     return p.parse_args(argv)
 
@@ -134,6 +136,7 @@ def measure(example, model, kind, item, mode, args, own):
             name = name.split(" ")[0]  # a copy engine's transfer, not a kernel
         kernels[name] = kernels.get(name, 0) + e.duration_ns()
         intervals.append((e.start_ns(), e.start_ns() + e.duration_ns()))
+    host = _host_profile(step, args.host) if args.host else None
     n = args.profiled
     groups = {}
     for name, ns in kernels.items():
@@ -144,7 +147,28 @@ def measure(example, model, kind, item, mode, args, own):
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:args.top]
     return {"step_ms": step_ms, "gpu_busy_ms": busy, "host_or_idle_ms": step_ms - busy,
             "kernel_ms": sum(groups.values()), "groups_ms": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
-            "top_kernels": [{"ms": ns / 1e6 / n, "group": group_of(k, own), "name": k[:200]} for k, ns in top]}
+            "top_kernels": [{"ms": ns / 1e6 / n, "group": group_of(k, own), "name": k[:200]} for k, ns in top],
+            "host_functions": host}
+
+
+def _host_profile(step, steps, top=25):
+    """cProfile of `steps` steps (host synchronized after each): [ms per step of own time, calls per step, function]
+    for the `top` functions with the most own time."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    prof = cProfile.Profile()
+    for _ in range(steps):
+        prof.enable()
+        step()
+        prof.disable()
+        torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(((tt, nc, f"{pathlib.Path(f).name}:{line} {fn}") for (f, line, fn), (_, nc, tt, _, _) in
+                   stats.items()), reverse=True)[:top]
+    return [[round(1e3 * tt / steps, 4), nc / steps, name] for tt, nc, name in rows]
 
 
 def main(argv=None):
@@ -177,6 +201,8 @@ def main(argv=None):
                 print(f"     {ms:8.3f} ms  {g}")
             for k in r["top_kernels"]:
                 print(f"        {k['ms']:7.3f} ms  {k['name'][:110]}")
+            for ms, calls, fn in r["host_functions"] or ():
+                print(f"        host {ms:7.3f} ms  x{calls:5.0f}  {fn[:100]}")
             del model
             torch.cuda.empty_cache()
     out = args.out or (os.path.join(os.environ["OUT"], f"step-breakdown-{args.model}.json")

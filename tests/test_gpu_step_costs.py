@@ -17,10 +17,14 @@ COPIES = ("aten::copy_", "aten::clone", "aten::contiguous", "aten::_to_copy")
 
 
 def _weight_ops(prof, shapes):
-    """{op name: count} of copies and casts whose first input has a weight's shape (either orientation)."""
+    """{op name: count} of copies and casts whose first input has a weight's shape (either orientation), each counted
+    once: not the copy_ a cast (_to_copy) or clone runs inside itself."""
     counts = {}
     for e in prof.events():
         if e.name in COPIES and e.input_shapes and tuple(e.input_shapes[0]) in shapes:
+            parent = e.cpu_parent
+            if parent is not None and parent.name in COPIES:
+                continue
             counts[e.name] = counts.get(e.name, 0) + 1
     return counts
 

@@ -42,7 +42,8 @@ COMPUTE_32F_FAST_TF32 = cublas.COMPUTE_32F_FAST_TF32
 
 # cublasLtEpilogue_t, in cupyffn's row-major terms (LtMatmul runs C^T = B^T A^T, so cuBLASLt's "rows of D" are
 # our columns N and its B operand is our A): BIAS adds bias[N] to every row; GELU_AUX(_BIAS) also writes the
-# GELU's input to `aux` [M,N]; DGELU multiplies the product by GELU'(aux); BGRADB writes bias_grad[M] = the sum
+# GELU's input to `aux` [M,N]; DGELU multiplies the product by GELU'(aux) (DGELU_BGRAD also writes the result's
+# column sums, bias_grad[N]: grad_bias1 beside grad_linear1); BGRADB writes bias_grad[M] = the sum
 # of our A operand over K (grad_bias = column sums of the [K,M] operand, e.g. grad_output over the tokens); BGRADA
 # writes bias_grad[N] = the sum of our B operand over K (the same sums when the product is written transposed).
 EPILOGUE_DEFAULT = 1
@@ -50,13 +51,14 @@ EPILOGUE_BIAS = 4
 EPILOGUE_GELU_AUX = 32 | 128
 EPILOGUE_GELU_AUX_BIAS = 32 | 128 | 4
 EPILOGUE_DGELU = 64 | 128
+EPILOGUE_DGELU_BGRAD = 64 | 128 | 16
 EPILOGUE_BGRADA = 256
 EPILOGUE_BGRADB = 512
 _EPILOGUES = {EPILOGUE_DEFAULT: "none", EPILOGUE_BIAS: "bias", EPILOGUE_GELU_AUX: "gelu_aux",
               EPILOGUE_GELU_AUX_BIAS: "gelu_aux_bias", EPILOGUE_DGELU: "dgelu", EPILOGUE_BGRADB: "bgrad_a",
-              EPILOGUE_BGRADA: "bgrad_b"}
-_NEEDS_BIAS = (EPILOGUE_BIAS, EPILOGUE_GELU_AUX_BIAS, EPILOGUE_BGRADB, EPILOGUE_BGRADA)
-_NEEDS_AUX = (EPILOGUE_GELU_AUX, EPILOGUE_GELU_AUX_BIAS, EPILOGUE_DGELU)
+              EPILOGUE_BGRADA: "bgrad_b", EPILOGUE_DGELU_BGRAD: "dgelu_bgrad"}
+_NEEDS_BIAS = (EPILOGUE_BIAS, EPILOGUE_GELU_AUX_BIAS, EPILOGUE_BGRADB, EPILOGUE_BGRADA, EPILOGUE_DGELU_BGRAD)
+_NEEDS_AUX = (EPILOGUE_GELU_AUX, EPILOGUE_GELU_AUX_BIAS, EPILOGUE_DGELU, EPILOGUE_DGELU_BGRAD)
 R_8F_E5M2 = 29  # cudaDataType (library_types.h); recognised as fp8 by supports(), not otherwise used
 
 #: The pointer alignment every chosen algorithm must accept (cuBLASLt's default assumption is 256 bytes).
