@@ -78,6 +78,9 @@ def _parser():
                              "GPT-2 medium's width and SD3.5 stack, torch and cupyffn's MLPs, each eager, under "
                              "torch.compile and under torch.compile reduce-overhead (benchmarks/training.py; needs "
                              "torch and transformers; results/train-bf16-<gpu>.*)")
+    parser.add_argument("--models", nargs="+", choices=("gpt2", "gpt2-medium", "sd35"), default=None,
+                        help="train-bf16: the models to train (default: all three)")
+    parser.add_argument("--steps", type=int, default=300, help="train-bf16: AdamW steps per run (default 300)")
     return parser
 
 
@@ -91,6 +94,10 @@ def parse_args(argv=None):
     unset = object()
     seen = parser.parse_args(argv, argparse.Namespace(**{name: unset for name in vars(args)}))
     args.given = frozenset(name for name, value in vars(seen).items() if value is not unset)
+    if args.suite != "train-bf16" and args.given & {"models", "steps"}:
+        parser.error("--models and --steps are options of --suite train-bf16")
+    if args.steps < 25:
+        parser.error("--steps must be >= 25 (the median is taken after the fifth step, the loss over the last fifth)")
     for name in ("rounds", "iters", "warmup", "loop_calls"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             parser.error(f"--{name.replace('_', '-')} must be >= {0 if name == 'warmup' else 1}")

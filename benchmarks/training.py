@@ -36,13 +36,13 @@ def _example():
     return module
 
 
-def run_suite(args, cupy, steps=300):
+def run_suite(args, cupy):
     import torch
 
     example = _example()
     started = time.perf_counter()
-    models = {}
-    for model in MODELS:
+    models, steps = {}, args.steps
+    for model in args.models or MODELS:
         entry = summarize(example.main(model, steps=steps, device="cuda", compile=True, keep_going=True), example)
         models[model] = entry
         print(f"{model}: " + ", ".join(f"{n} " + ("failed" if "error" in e else f"{e['median_step_ms']:.2f} ms")
