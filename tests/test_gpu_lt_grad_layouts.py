@@ -2,7 +2,6 @@
 cuBLASLt route: given in that layout, accumulated into, or allocated so when the other one is given; the values
 those of C-contiguous gradients (the same products, operands swapped) and of float64, outputs NaN-poisoned first."""
 
-import numpy
 import pytest
 
 import cupyffn
