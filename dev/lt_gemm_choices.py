@@ -10,9 +10,13 @@ Shapes are TxDxH; activations bf16 (--dtype float16 for fp16), weight gradients 
 """
 
 import argparse
-import json
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _event_timing import flushed_median_ms  # noqa: E402
+from _json_out import save_json  # noqa: E402
 
 DEFAULT_SHAPES = ("256x1536x6144", "2048x1536x6144", "8192x1536x6144", "8192x1024x4096")
 
@@ -22,12 +26,13 @@ def parse(argv):
     p.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="TxDxH (default: %(default)s)")
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     p.add_argument("--reps", type=int, default=30)
-    p.add_argument("--out", default=None, help="JSON file (default: $OUT/lt-gemm-choices.json where $OUT is set)")
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "results"), "lt-gemm-choices.json"))
     return p.parse_args(argv)
 
 
 def main(argv=None):
     args = parse(argv)
+    import cupy
     import torch
 
     from cupyffn.gemm import cublas, cublaslt
@@ -40,25 +45,15 @@ def main(argv=None):
     handle = cublas.acquire(torch.cuda.current_device())
     flush_buf = torch.empty(64 << 20, dtype=torch.int32, device=dev)
 
+    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)  # torch's and the GEMMs' stream
+
     def timed(fn):
-        torch.cuda.synchronize()
-        for _ in range(3):
-            fn()
-        samples = []
-        for _ in range(args.reps):
-            flush_buf.zero_()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            samples.append(a.elapsed_time(b))
-        samples.sort()
+        """The median of fn() (L2 flushed before each sample) and the kernels one call launches."""
+        ms = flushed_median_ms(cupy, stream, fn, flush_buf.zero_, args.reps, 3)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-        kernels = [e.key for e in prof.key_averages() if e.device_time_total > 0]
-        return {"ms": samples[len(samples) // 2], "kernels": kernels}
+        return {"ms": ms, "kernels": [e.key for e in prof.key_averages() if e.device_time_total > 0]}
 
     def lt(m, n, k, a, b, c, a_trans=False, b_trans=False, epilogue=cublaslt.EPILOGUE_DEFAULT, out_type=None,
            bias=None, aux=None, bias_type=None):
@@ -93,7 +88,7 @@ def main(argv=None):
                "cublaslt": cublaslt.version(), "shapes": {}}
     copy_src = torch.randn(64 << 20, device=dev).to(act)
     copy_dst = torch.empty_like(copy_src)
-    bw = 2 * copy_src.numel() * copy_src.element_size() / timed(lambda: copy_dst.copy_(copy_src))["ms"] / 1e9  # GB/ms
+    bw = 2 * copy_src.numel() * copy_src.element_size() / timed(lambda: copy_dst.copy_(copy_src))["ms"] / 1e9  # TB/s
     results["copy_bandwidth_tb_s"] = bw
     print(f"device copy bandwidth {bw:.2f} TB/s", flush=True)
     for shape in args.shapes:
@@ -126,45 +121,36 @@ def main(argv=None):
         record(rows, "bwd1 torch mm", lambda: torch.mm(dy, w2, out=out_th))
         rows["bwd1 elementwise floor"] = {"ms": 3 * T * H * 2 / bw / 1e9,
                                           "what": "read the product and z, write grad_linear1 (bf16)"}
+        def weight_gemm(label, summed, other, grad, grad_t, bias):
+            """grad [K-side of `summed`, other] = summed^T other with the bias gradient (column sums of `summed`) by
+            BGRADB, plain, and written transposed (grad_t = other^T summed) with BGRADA, plain."""
+            m, n = summed.shape[1], other.shape[1]
+            want = summed.float().sum(0)
+            for name, (mm, nn, a, b, c, bgrad) in (("", (m, n, summed, other, grad, E.EPILOGUE_BGRADB)),
+                                                   (" transposed", (n, m, other, summed, grad_t, E.EPILOGUE_BGRADA))):
+                run, why = lt(mm, nn, T, a, b, c, a_trans=True, epilogue=bgrad, out_type=F, bias=bias)
+                record(rows, f"{label}{name} {'bgrada' if name else 'bgradb'}", run, why)
+                if run is not None:
+                    rows[f"{label}{name} {'bgrada' if name else 'bgradb'}"]["bias_rel_err"] = rel(bias, want)
+                    rows[f"{label}{name} {'bgrada' if name else 'bgradb'}"]["grad_rel_err"] = rel(
+                        c, (a.float().t() @ b.float()))
+                record(rows, f"{label}{name} plain", *lt(mm, nn, T, a, b, c, a_trans=True, out_type=F))
+
         # backward GEMM4: grad_weight1 [H, D] = gl^T x (+ grad_bias1 = column sums of gl); transposed: [D, H]
-        want_b1 = gl.float().sum(0)
-        run, why = lt(H, D, T, gl, x, gw_hd, a_trans=True, epilogue=E.EPILOGUE_BGRADB, out_type=F, bias=gb_h)
-        record(rows, "bwd4 bgradb", run, why)
-        if run is not None:
-            rows["bwd4 bgradb"]["bias_rel_err"] = rel(gb_h, want_b1)
-        record(rows, "bwd4 plain", *lt(H, D, T, gl, x, gw_hd, a_trans=True, out_type=F))
-        run, why = lt(D, H, T, x, gl, gw_dh, a_trans=True, epilogue=E.EPILOGUE_BGRADA, out_type=F, bias=gb_h)
-        record(rows, "bwd4 transposed bgrada", run, why)
-        if run is not None:
-            rows["bwd4 transposed bgrada"]["bias_rel_err"] = rel(gb_h, want_b1)
-            rows["bwd4 transposed bgrada"]["grad_rel_err"] = rel(gw_dh, (x.float().t() @ gl.float()))
-        record(rows, "bwd4 transposed plain", *lt(D, H, T, x, gl, gw_dh, a_trans=True, out_type=F))
+        weight_gemm("bwd4", gl, x, gw_hd, gw_dh, gb_h)
         record(rows, "bwd4 torch mm (bf16 out)", lambda: torch.mm(gl.t(), x))
         record(rows, "colsum of gl (torch sum fp32)", lambda: torch.sum(gl, 0, dtype=torch.float32, out=gb_h))
-        rows["colsum floor"] = {"ms": T * H * 2 / bw / 1e9 * 2, "what": "read grad_linear1 once"}
+        rows["colsum floor"] = {"ms": T * H * 2 / bw / 1e9, "what": "read grad_linear1 once"}
         # backward GEMM2: grad_weight2 [D, H] = dy^T g (+ grad_bias2 = column sums of dy); transposed: [H, D]
-        want_b2 = dy.float().sum(0)
-        run, why = lt(D, H, T, dy, g, gw_dh, a_trans=True, epilogue=E.EPILOGUE_BGRADB, out_type=F, bias=gb_d)
-        record(rows, "bwd2 bgradb", run, why)
-        if run is not None:
-            rows["bwd2 bgradb"]["bias_rel_err"] = rel(gb_d, want_b2)
-        record(rows, "bwd2 plain", *lt(D, H, T, dy, g, gw_dh, a_trans=True, out_type=F))
-        run, why = lt(H, D, T, g, dy, gw_hd, a_trans=True, epilogue=E.EPILOGUE_BGRADA, out_type=F, bias=gb_d)
-        record(rows, "bwd2 transposed bgrada", run, why)
-        if run is not None:
-            rows["bwd2 transposed bgrada"]["bias_rel_err"] = rel(gb_d, want_b2)
-        record(rows, "bwd2 transposed plain", *lt(H, D, T, g, dy, gw_hd, a_trans=True, out_type=F))
+        weight_gemm("bwd2", dy, g, gw_dh, gw_hd, gb_d)
         # backward GEMM3: dx = gl w1
         record(rows, "bwd3 plain", *lt(T, D, H, gl, w1, out_td))
         w32 = torch.randn(H, D, device=dev)
         w16 = torch.empty(H, D, device=dev, dtype=act)
         record(rows, "weight1 fp32 -> 16-bit (torch copy_)", lambda: w16.copy_(w32))
         results["shapes"][shape] = rows
-    out = args.out or (os.path.join(os.environ["OUT"], "lt-gemm-choices.json") if os.environ.get("OUT") else None)
-    if out:
-        with open(out, "w") as f:
-            json.dump(results, f, indent=1)
-        print(f"wrote {out}")
+    save_json(results, args.out)
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -15,14 +15,16 @@ Models: examples/train_gpt2.py's PRESETS (gpt2, gpt2-medium, sd35); --layers ove
 """
 
 import argparse
-import copy
 import importlib.util
-import json
 import os
 import pathlib
 import re
 import statistics
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _json_out import save_json  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODES = {"eager": None, "default": "default", "reduce-overhead": "reduce-overhead"}
@@ -68,7 +70,7 @@ def parse(argv):
     p.add_argument("--top", type=int, default=12, help="kernels listed per run (default: %(default)s)")
     p.add_argument("--host", type=int, default=0, metavar="N",
                    help="also profile N steps' host work with cProfile: the functions with the most own time")
-    p.add_argument("--out", default=None, help="JSON file (default: $OUT/step-breakdown-<model>.json where $OUT is set)")
+    p.add_argument("--out", default=None, help="JSON file (default: $OUT or results/, step-breakdown-<model>.json)")
     return p.parse_args(argv)
 
 
@@ -92,7 +94,7 @@ def _busy_ms(intervals):
     return total / 1e6
 
 
-def measure(example, model, kind, item, mode, args, own):
+def measure(model, kind, item, mode, args, own):
     import torch
 
     runner = model if mode is None else torch.compile(model, mode=mode)
@@ -193,7 +195,7 @@ def main(argv=None):
                 ct.replace_mlps(model)
             name = ("cupyffn + " if swapped else "torch ") + mode
             torch._dynamo.reset()
-            r = measure(example, model, kind, item, MODES[mode], args, own)
+            r = measure(model, kind, item, MODES[mode], args, own)
             result["runs"][name] = r
             print(f"== {name}: step {r['step_ms']:.3f} ms, GPU busy {r['gpu_busy_ms']:.3f}, host or idle "
                   f"{r['host_or_idle_ms']:.3f}, kernels {r['kernel_ms']:.3f}", flush=True)
@@ -205,12 +207,9 @@ def main(argv=None):
                 print(f"        host {ms:7.3f} ms  x{calls:5.0f}  {fn[:100]}")
             del model
             torch.cuda.empty_cache()
-    out = args.out or (os.path.join(os.environ["OUT"], f"step-breakdown-{args.model}.json")
-                       if os.environ.get("OUT") else None)
-    if out:
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {out}")
+    out = args.out or os.path.join(os.environ.get("OUT", "results"), f"step-breakdown-{args.model}.json")
+    save_json(result, out)
+    print(f"wrote {out}")
     return 0
 
 
