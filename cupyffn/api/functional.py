@@ -201,11 +201,13 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
         Where to write (grad_hidden_states, grad_weight1, grad_weight2[, grad_bias1, grad_bias2]): C-contiguous, the
         shapes of hidden_states, weight1, weight2, [H] and [D], not overlapping any input or each other;
         grad_hidden_states in the activation dtype, the weight and bias gradients float32 (16-bit activations:
-        float32 or the weights' dtype, one for all). An entry may be None to have it allocated (not during CUDA
-        stream capture: there every computed output must be given). If the call fails after validation, the given
-        arrays are filled with NaN, with accumulate=True too (a partial accumulation cannot be undone, so the
-        gradients accumulated so far are lost); if that fill fails as well, the raised error says so. If
-        validation fails they are untouched.
+        float32 or the weights' dtype, one for all). With weights given as transposed views of [in, out] matrices,
+        grad_weight1 and grad_weight2 may be stored that way too (both; transposes of C-contiguous [in, out]
+        arrays, the parameters' own layout: no copy follows), and one left None is then allocated so. An entry may
+        be None to have it allocated (not during CUDA stream capture: there every computed output must be given).
+        If the call fails after validation, the given arrays are filled with NaN, with accumulate=True too (a
+        partial accumulation cannot be undone, so the gradients accumulated so far are lost); if that fill fails as
+        well, the raised error says so. If validation fails they are untouched.
     stream : cupy.cuda.Stream, optional
         Stream to work on (default: CuPy's current stream). Results are ready on it when the call
         returns; the host is never synchronized, except when a call of a new shape evicts a cached plan
