@@ -7,7 +7,9 @@ same initial weights. Per run: the median step (CUDA events around the step, the
 example times it), then a few steps under torch.profiler: every GPU kernel's time, grouped (`GROUPS`: GEMMs,
 cuBLAS's own reductions, attention, optimizer, copies and casts, cupyffn's own kernels, other elementwise and
 reductions), the GPU's busy time (the union of kernel intervals, streams overlapped once) and the rest of the step
-(host work the GPU waited for), per step; and the kernels that take the most time.
+(host work the GPU waited for), per step; and the kernels that take the most time. `--gaps N`: the N longest
+stretches in which no kernel ran, with the kernels around each (where the GPU idles inside a step); `--host N`: a
+cProfile of N steps' host work.
 
     PYTHONPATH=. python dev/step_breakdown.py --model gpt2 --modes default eager --out $OUT/step-breakdown-gpt2.json
 
@@ -68,6 +70,8 @@ def parse(argv):
     p.add_argument("--steps", type=int, default=30, help="timed steps per run (default: %(default)s)")
     p.add_argument("--profiled", type=int, default=5, help="profiled steps per run (default: %(default)s)")
     p.add_argument("--top", type=int, default=12, help="kernels listed per run (default: %(default)s)")
+    p.add_argument("--gaps", type=int, default=0, metavar="N",
+                   help="also list the N longest stretches of the profiled steps in which the GPU ran no kernel")
     p.add_argument("--host", type=int, default=0, metavar="N",
                    help="also profile N steps' host work with cProfile: the functions with the most own time")
     p.add_argument("--out", default=None, help="JSON file (default: $OUT or results/, step-breakdown-<model>.json)")
@@ -92,6 +96,19 @@ def _busy_ms(intervals):
             total += e - end
             end = e
     return total / 1e6
+
+
+def largest_gaps(spans, count):
+    """The `count` longest stretches in which no kernel ran, between the first and the last of `spans` ((start ns,
+    end ns, name), any order): [(gap µs, kernel before, kernel after)], longest first. Where the GPU idles inside a
+    step, and next to what."""
+    gaps, end, last = [], None, None
+    for s, e, name in sorted(spans):
+        if end is not None and s > end:
+            gaps.append(((s - end) / 1e3, last, name))
+        if end is None or e > end:
+            end, last = e, name
+    return sorted(gaps, key=lambda g: -g[0])[:count]
 
 
 def measure(model, kind, item, mode, args, own):
@@ -137,7 +154,7 @@ def measure(model, kind, item, mode, args, own):
         if name.startswith(("Memcpy", "Memset")) and "Kernel" not in name:
             name = name.split(" ")[0]  # a copy engine's transfer, not a kernel
         kernels[name] = kernels.get(name, 0) + e.duration_ns()
-        intervals.append((e.start_ns(), e.start_ns() + e.duration_ns()))
+        intervals.append((e.start_ns(), e.start_ns() + e.duration_ns(), name))
     host = _host_profile(step, args.host) if args.host else None
     n = args.profiled
     groups = {}
@@ -145,12 +162,13 @@ def measure(model, kind, item, mode, args, own):
         g = group_of(name, own)
         groups[g] = groups.get(g, 0.0) + ns / 1e6 / n
     step_ms = statistics.median(times)
-    busy = _busy_ms(intervals) / n
+    busy = _busy_ms([(a, b) for a, b, _ in intervals]) / n
+    gaps = [[round(us, 1), before[:120], after[:120]] for us, before, after in largest_gaps(intervals, args.gaps)]
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:args.top]
     return {"step_ms": step_ms, "gpu_busy_ms": busy, "host_or_idle_ms": step_ms - busy,
             "kernel_ms": sum(groups.values()), "groups_ms": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
             "top_kernels": [{"ms": ns / 1e6 / n, "group": group_of(k, own), "name": k[:200]} for k, ns in top],
-            "host_functions": host}
+            "host_functions": host, "largest_gaps": gaps}
 
 
 def _host_profile(step, steps, top=25):
@@ -203,6 +221,8 @@ def main(argv=None):
                 print(f"     {ms:8.3f} ms  {g}")
             for k in r["top_kernels"]:
                 print(f"        {k['ms']:7.3f} ms  {k['name'][:110]}")
+            for us, before, after in r["largest_gaps"]:
+                print(f"        idle {us:8.1f} us  after {before[:50]}  before {after[:50]}")
             for ms, calls, fn in r["host_functions"] or ():
                 print(f"        host {ms:7.3f} ms  x{calls:5.0f}  {fn[:100]}")
             del model

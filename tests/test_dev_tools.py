@@ -242,3 +242,13 @@ def test_step_breakdown_groups_kernels_by_name():
     for name, group in cases.items():
         assert tool.group_of(name, own) == group, name
     assert tool._busy_ms([(0, 2_000_000), (1_000_000, 3_000_000), (5_000_000, 6_000_000)]) == 4.0
+
+
+def test_step_breakdown_finds_the_idle_stretches():
+    """dev/step_breakdown.py --gaps: the stretches no kernel covers (overlapping kernels on two streams count once),
+    longest first, with the kernel that ended last before each and the one that starts it."""
+    tool = load_tool("step_breakdown")
+    spans = [(10_000, 11_000, "d"), (0, 4_000, "a"), (1_000, 2_000, "b (side stream)"), (6_000, 7_000, "c")]
+    assert tool.largest_gaps(spans, 5) == [(3.0, "c", "d"), (2.0, "a", "c")]
+    assert tool.largest_gaps(spans, 1) == [(3.0, "c", "d")]
+    assert tool.largest_gaps([(0, 5, "x"), (1, 3, "y")], 3) == []
