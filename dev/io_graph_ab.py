@@ -48,6 +48,9 @@ def sample(cupy, s, call, flush, spin, queued):
 
 
 def measure(cupy, cupyffn, T, reps, rounds):
+    from cupyffn.api import functional, routes
+    from cupyffn.api.validate import Request
+
     sets = []
     for k in range(3):
         rng = cupy.random.default_rng(100 * T + k)
@@ -64,23 +67,26 @@ def measure(cupy, cupyffn, T, reps, rounds):
     cupy.cuda.Device().synchronize()  # the inputs were made on the null stream; s does not wait for it
     s = cupy.cuda.Stream(non_blocking=True)
     plan = cupyffn.GeluFFNBackward(T, D, H, precision="tf32")
-    engine = plan.engine
-    modes = {"replay": engine.graphs, "re-pointed": None}  # None: no graph cache, every call re-points
+    replays = plan.engine.graph_cache(routes.REPEATED)
+    request = Request("backward", "tf32")
+    # the plan's route (REPEATED: a graph per set of arrays) against the same calls routed EAGER (every call re-points)
+    modes = {"replay": None, "re-pointed": routes.EAGER}
     got = {m: {"idle": [], "queued": [], "host": []} for m in modes}
     for _ in range(rounds):
         for mode, graphs in modes.items():
-            engine.graphs = graphs
             for i in range(6 + reps):  # 6 warm-ups: every set seen twice (the second sighting captures)
                 args, out = sets[i % 3]
+
+                def call():
+                    functional.run(request, args, out, s, plan=plan, graphs=graphs)
+
                 for timer in ("idle", "queued"):
-                    ms, host = sample(cupy, s, lambda: plan(*args, out=out, stream=s), lambda: flush_buf.fill(1),
-                                      spin, timer == "queued")
+                    ms, host = sample(cupy, s, call, lambda: flush_buf.fill(1), spin, timer == "queued")
                     if i >= 6:
                         got[mode][timer].append(ms)
                         if timer == "idle":
                             got[mode]["host"].append(host)
-    engine.graphs = modes["replay"]
-    row = {"tokens": T, "captures": modes["replay"].captures, "graph_launches": modes["replay"].launches}
+    row = {"tokens": T, "captures": replays.captures, "graph_launches": replays.launches}
     for mode, timers in got.items():
         row[mode] = {k: round(statistics.median(v), 4) for k, v in timers.items()}
         row[mode]["idle / queued"] = round(row[mode]["idle"] / row[mode]["queued"], 3)

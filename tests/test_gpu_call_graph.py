@@ -11,6 +11,7 @@ import numpy
 import pytest
 
 import cupyffn
+from cupyffn.api import routes
 from cupyffn.gemm import cublas as _cublas
 from cupyffn import workloads as W
 from cupyffn.engine.options import EngineOptions
@@ -257,7 +258,7 @@ def test_repeated_arrays_replay_a_graph_of_their_own():
     graphed, eager = twin_plans(tokens, dim, hidden, "tf32")
     sets = [make(tokens, dim, hidden, seed=170 + k) for k in range(3)]
     outs = [poisoned(tokens, dim, hidden) for _ in sets]
-    replays = graphed.engine.graphs
+    replays = graphed.engine.graph_cache(routes.REPEATED)
     for round_ in range(3):
         for k, ((args, inputs), out) in enumerate(zip(sets, outs)):
             if round_ == 2:

@@ -11,7 +11,7 @@ import numpy
 import pytest
 
 import cupyffn
-from cupyffn.api import functional as _backward
+from cupyffn.api import execute, functional as _backward, routes
 from cupyffn.core import plans as _plan_cache, views as _views
 from cupyffn import workloads as W
 
@@ -101,7 +101,7 @@ def pinned_backward_plans():
 
 
 def backward_cache():
-    return _backward._caches["float32", "backward"]
+    return execute.engine_cache("float32", "backward")
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -402,7 +402,7 @@ def test_graph_plan_inside_an_external_capture():
     cap = cupy.cuda.Stream(non_blocking=True)
     graph = capture(cap, lambda: plan(*args, out=out, stream=cap))
     replay_and_check(graph, cap, args, out, "bf16x3", range(60, 62), "graph=True plan, external replay")
-    assert len(plan.engine.graphs._graphs) == 1  # its own graph, from the eager call
+    assert len(plan.engine.graph_cache(routes.GRAPH_PLAN)._graphs) == 1  # its own graph, from the eager call
 
 
 def test_user_plan_pinned_by_capture_then_closed():

@@ -279,7 +279,7 @@ def test_the_layer_validates_once_and_replays_its_repeated_tensors(monkeypatch):
     the call by its signature), a repeated set is replayed as a captured graph (cupyffn/cuda/graph_cache.py), with
     the same bits as the functional API on the same bf16 operands; unaligned weights are refused with the reason."""
     torch = pytest.importorskip("torch")
-    from cupyffn.api import functional, validate
+    from cupyffn.api import execute, functional, routes, validate
     import cupyffn.torch as ct
 
     torch.manual_seed(0)
@@ -304,7 +304,8 @@ def test_the_layer_validates_once_and_replays_its_repeated_tensors(monkeypatch):
                 k.copy_(t.grad)
     torch.cuda.synchronize()
     assert validated.count("forward") == 1 and validated.count("backward") <= 2  # the grads freed step to step
-    assert sum(e.graphs.launches for e in functional._caches["lt", "backward"]._plans.values()) >= 1
+    assert sum(e.graph_cache(routes.REPEATED).launches
+               for e in execute.engine_cache("lt", "backward")._plans.values()) >= 1
     for later in kept[1:]:
         assert all(torch.equal(a, b) for a, b in zip(kept[0], later))
     results = [[y] + kept[0]]

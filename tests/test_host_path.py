@@ -81,7 +81,7 @@ def fake_torch(monkeypatch):
     monkeypatch.setattr(_arrays, "_torch_types", frozenset({FakeTensor}))
     monkeypatch.setattr(_arrays, "_torch_f32", F32)
     monkeypatch.setattr(_arrays, "_torch_stream", torch_stream)
-    monkeypatch.setattr(_arrays, "_wait", lambda producer, consumer, device: state.waits.append(
+    monkeypatch.setattr(_arrays, "_wait", lambda producer, consumer, device, capturing=None: state.waits.append(
         (producer, consumer, device)))
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda device_id=-1: Stream(state.cupy_current))
     monkeypatch.setattr(_views, "_views", {})
@@ -137,11 +137,12 @@ def test_torch_and_cupy_entries_never_collide(fake_torch):
     assert sig_m[0] == (args[0].ptr, (T, D), (4 * D, 4), numpy.dtype(numpy.float32))
 
 
-def test_no_torch_no_cupy_means_no_signature(monkeypatch):
+def test_no_torch_no_cupy_means_no_signature_yet(monkeypatch):
+    """Before CuPy or torch tensors were seen the signature cannot tell: UNKNOWN, asked again after validating."""
     monkeypatch.setattr(_validate, "_cupy_ndarray", None)
     monkeypatch.setattr(_arrays, "_torch_types", None)
     monkeypatch.setitem(__import__("sys").modules, "cupy", None)
-    assert signature([numpy.zeros(2)] * 7) is None
+    assert signature([numpy.zeros(2)] * 7) is _validate.UNKNOWN
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,16 +169,25 @@ def test_prepare_reads_geometry_by_pointer(fake_torch):
     assert call.follow == 0
 
 
-def test_the_stream_is_followed_once_per_call(fake_torch):
+def test_validation_waits_for_nothing_and_marks_the_stream_to_follow(fake_torch):
     args, out = tensors(), tensors(base=1 << 40, shapes=OUT_SHAPES)
-    prepare(args, out, Stream(OTHER_STREAM))
+    call = prepare(args, out, Stream(OTHER_STREAM))
+    assert call.follow == 0 and fake_torch.waits == [] and fake_torch.stream_queries == 0
+
+
+def test_the_stream_is_followed_once_per_call(fake_torch, fake_gpu):
+    """The executor orders its stream after torch's once per call, whatever the number of tensors."""
+    plan = _FakePlan()
+    args, out = tensors(), tensors(base=1 << 40, shapes=OUT_SHAPES)
+    plan(*args, out=out, stream=Stream(OTHER_STREAM))
     assert fake_torch.waits == [(TORCH_STREAM, OTHER_STREAM, 0)]  # ten tensors, one wait
     assert fake_torch.stream_queries == 1
     fake_torch.waits.clear()
-    prepare(args, out, Stream(TORCH_STREAM))  # cupyffn on torch's own stream: stream order holds
+    plan(*args, out=out, stream=Stream(TORCH_STREAM))  # cupyffn on torch's own stream: stream order holds
     assert fake_torch.waits == []
-    prepare(args, out, None)  # None: CuPy's current stream of the device (OTHER_STREAM here)
+    plan(*args, out=out, stream=None)  # None: CuPy's current stream of the device (OTHER_STREAM here)
     assert fake_torch.waits == [(TORCH_STREAM, OTHER_STREAM, 0)]
+    assert len(fake_gpu) == 3
 
 
 def test_no_wait_for_cupy_arrays(fake_torch):
@@ -249,32 +259,45 @@ def test_real_torch_tensors_of_other_dtypes_keep_dlpacks_message():
 # reuse: the validated call of a repeated signature, through a plan
 # ---------------------------------------------------------------------------------------------
 class _FakePlan:
-    """What the door needs of a GeluFFNBackward (its token in the cache of validated calls, graph, engine,
-    check_call); the executor is replaced by one returning the call it would run."""
+    """What the door needs of a GeluFFNBackward (its token in the cache of validated calls, shape, device, graph,
+    engine, owned outputs)."""
 
     graph, owned_outputs = False, None
-    engine = types.SimpleNamespace(call_graph=False)
+    tokens, dim, hidden_dim, device = T, D, H, 0
+    engine = types.SimpleNamespace(plan=types.SimpleNamespace(call_graph=False))
 
     def __init__(self):
         self.token = next(_backward_plan._tokens)
 
-    def check_call(self, call):
-        assert (call.tokens, call.dim, call.hidden_dim) == (T, D, H)
-
-    def __call__(self, *args, out=None, stream=None):
-        return _functional.run(_validate.Request("backward", "tf32"), args, out, stream, plan=self)
+    def __call__(self, *args, out=None, stream=None, kind="backward"):
+        request = _validate.Request(kind, "tf32")
+        return _functional.run(request, args, out, stream, plan=self)
 
 
-def test_a_repeated_call_validates_once_and_follows_each_time(fake_torch, monkeypatch):
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """The executor's GPU side on "device 0", no stream capturing, and the engine's part replaced by a record of the
+    calls it would run (the list returned)."""
+    from cupyffn.core import plans as _plans
+
+    ran = []
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    monkeypatch.setattr(_plans, "_stream_is_capturing", lambda ptr: False)
+    monkeypatch.setattr(_execute, "_run_gpu", lambda call, *a, **k: ran.append(call))
+    return ran
+
+
+def test_a_repeated_call_validates_once_and_follows_each_time(fake_torch, fake_gpu, monkeypatch):
     validated = []
     real = _validate.validate
     monkeypatch.setattr(_validate, "validate", lambda *a, **k: validated.append(1) or real(*a, **k))
-    monkeypatch.setattr(_execute, "run", lambda call, *a, **k: call)
     plan = _FakePlan()
     args, out = tensors(), tensors(base=1 << 40, shapes=OUT_SHAPES)
     stream = Stream(OTHER_STREAM)
-    first = plan(*args, out=out, stream=stream)
-    calls = [plan(*args, out=out, stream=stream) for _ in range(3)]
+    plan(*args, out=out, stream=stream)
+    for _ in range(3):
+        plan(*args, out=out, stream=stream)
+    first, calls = fake_gpu[0], fake_gpu[1:]
     assert len(validated) == 1  # the signature's cache hit skips validation
     assert len(fake_torch.waits) == 4  # but every call is ordered after torch's stream, once
     for call in calls:
@@ -322,13 +345,17 @@ def test_import_array_leaves_the_wait_to_a_caller_that_collects_devices(fake_tor
     assert devices == {0} and fake_torch.waits == [] and fake_torch.stream_queries == 0
 
 
-def test_the_forward_follows_torch_once_per_call(fake_torch):
-    """gelu_ffn_forward's validation: three inputs and four outputs, all torch tensors, one wait."""
+def test_the_forward_follows_torch_once_per_call(fake_torch, fake_gpu):
+    """gelu_ffn_forward's call: three inputs and four outputs, all torch tensors, validated without a wait, one wait
+    in the executor."""
     x, w1, w2 = tensors(shapes=((T, D), (H, D), (D, H)))
     outs = tensors(base=1 << 40, shapes=((T, D), (T, H), (T, H), (T, H)))
     call = _validate.validate(_validate.Request("forward"), (x, w1, w2, None, None), outs, Stream(OTHER_STREAM))
     assert call.backend == "gpu" and [a.data.ptr for a in call.out_arrays] == [o.ptr for o in outs]
+    assert fake_torch.waits == [] and call.follow == 0
+    _FakePlan()(x, w1, w2, None, None, out=outs, stream=Stream(OTHER_STREAM), kind="forward")
     assert fake_torch.waits == [(TORCH_STREAM, OTHER_STREAM, 0)] and fake_torch.stream_queries == 1
+    assert len(fake_gpu) == 1 and fake_gpu[0].kind == "forward"
 
 
 def test_the_forward_waits_for_nothing_when_its_arguments_are_refused(fake_torch):

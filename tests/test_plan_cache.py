@@ -10,10 +10,9 @@ import pytest
 
 import cupyffn
 from cupyffn import workloads as W
-from cupyffn.api import execute, routes, validate
+from cupyffn.api import backward_plan, execute, routes, validate
 from cupyffn.core import plans as _plan_cache
 from cupyffn.core.plans import PlanCache
-from cupyffn.cuda.graph_cache import GraphCache
 from cupyffn.cuda.stream_engine import StreamEngine
 
 
@@ -287,7 +286,8 @@ class FakeEngine(StreamEngine):
         self.side_busy = False  # the side stream still in a caller's capture
         self.fail = None
         self.call_graph = call_graph  # GpuEngine.call_graph: eager calls as one re-pointed graph launch
-        self.graphs = None
+        self._graph_caches = {}
+        self.device_id = 0
         self._io = None
 
     def io_key(self, call, pointers):
@@ -338,13 +338,21 @@ class FakeStream:
 
 class Harness:
     """A validated call (NumPy arrays standing for device 0's) and its route, run by the product's executor on a
-    FakeEngine."""
+    FakeEngine (the route's engine, built by its plan cache)."""
 
-    def __init__(self, engine, call, out, route):
-        self.engine, self.call, self.out, self.route = engine, call, out, route
+    def __init__(self, engine, call, out, graphs=routes.EAGER):
+        self.engine, self.call, self.out = engine, call, out
+        self.route = routes.Route(routes.FLOAT32, graphs, ("harness", id(engine)), lambda key: engine)
+        cache = execute.engine_cache(routes.FLOAT32, call.kind)  # built, as by a call outside any capture
+        cache.release(cache.acquire(self.route.key, lambda: engine))
+
+    @property
+    def graphs(self):
+        """The engine's GraphCache under the route's policy."""
+        return self.engine.graph_cache(self.route.graphs)
 
     def run(self, ptr, ready=0, call=None, out=None):
-        return execute.run(call or self.call, self.route, self.engine, out or self.out, FakeStream(ptr), ready)
+        return execute.run((call or self.call)._replace(ready=ready), self.route, out or self.out, FakeStream(ptr))
 
 
 def _gpu_call(seed, out):
@@ -362,19 +370,18 @@ def gpu_like(monkeypatch):
     out = [numpy.zeros((16, 8), numpy.float32), numpy.zeros((32, 8), numpy.float32),
            numpy.zeros((8, 32), numpy.float32)]
     engine = FakeEngine()
-    yield Harness(engine, _gpu_call(2, out), out, routes.choose(_gpu_call(2, out), engine)), capturing
+    yield Harness(engine, _gpu_call(2, out), out), capturing
     _plan_cache.release_captured_plans()
+    execute.clear_engines()
 
 
 def _with_call_graph(h, monkeypatch=None, replay=None):
     """The harness's engine as a call-graph plan's, on the route the table gives it (graphs per repeated set of
     arrays), with `replay` standing for the capture."""
     h.engine.call_graph = True
-    h.route = routes.choose(h.call, h.engine)
-    assert h.route.graphs is routes.REPEATED
-    h.engine.graphs = GraphCache(h.route.graphs, 0)
+    h.route = h.route._replace(graphs=routes.REPEATED)
     if replay is not None:
-        monkeypatch.setattr(h.engine.graphs, "_capture", replay)
+        monkeypatch.setattr(h.graphs, "_capture", replay)
     return h
 
 
@@ -431,11 +438,11 @@ def test_eager_calls_take_the_call_graph_where_the_engine_has_one(gpu_like, monk
     assert engine.log == [("enqueue", 9, False), ("order", 7), ("enqueue", 7, True), ("done", 7)]
     engine.side_busy = False
     engine.log.clear()
-    engine.graphs = GraphCache(routes.REPEATED, 0)  # forget the sighting above
+    engine.destroy_graphs()  # forget the sighting above
     h.run(7)
     assert engine.log == [("order", 7), ("graph", 7), ("done", 7)]
     engine.fail = ValueError("injected")  # a failed graph launch: done recorded, out= NaN
-    engine.graphs = GraphCache(routes.REPEATED, 0)
+    engine.destroy_graphs()
     with pytest.raises(ValueError, match="injected"):
         h.run(7)
     assert engine.log[-1] == ("done", 7) and all(numpy.isnan(o).all() for o in h.out)
@@ -459,7 +466,7 @@ def test_call_graph_plans_replay_a_graph_per_repeated_set_of_arrays(gpu_like, mo
 
     def capture(issue, stream_ptr):  # GraphCache._capture on its private stream (99)
         issue(99, True)
-        engine.graphs.captures += 1
+        h.graphs.captures += 1
         return Graph()
 
     _with_call_graph(h, monkeypatch, capture)
@@ -468,7 +475,7 @@ def test_call_graph_plans_replay_a_graph_per_repeated_set_of_arrays(gpu_like, mo
     assert engine.log == [("order", 7), ("bind",), ("graph", 7), ("done", 7),
                           ("order", 7), ("enqueue", 99, False), ("replay", 7), ("done", 7),
                           ("order", 7), ("replay", 7), ("done", 7)]
-    assert (engine.graphs.captures, engine.graphs.launches) == (1, 2)
+    assert (h.graphs.captures, h.graphs.launches) == (1, 2)
     other = [o.copy() for o in h.out]
     call2 = _gpu_call(2, other)
     engine.log.clear()
@@ -478,8 +485,9 @@ def test_call_graph_plans_replay_a_graph_per_repeated_set_of_arrays(gpu_like, mo
     assert engine.log == [("order", 7), ("bind",), ("graph", 7), ("done", 7),
                           ("order", 7), ("replay", 7), ("done", 7),
                           ("order", 7), ("bind",), ("enqueue", 7, False), ("done", 7)]
-    engine.graphs.destroy()
-    assert engine.log[-1] == ("destroy",) and engine.graphs._graphs == {}
+    graphs = h.graphs
+    engine.destroy_graphs()
+    assert engine.log[-1] == ("destroy",) and graphs._graphs == {} and h.graphs is not graphs
 
 
 def test_captured_call_pins_and_uses_no_event_from_outside(gpu_like):
@@ -557,11 +565,10 @@ def test_profile_stages_refuses_a_plan_closed_meanwhile(monkeypatch):
     engine = FakeEngine()
     plan.engine = engine
 
-    class ClosedAfterTheOrdinaryCall(type(plan)):
-        def __call__(self, *args, **kwargs):
-            engine.closed = True
+    def ordinary_call_then_closed(*args, **kwargs):
+        engine.closed = True
 
-    plan.__class__ = ClosedAfterTheOrdinaryCall
+    monkeypatch.setattr(backward_plan.functional, "run", ordinary_call_then_closed)
     args, _ = _cpu_args(0)
     with pytest.raises(RuntimeError, match="this GeluFFNBackward plan was closed"):
         plan.profile_stages(*args, out=[numpy.zeros(1)] * 3, stream=FakeStream(7), reps=1)
@@ -573,9 +580,7 @@ def test_graph_plans_bind_before_their_capture(gpu_like, monkeypatch):
     first use, refused inside a capture) before the capture begins, and the capture only enqueues."""
     h, _ = gpu_like
     engine = h.engine
-    h.route = routes.choose(h.call, engine, graph=True)
-    assert h.route.graphs is routes.GRAPH_PLAN
-    engine.graphs = GraphCache(h.route.graphs, 0)
+    h.route = h.route._replace(graphs=routes.GRAPH_PLAN)
 
     class Graph:
         def launch(self, stream_ptr):
@@ -588,10 +593,10 @@ def test_graph_plans_bind_before_their_capture(gpu_like, monkeypatch):
         engine.log.append(("begin capture",))
         issue(99, True)
         engine.log.append(("end capture",))
-        engine.graphs.captures += 1
+        h.graphs.captures += 1
         return Graph()
 
-    monkeypatch.setattr(engine.graphs, "_capture", capture)
+    monkeypatch.setattr(h.graphs, "_capture", capture)
     h.run(7)
     h.run(7)
     assert engine.log == [("order", 7), ("bind",), ("begin capture",), ("enqueue", 99, False), ("end capture",),
@@ -603,8 +608,10 @@ def test_a_plans_captured_call_pins_the_plan(gpu_like):
     plan stays alive and closed-proof until release_captured_plans(); the functions' engines are pinned themselves."""
     h, capturing = gpu_like
     owner = cupyffn.GeluFFNBackward(16, 8, 32, device="cpu")
+    owner.engine = h.engine  # the plan's own engine (a CPU plan has none)
     capturing.add(9)
-    execute.run(h.call, h.route, h.engine, h.out, FakeStream(9), owner=owner)
+    execute.run(h.call, h.route, h.out, FakeStream(9), plan=owner)
+    owner.engine = None
     assert _plan_cache.is_pinned(owner) and not _plan_cache.is_pinned(h.engine)
     with pytest.raises(RuntimeError, match="pinned"):
         owner.close()

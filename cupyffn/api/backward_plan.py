@@ -89,8 +89,7 @@ class GeluFFNBackward:
         self.tokens = check_size("tokens", tokens, 0)
         self.dim = check_size("dim", dim, 1)
         self.hidden_dim = check_size("hidden_dim", hidden_dim, 1)
-        if precision is not None:  # a bad name is reported before the device is looked at
-            _precision.lookup(precision)
+        _precision.checked_name(precision)  # a bad name is reported before the device is looked at
         if not (need_grad_hidden or need_weight_grads or need_bias_grads):
             raise ValueError("need_grad_hidden, need_weight_grads and need_bias_grads are all False: there is nothing "
                              "to compute")
@@ -119,7 +118,6 @@ class GeluFFNBackward:
                                     self.need_grad_hidden, self.need_weight_grads,
                                     options=_options if _options is not None else DEFAULT,
                                     need_bias_grads=self.need_bias_grads)
-            self.engine.use_graphs(routes.graph_policy(routes.FLOAT32, "backward", self.engine, self.graph))
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -165,19 +163,6 @@ class GeluFFNBackward:
         args = (grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out)
         return functional.run(request, args, out, stream, check_activations, grad_hidden_ready, plan=self)
 
-    def check_call(self, call):
-        """Refuse a call (validated) this plan is not for."""
-        expected = (self.tokens, self.dim, self.hidden_dim)
-        if (call.tokens, call.dim, call.hidden_dim) != expected:
-            raise ValueError(f"this plan is for (tokens, dim, hidden_dim) = {expected}; the arrays give "
-                             f"{(call.tokens, call.dim, call.hidden_dim)}")
-        if call.device != self.device:
-            where = "the CPU" if call.device == "cpu" else f"cuda:{call.device}"
-            raise ValueError(f"this plan is for device {self.device!r}; the arrays are on {where}")
-        if call.act != "float32":
-            raise TypeError(f"this plan is for float32 activations; the arrays are {call.act} (call "
-                            f"cupyffn.gelu_ffn_backward, which runs them on cuBLASLt)")
-
     def close(self):
         """Give back device memory and cuBLAS handles now (also done when the plan is collected).
 
@@ -222,11 +207,12 @@ class GeluFFNBackward:
 
         s = stream if stream is not None else cupy.cuda.get_current_stream()
         engine = self.engine
-        graphs, engine.graphs = engine.graphs, None  # the ordinary call without graphs binds these very arrays
-        try:
-            self(*arrays, out=out, stream=s)
-        finally:
-            engine.graphs = graphs
+        if self._closed:
+            raise RuntimeError("this GeluFFNBackward plan was closed")
+        # the ordinary call, without graphs (EAGER), binds the launches to these very arrays
+        request = Request("backward", self.precision.name, self.need_grad_hidden, self.need_weight_grads,
+                          self.need_bias_grads)
+        functional.run(request, arrays, out, s, plan=self, graphs=routes.EAGER)
         from ..engine.schedule import time_stages
 
         with engine.lock:  # no ordinary call of this plan interleaves with the serialized ones

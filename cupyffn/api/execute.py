@@ -1,14 +1,15 @@
-"""The one executor: a validated Call, its Route and its engine in; the outputs allocated (or the caller's out=),
-the engine bound and run along the route, the results out. Every entry point ends here (cupyffn/api/functional.py
-for the functions, cupyffn/api/backward_plan.py for plans).
+"""The one executor: a validated Call and its Route in (cupyffn/api/routes.py); the engine taken from its plan cache (or
+the plan's own), the outputs allocated (or the caller's out=), the engine bound and run along the route, the results
+out. Every entry point ends here (cupyffn/api/functional.py for the functions and for plans).
 
-GPU, under the engine's lock: the capture query; under a caller's capture no allocation, no host synchronization and
-no event from outside the capture (the engine is pinned: a graph may replay its scratch); otherwise ordering after
-the engine's previous call (cupyffn/cuda/stream_engine.py). Then, by the route's graph policy (cupyffn/api/routes.py):
-into the caller's capture; all on the caller's stream while a capture holds the side stream; the graph of this set
-of arrays (cupyffn/cuda/graph_cache.py), captured once the policy has seen it often enough; or the engine's eager
-call. After a failure (not under capture) the caller's out= arrays are NaN-filled, so no stale or partial value
-passes; the engine's "done" event is recorded also then, so close() waits for the partial work.
+The call's context is computed once, here: its stream, whether that stream is capturing a CUDA graph, and the wait on
+torch's stream where the call has torch tensors. GPU, under the engine's lock: under a caller's capture no
+allocation, no host synchronization and no event from outside the capture (the engine is pinned: a graph may replay
+its scratch); otherwise ordering after the engine's previous call (cupyffn/cuda/stream_engine.py). Then, by the
+route's graph policy: into the caller's capture; all on the caller's stream while a capture holds the side stream;
+the graph of this set of arrays (cupyffn/cuda/graph_cache.py), captured once the policy has seen it often enough; or
+the engine's eager call. After a failure (not under capture) the caller's out= arrays are NaN-filled, so no stale or
+partial value passes; the engine's "done" event is recorded also then, so close() waits for the partial work.
 """
 
 import contextlib
@@ -17,12 +18,35 @@ import math
 import numpy
 
 from ..core import arrays as _arrays
+from ..core import checks as _checks
 from ..core import plans as _plans
+from ..core.plans import PlanCache
 from ..core.results import FFNForward, FFNGrads
 from ..core.views import numpy_dtype
+from .routes import GRAPH_PLAN, NO_TOKENS, NUMPY
 from .validate import outputs_of
 
 _NAN16 = {"bfloat16": 0x7FC0, "float16": 0x7E00}
+
+#: engines kept per (engine, pass): a plan per shape and configuration, least recently used evicted
+CACHE_SIZE = 4
+_caches = {}  # (route.engine, "forward" | "backward") -> PlanCache
+
+
+def clear_engines():
+    """Drop the cached engines (waiting for their last calls; their device memory goes back to CuPy's pool). Engines
+    captured into a CUDA graph stay (``release_captured_plans``); those in use by another thread close when their
+    call ends."""
+    for cache in _caches.values():
+        cache.clear()
+
+
+def engine_cache(engine, kind):
+    """The PlanCache of `engine` ("float32", "lt") running `kind` ("forward", "backward")."""
+    cache = _caches.get((engine, kind))
+    if cache is None:
+        cache = _caches.setdefault((engine, kind), PlanCache(CACHE_SIZE))
+    return cache
 
 
 def results_type(call):
@@ -34,7 +58,7 @@ def outputs(call, out, stream=None, capturing=False, owned=None, what="cupyffn")
     """(results for the caller, the outputs as arrays (None where not computed)): the caller's out= object where it
     gave one, else a new array (NumPy on the CPU; CuPy on `stream` on a GPU), or the plan's own (`owned`: a list a
     graph=True plan keeps its outputs in)."""
-    shapes, dtypes, computed = call.output_shapes(), call.output_dtypes(), call.computed
+    shapes, dtypes, computed = call.output_shapes, call.output_dtypes, call.computed
     results, arrays, missing = [], [], []
     for i, given in enumerate(call.out):
         if not computed[i]:
@@ -85,8 +109,8 @@ def _allocate(call, shape, dtype, stream):
 
 def _geometry(call, arrays):
     """The outputs' 2-D geometry (None where not computed): the validated out= entries, and the arrays allocated."""
-    dtypes = call.output_dtypes()
-    shapes = call.output_shapes()
+    dtypes = call.output_dtypes
+    shapes = call.output_shapes
     geometry = []
     for i, a in enumerate(arrays):
         if a is None:
@@ -101,14 +125,16 @@ def _geometry(call, arrays):
 
 
 # ---------------------------------------------------------------------- running
-def run(call, route, engine, out, stream=None, ready=0, owned=None, what="cupyffn", owner=None):
-    """Run `call` (validated) along `route` on `engine` (None when call.tokens == 0: nothing to launch); returns the
-    results (module docstring). `ready`: a raw CUDA event recorded once grad_hidden_states is written; `owner`: the
-    GeluFFNBackward whose engine this is (pinned instead of the engine under a caller's capture: it holds the
-    engine and the outputs it owns)."""
-    if call.backend == "cpu":
+def run(call, route, out, stream=None, check_activations=False, plan=None):
+    """Run `call` (validated) along `route`; returns the results (module docstring). `plan`: the GeluFFNBackward the
+    call is made through (its own engine and, graph=True, the outputs it owns; pinned instead of the engine under a
+    caller's capture)."""
+    what = "gelu_ffn_forward" if call.kind == "forward" else "gelu_ffn_backward"
+    if route.engine == NUMPY:
+        if check_activations:
+            _checks.check(call, None)
         results, arrays = outputs(call, out, what=what)
-        _run_cpu(call, engine, arrays)
+        _run_cpu(call, route.build(), arrays)
         return results_type(call)(*results)
     import cupy
 
@@ -117,11 +143,36 @@ def run(call, route, engine, out, stream=None, ready=0, owned=None, what="cupyff
     with device:
         s = stream if stream is not None else cupy.cuda.get_current_stream()
         capturing = _plans.is_capturing(s.ptr)
-        results, arrays = outputs(call, out, s, capturing, owned, what)
-        if call.tokens == 0:
-            _no_tokens(call, arrays, s, ready)
-        else:
-            _run_gpu(call, route, engine, arrays, s, capturing, ready, owner)
+        if call.follow is not None:
+            _arrays.follow_torch(call.follow, s, capturing)
+        if check_activations:
+            if capturing:
+                raise ValueError("check_activations=True synchronizes with the stream, which CUDA stream capture "
+                                 "does not allow: check once before capturing")
+            _checks.check(call, s)
+        if call.ready and route.graphs is GRAPH_PLAN:
+            raise ValueError("grad_hidden_ready= is not supported by graph=True plans (a replayed graph records the "
+                             "events it was captured with); capture the call in your own graph instead")
+        if route.engine == NO_TOKENS:
+            results, arrays = outputs(call, out, s, capturing, what=what)
+            _no_tokens(call, arrays, s, call.ready)
+            return results_type(call)(*results)
+        if plan is not None:
+            results, arrays = outputs(call, out, s, capturing, plan.owned_outputs, what)
+            _run_gpu(call, route, plan.engine, arrays, s, capturing, plan)
+            return results_type(call)(*results)
+        cache = engine_cache(route.engine, call.kind)
+        engine = cache.acquire(route.key)
+        if engine is None:
+            if capturing:  # building allocates and zero-fills
+                raise RuntimeError(f"cupyffn: {what} was called during CUDA stream capture but no plan exists for "
+                                   f"this shape/precision; call it once outside the capture first (on any stream)")
+            engine = cache.acquire(route.key, lambda: route.build(route.key))
+        try:
+            results, arrays = outputs(call, out, s, capturing, what=what)
+            _run_gpu(call, route, engine, arrays, s, capturing)
+        finally:
+            cache.release(engine)
     return results_type(call)(*results)
 
 
@@ -156,7 +207,7 @@ def _run_cpu(call, engine, arrays):
         raise
 
 
-def _run_gpu(call, route, engine, arrays, stream, capturing, ready, owner=None):
+def _run_gpu(call, route, engine, arrays, stream, capturing, owner=None):
     sp = stream.ptr
     pointers = tuple(0 if m is None else m.ptr for m in _geometry(call, arrays))
     with engine.lock:
@@ -171,7 +222,7 @@ def _run_gpu(call, route, engine, arrays, stream, capturing, ready, owner=None):
         else:
             engine.order_after_previous(sp)
         try:
-            _issue(call, route, engine, pointers, sp, capturing, ready)
+            _issue(call, route, engine, pointers, sp, capturing)
         except BaseException as e:
             if capturing:  # no NaN fill: it would be captured too; the caller must discard the capture
                 raise
@@ -184,10 +235,11 @@ def _run_gpu(call, route, engine, arrays, stream, capturing, ready, owner=None):
                 engine.record_done(sp)
 
 
-def _issue(call, route, engine, pointers, sp, capturing, ready):
+def _issue(call, route, engine, pointers, sp, capturing):
     """The call's work on `sp` by the route's graph policy (module docstring)."""
+    ready = call.ready
     io = engine.io_key(call, pointers)
-    cache = engine.graphs
+    cache = engine.graph_cache(route.graphs)
     graphs = cache is not None and not capturing and not ready  # a replayed graph records no event of the caller's
     if graphs:
         graph = cache.graph(io)
@@ -212,7 +264,7 @@ def _issue(call, route, engine, pointers, sp, capturing, ready):
 
 # ---------------------------------------------------------------------- after a failure
 def _as_array(a, call):
-    if type(a) in (_arrays._torch_types or ()):
+    if type(a) in (_arrays.seen_torch_types() or ()):
         return _arrays.view2d(a, _arrays.Matrix(a.data_ptr(), math.prod(a.shape[:-1]), a.shape[-1], a.shape[-1],
                                                 _arrays.dtype_name(a)))
     return a

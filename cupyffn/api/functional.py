@@ -1,142 +1,35 @@
-"""The front door of the functions: `gelu_ffn_forward` and `gelu_ffn_backward` (and the layers, which call them).
-
-A call is validated once (cupyffn/api/validate.py) into a Call, its route is chosen once (cupyffn/api/routes.py),
-and both are remembered beside the call's signature, so a call with the same arrays skips both (`_known`, the one
-cache of validated calls). The engine comes from the plan cache of its route, built on first use; the executor
-(cupyffn/api/execute.py) runs it. `clear_cache` drops every cached engine and remembered call.
+"""The front door of the functions: `gelu_ffn_forward` and `gelu_ffn_backward` (and the plans and layers, which call
+`run`). A call goes through three stages, each entered once: validate (cupyffn/api/validate.py `check`: the arrays
+checked into a Call, or a call with the same signature recalled), route (cupyffn/api/routes.py `route`: asked once per
+new signature, remembered beside the call) and execute (cupyffn/api/execute.py `run`: the engine from its cache, the
+outputs, the launches). `clear_cache` drops every remembered call and cached engine.
 """
 
-from typing import NamedTuple
-
-from ..core import checks as _checks
-from ..core import plans as _plans
 from ..core import precision as _precision
-from ..core.plans import PlanCache
 from . import execute, routes
 from . import validate as _validate
 from .validate import Request
-
-#: engines kept per (engine, pass): a plan per shape and configuration, least recently used evicted
-CACHE_SIZE = 4
-_caches = {}  # (engine kind, "forward" | "backward") -> PlanCache
-#: validated calls remembered by (signature, request): enough entries for every layer of a deep model, forward and
-#: backward (each layer's arrays differ), so that a training step validates nothing after its first
-KNOWN_SIZE = 1024
-_known = {}
-
-
-class _Known(NamedTuple):
-    call: _validate.Call      # its arrays dropped: they are the next call's
-    route: routes.Route
-    key: object               # the engine's plan key (functions), or None (a plan's own engine)
 
 
 def clear_cache():
     """Drop the plans `gelu_ffn_backward` and `gelu_ffn_forward` keep (waiting for their last calls; their device
     memory goes back to CuPy's pool). Plans captured into a CUDA graph stay (see ``release_captured_plans``);
     plans in use by another thread are closed when that call ends."""
-    _known.clear()
-    for cache in _caches.values():
-        cache.clear()
+    _validate.forget()
+    execute.clear_engines()
 
 
-def _cache(call):
-    key = (routes.engine_of(call), call.kind)
-    cache = _caches.get(key)
-    if cache is None:
-        cache = _caches.setdefault(key, PlanCache(CACHE_SIZE))
-    return cache
-
-
-def _name(precision):
-    """A precision's checked name (a bad name is reported before the arrays are looked at), or None."""
-    return None if precision is None else _precision.lookup(precision).name
-
-
-def run(request, args, out, stream, check_activations=False, grad_hidden_ready=None, plan=None):
-    """The door: validate (or recall) `args` for `request`, choose the route, take the engine, run. `plan`: a
-    GeluFFNBackward whose own engine runs the call (it checks the call is of its shape)."""
-    what = "gelu_ffn_forward" if request.kind == "forward" else "gelu_ffn_backward"
-    owner = 0 if plan is None else plan.token
-    sig = _validate.signature(args, out)
-    known = _known.get((sig, request, owner)) if sig is not None else None
-    if known is not None:
-        call = _validate.reuse(known.call, args, out, stream)
-    else:
-        call = _validate.validate(request, args, out, stream)
-        if sig is None:  # the process's first torch tensors: their types are known once validate has imported one
-            sig = _validate.signature(args, out)
-        why = routes.requirement(call)
-        if why is not None:
-            raise ValueError(why)
-        if plan is not None:
-            plan.check_call(call)
-    ready = ready_event_ptr(grad_hidden_ready, call, graph=plan is not None and plan.graph)
-    if check_activations:
-        if call.backend == "gpu" and _plans.is_capturing(_stream_ptr(stream, call.device)):
-            raise ValueError("check_activations=True synchronizes with the stream, which CUDA stream capture "
-                             "does not allow: check once before capturing")
-        _checks.check(call, stream)
-    if call.backend == "cpu":
-        from ..cpu.backend import NumpyEngine
-
-        return execute.run(call, routes.Route(routes.NUMPY, routes.EAGER), NumpyEngine(), out, what=what)
-    if call.tokens == 0:
-        return execute.run(call, None, None, out, stream, ready, what=what)
-    if plan is not None:
-        route = known.route if known is not None else routes.choose(call, plan.engine, plan.graph)
-        if sig is not None and known is None:
-            _remember(sig, request, owner, call, route, None)
-        return execute.run(call, route, plan.engine, out, stream, ready, owned=plan.owned_outputs, what=what,
-                           owner=plan)
-    cache = _cache(call)
-    key = known.key if known is not None else routes.plan_key(call)
-    engine = cache.acquire(key)
-    if engine is None:
-        if _plans.is_capturing(_stream_ptr(stream, call.device)):  # building allocates and zero-fills
-            raise RuntimeError(f"cupyffn: {what} was called during CUDA stream capture but no plan exists for "
-                               f"this shape/precision; call it once outside the capture first (on any stream)")
-        engine = cache.acquire(key, lambda: routes.build(call, key))
-    try:
-        route = known.route if known is not None else routes.choose(call, engine)
-        if sig is not None and known is None:
-            _remember(sig, request, owner, call, route, key)
-        return execute.run(call, route, engine, out, stream, ready, what=what)
-    finally:
-        cache.release(engine)
-
-
-def _remember(sig, request, owner, call, route, key):
-    if len(_known) >= KNOWN_SIZE:
-        _known.clear()
-    _known[sig, request, owner] = _Known(call._replace(arrays=None, out_arrays=None), route, key)
-
-
-def _stream_ptr(stream, device):
-    import cupy
-
-    if stream is not None:
-        return stream.ptr
-    with cupy.cuda.Device(device):
-        return cupy.cuda.get_current_stream().ptr
-
-
-def ready_event_ptr(event, call, graph=False):
-    """The raw pointer of a grad_hidden_ready event (0 for None), after checking that `call` can honour it."""
-    if event is None:
-        return 0
-    if call.backend == "cpu":
-        raise ValueError("grad_hidden_ready= is for GPU arrays (a cupy.cuda.Event); these are NumPy (CPU) arrays, "
-                         "whose results are all ready when the call returns")
-    if call.kind == "backward" and not call.request.need_grad_hidden:
-        raise ValueError("grad_hidden_ready= was given but grad_hidden_states is not computed (need_grad_hidden=False)")
-    if graph:
-        raise ValueError("grad_hidden_ready= is not supported by graph=True plans (a replayed graph records the "
-                         "events it was captured with); capture the call in your own graph instead")
-    ptr = getattr(event, "ptr", None)
-    if not isinstance(ptr, int) or not ptr:
-        raise TypeError(f"grad_hidden_ready must be a cupy.cuda.Event or None; got {type(event).__name__}")
-    return ptr
+def run(request, args, out, stream, check_activations=False, grad_hidden_ready=None, plan=None, graphs=None):
+    """The door: validate (or recall) `args` for `request`, route, execute. `plan`: a GeluFFNBackward whose own engine
+    runs the call (its route checks the call is of its shape); `graphs`: a graph policy that replaces the route's for
+    this call (the plan's stage profile runs without graphs)."""
+    call, remembered = _validate.check(request, args, out, stream, grad_hidden_ready, 0 if plan is None else plan.token)
+    route = remembered.route
+    if route is None:
+        route = remembered.route = routes.route(call, plan)
+    if graphs is not None:
+        route = route._replace(graphs=graphs)
+    return execute.run(call, route, out, stream, check_activations, plan)
 
 
 # ---------------------------------------------------------------------- the functions
@@ -160,7 +53,7 @@ def gelu_ffn_forward(hidden_states, weight1, weight2, *, bias1=None, bias2=None,
     None with 16-bit activations); arrays, streams, CUDA stream capture (every output in `out`, one call of the
     shape outside the capture first) and failures (given outputs NaN-filled) as in ``gelu_ffn_backward``.
     """
-    request = Request("forward", _name(precision))
+    request = Request("forward", _precision.checked_name(precision))
     return run(request, (hidden_states, weight1, weight2, bias1, bias2), out, stream)
 
 
@@ -240,7 +133,7 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
     and the leading dimensions must flatten to one row stride. Returns an FFNGrads named tuple (CuPy arrays for GPU
     inputs, NumPy arrays for NumPy inputs; the out= objects themselves where given).
     """
-    request = Request("backward", _name(precision), bool(need_grad_hidden), bool(need_weight_grads),
+    request = Request("backward", _precision.checked_name(precision), bool(need_grad_hidden), bool(need_weight_grads),
                       bool(need_bias_grads), bool(accumulate))
     args = (grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out)
     return run(request, args, out, stream, check_activations, grad_hidden_ready)

@@ -1,29 +1,33 @@
-"""The route table: which engine runs a validated call, and when its calls become CUDA graphs. The one place a route
-is chosen (docs/architecture.md shows this table); cupyffn/api/execute.py runs whatever it says.
+"""The route table: which engine runs a validated call, and when its calls become CUDA graphs. `route(call)` is the one
+place a route is chosen (docs/architecture.md shows this table): the door asks it once per new signature and
+remembers the answer beside the validated call; cupyffn/api/execute.py runs what it says, engine and graph policy.
 
-    backend  activations         engine (what runs)                          graphs (GraphPolicy)
-    -------  ------------------  ------------------------------------------  -------------------------------------
-    cpu      any                 numpy    cupyffn/cpu/backend.py NumpyEngine  -
-    gpu      float32             float32  cupyffn/engine/ GpuEngine (backward),
-                                          GpuForward (forward)                  backward plans that run a call graph
-                                                                                (tf32, T <= 512): REPEATED; plans made
-                                                                                with graph=True: GRAPH_PLAN; else -
-    gpu      bfloat16, float16   lt       cupyffn/lt/engine.py LtBackward,      REPEATED
-                                          LtForward
+    backend  activations  tokens  engine (what runs)                              graphs (GraphPolicy)
+    -------  -----------  ------  ----------------------------------------------  ---------------------------------
+    cpu      any          any     numpy      cupyffn/cpu/backend.py NumpyEngine     EAGER
+    gpu      any          0       no tokens  nothing to launch (zero gradients)     EAGER
+    gpu      float32      >= 1    float32    cupyffn/engine/ GpuEngine (backward),  backward: GRAPH_PLAN for plans
+                                             GpuForward (forward)                   made with graph=True; REPEATED
+                                                                                    where the plan runs a call graph
+                                                                                    (tf32, T <= 512); else EAGER
+    gpu      bfloat16,    >= 1    lt         cupyffn/lt/engine.py LtBackward,       REPEATED
+             float16                         LtForward
 
     Every GPU route, while the caller's stream is capturing a CUDA graph: enqueued into that capture (all on the
     caller's stream while another open capture holds the engine's side stream); no graph of cupyffn's own.
 
-Biases ride with every route (the float32 engine's bias kernels, cuBLASLt's bias epilogues, NumPy). `requirement`
-states what an engine needs of a call's layout, the one fast-path eligibility test (CUTLASS's can_implement).
+Biases ride with every route (the float32 engine's bias kernels, cuBLASLt's bias epilogues, NumPy). A route refuses a
+call whose layout its engine cannot take (`refusal`: the one fast-path eligibility test, CUTLASS's can_implement),
+and a plan's calls of another shape. The engines' modules are imported here, on first use, and nowhere else.
 """
 
-from typing import NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
+from ..core import precision as _precision
 from ..core.results import BACKWARD_INPUTS, BACKWARD_OUTPUTS, FORWARD_INPUTS, FORWARD_OUTPUTS
 from ..cuda.graph_cache import GraphPolicy
 
-NUMPY, FLOAT32, LT = "numpy", "float32", "lt"
+NUMPY, NO_TOKENS, FLOAT32, LT = "numpy", "no tokens", "float32", "lt"
 
 #: graph policies (cupyffn/cuda/graph_cache.py). REPEATED: a set of arrays seen twice is captured (decisions 051,
 #: 052); 64 kept per engine, so the layers of a deep model, each with its own arrays, keep theirs; a model cycling
@@ -39,35 +43,70 @@ ENGINES = {("cpu", "float32"): NUMPY, ("cpu", "bfloat16"): NUMPY, ("cpu", "float
 
 
 class Route(NamedTuple):
-    engine: str             # NUMPY, FLOAT32 or LT
+    """Everything the executor needs to run a call: which engine, the key its plan cache keeps it by and how to build
+    it, and the graph policy it obeys."""
+
+    engine: str                        # NUMPY, NO_TOKENS, FLOAT32 or LT
     graphs: GraphPolicy
+    key: Any = None                    # the plan cache's key (None: no cached engine: NumPy, T = 0, a plan's own)
+    build: Optional[Callable] = None   # build(key) -> a new engine (NumPy: a fresh stateless one per call)
 
 
-def engine_of(call):
-    return ENGINES[call.backend, call.act]
+def route(call, plan=None):
+    """The route of validated `call` (module docstring), `plan` the GeluFFNBackward it is made through, if any; raises
+    ValueError / TypeError naming what the engine or the plan needs where it cannot take the call."""
+    why = refusal(call)
+    if why is not None:
+        raise ValueError(why)
+    if plan is not None:
+        _check_plan_call(plan, call)
+    if call.backend == "cpu":
+        return Route(NUMPY, EAGER, None, _numpy_engine)
+    if call.tokens == 0:
+        return Route(NO_TOKENS, EAGER)
+    engine = ENGINES[call.backend, call.act]
+    if plan is not None:
+        return Route(engine, _plan_graphs(plan))
+    if engine == LT:
+        return Route(LT, REPEATED, plan_key(call), _build)
+    if call.kind == "backward" and _runs_call_graph(call.precision, call.tokens):
+        return Route(FLOAT32, REPEATED, plan_key(call), _build)
+    return Route(FLOAT32, EAGER, plan_key(call), _build)
 
 
-def graph_policy(kind, pass_kind, engine=None, graph=False):
-    """The graph column of the table for engine `kind` running `pass_kind` ("forward" / "backward"): `engine`, a
-    float32 backward engine, says whether it runs a call graph; `graph`: a GeluFFNBackward(graph=True) plan."""
-    if kind == LT:
-        return REPEATED
-    if kind == FLOAT32 and pass_kind == "backward":
-        if graph:
-            return GRAPH_PLAN
-        return REPEATED if engine.call_graph else EAGER
-    return EAGER
+def _runs_call_graph(precision, tokens):
+    """Whether a float32 backward plan of the functions runs its eager calls as one re-pointed call graph
+    (cupyffn/engine/plan.py CALL_GRAPH_TOKENS; where K is chunked the plan has none, and the graphs are captured
+    whole instead)."""
+    from ..engine.plan import call_graph_wanted
+
+    return call_graph_wanted(precision, tokens)
 
 
-def choose(call, engine, graph=False):
-    """The route of `call` on `engine` (graph_policy's arguments)."""
-    kind = engine_of(call)
-    return Route(kind, graph_policy(kind, call.kind, engine, graph))
+def _plan_graphs(plan):
+    """A GeluFFNBackward's graph policy: graph=True captures every set of arrays; otherwise REPEATED where its engine,
+    built with the plan, runs a call graph."""
+    if plan.graph:
+        return GRAPH_PLAN
+    return REPEATED if plan.engine.plan.call_graph else EAGER
 
 
-def requirement(call) -> Optional[str]:
+def _check_plan_call(plan, call):
+    expected = (plan.tokens, plan.dim, plan.hidden_dim)
+    if (call.tokens, call.dim, call.hidden_dim) != expected:
+        raise ValueError(f"this plan is for (tokens, dim, hidden_dim) = {expected}; the arrays give "
+                         f"{(call.tokens, call.dim, call.hidden_dim)}")
+    if call.device != plan.device:
+        where = "the CPU" if call.device == "cpu" else f"cuda:{call.device}"
+        raise ValueError(f"this plan is for device {plan.device!r}; the arrays are on {where}")
+    if call.act != "float32":
+        raise TypeError(f"this plan is for float32 activations; the arrays are {call.act} (call "
+                        f"cupyffn.gelu_ffn_backward, which runs them on cuBLASLt)")
+
+
+def refusal(call) -> Optional[str]:
     """None when the engine of `call` can take its layout, else what it needs (an error message)."""
-    kind = engine_of(call)
+    kind = ENGINES[call.backend, call.act]
     names = FORWARD_INPUTS if call.kind == "forward" else BACKWARD_INPUTS
     if kind == FLOAT32 and call.weights_transposed:
         return ("weight1 and weight2 are transposed views ([in, out] storage): the float32 engine reads weights as "
@@ -97,7 +136,7 @@ def requirement(call) -> Optional[str]:
 def plan_key(call):
     """The key a GPU call's engine is cached by: everything the engine is built for (not the arrays, not the
     stream: a warm-up on any stream serves a capture on another)."""
-    kind = engine_of(call)
+    kind = ENGINES[call.backend, call.act]
     r = call.request
     if kind == FLOAT32 and call.kind == "backward":
         return (FLOAT32, "backward", call.device, call.tokens, call.dim, call.hidden_dim, call.precision.name,
@@ -105,34 +144,38 @@ def plan_key(call):
     if kind == FLOAT32:
         return (FLOAT32, "forward", call.device, call.tokens, call.dim, call.hidden_dim, call.precision.name,
                 call.inputs[4] is not None)
-    from ..lt.key import LtKey
+    from ..lt.key import LtBackwardKey, LtForwardKey
 
     if call.kind == "forward":
-        return LtKey(call.device, call.tokens, call.dim, call.hidden_dim, call.act, call.weights, call.act,
-                     call.inputs[3] is not None, call.inputs[4] is not None,
-                     weights_transposed=call.weights_transposed)
-    return LtKey(call.device, call.tokens, call.dim, call.hidden_dim, call.act, call.weights, call.grads,
-                 r.need_bias_grads, r.need_bias_grads, r.need_grad_hidden, r.need_weight_grads,
-                 call.inputs[6] is None, call.weights_transposed, call.grads_transposed)
+        return LtForwardKey(call.device, call.tokens, call.dim, call.hidden_dim, call.act, call.weights,
+                            call.inputs[3] is not None, call.inputs[4] is not None, call.weights_transposed)
+    return LtBackwardKey(call.device, call.tokens, call.dim, call.hidden_dim, call.act, call.weights, call.grads,
+                         r.need_bias_grads, r.need_grad_hidden, r.need_weight_grads, call.inputs[6] is None,
+                         call.weights_transposed, call.grads_transposed)
 
 
-def build(call, key):
-    """A new engine for `call` (its `plan_key` is `key`); the GPU modules are imported here, on first use."""
-    kind = engine_of(call)
-    if kind == LT:
+def _build(key):
+    """A new engine for plan key `key` (`plan_key`): the GPU modules are imported here, on first use."""
+    from ..lt.key import LtBackwardKey, LtForwardKey
+
+    if isinstance(key, (LtForwardKey, LtBackwardKey)):
         from ..lt.engine import LtBackward, LtForward
 
-        engine = (LtForward if call.kind == "forward" else LtBackward)(key)
-    elif call.kind == "forward":
+        return (LtBackward if isinstance(key, LtBackwardKey) else LtForward)(key)
+    _, pass_kind, device, tokens, dim, hidden, precision = key[:7]
+    precision = _precision.lookup(precision)
+    if pass_kind == "forward":
         from ..engine.forward import GpuForward
 
-        engine = GpuForward(call.tokens, call.dim, call.hidden_dim, call.precision, call.device,
-                            bias2=call.inputs[4] is not None)
-    else:
-        from ..engine.engine import GpuEngine
+        return GpuForward(tokens, dim, hidden, precision, device, bias2=key[7])
+    from ..engine.engine import GpuEngine
 
-        r = call.request
-        engine = GpuEngine(call.tokens, call.dim, call.hidden_dim, call.precision, call.device, r.need_grad_hidden,
-                           r.need_weight_grads, need_bias_grads=r.need_bias_grads)
-    engine.use_graphs(graph_policy(kind, call.kind, engine))
-    return engine
+    need_grad_hidden, need_weight_grads, need_bias_grads = key[7:]
+    return GpuEngine(tokens, dim, hidden, precision, device, need_grad_hidden, need_weight_grads,
+                     need_bias_grads=need_bias_grads)
+
+
+def _numpy_engine(key=None):
+    from ..cpu.backend import NumpyEngine
+
+    return NumpyEngine()

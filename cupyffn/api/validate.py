@@ -18,11 +18,13 @@ What a call may be (docs/precisions.md, "16-bit activations and biases"):
   follows). Which engine takes which layout: cupyffn/api/routes.py (`requirement`).
 
 Repeated calls (training loops, CUDA graphs) pass the same arrays again: `signature` is the identity of a call's
-arrays (pointer, shape, strides, dtype of every CuPy array and CUDA torch tensor), and the functional API keeps the
-Call it validated beside it (cupyffn/api/functional.py), so an equal signature skips everything here.
+arrays (pointer, shape, strides, dtype of every CuPy array and CUDA torch tensor), and `check`, the validator's one
+entry, keeps the Call it validated beside it (`Remembered`, which also holds the route the door chose), so an equal
+signature skips everything here.
 
 Torch tensors (cupyffn/core/arrays.py, "torch tensors read by pointer"): the DLPack stream handshake is replaced by
-one `arrays.follow_torch` per call, made here or by `reuse` (docs/decisions/048-dlpack-free-import.md).
+one `arrays.follow_torch` per call, which the executor makes for a Call whose `follow` names a device
+(docs/decisions/048-dlpack-free-import.md).
 """
 
 import math
@@ -52,9 +54,11 @@ class Request(NamedTuple):
 
 
 class Call(NamedTuple):
-    """A validated call: where it runs, its sizes and dtypes, and the geometry of its arrays."""
+    """A validated call: where it runs, its sizes and dtypes, the geometry of its arrays and what it computes. Plain
+    data, filled once here: the executor and the engines read fields, they never call back into the validator."""
 
     request: Request
+    kind: str                    # the pass: "forward" or "backward" (request.kind)
     backend: str                 # "cpu" (NumPy) or "gpu"
     device: Any                  # "cpu" or the CUDA device id
     act: str                     # activation dtype name
@@ -70,29 +74,20 @@ class Call(NamedTuple):
     out: Tuple[Optional[Matrix], ...]      # OUTPUTS order of the kind; None where not given
     arrays: Tuple[Any, ...]                # the imported input arrays (None where absent)
     out_arrays: Tuple[Any, ...]            # the imported out= arrays (None where not given)
+    computed: Tuple[bool, ...]             # which outputs (OUTPUTS order) the call computes
+    output_shapes: Tuple[Tuple[int, ...], ...]
+    output_dtypes: Tuple[str, ...]
     follow: Any = None           # device id whose torch current stream the call follows, or None
     grads_transposed: bool = False  # backward: the weight gradients stored [in, out], as the transposed weights are
+    ready: int = 0               # grad_hidden_ready's raw CUDA event (0: none), recorded once grad_hidden is written
 
-    @property
-    def kind(self):
-        return self.request.kind
 
-    @property
-    def computed(self):
-        """Which outputs (OUTPUTS order) the call computes."""
-        r = self.request
-        if r.kind == "forward":
-            return (True, True, self.act == "float32", True)
-        needed = (r.need_grad_hidden, r.need_weight_grads, r.need_weight_grads)
-        return needed + (True, True) if r.need_bias_grads else needed
-
-    def output_shapes(self):
-        return output_shapes(self.kind, self.lead_shape, self.dim, self.hidden_dim)
-
-    def output_dtypes(self):
-        if self.kind == "forward":
-            return (self.act,) * 4
-        return (self.act,) + (self.grads,) * 4
+def _computed(request, act):
+    if request.kind == "forward":
+        return (True, True, act == "float32", True)
+    r = request
+    needed = (r.need_grad_hidden, r.need_weight_grads, r.need_weight_grads)
+    return needed + (True, True) if r.need_bias_grads else needed
 
 
 def inputs_of(kind):
@@ -111,14 +106,16 @@ def output_shapes(kind, lead, dim, hidden):
 
 # ---------------------------------------------------------------------- the identity of repeated arrays
 _cupy_ndarray = None
+UNKNOWN = object()  # signature's answer before CuPy or torch has been seen: try again after validating
 
 
 def signature(args, out):
     """The identity of a call's arrays: (pointer, shape, strides, dtype) of each CuPy array and CUDA torch tensor
-    (None entries kept), or None when any argument is something else (NumPy arrays, other producers: those are
-    validated every time). A CuPy array's strides are in bytes and a torch tensor's in elements, and their dtypes
-    are different objects, so the two kinds never share an entry. Exact types: subclasses are validated each time.
-    Unified addressing makes a pointer name its device."""
+    (None entries kept); None when any argument is something else (NumPy arrays, other producers: those are
+    validated every time); UNKNOWN while neither CuPy nor torch tensors have been seen (validate imports them). A
+    CuPy array's strides are in bytes and a torch tensor's in elements, and their dtypes are different objects, so
+    the two kinds never share an entry. Exact types: subclasses are validated each time. Unified addressing makes a
+    pointer name its device."""
     global _cupy_ndarray
     nd = _cupy_ndarray
     if nd is None:
@@ -127,9 +124,9 @@ def signature(args, out):
         nd = getattr(sys.modules.get("cupy"), "ndarray", None)
         if nd is not None:
             _cupy_ndarray = nd
-    tt = _arrays._torch_types  # None until import_array has seen torch imported
+    tt = _arrays.seen_torch_types()  # None until import_array has seen torch imported
     if nd is None and tt is None:
-        return None
+        return UNKNOWN
     sig = []
     if out is not None:
         if not isinstance(out, (tuple, list)):
@@ -148,13 +145,65 @@ def signature(args, out):
     return tuple(sig)
 
 
-def reuse(call, args, out, stream):
-    """`call` (remembered for this signature) for the arrays of a new call with the same signature; where the call
-    has torch tensors, cupyffn's stream is ordered after torch's current stream here, as `validate` does."""
+class Remembered:
+    """A validated call kept beside its signature (its arrays dropped: they are the next call's), and the route the
+    door chose for it (None until chosen)."""
+
+    __slots__ = ("call", "route")
+
+    def __init__(self, call):
+        self.call, self.route = call, None
+
+
+#: validated calls remembered by (signature, request, owner): enough entries for every layer of a deep model, forward
+#: and backward (each layer's arrays differ), so that a training step validates nothing after its first
+REMEMBERED_SIZE = 1024
+_remembered = {}
+
+
+def forget():
+    """Drop every remembered call (cupyffn.clear_cache)."""
+    _remembered.clear()
+
+
+def check(request, args, out=None, stream=None, ready_event=None, owner=0):
+    """The validator's one entry for a call: (its Call, the Remembered entry of its signature). A call whose arrays
+    have the signature of one validated before (for the same request and `owner`, a plan's token or 0) reuses that
+    validation; any other call is validated (`validate`). `ready_event`: grad_hidden_ready."""
     _check_stream(stream)
-    if call.follow is not None:
-        _arrays.follow_torch(call.follow, stream)
-    return call._replace(arrays=tuple(args), out_arrays=tuple(out) if out is not None else (None,) * len(call.out))
+    sig = signature(args, out)
+    key = (sig, request, owner)
+    entry = _remembered.get(key) if sig is not None and sig is not UNKNOWN else None
+    if entry is not None:
+        known = entry.call
+        return known._replace(arrays=tuple(args), out_arrays=tuple(out) if out is not None else (None,) * len(known.out),
+                              ready=_ready_event(ready_event, known)), entry
+    call = validate(request, args, out, stream)
+    call = call._replace(ready=_ready_event(ready_event, call))
+    entry = Remembered(call._replace(arrays=None, out_arrays=None, ready=0))
+    if sig is UNKNOWN:  # the process's first CuPy arrays or torch tensors: validate has imported them
+        sig = signature(args, out)
+        key = (sig, request, owner)
+    if sig is not None and sig is not UNKNOWN:
+        if len(_remembered) >= REMEMBERED_SIZE:
+            _remembered.clear()
+        _remembered[key] = entry
+    return call, entry
+
+
+def _ready_event(event, call):
+    """The raw pointer of a grad_hidden_ready event (0 for None), after checking that `call` can honour it."""
+    if event is None:
+        return 0
+    if call.backend == "cpu":
+        raise ValueError("grad_hidden_ready= is for GPU arrays (a cupy.cuda.Event); these are NumPy (CPU) arrays, "
+                         "whose results are all ready when the call returns")
+    if call.kind == "backward" and not call.request.need_grad_hidden:
+        raise ValueError("grad_hidden_ready= was given but grad_hidden_states is not computed (need_grad_hidden=False)")
+    ptr = getattr(event, "ptr", None)
+    if not isinstance(ptr, int) or not ptr:
+        raise TypeError(f"grad_hidden_ready must be a cupy.cuda.Event or None; got {type(event).__name__}")
+    return ptr
 
 
 # ---------------------------------------------------------------------- the checks
@@ -190,15 +239,21 @@ def validate(request, args, out=None, stream=None):
     elif request.precision is not None:
         raise ValueError(f"precision= chooses how float32 operands are multiplied; {act} activations are multiplied "
                          f"as they are (bf16/fp16 tensor cores, fp32 accumulation): pass precision=None")
-    call = Call(request, backend, device, act, weights, act if kind == "forward" else "float32", precision,
-                math.prod(lead), dim, hidden, lead, transposed, inputs, (), tuple(arrays), (), None)
+    grads = act if kind == "forward" else "float32"
+    call = Call(request, kind, backend, device, act, weights, grads, precision, math.prod(lead), dim, hidden, lead,
+                transposed, inputs, (), tuple(arrays), (), _computed(request, act),
+                output_shapes(kind, lead, dim, hidden), _output_dtypes(kind, act, grads))
     given, given_arrays, grads, grads_transposed = _outputs(call, out, stream, torch_devices)
-    call = call._replace(out=given, out_arrays=given_arrays, grads=grads if kind == "backward" else act,
-                         grads_transposed=grads_transposed)
-    if torch_devices:  # all on `device` (checked): one wait, not one per tensor (the DLPack handshake's)
-        call = call._replace(follow=device)
-        _arrays.follow_torch(device, stream)
-    return call
+    if kind == "backward":
+        call = call._replace(grads=grads, output_dtypes=_output_dtypes(kind, act, grads))
+    # torch tensors read by pointer, all on `device` (checked): the executor orders its stream after torch's once per
+    # call (`follow`), not once per tensor (the DLPack handshake's)
+    return call._replace(out=given, out_arrays=given_arrays, grads_transposed=grads_transposed,
+                         follow=device if torch_devices else None)
+
+
+def _output_dtypes(kind, act, grads):
+    return (act,) * 4 if kind == "forward" else (act,) + (grads,) * 4
 
 
 def _check_stream(stream):
@@ -368,7 +423,7 @@ def _outputs(call, out, stream, torch_devices):
                         f"allocate it" + (" (need_bias_grads=True adds grad_bias1, grad_bias2)"
                                           if kind == "backward" and not r.need_bias_grads else ""))
     out = tuple(out) + (None,) * (n - len(out))
-    shapes = call.output_shapes()
+    shapes = call.output_shapes
     spans = [(m, nm) for m, nm in zip(call.inputs, inputs_of(kind)) if m is not None]
     given, imported, grads, layouts = [], [], set(), {}
     for i, (obj, name) in enumerate(zip(out, names)):

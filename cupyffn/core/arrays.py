@@ -203,6 +203,11 @@ def torch_types():
     return _torch_types
 
 
+def seen_torch_types():
+    """torch's tensor types once `torch_types` has looked them up (import_array meets torch imported), else None."""
+    return _torch_types
+
+
 def torch_view(obj):
     """(device id, CuPy view) of a float32, bfloat16 or float16 CUDA torch tensor, read from its data_ptr(), shape,
     stride() and get_device() (the view cached by cupyffn/core/views.py; it owns nothing, the caller keeps `obj` alive
@@ -219,7 +224,7 @@ def torch_view(obj):
     return None
 
 
-def follow_torch(device_id, stream):
+def follow_torch(device_id, stream, capturing=None):
     """Order what cupyffn enqueues next on `stream` (a CuPy stream; None: CuPy's current stream of `device_id`)
     after the work torch has queued on its current stream of `device_id` (what DLPack's stream handshake,
     ``tensor.__dlpack__(stream=...)``, did for every tensor; here once per call).
@@ -233,23 +238,26 @@ def follow_torch(device_id, stream):
     Under CUDA stream capture: when torch's stream captures, the wait brings `stream` into that capture (as the
     handshake did). When only `stream` captures, an event recorded outside the capture cannot be waited on
     inside it (CUDA refuses), so nothing is done: ordering the graph's replays after torch's work is the
-    caller's business, as it is for eager calls of the same plan.
+    caller's business, as it is for eager calls of the same plan. `capturing`: whether `stream` captures, where the
+    caller knows (None: asked here).
     """
     tptr = _torch_stream(device_id)
     cptr = stream.ptr if stream is not None else _cupy().cuda.get_current_stream(device_id).ptr
     if tptr != cptr:
-        _wait(tptr, cptr, device_id)
+        _wait(tptr, cptr, device_id, capturing)
 
 
 _wait_lock = threading.Lock()
 _wait_events = {}  # device id -> raw CUDA event (timing disabled), created once, never destroyed
 
 
-def _wait(producer_ptr, consumer_ptr, device_id):
+def _wait(producer_ptr, consumer_ptr, device_id, consumer_capturing=None):
     """`consumer_ptr` waits, on the device, for what `producer_ptr` has queued so far (follow_torch)."""
     from .plans import is_capturing
 
-    if is_capturing(consumer_ptr) and not is_capturing(producer_ptr):
+    if consumer_capturing is None:
+        consumer_capturing = is_capturing(consumer_ptr)
+    if consumer_capturing and not is_capturing(producer_ptr):
         return
     runtime = _cupy().cuda.runtime
     previous = runtime.getDevice()

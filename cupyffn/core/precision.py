@@ -212,6 +212,13 @@ def lookup(precision):
         raise ValueError(f"precision must be one of {valid}; got {precision!r}") from None
 
 
+def checked_name(precision):
+    """The name of the precision `precision` names (a bad name raises lookup's ValueError before any array is looked
+    at), or None: the default of the arrays' device, resolved by the validator (cupyffn/api/validate.py). Every entry
+    point (functions, plans, torch and JAX layers) checks a user's precision through this, once."""
+    return None if precision is None else lookup(precision).name
+
+
 #: (M, N, K) of each backward GEMM (GEMMS) as letters of T (tokens), D (dim), H (hidden).
 GEMM_MNK = {"gemm1": "THD", "gemm2": "DHT", "gemm3": "TDH", "gemm4": "HDT"}
 

@@ -1,6 +1,7 @@
 """What every GPU engine shares (the float32 backward and forward, cupyffn/engine/; the cuBLASLt backward and forward,
 cupyffn/lt/engine.py): the lock, the ordering of calls on different streams, the "last call done" event that close()
-waits for, the side stream's part in a caller's CUDA graph capture, and the engine's graph cache. The one executor
+waits for, the side stream's part in a caller's CUDA graph capture, and the engine's graph caches (one per graph
+policy a route asks of it). The one executor
 (cupyffn/api/execute.py) runs every engine through these and the engine's own `bind` / `enqueue` / `eager`.
 
 Ordering and lifetime. Every eager call on a stream other than the previous call's first waits for `_ev_done`
@@ -35,7 +36,7 @@ class StreamEngine:
         self.device_id = device_id
         self.lock = threading.Lock()
         self.closed = False
-        self.graphs = None  # the GraphCache of the engine's route (use_graphs), or None: no graphs of its own
+        self._graph_caches = {}  # GraphPolicy -> GraphCache: the graphs of this engine's calls under each route's policy
         self.side_in_capture = False  # a captured call made the side stream join a caller's capture
         self.side_capture_stream = 0  # ... on this stream of the caller's (its capture holds the side stream)
         self._io = None  # io_key of what the launches were last bound to
@@ -49,9 +50,20 @@ class StreamEngine:
         self.record_done(stream_ptr)
         self._last_stream_ptr = stream_ptr
 
-    def use_graphs(self, policy):
-        """Replay this engine's calls as graphs under `policy` (cupyffn/api/routes.py's graph column)."""
-        self.graphs = GraphCache(policy, self.device_id) if policy.capture_after else None
+    def graph_cache(self, policy):
+        """The GraphCache of this engine's calls under `policy` (the route's graph column, cupyffn/api/routes.py), made
+        on first use; None for a policy that captures nothing (EAGER)."""
+        cache = self._graph_caches.get(policy)
+        if cache is None and policy.capture_after:
+            cache = self._graph_caches[policy] = GraphCache(policy, self.device_id)
+        return cache
+
+    def destroy_graphs(self):
+        """Drop every graph of this engine's own (the driver frees each once its launches finish) and what its caches
+        have seen: the next calls start over."""
+        for cache in self._graph_caches.values():
+            cache.destroy()
+        self._graph_caches.clear()
 
     # ------------------------------------------------------------------ per call
     def bind_once(self, call, pointers, io):
@@ -114,8 +126,7 @@ class StreamEngine:
         try:
             runtime.eventSynchronize(self._ev_done.ptr)
         finally:  # the handles go back to their pool even if the wait fails
-            if self.graphs is not None:
-                self.graphs.destroy()
+            self.destroy_graphs()
             self._release()
 
     def _release(self):

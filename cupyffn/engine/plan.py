@@ -124,6 +124,15 @@ def option_wanted(choice, windows, fmt, tokens):
     return window is not None and window[0] <= tokens <= window[1]
 
 
+def call_graph_wanted(precision, tokens, choice=None):
+    """Whether a backward plan of `precision` at `tokens` asks for a call graph (options.call_graph `choice`: None
+    auto, True, False): the route table's graph column (cupyffn/api/routes.py), decided before the plan is built.
+    fp16+fp8's cuBLASLt GEMMs take their output address on the host, so never there; the built plan adds that K
+    fits one chunk (`Plan.call_graph`)."""
+    return option_wanted(choice, CALL_GRAPH_TOKENS, precision.fmt, tokens) and tokens > 0 and \
+        precision.fmt != P.FMT_F16E4M3
+
+
 class Plan:
     """What one (T, D, H, precision) backward runs, decided once on the host (module docstring).
 

@@ -13,9 +13,9 @@ Backward, two streams: main  [W2, W1 to 16-bit] ─► GEMM1 grad_linear1 = (dy 
                              sums of dy (epilogue BGRADB); the main stream joins it at the end.
 grad_linear1 is rounded to the activation dtype once (as torch's autocast rounds the matmul's output before the GELU
 backward); weight and bias gradients leave the GEMMs in fp32 (or the grads' dtype) without a rounding step between.
-Weights may come as stored by transformers' Conv1D ([in, out]: `LtKey.weights_transposed`): the GEMMs that read
+Weights may come as stored by transformers' Conv1D ([in, out]: `weights_transposed` of its key): the GEMMs that read
 them take the other operand layout, no copy; their gradients may be written in that layout too
-(`LtKey.grads_transposed`: GEMM2 and GEMM4 with their operands swapped), so that no transposing copy follows.
+(`LtBackwardKey.grads_transposed`: GEMM2 and GEMM4 with their operands swapped), so that no transposing copy follows.
 """
 
 from ..core import activation
@@ -24,7 +24,7 @@ from ..cuda import kernels as _kernels
 from ..cuda.stream_engine import StreamEngine
 from ..gemm import cublas, cublaslt
 from ..gemm.cublas import R_16BF, R_16F, R_32F
-from .key import LtKey  # noqa: F401 (what each engine is built for)
+from .key import LtBackwardKey, LtForwardKey  # noqa: F401 (what each engine is built for)
 
 #: cudaDataType and half.cu's template argument of each activation dtype name.
 CUDA_TYPE = {"bfloat16": R_16BF, "float16": R_16F, "float32": R_32F}
@@ -131,7 +131,7 @@ def _launch(kernel, n, stream_ptr, args, device_id):
 
 
 class LtForward(_Engine):
-    """The forward of one LtKey (see the module docstring)."""
+    """The forward of one LtForwardKey (see the module docstring)."""
 
     what = "forward engine"
 
@@ -144,11 +144,11 @@ class LtForward(_Engine):
             scratch = {"weight1": H * D * size, "weight2": D * H * size, "bias1": H * size, "bias2": D * size}
         super().__init__(key, scratch)
         self.convert = convert
-        gelu = _EPILOGUE[activation.LT_FORWARD_BIAS if key.bias1 else activation.LT_FORWARD]
+        gelu = _EPILOGUE[activation.LT_FORWARD_BIAS if key.has_bias1 else activation.LT_FORWARD]
         self.gemm("linear1_out, gelu_out = GELU(hidden_states @ weight1^T + bias1)", T, H, D, act, act, act,
                   b_trans=True, epilogue=gelu, weight_b=True)
         self.gemm("output = gelu_out @ weight2^T + bias2", T, D, H, act, act, act, b_trans=True,
-                  epilogue=cublaslt.EPILOGUE_BIAS if key.bias2 else cublaslt.EPILOGUE_DEFAULT, weight_b=True)
+                  epilogue=cublaslt.EPILOGUE_BIAS if key.has_bias2 else cublaslt.EPILOGUE_DEFAULT, weight_b=True)
         self._g1, self._g2 = self.gemms.values()
         self._h = self.handle()
         self._ptrs = None
@@ -190,7 +190,7 @@ _GEMM4 = "grad_weight1 = grad_linear1^T @ hidden_states"
 
 
 class LtBackward(_Engine):
-    """The backward of one LtKey (see the module docstring)."""
+    """The backward of one LtBackwardKey (see the module docstring)."""
 
     what = "backward plan"
 
@@ -200,7 +200,7 @@ class LtBackward(_Engine):
         T, D, H, act, gt = key.tokens, key.dim, key.hidden_dim, key.act, key.grads
         size = ITEMSIZE[act]
         self.convert = key.weights != act
-        self.weight_gemms = key.need_weight_grads or key.bias1 or key.bias2
+        self.weight_gemms = key.need_weight_grads or key.bias_grads
         scratch = {"grad_linear1": T * H * size}
         if self.convert:
             scratch.update(weight1=H * D * size, weight2=D * H * size)
@@ -220,9 +220,9 @@ class LtBackward(_Engine):
             flip = key.grads_transposed
             bgrad = E.EPILOGUE_BGRADA if flip else E.EPILOGUE_BGRADB
             self.gemm(_GEMM4, *((D, H) if flip else (H, D)), T, act, act, gt, a_trans=True,
-                      epilogue=bgrad if key.bias1 else E.EPILOGUE_DEFAULT)
+                      epilogue=bgrad if key.bias_grads else E.EPILOGUE_DEFAULT)
             self.gemm(_GEMM2, *((H, D) if flip else (D, H)), T, act, act, gt, a_trans=True,
-                      epilogue=bgrad if key.bias2 else E.EPILOGUE_DEFAULT)
+                      epilogue=bgrad if key.bias_grads else E.EPILOGUE_DEFAULT)
         with cupy.cuda.Device(key.device):
             self._main, self._side_h = self.handle(), self.handle()
             self.side = cupy.cuda.Stream(non_blocking=True)
@@ -284,7 +284,7 @@ class LtBackward(_Engine):
                 g2.a.value, g2.b.value = (g, dy) if k.grads_transposed else (dy, g)
                 g2.c.value = target("grad_weight2")
                 g2.beta.value = beta if out.get("grad_weight2") is not None else self.zero
-                if k.bias2:
+                if k.bias_grads:
                     g2.set_epilogue(bias=bias_target("grad_bias2"))
                 self._side_h.bind(side)
                 g2(self._side_h)
@@ -305,7 +305,7 @@ class LtBackward(_Engine):
                 g4.a.value, g4.b.value = (x, gl) if k.grads_transposed else (gl, x)
                 g4.c.value = target("grad_weight1")
                 g4.beta.value = beta if out.get("grad_weight1") is not None else self.zero
-                if k.bias1:
+                if k.bias_grads:
                     g4.set_epilogue(bias=bias_target("grad_bias1"))
                 g4(self._main)
         finally:  # also on failure: nothing of this call may land after the caller's error handling
