@@ -527,3 +527,26 @@ def test_a_bias_on_another_gpu_is_named(fake_torch):
     with pytest.raises(ValueError, match=r"^all arrays must be on one device; bias2 is on cuda:1 but hidden_states is "
                                          r"on cuda:0"):
         _validate.validate(_validate.Request("forward"), (x, w1, w2, None, b2), None, Stream(TORCH_STREAM))
+
+
+# ---------------------------------------------------------------------------------------------
+# the door's call flow on the GPU route (issue 49; tests/door_trace.py), the engine's part replaced
+# ---------------------------------------------------------------------------------------------
+def test_the_gpu_door_enters_validate_route_execute_once(fake_torch, fake_gpu):
+    from door_trace import trace
+
+    plan = _FakePlan()
+    args, out = tensors(), tensors(base=1 << 40, shapes=OUT_SHAPES)
+    dy = args[0]
+
+    def carries(obj):
+        ptr = getattr(getattr(obj, "data", None), "ptr", None) if isinstance(obj, cupy.ndarray) else None
+        return obj is dy or ptr == dy.ptr or getattr(obj, "ptr", None) == dy.ptr or (type(obj) is int and obj == dy.ptr)
+
+    stream = Stream(OTHER_STREAM)
+    for repeat in (False, True):
+        _, files, entries, doubled = trace(lambda: plan(*args, out=out, stream=stream), carries)
+        assert entries["api/validate.py"] == 1 and entries["api/execute.py"] == 1, files
+        assert entries["api/routes.py"] == (0 if repeat else 1), files  # the route is remembered with the call
+        assert doubled <= 0.25 * len(files), files
+    assert len(fake_gpu) == 2
