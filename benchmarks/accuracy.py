@@ -131,7 +131,7 @@ def measure(tokens_list, precisions, dim, hidden, calls=3):
                 finite = all(bool(cupy.isfinite(g).all()) for g in grads)
                 ms = _time_calls(plan, inputs, out, calls)
                 row[label] = {"rel_l2": errors, "max_rel_l2": max(errors.values()), "finite": finite, "ms": ms,
-                              "k_chunks": plan.engine.k_chunked, "gemm_forms": plan.gemm_forms}
+                              "k_chunks": plan.engine.plan.k_chunked, "gemm_forms": plan.gemm_forms}
                 plan.close()
                 del out, grads
                 cupy.get_default_memory_pool().free_all_blocks()

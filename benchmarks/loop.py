@@ -235,8 +235,8 @@ def host_breakdown(cupy, stream, tokens=256):
         "validate (full validation)": timed(lambda: _validate.validate(_validate.Request("backward", "bf16x3"), args,
                                                                        out, stream)),
         "enqueue (all launches)": timed(lambda: engine.enqueue(stream.ptr)),
-        "one cublasGemmEx": timed(lambda: engine.gemm1(engine._main)),
-        "one kernel launch": timed(lambda: engine._dgelu(stream.ptr)),
+        "one cublasGemmEx": timed(lambda: engine.gemms.gemm1(engine.resources.main)),
+        "one kernel launch": timed(lambda: engine.kernels.dgelu(stream.ptr)),
         "one event record": timed(lambda: runtime.eventRecord(event.ptr, stream.ptr)),
         "whole plan call": timed(lambda: plan(*args, out=out, stream=stream)),
     }

@@ -149,23 +149,24 @@ def test_plans_of_t_zero_and_bad_options():
         E.Plan(8, 8, 8, P.lookup("tf32"), options={"max_k": None})
 
 
-class _StandIn:
-    """The engine state that schedule.stages reads, from a plan: launches named by strings."""
-
-    def __init__(self, plan, memory_mode=False):
-        self.fmt, self.fused_gemm1, self.lean = plan.fmt, plan.fused_gemm1, plan.layout.lean
-        self.gelu_in_gemm1 = memory_mode and plan.gelu_epilogue_ok
-        self.cvt_a, self.cvt_b = plan.convert_modes[self.gelu_in_gemm1]
-        f16 = plan.fmt in (P.FMT_F16S, P.FMT_F16E4M3)
-        self._convert = {stage: (names, stage, f"{stage} rescue" if f16 else None) for stage, names in
-                         (("convert A", self.cvt_a), ("convert B", self.cvt_b), ("convert late", plan.layout.cvt_late))
-                         if names}
-        self._recompute_g, self._ieee_gelu = False, None
-        self._fused, self._fused_rescue, self._decide = "fused", "fused rescue" if f16 else None, "decide"
-        self._dgelu, self._dgelu_rescue = "dgelu", "dgelu rescue" if f16 else None
-        self._bias1, self._bias2 = ("bias1", ("bias2 bands", "bias2 rows")) if plan.need_bias_grads else (None, None)
-        for g in ("gemm1", "gemm2", "gemm3", "gemm4"):
-            setattr(self, g, g if g in plan.forms else None)
+def stage_context(plan, memory_mode=False, ieee_gelu=None):
+    """The StageContext of `plan` in one mode, built as GpuEngine.stage_context builds it, its launches named by
+    strings (`ieee_gelu`: ieee memory mode's recomputation of gelu_out)."""
+    gelu_in_gemm1 = memory_mode and plan.gelu_epilogue_ok
+    cvt_a, cvt_b = plan.convert_modes[gelu_in_gemm1]
+    f16 = plan.fmt in (P.FMT_F16S, P.FMT_F16E4M3)
+    fused = plan.fused_gemm1
+    convert = {stage: (names, stage, f"{stage} rescue" if f16 else None) for stage, names in
+               (("convert A", cvt_a), ("convert B", cvt_b), ("convert late", plan.layout.cvt_late)) if names}
+    bias1, bias2 = ("bias1", ("bias2 bands", "bias2 rows")) if plan.need_bias_grads else (None, None)
+    gemms = tuple(g if g in plan.forms and not (g == "gemm1" and fused) else None
+                  for g in ("gemm1", "gemm2", "gemm3", "gemm4"))
+    return S.StageContext(
+        fmt=plan.fmt, cvt_a=cvt_a, cvt_b=cvt_b, fused_gemm1=fused, gelu_in_gemm1=gelu_in_gemm1, lean=plan.layout.lean,
+        convert=convert, ieee_gelu=ieee_gelu, fused="fused" if fused else None,
+        fused_rescue="fused rescue" if fused and f16 else None, decide="decide" if fused and f16 else None,
+        dgelu=None if fused else "dgelu", dgelu_rescue="dgelu rescue" if f16 and not fused else None, bias1=bias1,
+        bias2=bias2, gemms=gemms)
 
 
 def _streams(steps):
@@ -174,7 +175,7 @@ def _streams(steps):
 
 def test_stage_graph_tf32_fused_memory_mode():
     """tf32 at T = 8192 on cc 9.0, memory mode: GEMM1's epilogue forms gelu_out, so GEMM2 waits for (D)."""
-    steps = S.stages(_StandIn(build("tf32", 8192), memory_mode=True))
+    steps = S.stages(stage_context(build("tf32", 8192), memory_mode=True))
     assert _streams(steps) == [
         ("S", "convert A", (), ()), ("S", "f16 rescue", (), ()), ("S", None, (), ("A",)),
         ("S2", None, ("A",), ()), ("S2", "convert B", (), ()), ("S2", "f16 rescue", (), ()), ("S2", None, (), ("B",)),
@@ -187,13 +188,30 @@ def test_stage_graph_tf32_fused_memory_mode():
 
 def test_stage_graph_bf16x3_lean():
     """bf16x3 at T = 8192 (lean): S waits for GEMM2 before dgelu, converts late, and runs GEMM4 itself."""
-    steps = S.stages(_StandIn(build("bf16x3", 8192)))
+    steps = S.stages(stage_context(build("bf16x3", 8192)))
     assert [(s.stream, s.stage) for s in steps if s.stage] == [
         ("S", "convert A"), ("S2", "convert B"), ("S", "GEMM1 grad_gelu"), ("S2", "GEMM2 grad_weight2"),
         ("S", "dgelu"), ("S", "convert late"), ("S", "GEMM3 grad_hidden"), ("S", "GEMM4 grad_weight1")]
     gemm2 = next(s for s in steps if s.stage == "GEMM2 grad_weight2")
     assert gemm2.waits == ("A",) and gemm2.run == (S.Gemm(1),)
     assert S.FORK[0].records == ("start",) and S.JOIN[-1].waits == ("side",)
+
+
+def test_stage_context_steps_and_bytes():
+    """A StageContext carries its steps (stages of itself, built once per mode); ieee memory mode's recomputed
+    gelu_out runs on S2 before (B); stage_bytes reads the context's conversions and the plan (the fused tf32 plan has
+    no dgelu pass)."""
+    fused = build("tf32", 8192)
+    stage = stage_context(fused)
+    assert stage.steps == S.stages(stage)
+    assert set(S.stage_bytes(stage, fused)) == {"convert A", "convert B"}
+    plan = build("bf16x3", 8192)
+    got = S.stage_bytes(stage_context(plan), plan)
+    assert set(got) == {"convert A", "convert B", "convert late", "dgelu"}
+    assert got["dgelu"] == 12 * 8192 * H + plan.layout.written("grad_linear1")
+    ieee = stage_context(build("ieee", 256), memory_mode=True, ieee_gelu="ieee gelu").steps
+    i = next(i for i, s in enumerate(ieee) if s.stage == "gelu_out (recomputed)")
+    assert ieee[i].stream == "S2" and ieee[i].run == ("ieee gelu",) and ieee[i + 1].records == ("B",)
 
 
 @pytest.mark.parametrize("precision, tokens", [("tf32", 8192), ("bf16x3", 8192), ("fp16+fp8", 8192),
@@ -204,7 +222,7 @@ def test_stage_graph_with_bias_gradients(precision, tokens):
     and before GEMM4 where S2 runs it."""
     plan = build(precision, tokens, need_bias_grads=True)
     assert not plan.fused_gemm1 and build(precision, tokens).need_bias_grads is False
-    steps = S.stages(_StandIn(plan))
+    steps = S.stages(stage_context(plan))
     staged = [(s.stream, s.stage) for s in steps if s.stage]
     assert ("S", "dgelu") in staged and ("S", "GEMM1 grad_gelu") in staged
     i = staged.index(("S2", "grad_bias2"))
@@ -226,9 +244,9 @@ def test_bias_gradients_alone(precision, tokens):
     grad_linear1, fp16+fp8's dgelu pass still writes one encoding of it (fp16, the cheapest): split_e4m3 needs one."""
     plan = build(precision, tokens, need_grad_hidden=False, need_weight_grads=False, need_bias_grads=True)
     assert sorted(plan.forms) == ["gemm1"] and not plan.fused_gemm1
-    stand_in = _StandIn(plan)
-    assert not stand_in.cvt_b and not plan.layout.cvt_late
-    staged = [s.stage for s in S.stages(stand_in) if s.stage]
+    stage = stage_context(plan)
+    assert not stage.cvt_b and not plan.layout.cvt_late
+    staged = [s.stage for s in S.stages(stage) if s.stage]
     assert [s for s in staged if s.startswith("GEMM")] == ["GEMM1 grad_gelu"]
     assert "dgelu" in staged and "grad_bias1" in staged and "grad_bias2" in staged
     if plan.fmt == P.FMT_F16E4M3:

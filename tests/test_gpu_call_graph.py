@@ -63,10 +63,10 @@ def test_new_arrays_every_call(tokens, dim, hidden, precision):
         assert_close_to(got, want, f"step {step}")
         assert_contract(got, inputs, precision, f"step {step}")
     engine = graphed.engine
-    assert len(engine._call_graphs) == 1  # captured once, re-pointed twice
-    assert next(iter(engine._call_graphs.values())).node_count >= 2  # the table and at least one kernel of ours
+    assert len(engine.runner.call_graphs) == 1  # captured once, re-pointed twice
+    assert next(iter(engine.runner.call_graphs.values())).node_count >= 2  # the table and at least one kernel of ours
     graphed.close()
-    assert engine._call_graphs == {}
+    assert engine.runner.call_graphs == {}
 
 
 @pytest.mark.parametrize("precision", GRAPHED)
@@ -83,7 +83,7 @@ def test_accumulate_alternating(precision):
         got = graphed(*args, out=out_g, accumulate=accumulate)
         want = eager(*args, out=out_e, accumulate=accumulate)
         assert_close_to(got, want, f"step {step} accumulate={accumulate}")
-    assert set(graphed.engine._call_graphs) == {(True, False, False), (False, False, False)}
+    assert set(graphed.engine.runner.call_graphs) == {(True, False, False), (False, False, False)}
 
 
 def test_memory_mode_and_unaligned_rows_switch_the_kernel_variant():
@@ -103,11 +103,11 @@ def test_memory_mode_and_unaligned_rows_switch_the_kernel_variant():
         if memory_mode:
             args[5] = None
         got = graphed(*args, out=poisoned(tokens, dim, hidden))
-        assert graphed.engine._fused.staged == (offset == 0)
+        assert graphed.engine.stage.fused.staged == (offset == 0)
         want = eager(*args, out=poisoned(tokens, dim, hidden))
         assert_close_to(got, want, f"step {step} memory_mode={memory_mode} offset={offset}")
         assert_contract(got, inputs, "tf32", f"step {step}")
-    assert len(graphed.engine._call_graphs) == 1
+    assert len(graphed.engine.runner.call_graphs) == 1
 
 
 @pytest.mark.parametrize("precision", GRAPHED)
@@ -124,7 +124,7 @@ def test_memory_mode_alternating(precision):
         want = eager(*args, out=poisoned(tokens, dim, hidden))
         assert_close_to(got, want, f"step {step} memory_mode={memory_mode}")
         assert_contract(got, inputs, precision, f"step {step}")
-    assert len(graphed.engine._call_graphs) == (2 if precision == "ieee" else 1)
+    assert len(graphed.engine.runner.call_graphs) == (2 if precision == "ieee" else 1)
 
 
 @pytest.mark.parametrize("need", ["grad_hidden", "weight_grads"])
@@ -168,7 +168,7 @@ def test_grad_hidden_ready_calls_launch_by_launch():
     args, _ = make(tokens, dim, hidden, seed=130)
     got = graphed(*args, out=poisoned(tokens, dim, hidden), grad_hidden_ready=ready)
     ready.synchronize()
-    assert graphed.engine._call_graphs == {}
+    assert graphed.engine.runner.call_graphs == {}
     assert_close_to(got, eager(*args, out=poisoned(tokens, dim, hidden)), "grad_hidden_ready")
 
 
@@ -189,7 +189,7 @@ def test_failure_while_capturing_leaves_nan_and_a_usable_plan(monkeypatch):
         graphed(*args, out=out)
     for o in out:
         assert bool(cupy.isnan(o).all())
-    assert graphed.engine._call_graphs == {}
+    assert graphed.engine.runner.call_graphs == {}
     monkeypatch.setattr(_cublas.Gemm, "indirect", original)
     got = graphed(*args, out=poisoned(tokens, dim, hidden))
     assert_close_to(got, eager(*args, out=poisoned(tokens, dim, hidden)), "after the failed capture")
@@ -203,7 +203,7 @@ def test_default_policy():
         assert plan.engine.call_graph == graphed, (tokens, precision)
         args, inputs = make(tokens, 64, 256, seed=160)
         assert_contract(plan(*args, out=poisoned(tokens, 64, 256)), inputs, precision, f"{precision} T={tokens}")
-        assert bool(plan.engine._call_graphs) == graphed
+        assert bool(plan.engine.runner.call_graphs) == graphed
     assert cupyffn.GeluFFNBackward(4096, 64, 256, precision="ieee",
                                    _options=EngineOptions(call_graph=True)).engine.call_graph
 
@@ -216,7 +216,7 @@ def test_fp16_fp8_launches_by_launch():
         assert plan.engine.call_graph == graphed
         args, inputs = make(tokens, 64, 256, seed=150)
         assert_contract(plan(*args, out=poisoned(tokens, 64, 256)), inputs, "fp16+fp8", f"T={tokens}")
-        assert bool(plan.engine._call_graphs) == graphed
+        assert bool(plan.engine.runner.call_graphs) == graphed
 
 
 def test_a_dropped_plan_frees_its_engine_at_once():

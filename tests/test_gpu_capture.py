@@ -204,10 +204,10 @@ def test_replay_survives_clear_cache_and_churn():
     cupy.cuda.Device().synchronize()
     graph = capture(cap, lambda: cupyffn.gelu_ffn_backward(*args, out=out, stream=cap))
     (plan,) = pinned_backward_plans()
-    lo = plan._base
+    lo = plan.scratch.ptr
     hi = lo + plan.scratch_bytes
     cupyffn.clear_cache()
-    assert not plan.closed and plan._scratch is not None
+    assert not plan.closed and plan.scratch is not None
     seen = 0
     for i, (t, d, h) in enumerate(CHURN):  # more plans than the cache holds: every unpinned one is evicted
         churn_args, _ = make(100 + i, t, d, h)
@@ -216,7 +216,7 @@ def test_replay_survives_clear_cache_and_churn():
             if other is plan:
                 continue
             seen += 1
-            o_lo = other._base
+            o_lo = other.scratch.ptr
             o_hi = o_lo + other.scratch_bytes
             assert o_hi <= lo or hi <= o_lo, "a new plan was given the captured plan's scratch"
     assert seen >= len(CHURN)

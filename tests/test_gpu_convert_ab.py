@@ -25,7 +25,7 @@ def twin_plans(tokens, dim, hidden, **kw):
                                     **kw)
     merged = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision="tf32", _options=EngineOptions(convert_ab=True),
                                      **kw)
-    assert merged.engine.convert_ab and not apart.engine.convert_ab
+    assert merged.engine.plan.convert_ab and not apart.engine.plan.convert_ab
     return merged, apart
 
 
@@ -62,14 +62,15 @@ def test_magnitude_jumps_rescue_the_same_way():
         got = merged(*args, out=poisoned(256, 128, 512))
         want = apart(*args, out=poisoned(256, 128, 512))
         assert_same_bits(got, want, f"scales {scales}")
-        assert bool((merged.engine._state == apart.engine._state).all()), f"scales {scales}: scale states differ"
+        same_state = bool((merged.engine.scale_state == apart.engine.scale_state).all())
+        assert same_state, f"scales {scales}: scale states differ"
         for label, g, r in zip(W.OUTPUT_NAMES, got, W.reference(inputs, xp=cupy)):
             assert W.relative_l2(g, r, xp=cupy) <= cupyffn.PRECISIONS["tf32"].contract, f"{scales} {label}"
 
 
 def test_partial_gradients():
     merged, apart = twin_plans(129, 64, 256, need_weight_grads=False)
-    assert merged.engine.cvt_a == ["grad_output", "weight2", "weight1"] and merged.engine.cvt_b == []
+    assert merged.engine.stage.cvt_a == ["grad_output", "weight2", "weight1"] and merged.engine.stage.cvt_b == []
     inputs = W.make_inputs((129,), 64, 256, xp=cupy, seed=230)
     args = [inputs[n] for n in W.INPUT_NAMES]
     out = (cupy.full((129, 64), numpy.nan, cupy.float32), None, None)
@@ -82,8 +83,8 @@ def test_default_window_and_the_option():
     """auto: tf32 at T <= 512 (CONVERT_AB_TOKENS); EngineOptions(convert_ab=False) turns it off."""
     for tokens, precision, merged in ((512, "tf32", True), (513, "tf32", False), (256, "bf16x3", False)):
         plan = cupyffn.GeluFFNBackward(tokens, 64, 256, precision=precision)
-        assert plan.engine.convert_ab == merged, (tokens, precision)
+        assert plan.engine.plan.convert_ab == merged, (tokens, precision)
         plan = cupyffn.GeluFFNBackward(tokens, 64, 256, precision=precision, _options=EngineOptions())
-        assert plan.engine.convert_ab == merged, (tokens, precision)
+        assert plan.engine.plan.convert_ab == merged, (tokens, precision)
     assert not cupyffn.GeluFFNBackward(512, 64, 256, precision="tf32",
-                                       _options=EngineOptions(convert_ab=False)).engine.convert_ab
+                                       _options=EngineOptions(convert_ab=False)).engine.plan.convert_ab

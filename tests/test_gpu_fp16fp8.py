@@ -60,10 +60,10 @@ def test_forms_ran_and_accuracy_beats_fp16_alone(tokens, dim, hidden):
     plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=PLAN)
     expected = expected_forms(tokens, dim, hidden)
     assert "f16+e4m3" in expected.values(), expected  # the case exercises the pair
-    notes = getattr(plan.engine, "form_notes", {})
+    notes = plan.engine.plan.form_notes
     assert plan.gemm_forms == expected, f"ran {plan.gemm_forms}, table says {expected}; fallbacks: {notes}"
     # GEMM1's pair as the sm90 kernel, GEMM2-4's as cuBLAS's two products (SM90_PAIR_GEMMS)
-    assert plan.engine.sm90_pair == ({"gemm1"} if expected["gemm1"] == "f16+e4m3" else set())
+    assert plan.engine.plan.sm90_pair == ({"gemm1"} if expected["gemm1"] == "f16+e4m3" else set())
     grads = plan(*args, out=poisoned(args))
     tf32 = cupyffn.gelu_ffn_backward(*args, precision="tf32", out=poisoned(args))
     e_pair, e_tf32 = errors(grads, ref64), errors(tf32, ref64)
@@ -111,10 +111,10 @@ def test_sm90_pair_switch(switch):
         *args, out=poisoned(args))
     plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=PLAN, _options=EngineOptions(sm90_pair=switch))
     if not switch:
-        assert plan.gemm_forms["gemm1"] == "bf16x3" and plan.engine.sm90_pair == set()
-        assert "EngineOptions(sm90_pair=False)" in plan.engine.form_notes["gemm1"]
+        assert plan.gemm_forms["gemm1"] == "bf16x3" and plan.engine.plan.sm90_pair == set()
+        assert "EngineOptions(sm90_pair=False)" in plan.engine.plan.form_notes["gemm1"]
     else:
-        assert set(plan.gemm_forms.values()) == {"f16+e4m3"} and plan.engine.sm90_pair == set(_precision.GEMMS)
+        assert set(plan.gemm_forms.values()) == {"f16+e4m3"} and plan.engine.plan.sm90_pair == set(_precision.GEMMS)
     rng = numpy.random.default_rng(6)
     start_w1 = cupy.asarray(rng.standard_normal(args[2].shape, dtype=numpy.float32))
     start_w2 = cupy.asarray(rng.standard_normal(args[3].shape, dtype=numpy.float32))

@@ -100,8 +100,8 @@ def test_rows_off_16_bytes_take_the_direct_epilogue(extra, offset, pairs, precis
         wide[:, offset:offset + hidden] = args[i]
         args[i] = wide[:, offset:offset + hidden]
     plan, grads = run(args, tokens, dim, hidden, fused=True, precision=precision)
-    assert not plan.engine._fused.staged  # the direct epilogue ran
-    assert plan.engine._fused.args.xt_pairs == pairs
+    assert not plan.engine.stage.fused.staged  # the direct epilogue ran
+    assert plan.engine.stage.fused.args.xt_pairs == pairs
     for label, g, r in zip(W.OUTPUT_NAMES, grads, W.reference(inputs, xp=cupy)):
         assert W.relative_l2(g, r, xp=cupy) <= contract(precision), label
 
@@ -109,7 +109,7 @@ def test_rows_off_16_bytes_take_the_direct_epilogue(extra, offset, pairs, precis
 def call_and_check(plan, args, inputs, slot, moved, what):
     """One tf32 call into poisoned outputs: scale slot `slot`'s exponent moved if `moved` (the rescue's case), every
     gradient finite and within the contract against float64."""
-    state = plan.engine._state
+    state = plan.engine.scale_state
     tokens, dim, hidden = plan.tokens, plan.dim, plan.hidden_dim
     e_before = int(state[slot].get())
     grads = plan(*args, out=poisoned(tokens, dim, hidden))
@@ -155,14 +155,14 @@ def test_epilogue_warps_give_the_staged_plans_bits(tokens, dim, hidden, gelu):
     for switch in (True, False):
         plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision="tf32",
                                        _options=EngineOptions(gelu_epilogue=gelu, epilogue_warps=switch))
-        assert plan.engine.epilogue_warps == switch and plan.engine.gelu_epilogue_ok == gelu
+        assert plan.engine.plan.epilogue_warps == switch and plan.engine.plan.gelu_epilogue_ok == gelu
         calls = []
         for seed in (tokens + 3, tokens + 4):
             args, inputs = make(tokens, dim, hidden, seed=seed)
             grads = plan(*args, out=poisoned(tokens, dim, hidden))
             cupy.cuda.Device().synchronize()
             calls.append(([g.copy() for g in grads], inputs))
-        results[switch] = (calls, plan.engine._state.get())
+        results[switch] = (calls, plan.engine.scale_state.get())
     for (warps, inputs), (staged, _) in zip(results[True][0], results[False][0]):
         ref64 = W.reference(inputs, xp=cupy)
         for label, a, b, r in zip(W.OUTPUT_NAMES, warps, staged, ref64):
@@ -189,10 +189,10 @@ def test_gelu_out_given_is_converted_and_a_missing_one_formed_in_the_epilogue(to
     for switch in (True, False):
         plan, grads = run(args, tokens, dim, hidden, fused=True, gelu_epilogue=switch)
         engine = plan.engine
-        assert engine.gelu_epilogue_ok == switch
-        assert engine.gelu_in_gemm1 == (switch and memory_mode)
-        assert ("gelu_out" in engine.cvt_b + engine.cvt_a) == (not engine.gelu_in_gemm1)
-        results[switch] = ([g.copy() for g in grads], engine._state.get(), plan)
+        assert engine.plan.gelu_epilogue_ok == switch
+        assert engine.stage.gelu_in_gemm1 == (switch and memory_mode)
+        assert ("gelu_out" in engine.stage.cvt_b + engine.stage.cvt_a) == (not engine.stage.gelu_in_gemm1)
+        results[switch] = ([g.copy() for g in grads], engine.scale_state.get(), plan)
     for label, a, b, r in zip(W.OUTPUT_NAMES, results[True][0], results[False][0], ref64):
         assert bool(cupy.isfinite(a).all()), label
         assert W.relative_l2(a, r, xp=cupy) <= CONTRACT, label
@@ -221,7 +221,7 @@ def test_rescue_reruns_gemm1_when_gelu_outs_scale_moves(warps):
     tokens, dim, hidden = 512, 128, 512
     plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision="tf32", _options=EngineOptions(
         fused_gemm1=True, gelu_epilogue=True, epilogue_warps=warps))
-    assert plan.engine.gelu_epilogue_ok and plan.engine.epilogue_warps == warps
+    assert plan.engine.plan.gelu_epilogue_ok and plan.engine.plan.epilogue_warps == warps
     slot = _precision.SLOT["gelu_out"]
     for scale in (1.0, 2.0 ** 10, 2.0 ** -10):
         inputs = W.make_inputs((tokens,), dim, hidden, xp=cupy, seed=int(scale * 1024) % 89)
@@ -234,7 +234,7 @@ def test_rescue_reruns_gemm1_when_gelu_outs_scale_moves(warps):
         args = [inputs[n] for n in W.INPUT_NAMES]
         args[6] = None  # memory mode: the epilogue forms gelu_out (from the given tanh_inner)
         call_and_check(plan, args, inputs, slot, moved=scale != 1.0, what=f"gelu_out at scale {scale}")
-        assert plan.engine.gelu_in_gemm1
+        assert plan.engine.stage.gelu_in_gemm1
 
 
 @pytest.mark.parametrize("precision", FUSING)

@@ -66,7 +66,7 @@ def test_the_gradients_are_the_formulas_on_the_given_tensors(precision, tokens, 
     args, inputs = independent(tokens, dim, hidden, seed=tokens * 7 + len(precision))
     plan, grads = call(precision, args, mode, tokens, dim, hidden)
     if precision == "tf32" and plan.fused_gemm1:  # gelu_out formed in the epilogue only where none was given
-        assert plan.engine.gelu_in_gemm1 == (mode != "given" and plan.engine.gelu_epilogue_ok)
+        assert plan.engine.stage.gelu_in_gemm1 == (mode != "given" and plan.engine.plan.gelu_epilogue_ok)
     bound = cupyffn.PRECISIONS[precision].contract
     for label, g, r in zip(W.OUTPUT_NAMES, grads, W.reference(reference_inputs(inputs, mode), xp=cupy)):
         assert bool(cupy.isfinite(g).all()), f"{label}: not every element written"

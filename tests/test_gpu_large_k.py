@@ -51,7 +51,7 @@ def run_big(big, precision, max_k=_ksplit.MAX_K):
         grads = plan(*inputs, out=poisoned(BIG_T, W.DIM, W.HIDDEN_DIM))
         cupy.cuda.Device().synchronize()
         assert all(bool(cupy.isfinite(g).all()) for g in grads), "not every element written"
-        return A.block_errors(grads, ref, picked), plan.engine.k_chunked
+        return A.block_errors(grads, ref, picked), plan.engine.plan.k_chunked
     finally:
         plan.close()
         cupy.get_default_memory_pool().free_all_blocks()
@@ -102,7 +102,7 @@ def test_contract_at_a_large_hidden_dim(precision):
     args, inputs = make(tokens, dim, hidden, seed=hidden + len(precision))
     plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision)
     grads = plan(*args, out=poisoned(tokens, dim, hidden))
-    assert "gemm3" in plan.engine.k_chunked, plan.engine.k_chunked
+    assert "gemm3" in plan.engine.plan.k_chunked, plan.engine.plan.k_chunked
     check_full(grads, inputs, precision)
     check_forward(inputs["hidden_states"], inputs["weight1"], inputs["weight2"], precision)
     plan.close()
@@ -117,7 +117,7 @@ def test_contract_at_a_large_dim(precision):
     args, inputs = make(tokens, dim, hidden, seed=dim + len(precision))
     plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision)
     grads = plan(*args, out=poisoned(tokens, dim, hidden))
-    assert "gemm1" in plan.engine.k_chunked and not plan.fused_gemm1, plan.engine.k_chunked
+    assert "gemm1" in plan.engine.plan.k_chunked and not plan.fused_gemm1, plan.engine.plan.k_chunked
     check_full(grads, inputs, precision)
     check_forward(inputs["hidden_states"], inputs["weight1"], inputs["weight2"], precision)
     plan.close()
@@ -131,7 +131,7 @@ def test_chunked_calls_are_bit_stable_and_capture(precision):
     tokens, dim, hidden = 20_000, 256, 512
     args, inputs = make(tokens, dim, hidden, seed=tokens + len(precision))
     plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision, _options=EngineOptions(max_k=4096))
-    assert {"gemm2", "gemm4"} <= set(plan.engine.k_chunked) and not plan.engine.call_graph
+    assert {"gemm2", "gemm4"} <= set(plan.engine.plan.k_chunked) and not plan.engine.call_graph
     runs = []
     for _ in range(2):
         out = poisoned(tokens, dim, hidden)
@@ -165,5 +165,5 @@ def test_no_official_workload_is_chunked(precision):
     chunks existed: bf16x3's longest K there, 3 x 8192, is _ksplit.MAX_K itself."""
     for tokens in sorted({w.tokens for w in W.WORKLOADS}):
         plan = cupyffn.GeluFFNBackward(tokens, W.DIM, W.HIDDEN_DIM, precision=precision)
-        assert plan.engine.k_chunked == {}, (tokens, plan.engine.k_chunked)
+        assert plan.engine.plan.k_chunked == {}, (tokens, plan.engine.plan.k_chunked)
         plan.close()

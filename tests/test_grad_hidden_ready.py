@@ -34,7 +34,7 @@ def test_event_orders_a_reader_on_another_stream(lead, dim, hidden, lean):
     args = [inputs[n] for n in W.INPUT_NAMES]
     tokens = int(numpy.prod(lead))
     plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision="bf16x3")
-    assert plan.engine.lean is lean  # both orders of GEMM3 / GEMM4 are covered
+    assert plan.engine.layout.lean is lean  # both orders of GEMM3 / GEMM4 are covered
     main, reader = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
     ready = cupy.cuda.Event(disable_timing=True)
     busy = cupy.random.default_rng(0).standard_normal((4096, 4096), dtype=cupy.float32)

@@ -3,8 +3,9 @@ handles, the per-call binding (`set_io`) and its lifetime (`close`).
 
 `GpuEngine` is composed of the parts that hold the rest: its `Plan` (what runs, with the scratch layout:
 cupyffn/engine/plan.py, cupyffn/engine/layout.py), its `Kernels` and `Gemms` (the launches, built once:
-cupyffn/engine/launches.py) and its `Executor` (the stage graph on two streams, and the call graph:
-cupyffn/engine/schedule.py). What every GPU engine shares (ordering, lifetime, the side stream under a caller's
+cupyffn/engine/launches.py) and its `StageRunner` (the stage graph on two streams, and the call graph:
+cupyffn/engine/schedule.py), which runs the `StageContext` of the call's binding mode on the engine's
+`StageResources`. What every GPU engine shares (ordering, lifetime, the side stream under a caller's
 capture, the graph cache) is its base, cupyffn/cuda/stream_engine.py; the executor that runs it,
 cupyffn/api/execute.py.
 """
@@ -19,38 +20,15 @@ from . import options as _options
 from .launches import Gemms, Kernels
 from .layout import ALIGN
 from .plan import Plan
-from .schedule import EVENTS, Executor, stage_bytes
-
-
-def _of(part, name, doc=None):
-    """A read-only attribute of the engine that is `name` of its part `part` (None while that part is)."""
-    return property(lambda self: getattr(getattr(self, part), name, None), doc=doc)
+from .schedule import EVENTS, StageContext, StageResources, StageRunner, stage_bytes
 
 
 class GpuEngine(StreamEngine):
-    """Everything one (T, D, H, precision, device) backward needs on the GPU, built once."""
+    """Everything one (T, D, H, precision, device) backward needs on the GPU, built once. What it runs is its
+    `plan`'s (with `layout`), `kernels`' and `gemms`'; `stage` is the StageContext of the mode of the call bound
+    last (cupyffn/engine/schedule.py)."""
 
     what = "GeluFFNBackward plan"
-
-    # the plan's decisions (cupyffn/engine/plan.py), read where the engine is
-    options = _of("plan", "options")
-    T, D, H = _of("plan", "T"), _of("plan", "D"), _of("plan", "H")
-    precision = _of("plan", "precision")
-    forms, form_notes, sm90_pair = _of("plan", "forms"), _of("plan", "form_notes"), _of("plan", "sm90_pair")
-    fmt, planes = _of("plan", "fmt"), _of("plan", "planes")
-    fused_gemm1, epilogue_warps = _of("plan", "fused_gemm1"), _of("plan", "epilogue_warps")
-    gelu_epilogue_ok, convert_ab = _of("plan", "gelu_epilogue_ok"), _of("plan", "convert_ab")
-    call_graph, gemm_forms = _of("plan", "call_graph"), _of("plan", "gemm_forms")
-    k_chunked = _of("plan", "k_chunked", "{gemm: chunks} of the GEMMs run in more than one K-chunk.")
-    ops, lean = _of("layout", "ops"), _of("layout", "lean")
-    # the launches (cupyffn/engine/launches.py; None at T = 0)
-    gemm1, gemm2, gemm3, gemm4 = (_of("gemms", g) for g in ("gemm1", "gemm2", "gemm3", "gemm4"))
-    _dgelu, _dgelu_rescue = _of("kernels", "dgelu"), _of("kernels", "dgelu_rescue")
-    _ieee_gelu = _of("kernels", "ieee_gelu")
-    _bias = _of("kernels", "bias")
-    _bias1 = property(lambda self: self._bias.bias1 if self._bias is not None else None)
-    _bias2 = property(lambda self: self._bias.bias2 if self._bias is not None else None)
-    _call_graphs = _of("_executor", "call_graphs")
 
     def __init__(self, tokens, dim, hidden_dim, precision, device_id, need_grad_hidden=True,
                  need_weight_grads=True, options=_options.DEFAULT, need_bias_grads=False):
@@ -73,26 +51,31 @@ class GpuEngine(StreamEngine):
                              sm90_supported=lambda: sm90.device_supported(device_id),
                              build_fp8=self._build_fp8, need_bias_grads=need_bias_grads)
             self.layout = self.plan.layout
-            self.gelu_in_gemm1 = False  # this call's: the epilogue forms gelu_out (memory mode; _select_mode)
+            # what the door reads of the plan (cupyffn/api/routes.py, cupyffn/api/backward_plan.py)
+            self.call_graph, self.fused_gemm1 = self.plan.call_graph, self.plan.fused_gemm1
+            self.gemm_forms = self.plan.gemm_forms
             self._allocate()
             self.side = cupy.cuda.Stream(non_blocking=True)
-            self._events = {name: cupy.cuda.Event(disable_timing=True) for name in EVENTS}
-            self._recompute_g = False
+            events = {name: cupy.cuda.Event(disable_timing=True) for name in EVENTS}
             self._accumulate = False
-            self._executor = Executor(self)
-            self._main = cublas.acquire(device_id)
-            self._handles.append(self._main)
+            main = cublas.acquire(device_id)
+            self._handles.append(main)
+            sidecar = None
             if need_weight_grads:
-                self._sidecar = cublas.acquire(device_id)
-                self._handles.append(self._sidecar)
-                self._sidecar.bind(self.side.ptr)
+                sidecar = cublas.acquire(device_id)
+                self._handles.append(sidecar)
+                sidecar.bind(self.side.ptr)
+            self.resources = StageResources(main, sidecar, self.side.ptr, events, device_id)
+            self.runner = StageRunner(self.resources)
             if self._fp8:  # the e4m3 GEMMs' cuBLASLt handles now, not inside a call a caller may be capturing
                 for handle in self._handles:
                     cublaslt.lt_handle(handle)
             if tokens > 0:
-                self.kernels = Kernels(self.plan, self._base, self._state, self._consts, device_id)
-                self.gemms = Gemms(self.plan, self._base, self._consts, self._fp8, device_id, self.kernels.addr)
-            self._select_mode(False)
+                self.kernels = Kernels(self.plan, self.scratch.ptr, self.scale_state, self._consts, device_id)
+                self.gemms = Gemms(self.plan, self.scratch.ptr, self._consts, self._fp8, device_id, self.kernels.addr)
+            self._stages = {}  # (gelu_out recomputed in fp32, gelu_in_gemm1) -> StageContext: stage_context
+            # T = 0: nothing is launched
+            self.stage = self.stage_context(False, False) if self.kernels is not None else None
             # the zero-filled state and constants were enqueued on the current stream
             self.constructed(self._alloc_stream_ptr)
 
@@ -130,7 +113,7 @@ class GpuEngine(StreamEngine):
         from ..cuda import kernels as _kernels
 
         try:
-            self._state = cupy.zeros(4 * _kernels.STATE_SLOTS, dtype=cupy.int32)
+            self.scale_state = cupy.zeros(4 * _kernels.STATE_SLOTS, dtype=cupy.int32)
             # [8]: on a 16-byte boundary, where cuBLASLt wants a scale pointer (see cublaslt.LtMatmul)
             self._consts = cupy.asarray([0, 1, 1, 1, 1, 1, 0, 0, P.E4M3_PAIR_SCALE, 0, 0, 0], dtype=cupy.float32)
         except cupy.cuda.memory.OutOfMemoryError as e:
@@ -141,27 +124,46 @@ class GpuEngine(StreamEngine):
 
         nbytes = self.layout.scratch_bytes
         try:
-            self._scratch = cupy.cuda.alloc(max(nbytes, ALIGN))
-            if self.fmt == P.FMT_F16E4M3:  # the e4m3 pairs' K padding must read as zeros
+            self.scratch = cupy.cuda.alloc(max(nbytes, ALIGN))
+            if self.plan.fmt == P.FMT_F16E4M3:  # the e4m3 pairs' K padding must read as zeros
                 from cupy_backends.cuda.api import runtime
 
-                runtime.memsetAsync(self._scratch.ptr, 0, max(nbytes, ALIGN), self._alloc_stream_ptr)
+                runtime.memsetAsync(self.scratch.ptr, 0, max(nbytes, ALIGN), self._alloc_stream_ptr)
         except cupy.cuda.memory.OutOfMemoryError as e:
             raise MemoryError(
                 f"cupyffn needs {nbytes} bytes ({nbytes / 2**20:.1f} MiB) of device scratch "
-                f"for T={self.T}, D={self.D}, H={self.H}, precision={self.precision.name!r} and could not allocate "
-                f"it: {e}") from None
-        self._base = self._scratch.ptr
+                f"for T={self.plan.T}, D={self.plan.D}, H={self.plan.H}, precision={self.plan.precision.name!r} and "
+                f"could not allocate it: {e}") from None
 
     # ------------------------------------------------------------------ per call
-    def _select_mode(self, gelu_epilogue):
-        """Take the launches of one mode (Plan.convert_modes, Kernels.modes): gelu_out formed in GEMM1's epilogue (a
-        memory-mode call of a plan with gelu_epilogue_ok) or converted by convert B (every other call)."""
-        self.gelu_in_gemm1 = bool(gelu_epilogue)
-        self.cvt_a, self.cvt_b = self.plan.convert_modes[self.gelu_in_gemm1]
-        if self.kernels is None:  # T = 0: nothing is launched
-            return
-        self._convert, self._fused, self._fused_rescue, self._decide = self.kernels.modes[self.gelu_in_gemm1]
+    def stage_context(self, ieee_gelu, gelu_in_gemm1):
+        """The StageContext of one binding mode, built on its first call and kept (a call only looks it up): gelu_out
+        recomputed in fp32 by Kernels.ieee_gelu (ieee memory mode, `ieee_gelu`), and gelu_out formed in GEMM1's
+        epilogue (a memory-mode call of a plan with gelu_epilogue_ok, `gelu_in_gemm1`) or converted by convert B
+        (every other call): the launches of Kernels.modes[gelu_in_gemm1] and Plan.convert_modes[gelu_in_gemm1]."""
+        key = (ieee_gelu, gelu_in_gemm1)
+        stage = self._stages.get(key)
+        if stage is None:
+            plan, kernels, bias = self.plan, self.kernels, self.kernels.bias
+            convert, fused, fused_rescue, decide = kernels.modes[gelu_in_gemm1]
+            cvt_a, cvt_b = plan.convert_modes[gelu_in_gemm1]
+            g = self.gemms
+            stage = self._stages[key] = StageContext(
+                fmt=plan.fmt, cvt_a=cvt_a, cvt_b=cvt_b, fused_gemm1=plan.fused_gemm1, gelu_in_gemm1=gelu_in_gemm1,
+                lean=plan.layout.lean, convert=convert, ieee_gelu=kernels.ieee_gelu[1] if ieee_gelu else None,
+                fused=fused, fused_rescue=fused_rescue, decide=decide, dgelu=kernels.dgelu,
+                dgelu_rescue=kernels.dgelu_rescue, bias1=bias.bias1 if bias is not None else None,
+                bias2=bias.bias2 if bias is not None else None, gemms=(g.gemm1, g.gemm2, g.gemm3, g.gemm4))
+        return stage
+
+    def rebuild_stages(self):
+        """Drop the stage contexts and call graphs built so far and rebuild the current mode's from Kernels.modes as
+        they are now (for a measurement that removes launches from them: dev/rescue_cost.py; the launches left are
+        bound already)."""
+        self.runner.destroy_graphs()
+        key = (self.stage.ieee_gelu is not None, self.stage.gelu_in_gemm1)
+        self._stages = {}
+        self.stage = self.stage_context(*key)
 
     def io_key(self, call, pointers):
         """What `bind` points the launches at: the inputs' geometry, the outputs' pointers and accumulate."""
@@ -177,53 +179,56 @@ class GpuEngine(StreamEngine):
         if self.call_graph and not ready:
             self.launch_graph(stream_ptr)
         else:
-            self.enqueue(stream_ptr, grad_hidden_ready=ready)
+            self.enqueue(stream_ptr, ready=ready)
 
     def set_io(self, inputs, outputs, accumulate):
         """Point the prebuilt launches at this call's arrays (Matrix views) and outputs (device pointers:
         grad_hidden_states, grad_weight1, grad_weight2, then grad_bias1, grad_bias2 with need_bias_grads)."""
         dy, x, w1, w2, l1, t, g = inputs
         src = {"grad_output": dy, "hidden_states": x, "weight1": w1, "weight2": w2, "gelu_out": g}
-        self._recompute_g = g is None and self.need_weight_grads  # memory mode: gelu_out from linear1_out
-        # a given gelu_out is used as given; only a missing one may be formed in GEMM1's epilogue
-        self._select_mode(self._recompute_g and self.gelu_epilogue_ok)
-        if self._recompute_g and not self.planes:
+        plan = self.plan
+        recompute = g is None and self.need_weight_grads  # memory mode: gelu_out from linear1_out
+        if recompute and not plan.planes:
             self.kernels.ensure_ieee_gelu()
-        self.kernels.bind(self.gelu_in_gemm1, l1, t, g, src)
-        if self.fmt != P.FMT_F16E4M3 and not self.planes:
+        # a given gelu_out is used as given; only a missing one may be formed in GEMM1's epilogue
+        self.stage = self.stage_context(bool(recompute and self.kernels.ieee_gelu is not None),
+                                        bool(recompute and plan.gelu_epilogue_ok))
+        self.kernels.bind(self.stage.gelu_in_gemm1, l1, t, g, src)
+        if plan.fmt != P.FMT_F16E4M3 and not plan.planes:
             self.gemms.bind(dy, x, w1, w2, g, self.kernels.ieee_g)
         self._accumulate = bool(accumulate)
         self.gemms.set_outputs(outputs[:3], accumulate)
         if self.need_bias_grads:
-            self._bias.bind(dy, outputs[3], outputs[4], accumulate, self.kernels.dgelu)
+            self.kernels.bias.bind(dy, outputs[3], outputs[4], accumulate, self.kernels.dgelu)
 
-    def enqueue(self, stream_ptr, serial=False, ready=0, mark=None, grad_hidden_ready=0):
-        """Issue the whole backward on `stream_ptr` and the side stream (schedule.Executor.enqueue); `ready` or
-        `grad_hidden_ready`: the raw event recorded right after GEMM3."""
-        self._executor.enqueue(stream_ptr, serial=serial, mark=mark, grad_hidden_ready=ready or grad_hidden_ready)
+    def enqueue(self, stream_ptr, serial=False, ready=0, mark=None):
+        """Issue the whole backward on `stream_ptr` and the side stream (schedule.StageRunner.enqueue); `ready`: the
+        raw event recorded right after GEMM3."""
+        self.runner.enqueue(self.stage, stream_ptr, serial=serial, mark=mark, ready=ready)
 
     def graph_key(self):
         """What a call graph bakes in besides addresses: the beta of the weight gradients (cuBLAS takes its address
         when captured), for ieee whether memory mode recomputes gelu_out (one more launch), and whether GEMM1's
         epilogue forms gelu_out (other launches)."""
-        return self._accumulate, bool(self._recompute_g and self._ieee_gelu is not None), self.gelu_in_gemm1
+        return self._accumulate, self.stage.ieee_gelu is not None, self.stage.gelu_in_gemm1
 
     def launch_graph(self, stream_ptr):
-        """The call set by set_io as one re-pointed call graph launch (schedule.Executor.launch_graph)."""
-        self._executor.launch_graph(stream_ptr)
+        """The call set by set_io as one re-pointed call graph launch (schedule.StageRunner.launch_graph)."""
+        self.runner.launch_graph(self.stage, self.graph_key(), stream_ptr)
 
     def allocates_for(self, call):
         """Whether binding `call` would allocate (ieee memory mode's gelu_out buffer, on first use)."""
-        return call.inputs[6] is None and self.need_weight_grads and not self.planes and self._ieee_gelu is None
+        built = self.kernels is not None and self.kernels.ieee_gelu is not None
+        return call.inputs[6] is None and self.need_weight_grads and not self.plan.planes and not built
 
     def stage_bytes(self):
         """Bytes each memory-bound stage moves (for GB/s in the benchmark)."""
-        return stage_bytes(self)
+        return stage_bytes(self.stage, self.plan)
 
     def _release(self):
         """After the last call (StreamEngine.close): the graphs, the cuBLAS handles, the scratch."""
-        self._executor.destroy_graphs()
+        self.runner.destroy_graphs()
         for h in self._handles:
             cublas.release(h)
         self._handles = []
-        self._scratch = None
+        self.scratch = None

@@ -1,5 +1,6 @@
-"""The stage graph of one backward call as data (`stages`: a tuple of `Step`), its two-stream executor
-(`Executor.enqueue`), the call graph's capture and replay (`Executor.launch_graph`), and the per-stage timing
+"""The stage graph of one backward call as data (`stages`: a tuple of `Step`), what it runs (`StageContext`, one per
+binding mode, and `StageResources`, the engine's streams, handles and events), its two-stream runner
+(`StageRunner.enqueue`), the call graph's capture and replay (`StageRunner.launch_graph`), and the per-stage timing
 that the benchmark's stage table walks through the same steps (`time_stages`).
 
 Work of one call (S = the caller's stream, S2 = the engine's side stream):
@@ -30,7 +31,7 @@ or the per-stage profile) every step runs on S in this order and no event is wai
 
 import ctypes
 import math
-import weakref
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..cuda import kernels as _kernels
@@ -68,87 +69,124 @@ FORK = (Step("S", records=("start",)), Step("S2", waits=("start",)))
 JOIN = (Step("S2", records=("side",)), Step("S", waits=("side",)))
 
 
-def stages(engine):
-    """The steps of a call of `engine` in its current mode (GpuEngine._select_mode: its convert and fused launches,
-    cvt_b, gelu_in_gemm1; whether ieee memory mode recomputes gelu_out), in issue order."""
-    e = engine
+@dataclass(eq=False)
+class StageContext:
+    """What the calls of one binding mode run (GpuEngine.stage_context builds one per mode, once, from its plan and
+    launches; a mode: whether GEMM1's epilogue forms gelu_out, and whether ieee memory mode recomputes it).
+
+    fmt, fused_gemm1, lean: the plan's (cupyffn/engine/plan.py, layout.py); cvt_a, cvt_b: what convert A and
+    convert B convert in this mode (Plan.convert_modes); gelu_in_gemm1: GEMM1's epilogue forms gelu_out;
+    convert: {stage: (names, launch, rescue launch or None)}; ieee_gelu: the launch recomputing gelu_out in fp32 in
+    ieee memory mode (None in every other mode); fused, fused_rescue, decide: the fused GEMM1 + dgelu's launches
+    (None without it); dgelu, dgelu_rescue (None with it); bias1 (a launch) and bias2 (two launches): the bias
+    gradients' (None without them); gemms: GEMM1..GEMM4's plans (None where the plan skips one). `steps`:
+    stages(self), built with the context so that a call only walks them.
+    """
+
+    fmt: int
+    cvt_a: list
+    cvt_b: list
+    fused_gemm1: bool
+    gelu_in_gemm1: bool
+    lean: bool
+    convert: dict
+    ieee_gelu: object
+    fused: object
+    fused_rescue: object
+    decide: object
+    dgelu: object
+    dgelu_rescue: object
+    bias1: object
+    bias2: tuple
+    gemms: tuple
+    steps: tuple = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.steps = stages(self)
+
+
+class StageResources(NamedTuple):
+    """What every call of one engine runs on, fixed when it is built: `main` (the cuBLAS handle of S, bound to the
+    caller's stream per call), `sidecar` (S2's, bound to the side stream; None without weight gradients, where no
+    GEMM runs on S2), `side_ptr` (the side stream S2), `events` ({name in EVENTS: cupy Event}), `device_id`."""
+
+    main: object
+    sidecar: object
+    side_ptr: int
+    events: dict
+    device_id: int
+
+
+def stages(stage):
+    """The steps of a call in the mode of `stage` (a StageContext), in issue order."""
     steps = []
 
-    def convert(stage, stream):
-        if stage in e._convert:
-            _, first, rescue = e._convert[stage]
-            steps.append(Step(stream, (first,), stage))
+    def convert(name, stream):
+        if name in stage.convert:
+            _, first, rescue = stage.convert[name]
+            steps.append(Step(stream, (first,), name))
             if rescue is not None:
                 steps.append(Step(stream, (rescue,), "f16 rescue"))
 
+    _, gemm2, gemm3, gemm4 = stage.gemms
     convert("convert A", "S")
     steps.append(Step("S", records=("A",)))
     # convert B's rescue writes alpha2, which needs grad_output's scale (with gelu_in_gemm1 it writes no alpha;
     # convert B still follows A, which GEMM1 waits for, rather than halve A's bandwidth)
-    s2_after_a = e.fmt in (P.FMT_F16S, P.FMT_F16E4M3) and bool(e.cvt_b)
+    s2_after_a = stage.fmt in (P.FMT_F16S, P.FMT_F16E4M3) and bool(stage.cvt_b)
     if s2_after_a:
         steps.append(Step("S2", waits=("A",)))
     convert("convert B", "S2")
-    if e._recompute_g and e._ieee_gelu is not None:
-        steps.append(Step("S2", (e._ieee_gelu[1],), "gelu_out (recomputed)"))
+    if stage.ieee_gelu is not None:
+        steps.append(Step("S2", (stage.ieee_gelu,), "gelu_out (recomputed)"))
     steps.append(Step("S2", records=("B",)))
-    if e.fused_gemm1:
-        steps.append(Step("S", (e._fused,), "GEMM1 + dgelu (sm90 fused)"))
+    if stage.fused_gemm1:
+        steps.append(Step("S", (stage.fused,), "GEMM1 + dgelu (sm90 fused)"))
     else:
         steps.append(Step("S", (Gemm(0),), "GEMM1 grad_gelu"))
-    if e.gemm2 is not None and not e.gelu_in_gemm1:
+    if gemm2 is not None and not stage.gelu_in_gemm1:
         # grad_output converted (S2 already waits for it where convert B did)
         steps.append(Step("S2", (Gemm(1),), "GEMM2 grad_weight2", waits=() if s2_after_a else ("A",)))
-    if e.lean:
+    if stage.lean:
         steps.append(Step("S2", records=("side",)))
         steps.append(Step("S", waits=("side",)))  # grad_linear1 overwrites the planes GEMM2 reads
     steps.append(Step("S", waits=("B",)))  # weight1 / hidden_states converted (and their scales final)
-    if e.fused_gemm1:
-        if e._fused_rescue is not None:  # tf32: grad_linear1's exponent decided; rerun if it moved
-            steps.append(Step("S", (e._decide, e._fused_rescue), "f16 rescue"))
+    if stage.fused_gemm1:
+        if stage.fused_rescue is not None:  # tf32: grad_linear1's exponent decided; rerun if it moved
+            steps.append(Step("S", (stage.decide, stage.fused_rescue), "f16 rescue"))
     else:
-        steps.append(Step("S", (e._dgelu,), "dgelu"))
-        if e._dgelu_rescue is not None:
-            steps.append(Step("S", (e._dgelu_rescue,), "f16 rescue"))
+        steps.append(Step("S", (stage.dgelu,), "dgelu"))
+        if stage.dgelu_rescue is not None:
+            steps.append(Step("S", (stage.dgelu_rescue,), "f16 rescue"))
     convert("convert late", "S")
     steps.append(Step("S", records=("D",)))
-    if e._bias1 is not None:  # bandwidth-bound sums beside GEMM3 (compute-bound), before GEMM4 on S2
-        steps.append(Step("S2", e._bias2, "grad_bias2", waits=("D",)))
-        steps.append(Step("S2", (e._bias1,), "grad_bias1"))
-    if e.gemm2 is not None and e.gelu_in_gemm1:  # gelu_out's codes and GEMM2's alpha are final
+    if stage.bias1 is not None:  # bandwidth-bound sums beside GEMM3 (compute-bound), before GEMM4 on S2
+        steps.append(Step("S2", stage.bias2, "grad_bias2", waits=("D",)))
+        steps.append(Step("S2", (stage.bias1,), "grad_bias1"))
+    if gemm2 is not None and stage.gelu_in_gemm1:  # gelu_out's codes and GEMM2's alpha are final
         steps.append(Step("S2", (Gemm(1),), "GEMM2 grad_weight2", waits=("D",)))
-    if e.gemm3 is not None:
+    if gemm3 is not None:
         steps.append(Step("S", (Gemm(2),), "GEMM3 grad_hidden", ready=True))
-    if e.gemm4 is not None:
-        if e.lean:
+    if gemm4 is not None:
+        if stage.lean:
             steps.append(Step("S", (Gemm(3),), "GEMM4 grad_weight1"))
         else:
             steps.append(Step("S2", (Gemm(3),), "GEMM4 grad_weight1", waits=("D",)))
     return tuple(steps)
 
 
-class Executor:
-    """Runs an engine's stage graph: `enqueue` walks the steps on S and S2; `launch_graph` runs the same work as
-    one re-pointed call graph (cupyffn/cuda/call_graph.py), captured once per `graph_key`."""
+class StageRunner:
+    """Runs a StageContext's steps on one engine's StageResources: `enqueue` walks them on S and S2; `launch_graph`
+    runs the same work as one re-pointed call graph (cupyffn/cuda/call_graph.py), captured once per key. It holds
+    no reference to the engine (what a call runs comes with the call), so no cycle keeps an engine (streams,
+    events, scratch) alive until the garbage collector runs, which may be during someone's stream capture."""
 
-    def __init__(self, engine):
-        # a weak reference: the engine owns its executor, and no cycle keeps an engine (streams, events, scratch)
-        # alive until the garbage collector runs, which may be during someone's stream capture
-        self.engine = weakref.proxy(engine)
-        self._steps = {}  # (recompute gelu_out, gelu_in_gemm1) -> stages(engine)
-        # eager calls as a re-pointed CUDA graph: per key (graph_key)
+    def __init__(self, resources):
+        self.resources = resources
+        # eager calls as a re-pointed CUDA graph: per key (GpuEngine.graph_key)
         self.call_graphs = {}
         self._recorder = None  # the CallGraph being captured: enqueue reports its kernel launches to it
         self._graph_stream = self._table = self._store_table = None
-
-    def steps(self):
-        """The steps of the engine's current mode (built on its first call)."""
-        e = self.engine
-        key = (bool(e._recompute_g and e._ieee_gelu is not None), e.gelu_in_gemm1)
-        steps = self._steps.get(key)
-        if steps is None:
-            steps = self._steps[key] = stages(e)
-        return steps
 
     def _launch(self, launch, stream_ptr):
         """One of our kernels (KernelLaunch, DgeluLaunch); while a call graph is captured, its node is noted."""
@@ -164,21 +202,22 @@ class Executor:
         else:
             plan(handle)
 
-    def enqueue(self, stream_ptr, serial=False, mark=None, grad_hidden_ready=0):
-        """Issue the whole backward on `stream_ptr`, with the side stream S2 (module docstring).
+    def enqueue(self, stage, stream_ptr, serial=False, mark=None, ready=0):
+        """Issue the whole backward of `stage` (the StageContext of the call's mode) on `stream_ptr`, with the side
+        stream S2 (module docstring).
 
-        `serial`: everything on `stream_ptr`, in order; `mark(stage)` is then called after each step
-        (the benchmark's per-stage profile). `grad_hidden_ready`: a raw event pointer (0: none)
-        recorded on `stream_ptr` right after GEMM3, so a caller can use grad_hidden before GEMM4 ends.
+        `serial`: everything on `stream_ptr`, in order; `mark(name)` is then called after each step that marks a
+        stage (the benchmark's per-stage profile). `ready`: a raw event pointer (0: none) recorded on `stream_ptr`
+        right after GEMM3, so a caller can use grad_hidden before GEMM4 ends (grad_hidden_ready).
         """
         from cupy_backends.cuda.api import runtime
 
-        e = self.engine
-        mark = mark or (lambda stage: None)
-        streams = {"S": stream_ptr, "S2": stream_ptr if serial else e.side.ptr}
-        handles = {"S": e._main, "S2": e._main if serial else getattr(e, "_sidecar", None)}
-        events = e._events
-        gemms = (e.gemm1, e.gemm2, e.gemm3, e.gemm4)
+        r = self.resources
+        mark = mark or (lambda name: None)
+        streams = {"S": stream_ptr, "S2": stream_ptr if serial else r.side_ptr}
+        handles = {"S": r.main, "S2": r.main if serial else r.sidecar}
+        events = r.events
+        gemms = stage.gemms
 
         def walk(steps):
             for step in steps:
@@ -191,39 +230,38 @@ class Executor:
                         self._gemm(target.index, gemms[target.index], handles[step.stream])
                     else:
                         self._launch(target, stream)
-                if step.ready and grad_hidden_ready:
-                    runtime.eventRecord(grad_hidden_ready, stream)
+                if step.ready and ready:
+                    runtime.eventRecord(ready, stream)
                 if step.stage is not None:
                     mark(step.stage)
                 if not serial:
                     for name in step.records:
                         runtime.eventRecord(events[name].ptr, stream)
 
-        e._main.bind(stream_ptr)
+        r.main.bind(stream_ptr)
         walk(FORK)
         try:
-            walk(self.steps())
+            walk(stage.steps)
         finally:  # also on failure: nothing of this call may land after the caller's error handling
             walk(JOIN)
 
     # ------------------------------------------------------------------ the call graph (eager calls)
-    def launch_graph(self, stream_ptr):
-        """The call set by set_io, on `stream_ptr`, as a call graph: captured on the first call of its graph_key
-        (on a private stream), then re-pointed and launched (cupyffn/cuda/call_graph.py)."""
-        e = self.engine
-        key = e.graph_key()
+    def launch_graph(self, stage, key, stream_ptr):
+        """The call of `stage` (bound by GpuEngine.set_io) on `stream_ptr` as a call graph: captured on the first
+        call of its `key` (GpuEngine.graph_key; on a private stream), then re-pointed and launched
+        (cupyffn/cuda/call_graph.py)."""
         graph = self.call_graphs.get(key)
         if graph is None:
-            graph = self._capture_graph(stream_ptr)
+            graph = self._capture_graph(stage, stream_ptr)
             self.call_graphs[key] = graph
         values = self._store_table.args[1]
-        for index, plan in enumerate((e.gemm1, e.gemm2, e.gemm3, e.gemm4)):
+        for index, plan in enumerate(stage.gemms):
             entry = values.gemm[index]
             if plan is not None:
                 entry.a, entry.b, entry.c = plan.a.value, plan.b.value, plan.c.value
         graph.launch(stream_ptr)
 
-    def _capture_graph(self, stream_ptr):
+    def _capture_graph(self, stage, stream_ptr):
         import cupy
 
         if self._table is None:
@@ -232,7 +270,7 @@ class Executor:
             except cupy.cuda.memory.OutOfMemoryError as e:
                 raise MemoryError(f"cupyffn could not allocate its {ctypes.sizeof(_kernels.CallTable)}-byte call "
                                   f"table: {e}") from None
-            store = _kernels.get_function("call_table", "store_call_table", self.engine.device_id)
+            store = _kernels.get_function("call_table", "store_call_table", self.resources.device_id)
             self._store_table = _kernels.KernelLaunch(store, ctypes.c_void_p(self._table.ptr), _kernels.CallTable())
             self._store_table.block = 32
             # The critical path (S: convert A, GEMM1 + dgelu, GEMM3) at the highest priority, the side stream's work
@@ -245,7 +283,7 @@ class Executor:
 
         def body(cs):  # the table first: every GEMM of the graph follows its node
             self._launch(self._store_table, cs)
-            self.enqueue(cs)
+            self.enqueue(stage, cs)
 
         self._recorder = graph
         try:
@@ -264,21 +302,21 @@ class Executor:
 
 
 # ---------------------------------------------------------------------- the benchmark's stage table
-def stage_bytes(engine):
-    """Bytes each memory-bound stage moves (for GB/s in the benchmark)."""
+def stage_bytes(stage, plan):
+    """Bytes each memory-bound stage of `stage` (a StageContext of `plan`) moves (for GB/s in the benchmark)."""
     out = {}
-    layout = engine.plan.layout
-    for stage, (names, _, _) in engine._convert.items():
-        out[stage] = sum(4 * math.prod(engine.plan.dims(ROWS_COLS[n])) + layout.written(n) for n in names)
-    write = layout.written("grad_linear1") if engine.planes else 4 * engine.T * engine.H
-    if not engine.fused_gemm1:
-        out["dgelu"] = 12 * engine.T * engine.H + write
+    layout = plan.layout
+    for name, (names, _, _) in stage.convert.items():
+        out[name] = sum(4 * math.prod(plan.dims(ROWS_COLS[n])) + layout.written(n) for n in names)
+    write = layout.written("grad_linear1") if plan.planes else 4 * plan.T * plan.H
+    if not plan.fused_gemm1:
+        out["dgelu"] = 12 * plan.T * plan.H + write
     return out
 
 
 def time_stages(engine, stream, reps, before_each=None):
     """GPU time of each stage (`Step.stage`) of `reps` calls of `engine` with every step serialized on `stream`
-    (Executor.enqueue(serial=True), an event after each stage): {stage: [ms per rep]} in issue order; a stage
+    (StageRunner.enqueue(serial=True), an event after each stage): {stage: [ms per rep]} in issue order; a stage
     issued twice in one call gets " #2" (the fp16 rescue launches). `before_each()`, if given, is called (on
     `stream`) before each rep, e.g. to flush the L2. The caller holds the plan's lock."""
     import cupy
