@@ -31,8 +31,7 @@ def strip_rescues(plan):
         e.kernels.modes[mode] = ({k: (names, first, None) for k, (names, first, _) in convert.items()}, fused, None,
                                  decide)
     e.rebuild_stages()  # its steps and call graphs without them
-    if e.graphs is not None:
-        e.graphs.destroy()
+    e.destroy_graphs()  # and the graphs of its route, captured with them
 
 
 def measure(cupy, cupyffn, T, reps, rounds):
