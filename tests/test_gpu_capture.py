@@ -11,8 +11,8 @@ import numpy
 import pytest
 
 import cupyffn
-from cupyffn.api import functional as _backward
-from cupyffn.core import plans as _plan_cache, views as _views
+from cupyffn.api import functional as _functional
+from cupyffn.core import plans as _plans, views as _views
 from cupyffn import workloads as W
 
 pytestmark = pytest.mark.gpu
@@ -97,11 +97,11 @@ def pinned_backward_plans():
     """The backward engines a caller's capture pinned (the functions' cached ones)."""
     from cupyffn.engine.engine import GpuEngine
 
-    return [p for p in _plan_cache._pinned.values() if isinstance(p, GpuEngine)]
+    return [p for p in _plans._pinned.values() if isinstance(p, GpuEngine)]
 
 
 def backward_cache():
-    return _backward._caches["float32", "backward"]
+    return _functional._caches["float32", "backward"]
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -227,7 +227,7 @@ def test_replay_survives_clear_cache_and_churn():
     del graph
     cupy.cuda.Device().synchronize()
     assert cupyffn.release_captured_plans() == 1
-    assert not _plan_cache.is_pinned(plan) and not plan.closed
+    assert not _plans.is_pinned(plan) and not plan.closed
     cupyffn.clear_cache()  # no longer skipped
     assert plan.closed
 
@@ -363,7 +363,7 @@ def test_capture_without_out_raises():
 
     capture(cap, calls)
     assert not cap.is_capturing()
-    assert not _plan_cache._pinned
+    assert not _plans._pinned
     assert bool(cupy.isnan(gx).all())  # nothing ran
 
 
@@ -376,7 +376,7 @@ def test_forward_capture_after_warmup_on_another_stream():
     cupyffn.gelu_ffn_forward(x, w1, w2, precision="tf32", out=out, stream=warm)
     warm.synchronize()
     graph = capture(cap, lambda: cupyffn.gelu_ffn_forward(x, w1, w2, precision="tf32", out=out, stream=cap))
-    assert len(_plan_cache._pinned) == 1
+    assert len(_plans._pinned) == 1
     cupyffn.clear_cache()
     limit = cupyffn.PRECISIONS["tf32"].contract
     for step in range(2):
