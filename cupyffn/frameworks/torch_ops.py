@@ -372,8 +372,6 @@ _backward_once = torch.autograd.function.once_differentiable(
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-#: How many calls took each entry point (tests read it; one integer add per call).
-entry_counts = {"eager": 0, "operator": 0}
 
 
 def _eager(tensors):
@@ -388,8 +386,5 @@ def apply(x, w1, w2, b1, b2, precision, save):
     """The differentiable block through the eager Function or the operators (see _eager); x already in the
     activation dtype, precision a name (float32 x) or None (16-bit x)."""
     if _eager((x, w1, w2, b1, b2)):
-        entry_counts["eager"] += 1
         return EagerGeluFFN.apply(x, w1, w2, b1, b2, precision, save)
-    if not torch.compiler.is_compiling():  # a counter update in a traced graph would be a side effect
-        entry_counts["operator"] += 1
     return torch.ops.cupyffn.forward(x, w1, w2, b1, b2, precision, save)[0]
