@@ -518,8 +518,8 @@ def test_every_allocated_result_is_written(rng, device, monkeypatch):
     """Every tensor the layer allocates for cupyffn to write starts NaN: an unwritten one fails the check."""
     from cupyffn.frameworks import torch_ops
 
-    monkeypatch.setattr(torch_ops.Call, "empty", lambda call, shape, dtype=torch.float32: torch.full(
-        shape, float("nan"), dtype=dtype, device=call.device))
+    monkeypatch.setattr(torch_ops.TorchDevice, "empty", lambda dev, shape, dtype=torch.float32: torch.full(
+        shape, float("nan"), dtype=dtype, device=dev.device))
     x, w1, w2, r = make(rng, device)
     results = run(lambda a, b, c: ct.gelu_ffn(a, b, c, "bf16x3"), x, w1, w2, r)
     assert_within(results, reference(x, w1, w2, r), cupyffn.PRECISIONS["bf16x3"].contract)
