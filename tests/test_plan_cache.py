@@ -56,6 +56,7 @@ def test_acquire_builds_once_and_evicts_least_recently_used():
     cache.release(b)
     assert cache.acquire("a") is a  # a is now the most recent
     cache.release(a)
+    assert cache.plans() == [b, a]
     c = cache.acquire("c", build("c"))
     cache.release(c)
     assert b.closed and b.close_calls == 1
@@ -102,11 +103,12 @@ def test_racing_builds_keep_the_first_and_close_the_duplicate():
 
     got = cache.acquire("k", outer_build)
     assert got is inner[0] and got.name == "first"
-    assert got._users == 2
+    assert not got.closed and cache.plans() == [got]
+    cache.release(got)
+    cache.clear()  # unlinked while a call is still in it
     assert not got.closed
-    cache.release(got)
-    cache.release(got)
-    assert not got.closed  # still cached
+    cache.release(got)  # the second user (two acquires, one plan): the last
+    assert got.closed
 
 
 def test_pinned_plans_survive_eviction_and_clear_until_released():
@@ -170,8 +172,10 @@ def test_close_failure_during_eviction_does_not_leak_the_use_count():
     with pytest.raises(RuntimeError, match="device lost"):
         cache.acquire("new", build("new"))
     new = cache.acquire("new")
-    assert new is not None and new._users == 1  # the failed acquire released its count
+    assert new is not None
     cache.release(new)
+    cache.clear()
+    assert new.closed  # no user left: the failed acquire released its count
 
 
 def test_two_threads_never_see_a_plan_closed_under_a_call():
