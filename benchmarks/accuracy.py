@@ -109,6 +109,7 @@ def measure(tokens_list, precisions, dim, hidden, calls=3):
     import cupy
 
     import cupyffn
+    from cupyffn.api.backward_plan import plan_with_options
     from cupyffn.engine.options import EngineOptions
     from cupyffn.gemm import ksplit as _ksplit
 
@@ -120,8 +121,7 @@ def measure(tokens_list, precisions, dim, hidden, calls=3):
         for precision in precisions:
             row = {"tokens": tokens, "precision": precision, "contract": cupyffn.PRECISIONS[precision].contract}
             for label, max_k in (("chunked", _ksplit.MAX_K), ("one_accumulator", None)):
-                plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision,
-                                               _options=EngineOptions(max_k=max_k))
+                plan = plan_with_options(tokens, dim, hidden, EngineOptions(max_k=max_k), precision=precision)
                 out = (cupy.full((tokens, dim), numpy.nan, cupy.float32),
                        cupy.full((hidden, dim), numpy.nan, cupy.float32),
                        cupy.full((dim, hidden), numpy.nan, cupy.float32))

@@ -52,9 +52,9 @@ def _measure():
                                                                          x.device.index or 0)
     rows["piece CUDA view hit, new spelling"] = lambda: _views.float32_view(x.data_ptr(), x.shape, x.stride(), 0)
     def call_ctx():
-        with torch_ops.Call(x.device):
+        with torch_ops.TorchDevice(x.device):
             pass
-    rows["piece Call enter/exit (CPU)"] = call_ctx
+    rows["piece TorchDevice enter/exit (CPU)"] = call_ctx
     xs, w1s, w2s = (a.clone().requires_grad_() for a in (x, w1, w2))
     def layer_step():
         xs.grad = w1s.grad = w2s.grad = None

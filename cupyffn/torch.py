@@ -23,8 +23,7 @@ it comes from the graph's memory pool. Capture needs the call's plan built first
 Eager fast path: outside tracing (``torch.compiler.is_compiling()`` False, no torch dispatch mode such
 as FakeTensorMode, no functorch transform, plain tensors) the layer runs the same implementation through a
 plain ``torch.autograd.Function`` instead of the operators, skipping the custom-op dispatcher's Python
-layers (host time per call; ``_eager`` says why that check is sufficient). ``entry_counts`` counts the calls
-of each route. ``gelu_ffn_backward`` is that eager backward as a function (no autograd).
+layers (host time per call; ``_eager`` says why that check is sufficient). ``gelu_ffn_backward`` is that eager backward as a function (no autograd).
 
 Autocast: ``gelu_ffn`` casts its floating-point inputs to float32 under ``torch.autocast`` and returns float32;
 outside autocast only float32 tensors are accepted (TypeError naming the tensor). The ``GeluFFN`` module (and a
@@ -64,9 +63,6 @@ from .frameworks.torch_swap import replace_mlps, restore_mlps, swapped_mlps
 __all__ = ["GeluFFN", "GeluFFNFunction", "gelu_ffn", "gelu_ffn_backward", "replace_mlps", "restore_mlps",
            "swapped_mlps", "TensorParallelGeluFFN", "TensorParallelGeluFFNFunction", "shard_weights",
            "tensor_parallel_gelu_ffn"]
-
-#: How many layer calls took each entry point, the eager Function or the operators (tests read it).
-entry_counts = _ops.entry_counts
 
 
 def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner=None, gelu_out=None,

@@ -46,3 +46,38 @@ def seed_for(nodeid):
 def rng(request):
     """numpy.random.Generator seeded from this test's node id (reproducible per test)."""
     return numpy.random.default_rng(seed_for(request.node.nodeid))
+
+
+class EntryCounter:
+    """How many torch-layer calls took each entry point: the eager autograd.Function, or the custom operators.
+
+    It counts the forward body (`torch_ops.forward_impl`, run by both) and the eager Function's forward, so
+    operator calls = bodies - eager. Both run outside dynamo's tracing (the operator's body at run time of a compiled
+    graph too), and a fake tensor's operator call runs no body. The bodies are found through the module at call
+    time, so wrapping the module attribute counts every call."""
+
+    def __init__(self, monkeypatch):
+        from cupyffn.frameworks import torch_ops
+
+        self.bodies = self.eager = 0
+        body, eager_forward = torch_ops.forward_impl, torch_ops.EagerGeluFFN.forward
+
+        def counted_body(*args):
+            self.bodies += 1
+            return body(*args)
+
+        def counted_eager_forward(ctx, *args):
+            self.eager += 1
+            return eager_forward(ctx, *args)
+
+        monkeypatch.setattr(torch_ops, "forward_impl", counted_body)
+        monkeypatch.setattr(torch_ops.EagerGeluFFN, "forward", staticmethod(counted_eager_forward))
+
+    def counts(self):
+        return {"eager": self.eager, "operator": self.bodies - self.eager}
+
+
+@pytest.fixture
+def entry_counter(monkeypatch):
+    """An EntryCounter, from zero, for this test."""
+    return EntryCounter(monkeypatch)

@@ -76,6 +76,7 @@ def small(monkeypatch):
     official = [w for w in W.WORKLOADS if w.label in ("B2xS128", "B1xS512")]
     monkeypatch.setattr(W, "WORKLOADS", tuple(official))
     monkeypatch.setattr(I.cupyffn, "GeluFFNBackward", _CpuPlan)
+    monkeypatch.setattr(I, "plan_with_options", lambda t, d, h, options, **k: _CpuPlan(t, d, h, **k))  # no engine
     monkeypatch.setattr(G, "environment", lambda cupy, torch: {k: "fake" for k in (
         "device", "driver", "cuda_runtime", "cublas", "cupy", "torch", "nvrtc")})
     monkeypatch.setattr(I, "torch_or_none", lambda in_process_compile=False: None)

@@ -58,17 +58,20 @@ def test_every_twin_is_kept_out_of_the_headline():
 
 
 def test_twins_are_built_with_their_options_not_the_environment(monkeypatch):
-    """A twin's plan gets its options as the plan's private keyword; the environment is never edited."""
+    """A twin's plan gets its options through plan_with_options; the environment is never edited."""
     import os
 
     cupy = pytest.importorskip("cupy")
     built = []
 
-    class Plan:
-        def __init__(self, *shape, precision=None, _options=None):
-            built.append((shape, precision, _options, dict(os.environ)))
+    def plan(*shape, precision=None):
+        built.append((shape, precision, None, dict(os.environ)))
 
-    monkeypatch.setattr(I.cupyffn, "GeluFFNBackward", Plan)
+    def plan_with_options(*shape, precision=None):
+        built.append((shape[:3], precision, shape[3], dict(os.environ)))
+
+    monkeypatch.setattr(I.cupyffn, "GeluFFNBackward", plan)
+    monkeypatch.setattr(I, "plan_with_options", plan_with_options)
     before = dict(os.environ)
     factory = I.Implementations(cupy, None, compile_=False)
     for name, (options, precision) in I.TWIN_OPTIONS.items():

@@ -127,7 +127,7 @@ def test_library_is_the_one_beside_cupys_cublas(headers):
     assert _cublaslt.version() // 10000 == major
     lt_path = _cublaslt._library_path()
     assert os.path.basename(lt_path).startswith("libcublasLt.so")
-    assert os.path.dirname(lt_path) == os.path.dirname(_cublas._loaded_cublas_path())
+    assert os.path.dirname(lt_path) == os.path.dirname(_cublas.loaded_cublas_path())
 
 
 def _store(x, trans, ld):

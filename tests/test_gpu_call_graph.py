@@ -14,6 +14,7 @@ import cupyffn
 from cupyffn.api import routes
 from cupyffn.gemm import cublas as _cublas
 from cupyffn import workloads as W
+from cupyffn.api.backward_plan import plan_with_options
 from cupyffn.engine.options import EngineOptions
 
 pytestmark = pytest.mark.gpu
@@ -27,10 +28,8 @@ GRAPHED = ("tf32", "bf16", "bf16x3", "ieee")
 
 def twin_plans(tokens, dim, hidden, precision, **kw):
     """(call-graph plan, launch-by-launch plan) of one shape (EngineOptions(call_graph=True) and False)."""
-    eager = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision,
-                                    _options=EngineOptions(call_graph=False), **kw)
-    graphed = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision,
-                                      _options=EngineOptions(call_graph=True), **kw)
+    eager = plan_with_options(tokens, dim, hidden, EngineOptions(call_graph=False), precision=precision, **kw)
+    graphed = plan_with_options(tokens, dim, hidden, EngineOptions(call_graph=True), precision=precision, **kw)
     assert graphed.engine.call_graph and not eager.engine.call_graph
     return graphed, eager
 
@@ -204,14 +203,13 @@ def test_default_policy():
         args, inputs = make(tokens, 64, 256, seed=160)
         assert_contract(plan(*args, out=poisoned(tokens, 64, 256)), inputs, precision, f"{precision} T={tokens}")
         assert bool(plan.engine.runner.call_graphs) == graphed
-    assert cupyffn.GeluFFNBackward(4096, 64, 256, precision="ieee",
-                                   _options=EngineOptions(call_graph=True)).engine.call_graph
+    assert plan_with_options(4096, 64, 256, EngineOptions(call_graph=True), precision="ieee").engine.call_graph
 
 
 def test_fp16_fp8_launches_by_launch():
     """fp16+fp8 where it runs e4m3 GEMMs (T >= 2048) launches by launch; below, it is the bf16x3 plan, graphed."""
     for tokens, graphed in ((2048, False), (256, True)):
-        plan = cupyffn.GeluFFNBackward(tokens, 64, 256, precision="fp16+fp8", _options=EngineOptions(call_graph=True))
+        plan = plan_with_options(tokens, 64, 256, EngineOptions(call_graph=True), precision="fp16+fp8")
         assert ("f16+e4m3" in plan.gemm_forms.values()) != graphed
         assert plan.engine.call_graph == graphed
         args, inputs = make(tokens, 64, 256, seed=150)

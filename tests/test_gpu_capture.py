@@ -11,8 +11,8 @@ import numpy
 import pytest
 
 import cupyffn
-from cupyffn.api import execute, functional as _backward, routes
-from cupyffn.core import plans as _plan_cache, views as _views
+from cupyffn.api import execute, functional as _functional, routes
+from cupyffn.core import plans as _plans, views as _views
 from cupyffn import workloads as W
 
 pytestmark = pytest.mark.gpu
@@ -97,7 +97,7 @@ def pinned_backward_plans():
     """The backward engines a caller's capture pinned (the functions' cached ones)."""
     from cupyffn.engine.engine import GpuEngine
 
-    return [p for p in _plan_cache._pinned.values() if isinstance(p, GpuEngine)]
+    return [p for p in _plans._pinned.values() if isinstance(p, GpuEngine)]
 
 
 def backward_cache():
@@ -212,7 +212,7 @@ def test_replay_survives_clear_cache_and_churn():
     for i, (t, d, h) in enumerate(CHURN):  # more plans than the cache holds: every unpinned one is evicted
         churn_args, _ = make(100 + i, t, d, h)
         cupyffn.gelu_ffn_backward(*churn_args)
-        for other in list(backward_cache()._plans.values()):
+        for other in backward_cache().plans():
             if other is plan:
                 continue
             seen += 1
@@ -221,13 +221,12 @@ def test_replay_survives_clear_cache_and_churn():
             assert o_hi <= lo or hi <= o_lo, "a new plan was given the captured plan's scratch"
     assert seen >= len(CHURN)
     assert not plan.closed
-    assert backward_cache().acquire(plan._cache_key) is plan  # still the cached plan for its shape
-    backward_cache().release(plan)
+    assert plan in backward_cache().plans()  # still the cached plan for its shape
     replay_and_check(graph, cap, args, out, "bf16x3", range(30, 33), "replay after clear_cache and churn")
     del graph
     cupy.cuda.Device().synchronize()
     assert cupyffn.release_captured_plans() == 1
-    assert not _plan_cache.is_pinned(plan) and not plan.closed
+    assert not _plans.is_pinned(plan) and not plan.closed
     cupyffn.clear_cache()  # no longer skipped
     assert plan.closed
 
@@ -363,7 +362,7 @@ def test_capture_without_out_raises():
 
     capture(cap, calls)
     assert not cap.is_capturing()
-    assert not _plan_cache._pinned
+    assert not _plans._pinned
     assert bool(cupy.isnan(gx).all())  # nothing ran
 
 
@@ -376,7 +375,7 @@ def test_forward_capture_after_warmup_on_another_stream():
     cupyffn.gelu_ffn_forward(x, w1, w2, precision="tf32", out=out, stream=warm)
     warm.synchronize()
     graph = capture(cap, lambda: cupyffn.gelu_ffn_forward(x, w1, w2, precision="tf32", out=out, stream=cap))
-    assert len(_plan_cache._pinned) == 1
+    assert len(_plans._pinned) == 1
     cupyffn.clear_cache()
     limit = cupyffn.PRECISIONS["tf32"].contract
     for step in range(2):

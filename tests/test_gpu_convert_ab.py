@@ -10,6 +10,7 @@ import pytest
 
 import cupyffn
 from cupyffn import workloads as W
+from cupyffn.api.backward_plan import plan_with_options
 from cupyffn.engine.options import EngineOptions
 
 from test_gpu_api import _scaled_inputs  # noqa: E402  (tests/ is on sys.path under pytest's rootdir conftest)
@@ -21,10 +22,8 @@ from gpu_inputs import poisoned  # noqa: E402  (tests/gpu_inputs.py)
 
 def twin_plans(tokens, dim, hidden, **kw):
     """(one-launch plan, two-launch plan) of one shape (EngineOptions(convert_ab=True) and False)."""
-    apart = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision="tf32", _options=EngineOptions(convert_ab=False),
-                                    **kw)
-    merged = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision="tf32", _options=EngineOptions(convert_ab=True),
-                                     **kw)
+    apart = plan_with_options(tokens, dim, hidden, EngineOptions(convert_ab=False), precision="tf32", **kw)
+    merged = plan_with_options(tokens, dim, hidden, EngineOptions(convert_ab=True), precision="tf32", **kw)
     assert merged.engine.plan.convert_ab and not apart.engine.plan.convert_ab
     return merged, apart
 
@@ -84,7 +83,7 @@ def test_default_window_and_the_option():
     for tokens, precision, merged in ((512, "tf32", True), (513, "tf32", False), (256, "bf16x3", False)):
         plan = cupyffn.GeluFFNBackward(tokens, 64, 256, precision=precision)
         assert plan.engine.plan.convert_ab == merged, (tokens, precision)
-        plan = cupyffn.GeluFFNBackward(tokens, 64, 256, precision=precision, _options=EngineOptions())
+        plan = plan_with_options(tokens, 64, 256, EngineOptions(), precision=precision)
         assert plan.engine.plan.convert_ab == merged, (tokens, precision)
-    assert not cupyffn.GeluFFNBackward(512, 64, 256, precision="tf32",
-                                       _options=EngineOptions(convert_ab=False)).engine.plan.convert_ab
+    assert not plan_with_options(512, 64, 256, EngineOptions(convert_ab=False),
+                                 precision="tf32").engine.plan.convert_ab

@@ -15,6 +15,7 @@ from cupyffn.core import precision as _precision
 from cupyffn.gemm import sm90
 from cupyffn.engine import plan as engine_plan
 from cupyffn import workloads as W
+from cupyffn.api.backward_plan import plan_with_options
 from cupyffn.engine.options import EngineOptions
 
 pytestmark = pytest.mark.gpu
@@ -107,9 +108,9 @@ def test_sm90_pair_switch(switch):
     tokens, dim, hidden = 2048, 64, 256
     args, inputs = make(tokens, dim, hidden, seed=21)
     ref64 = W.reference(inputs, xp=cupy)
-    default = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=PLAN, _options=EngineOptions())(
+    default = plan_with_options(tokens, dim, hidden, EngineOptions(), precision=PLAN)(
         *args, out=poisoned(args))
-    plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=PLAN, _options=EngineOptions(sm90_pair=switch))
+    plan = plan_with_options(tokens, dim, hidden, EngineOptions(sm90_pair=switch), precision=PLAN)
     if not switch:
         assert plan.gemm_forms["gemm1"] == "bf16x3" and plan.engine.plan.sm90_pair == set()
         assert "EngineOptions(sm90_pair=False)" in plan.engine.plan.form_notes["gemm1"]

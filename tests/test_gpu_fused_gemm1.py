@@ -18,6 +18,7 @@ import pytest
 import cupyffn
 from cupyffn.core import precision as _precision
 from cupyffn import workloads as W
+from cupyffn.api.backward_plan import plan_with_options
 from cupyffn.engine.options import EngineOptions
 
 pytestmark = pytest.mark.gpu
@@ -41,8 +42,7 @@ def contract(precision):
 
 def run(args, tokens, dim, hidden, *, fused, precision="tf32", **options):
     """A plan built with fused_gemm1=`fused` (and the other `options`), one call into poisoned outputs."""
-    plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision,
-                                   _options=EngineOptions(fused_gemm1=fused, **options))
+    plan = plan_with_options(tokens, dim, hidden, EngineOptions(fused_gemm1=fused, **options), precision=precision)
     assert plan.fused_gemm1 == fused
     grads = plan(*args, out=poisoned(tokens, dim, hidden))
     cupy.cuda.Device().synchronize()
@@ -126,7 +126,7 @@ def test_rescue_reruns_gemm1_when_the_scale_moves():
     decision moves it and the rescue launch must write grad_linear1 again (else grad_hidden and
     grad_weight1 come out wrong by ~2^12 or overflow)."""
     tokens, dim, hidden = 512, 128, 512
-    plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision="tf32", _options=EngineOptions(fused_gemm1=True))
+    plan = plan_with_options(tokens, dim, hidden, EngineOptions(fused_gemm1=True), precision="tf32")
     assert plan.fused_gemm1
     slot = _precision.SLOT["grad_linear1"]
     for scale in (1.0, 2.0 ** 12, 2.0 ** -12):
@@ -153,8 +153,8 @@ def test_epilogue_warps_give_the_staged_plans_bits(tokens, dim, hidden, gelu):
     outputs, two calls each."""
     results = {}
     for switch in (True, False):
-        plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision="tf32",
-                                       _options=EngineOptions(gelu_epilogue=gelu, epilogue_warps=switch))
+        options = EngineOptions(gelu_epilogue=gelu, epilogue_warps=switch)
+        plan = plan_with_options(tokens, dim, hidden, options, precision="tf32")
         assert plan.engine.plan.epilogue_warps == switch and plan.engine.plan.gelu_epilogue_ok == gelu
         calls = []
         for seed in (tokens + 3, tokens + 4):
@@ -219,8 +219,8 @@ def test_rescue_reruns_gemm1_when_gelu_outs_scale_moves(warps):
     grad_weight2 comes out 2^10 off or overflows); with the staged epilogue and with the epilogue warps
     (EngineOptions.epilogue_warps)."""
     tokens, dim, hidden = 512, 128, 512
-    plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision="tf32", _options=EngineOptions(
-        fused_gemm1=True, gelu_epilogue=True, epilogue_warps=warps))
+    options = EngineOptions(fused_gemm1=True, gelu_epilogue=True, epilogue_warps=warps)
+    plan = plan_with_options(tokens, dim, hidden, options, precision="tf32")
     assert plan.engine.plan.gelu_epilogue_ok and plan.engine.plan.epilogue_warps == warps
     slot = _precision.SLOT["gelu_out"]
     for scale in (1.0, 2.0 ** 10, 2.0 ** -10):
@@ -243,7 +243,7 @@ def test_shapes_outside_the_kernel_take_the_cublas_route(dim, hidden, precision)
     """D or H not a multiple of 8 (rows the TMA unit cannot address): cuBLAS GEMM1 + dgelu, still correct."""
     tokens = 130
     args, inputs = make(tokens, dim, hidden, seed=dim + hidden)
-    plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision, _options=EngineOptions(fused_gemm1=True))
+    plan = plan_with_options(tokens, dim, hidden, EngineOptions(fused_gemm1=True), precision=precision)
     assert not plan.fused_gemm1
     grads = plan(*args, out=poisoned(tokens, dim, hidden))
     for label, g, r in zip(W.OUTPUT_NAMES, grads, W.reference(inputs, xp=cupy)):
@@ -255,7 +255,7 @@ def test_fused_plan_replays_in_a_cuda_graph(precision):
     """Captured once, replayed on new inputs copied into the captured buffers: the replay's outputs are
     the new inputs' gradients (the fused launches and the decision are in the graph, nothing host-side)."""
     tokens, dim, hidden = 640, 128, 512
-    plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision, _options=EngineOptions(fused_gemm1=True))
+    plan = plan_with_options(tokens, dim, hidden, EngineOptions(fused_gemm1=True), precision=precision)
     assert plan.fused_gemm1
     args, _ = make(tokens, dim, hidden, seed=1)
     out = poisoned(tokens, dim, hidden)
@@ -295,9 +295,9 @@ def test_default_policy_and_the_override():
     for tokens in (256, 1024, 4096):
         assert not cupyffn.GeluFFNBackward(tokens, 64, 256, precision="bf16x3").fused_gemm1
     off, on = EngineOptions(fused_gemm1=False), EngineOptions(fused_gemm1=True)
-    assert not cupyffn.GeluFFNBackward(1024, 64, 256, precision="tf32", _options=off).fused_gemm1
-    assert cupyffn.GeluFFNBackward(1024, 64, 256, precision="tf32", _options=on).fused_gemm1
-    assert cupyffn.GeluFFNBackward(4096, 64, 256, precision="bf16x3", _options=on).fused_gemm1
-    assert cupyffn.GeluFFNBackward(1024, 64, 256, precision="fp16+fp8", _options=on).fused_gemm1  # bf16x3 plan there
-    assert not cupyffn.GeluFFNBackward(4096, 64, 256, precision="fp16+fp8", _options=on).fused_gemm1  # e4m3 pairs
-    assert not cupyffn.GeluFFNBackward(1024, 64, 256, precision="ieee", _options=on).fused_gemm1
+    assert not plan_with_options(1024, 64, 256, off, precision="tf32").fused_gemm1
+    assert plan_with_options(1024, 64, 256, on, precision="tf32").fused_gemm1
+    assert plan_with_options(4096, 64, 256, on, precision="bf16x3").fused_gemm1
+    assert plan_with_options(1024, 64, 256, on, precision="fp16+fp8").fused_gemm1  # bf16x3 plan there
+    assert not plan_with_options(4096, 64, 256, on, precision="fp16+fp8").fused_gemm1  # e4m3 pairs
+    assert not plan_with_options(1024, 64, 256, on, precision="ieee").fused_gemm1

@@ -14,6 +14,7 @@ import pytest
 import cupyffn
 from cupyffn.gemm import ksplit as _ksplit
 from cupyffn import workloads as W
+from cupyffn.api.backward_plan import plan_with_options
 from cupyffn.engine.options import EngineOptions
 
 pytestmark = pytest.mark.gpu
@@ -45,8 +46,7 @@ def big():
 
 def run_big(big, precision, max_k=_ksplit.MAX_K):
     inputs, picked, ref = big
-    plan = cupyffn.GeluFFNBackward(BIG_T, W.DIM, W.HIDDEN_DIM, precision=precision,
-                                   _options=EngineOptions(max_k=max_k))
+    plan = plan_with_options(BIG_T, W.DIM, W.HIDDEN_DIM, EngineOptions(max_k=max_k), precision=precision)
     try:
         grads = plan(*inputs, out=poisoned(BIG_T, W.DIM, W.HIDDEN_DIM))
         cupy.cuda.Device().synchronize()
@@ -130,7 +130,7 @@ def test_chunked_calls_are_bit_stable_and_capture(precision):
     chunks ran), also inside it at this T."""
     tokens, dim, hidden = 20_000, 256, 512
     args, inputs = make(tokens, dim, hidden, seed=tokens + len(precision))
-    plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision, _options=EngineOptions(max_k=4096))
+    plan = plan_with_options(tokens, dim, hidden, EngineOptions(max_k=4096), precision=precision)
     assert {"gemm2", "gemm4"} <= set(plan.engine.plan.k_chunked) and not plan.engine.call_graph
     runs = []
     for _ in range(2):
@@ -150,7 +150,7 @@ def test_chunked_calls_are_bit_stable_and_capture(precision):
     runs.append(captured)
     for label, a, b, c in zip(W.OUTPUT_NAMES, *runs):
         assert int((a != b).sum()) == 0 and int((a != c).sum()) == 0, f"{label}: the chunked result moved"
-    whole = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=precision, _options=EngineOptions(max_k=None))
+    whole = plan_with_options(tokens, dim, hidden, EngineOptions(max_k=None), precision=precision)
     other = whole(*args, out=poisoned(tokens, dim, hidden))
     check_full(other, inputs, precision)
     assert int((other[2] != runs[0][2]).sum()) > 0, "the chunked and the whole sums gave the same bits"

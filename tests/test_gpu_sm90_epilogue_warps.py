@@ -16,14 +16,14 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy")
-from cupyffn.gemm import sm90 as _sm90_gemm  # noqa: E402
+from cupyffn.gemm import sm90 as _sm90  # noqa: E402
 from test_gpu_sm90_gemm import (SQRT_2_OVER_PI, activations, b_operand, gelu_grad64, operand,  # noqa: E402
                                 padded, rel_l2)
 
 
 @pytest.fixture(autouse=True)
 def hopper():
-    if not _sm90_gemm.device_supported(cupy.cuda.Device().id):
+    if not _sm90.device_supported(cupy.cuda.Device().id):
         pytest.skip("the sm_90a GEMM needs a compute capability 9.0 GPU")
 
 
@@ -47,8 +47,8 @@ def _run(a, b, x, t, gelu, pad, epilogue):
     kw = dict(alpha=2.0 ** -3)
     if gelu:
         kw.update(gelu_out=g_out, gelu_alpha=4.0, gelu_amax=g_amax)
-    _sm90_gemm.gemm_tn_dgelu(a, b, x, t, out, amax=amax, block_n=128, pingpong=False, epilogue=epilogue,
-                             raster=_sm90_gemm.FUSED_RASTER, **kw)
+    _sm90.gemm_tn_dgelu(a, b, x, t, out, amax=amax, block_n=128, pingpong=False, epilogue=epilogue,
+                             raster=_sm90.FUSED_RASTER, **kw)
     cupy.cuda.get_current_stream().synchronize()
     return out, buf, g_out, g_buf, amax, g_amax
 
@@ -67,7 +67,7 @@ def test_epilogue_warps_equal_the_staged_epilogue(rng, m, n, k, gelu, memory, pa
     x, t = activations(rng, m, n)
     tt = None if memory else t
     inputs = [v.copy() for v in (a, b, x, t)]
-    got = _run(a, b, x, tt, gelu, pad, _sm90_gemm.WARPS)
+    got = _run(a, b, x, tt, gelu, pad, _sm90.WARPS)
     ref = _run(a, b, x, tt, gelu, pad, "staged")
     out, buf, g_out, g_buf, amax, g_amax = got
     assert bool((out.view(cupy.uint16) == ref[0].view(cupy.uint16)).all()), "out differs from the staged epilogue"
@@ -101,7 +101,7 @@ def test_epilogue_warps_store_non_finite_values_and_leave_them_out_of_amax(rng):
     x, t = activations(rng, m, n)
     x[3, 5] = numpy.nan
     x[400, 999], t[400, 999] = 1e30, 0.5
-    got = _run(a, b, x, t, True, 0, _sm90_gemm.WARPS)
+    got = _run(a, b, x, t, True, 0, _sm90.WARPS)
     ref = _run(a, b, x, t, True, 0, "staged")
     out = got[0]
     assert bool(cupy.isnan(out[3, 5])) and bool(cupy.isinf(out[400, 999]))
@@ -121,10 +121,10 @@ def test_epilogue_warps_refuse_other_schedules(rng, kw, match):
     b, _, _ = b_operand(rng, 128, 64, "fp16")
     x, t = activations(rng, 64, 128)
     out = cupy.full((64, 128), numpy.nan, numpy.float16)
-    args = dict(block_n=128, pingpong=False, epilogue=_sm90_gemm.WARPS)
+    args = dict(block_n=128, pingpong=False, epilogue=_sm90.WARPS)
     args.update(kw)
     if "planes" in args:  # bf16 operands and planes: no epilogue warps variant
         a, b, out = a.view(cupy.uint16), b.view(cupy.uint16), cupy.full((64, 384), 0x7FC0, numpy.uint16)
     with pytest.raises(ValueError, match=match):
-        _sm90_gemm.gemm_tn_dgelu(a, b, x, t, out, **args)
+        _sm90.gemm_tn_dgelu(a, b, x, t, out, **args)
     assert bool(cupy.isnan(out).all()) or bool((out == 0x7FC0).all())  # refused before anything ran

@@ -34,14 +34,14 @@ pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy")
 from cupyffn.gemm import cublas as _cublas  # noqa: E402
-from cupyffn.gemm import sm90 as _sm90_gemm  # noqa: E402
+from cupyffn.gemm import sm90 as _sm90  # noqa: E402
 
 SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 
 
 @pytest.fixture(autouse=True)
 def hopper():
-    if not _sm90_gemm.device_supported(cupy.cuda.Device().id):
+    if not _sm90.device_supported(cupy.cuda.Device().id):
         pytest.skip("the sm_90a GEMM needs a compute capability 9.0 GPU")
 
 
@@ -112,7 +112,7 @@ def rel_l2(x, ref):
     return float(cupy.linalg.norm(x - ref) / cupy.linalg.norm(ref))
 
 
-CONFIGS = _sm90_gemm.SCHEDULES
+CONFIGS = _sm90.SCHEDULES
 CONFIG_IDS = [f"bn{bn}{'pp' if pp else ''}" for bn, pp in CONFIGS]
 QUICK = pytest.mark.sm90_quick
 
@@ -153,7 +153,7 @@ DGELU_QUICK = {"130-257-40-bn128pp-16.0-True-staged", "256-6144-1536-bn256-0.125
 
 def epilogues_of(op, config, epi):
     """The epilogues sm90 has for (op, schedule, epi)."""
-    return [e for e in _sm90_gemm.EPILOGUES if _sm90_gemm.can_implement(_sm90_gemm.Sm90Config(op, *config, epi, e))]
+    return [e for e in _sm90.EPILOGUES if _sm90.can_implement(_sm90.Sm90Config(op, *config, epi, e))]
 
 
 def _dgelu_cases():
@@ -161,7 +161,7 @@ def _dgelu_cases():
         for config, cid in zip(CONFIGS, CONFIG_IDS):
             for alpha in (2.0 ** 4, 2.0 ** -3):
                 for memory in (False, True):
-                    for epi in epilogues_of(_sm90_gemm.OP_F16, config, _sm90_gemm.EPI_DGELU_F16):
+                    for epi in epilogues_of(_sm90.OP_F16, config, _sm90.EPI_DGELU_F16):
                         yield f"{m}-{n}-{k}-{cid}-{alpha}-{memory}-{epi}", (m, n, k, config, alpha, memory, epi)
 
 
@@ -179,7 +179,7 @@ def test_gemm_tn_dgelu(rng, m, n, k, config, alpha, memory_mode, epilogue):
     x_before, t_before = x.copy(), t.copy()
     out, buf = padded(m, n, numpy.float16, 2, numpy.nan, extra_rows=2, extra_cols=3)
     amax = cupy.zeros(1, cupy.uint32)
-    _sm90_gemm.gemm_tn_dgelu(a, b, x, None if memory_mode else t, out, alpha=alpha, amax=amax, block_n=block_n,
+    _sm90.gemm_tn_dgelu(a, b, x, None if memory_mode else t, out, alpha=alpha, amax=amax, block_n=block_n,
                              pingpong=pingpong, epilogue=epilogue)
     cupy.cuda.get_current_stream().synchronize()
     x64, t64 = x.astype(cupy.float64), t.astype(cupy.float64)
@@ -229,7 +229,7 @@ def test_dgelu_bf16x3_planes(rng, m, n, k, config, memory_mode, epilogue):
     kw = dict(block_n=block_n, pingpong=pingpong, epilogue=epilogue)
     out, buf = padded(m, 3 * n, numpy.uint16, 2, 0x7FC0, extra_rows=2, extra_cols=5)
     amax = cupy.zeros(1, cupy.uint32)
-    _sm90_gemm.gemm_tn_dgelu(a, b, x, tt, out, amax=amax, planes=3, **kw)
+    _sm90.gemm_tn_dgelu(a, b, x, tt, out, amax=amax, planes=3, **kw)
     cupy.cuda.get_current_stream().synchronize()
     hi, lo, hi2 = out[:, :n], out[:, n:2 * n], out[:, 2 * n:]
     assert int((hi2 != hi).sum()) == 0, "plane 2 is not plane 0"
@@ -280,7 +280,7 @@ def test_dgelu_amax_leaves_out_non_finite_values(rng, config, out_format, epilog
     else:
         out = cupy.full((m, planes * n), 0x7FC0, cupy.uint16)
     amax = cupy.zeros(1, cupy.uint32)
-    _sm90_gemm.gemm_tn_dgelu(a, b, x, t, out, alpha=alpha, amax=amax, block_n=block_n, pingpong=pingpong,
+    _sm90.gemm_tn_dgelu(a, b, x, t, out, alpha=alpha, amax=amax, block_n=block_n, pingpong=pingpong,
                              epilogue=epilogue, planes=planes)
     cupy.cuda.get_current_stream().synchronize()
     nan_at, inf_at = cupy.isnan(x), x == 1e30
@@ -323,7 +323,7 @@ def test_dgelu_epilogues_agree_bitwise(rng, m, n, k, config, out_format, memory_
     b, b64, _ = b_operand(rng, n, k, kind)
     x, t = activations(rng, m, n)
     alpha = 1.0 if bf16x3 else 2.0 ** -2
-    op, epi = (_sm90_gemm.OP_BF16, _sm90_gemm.EPI_DGELU_BF16X3) if bf16x3 else (_sm90_gemm.OP_F16, _sm90_gemm.EPI_DGELU_F16)
+    op, epi = (_sm90.OP_BF16, _sm90.EPI_DGELU_BF16X3) if bf16x3 else (_sm90.OP_F16, _sm90.EPI_DGELU_F16)
     results = {}
     for epilogue in epilogues_of(op, config, epi):
         if bf16x3:
@@ -331,7 +331,7 @@ def test_dgelu_epilogues_agree_bitwise(rng, m, n, k, config, out_format, memory_
         else:
             out, buf = padded(m, n, numpy.float16, 2, numpy.nan, extra_rows=1, extra_cols=6)
         amax = cupy.zeros(1, cupy.uint32)
-        _sm90_gemm.gemm_tn_dgelu(a, b, x, None if memory_mode else t, out, alpha=alpha, amax=amax, block_n=block_n,
+        _sm90.gemm_tn_dgelu(a, b, x, None if memory_mode else t, out, alpha=alpha, amax=amax, block_n=block_n,
                                  pingpong=pingpong, epilogue=epilogue, planes=planes)
         cupy.cuda.get_current_stream().synchronize()
         results[epilogue] = (out.view(cupy.uint16).copy(), buf.view(cupy.uint16).copy(), int(amax[0]))
@@ -369,7 +369,7 @@ GELU_CASES = [pytest.param(m, n, k, config, memory, epilogue, id=f"{m}-{n}-{k}-{
                                                                   (4100, "bn128", "staged")) else [])
               for m, n, k in ((77, 302, 64), (4100, 3000, 256))
               for config, cid in zip(CONFIGS, CONFIG_IDS) for memory in (False, True)
-              for epilogue in epilogues_of(_sm90_gemm.OP_F16, config, _sm90_gemm.EPI_DGELU_F16G)]
+              for epilogue in epilogues_of(_sm90.OP_F16, config, _sm90.EPI_DGELU_F16G)]
 
 
 @pytest.mark.parametrize("m,n,k,config,memory_mode,epilogue", GELU_CASES)
@@ -387,12 +387,12 @@ def test_dgelu_writes_gelu_out_too(rng, m, n, k, config, memory_mode, epilogue):
     tanh_inner = None if memory_mode else t
     ref_out, _ = padded(m, n, numpy.float16, 2, numpy.nan)
     ref_amax = cupy.zeros(1, cupy.uint32)
-    _sm90_gemm.gemm_tn_dgelu(a, b, x, tanh_inner, ref_out, alpha=alpha, amax=ref_amax, block_n=block_n,
+    _sm90.gemm_tn_dgelu(a, b, x, tanh_inner, ref_out, alpha=alpha, amax=ref_amax, block_n=block_n,
                              pingpong=pingpong, epilogue=epilogue)
     out, out_buf = padded(m, n, numpy.float16, 2, numpy.nan, extra_rows=1, extra_cols=6)
     gelu, gelu_buf = padded(m, n, numpy.float16, 2, numpy.nan, extra_rows=1, extra_cols=6)  # ldg == ldc: staged
     amax, gelu_amax = cupy.zeros(1, cupy.uint32), cupy.zeros(1, cupy.uint32)
-    _sm90_gemm.gemm_tn_dgelu(a, b, x, tanh_inner, out, alpha=alpha, amax=amax, block_n=block_n, pingpong=pingpong,
+    _sm90.gemm_tn_dgelu(a, b, x, tanh_inner, out, alpha=alpha, amax=amax, block_n=block_n, pingpong=pingpong,
                              epilogue=epilogue, gelu_out=gelu, gelu_alpha=gelu_alpha, gelu_amax=gelu_amax)
     cupy.cuda.get_current_stream().synchronize()
     assert int((out.view(cupy.uint16) != ref_out.view(cupy.uint16)).sum()) == 0, "grad_linear1 changed"
@@ -427,7 +427,7 @@ def test_gelu_out_is_checked(rng):
     b, _, _ = b_operand(rng, n, k, "fp16")
     x, t = activations(rng, m, n)
     out = cupy.full((m, n), cupy.nan, cupy.float16)
-    call = lambda **kw: _sm90_gemm.gemm_tn_dgelu(a, b, x, t, out, block_n=128, **kw)  # noqa: E731
+    call = lambda **kw: _sm90.gemm_tn_dgelu(a, b, x, t, out, block_n=128, **kw)  # noqa: E731
     with pytest.raises(ValueError, match="gelu_out must have shape"):
         call(gelu_out=cupy.zeros((m, n + 1), cupy.float16))
     with pytest.raises(ValueError, match="gelu_out must be float16"):
@@ -441,13 +441,13 @@ def test_gelu_out_is_checked(rng):
     with pytest.raises(ValueError, match="apply only with a gelu_out"):
         call(gelu_alpha=2.0)
     with pytest.raises(ValueError, match="no 128 x 256 variant"):
-        _sm90_gemm.gemm_tn_dgelu(a, b, x, t, out, block_n=256, gelu_out=cupy.zeros((m, n), cupy.float16))
+        _sm90.gemm_tn_dgelu(a, b, x, t, out, block_n=256, gelu_out=cupy.zeros((m, n), cupy.float16))
     wide = cupy.zeros((m, n + 8), cupy.float16)[:, :n]
     with pytest.raises(ValueError, match="row stride equal to out's"):
         call(epilogue="staged", gelu_out=wide)
     planes_out = cupy.zeros((m, 3 * n), cupy.uint16)
     with pytest.raises(ValueError, match="dgelu epilogues"):  # gelu_out only beside a float16 out
-        _sm90_gemm.gemm_tn_dgelu(a.view(cupy.uint16), b.view(cupy.uint16), x, t, planes_out, block_n=128, planes=3,
+        _sm90.gemm_tn_dgelu(a.view(cupy.uint16), b.view(cupy.uint16), x, t, planes_out, block_n=128, planes=3,
                                  gelu_out=cupy.zeros((m, n), cupy.float16))
     assert bool(cupy.isnan(out).all()), "a refused call wrote out"
 
@@ -467,14 +467,14 @@ def test_dgelu_rows_off_16_bytes_take_the_direct_epilogue(rng, memory_mode):
     for epilogue in (None, "direct"):
         out = cupy.full((m, n), cupy.nan, cupy.float16)
         amax = cupy.zeros(1, cupy.uint32)
-        _sm90_gemm.gemm_tn_dgelu(a, b, x, t_arg, out, alpha=0.5, amax=amax, block_n=128, pingpong=True,
+        _sm90.gemm_tn_dgelu(a, b, x, t_arg, out, alpha=0.5, amax=amax, block_n=128, pingpong=True,
                                  epilogue=epilogue)
         cupy.cuda.get_current_stream().synchronize()
         assert bool(cupy.isfinite(out).all())
         outs[epilogue] = (out.view(cupy.uint16), int(amax[0]))
     assert bool((outs[None][0] == outs["direct"][0]).all()) and outs[None][1] == outs["direct"][1]
     with pytest.raises(ValueError, match="16-byte boundaries"):
-        _sm90_gemm.gemm_tn_dgelu(a, b, x, t_arg, cupy.empty((m, n), cupy.float16), epilogue="staged")
+        _sm90.gemm_tn_dgelu(a, b, x, t_arg, cupy.empty((m, n), cupy.float16), epilogue="staged")
 
 
 @QUICK
@@ -495,7 +495,7 @@ def test_dgelu_bf16x3_truncates_finite_overflow():
     t[:, n // 2:] = 1.005
     assert 3.3961e38 < bf16_max * 0.5 * (1 + 1.005) < 3.4028e38
     out = cupy.full((m, 3 * n), 0x7FC0, cupy.uint16)
-    _sm90_gemm.gemm_tn_dgelu(a, b, x, t, out, planes=3)
+    _sm90.gemm_tn_dgelu(a, b, x, t, out, planes=3)
     cupy.cuda.get_current_stream().synchronize()
     assert bool((out[:, :n] == 0x7F7F).all()) and bool((out[:, 2 * n:] == 0x7F7F).all()), cupy.unique(out)
 
@@ -517,13 +517,13 @@ def test_raster_changes_the_order_not_a_bit(rng, m, n, k, config, raster):
     a, a64 = operand(rng, m, k, "fp16")
     b, b64, _ = b_operand(rng, n, k, "fp16")
     x, t = activations(rng, m, n)
-    for epilogue in epilogues_of(_sm90_gemm.OP_F16, config, _sm90_gemm.EPI_DGELU_F16):
+    for epilogue in epilogues_of(_sm90.OP_F16, config, _sm90.EPI_DGELU_F16):
         kw = dict(block_n=block_n, pingpong=pingpong, epilogue=epilogue)
         got = {}
         for r in (0, raster):
             g16, gbuf = padded(m, n, numpy.float16, 2, numpy.nan, extra_rows=2, extra_cols=3)
             amax = cupy.zeros(1, cupy.uint32)
-            _sm90_gemm.gemm_tn_dgelu(a, b, x, t, g16, alpha=0.5, amax=amax, raster=r, **kw)
+            _sm90.gemm_tn_dgelu(a, b, x, t, g16, alpha=0.5, amax=amax, raster=r, **kw)
             cupy.cuda.get_current_stream().synchronize()
             assert bool(cupy.isfinite(g16).all()), f"raster={r}: outputs not written"
             assert bool(cupy.isnan(gbuf[:m, n:]).all()) and bool(cupy.isnan(gbuf[m:]).all()), "stores outside [M, N]"
@@ -635,7 +635,7 @@ def test_gemm_tn_dgelu_rejects_bad_input(case, message):
         out = cupy.empty((64, 64), cupy.uint16)
         kw = dict(planes=3)
     with pytest.raises(ValueError, match=message):
-        _sm90_gemm.gemm_tn_dgelu(a, b, x, t, out, alpha=alpha, amax=amax, **kw)
+        _sm90.gemm_tn_dgelu(a, b, x, t, out, alpha=alpha, amax=amax, **kw)
 
 
 @QUICK
@@ -644,7 +644,7 @@ def test_empty_output_is_a_no_op():
     b = cupy.ones((64, 64), cupy.float16)
     x = cupy.zeros((0, 64), cupy.float32)
     out = cupy.empty((0, 64), cupy.float16)
-    assert _sm90_gemm.gemm_tn_dgelu(a, b, x, x, out) is out
+    assert _sm90.gemm_tn_dgelu(a, b, x, x, out) is out
 
 
 @QUICK
@@ -655,10 +655,10 @@ def test_runs_on_the_given_stream(rng):
     b, _, _ = b_operand(rng, n, k, "fp16")
     x, t = activations(rng, m, n)
     ref, _ = padded(m, n, numpy.float16, 2, numpy.nan)
-    _sm90_gemm.gemm_tn_dgelu(a, b, x, t, ref, alpha=0.5)
+    _sm90.gemm_tn_dgelu(a, b, x, t, ref, alpha=0.5)
     out, _ = padded(m, n, numpy.float16, 2, numpy.nan)
     stream = cupy.cuda.Stream(non_blocking=True)
     cupy.cuda.Device().synchronize()  # the inputs were written on the default stream, which `stream` does not wait for
-    _sm90_gemm.gemm_tn_dgelu(a, b, x, t, out, alpha=0.5, stream=stream)
+    _sm90.gemm_tn_dgelu(a, b, x, t, out, alpha=0.5, stream=stream)
     stream.synchronize()
     assert bool((out.view(cupy.uint16) == ref.view(cupy.uint16)).all())

@@ -18,7 +18,7 @@ import numpy
 import pytest
 
 from cupyffn.cuda import kernels as _kernels
-from cupyffn.cpu import backend as _numpy_backend
+from cupyffn.cpu import backend as _backend
 from cupyffn.core import precision as _precision
 
 pytestmark = pytest.mark.gpu
@@ -53,7 +53,7 @@ def encode(x, e):
 
 
 def bf16_planes(x):
-    hi, lo = _numpy_backend.bf16_split(x)
+    hi, lo = _backend.bf16_split(x)
     return ((hi.view(numpy.uint32) >> 16).astype(numpy.uint16), (lo.view(numpy.uint32) >> 16).astype(numpy.uint16))
 
 
@@ -81,7 +81,7 @@ def finite_amax(x):
 
 def fitting_exponent(x):
     """An exponent the gathering pass keeps (max |x| * 2^e in [2^13, 2^14))."""
-    return _numpy_backend.f16_exponent(x)
+    return _backend.f16_exponent(x)
 
 
 # ------------------------------------------------------------------------------------------ checks
@@ -318,7 +318,7 @@ def test_shapes_all_encodings(rng, rows, cols, kind):
         sources = [(cupy.asarray(x),)]
     else:
         gg, z = randn(rng, rows, cols, 0.7), randn(rng, rows, cols, 1.5)
-        t = _numpy_backend.tanh_inner(z)
+        t = _backend.tanh_inner(z)
         d = [cupy.asarray(a) for a in (gg, z, t)]
         x = ref_matrix("ref_grad_linear1", *d)
         sources = [tuple(d)]
@@ -386,7 +386,7 @@ def test_strided_sources(rng, rows, cols, ld, offset, vec):
 def test_gelu_out_recomputed(rng, with_tanh, rows, cols):
     """KIND 0, job kind 1: gelu_out = 0.5 z (1 + t) from linear1_out (and tanh_inner, or recomputed)."""
     z = cupy.asarray(randn(rng, rows, cols, 2.0))
-    t = cupy.asarray(_numpy_backend.tanh_inner(z.get())) if with_tanh else None
+    t = cupy.asarray(_backend.tanh_inner(z.get())) if with_tanh else None
     x = ref_matrix("ref_gelu_out", z, t)
     numpy.testing.assert_allclose(x, 0.5 * z.get().astype(numpy.float64) * (1 + numpy.tanh(
         math.sqrt(2 / math.pi) * (z.get().astype(numpy.float64) + 0.044715 * z.get().astype(numpy.float64) ** 3))),
@@ -402,7 +402,7 @@ def test_gelu_out_recomputed(rng, with_tanh, rows, cols):
 def test_dgelu_with_and_without_tanh_inner(rng, with_tanh):
     rows, cols = 200, 1000
     gg, z = cupy.asarray(randn(rng, rows, cols, 0.5)), cupy.asarray(randn(rng, rows, cols, 1.5))
-    t = cupy.asarray(_numpy_backend.tanh_inner(z.get())) if with_tanh else None
+    t = cupy.asarray(_backend.tanh_inner(z.get())) if with_tanh else None
     x = ref_matrix("ref_grad_linear1", gg, z, t)
     z64 = z.get().astype(numpy.float64)
     t64 = numpy.tanh(math.sqrt(2 / math.pi) * (z64 + 0.044715 * z64 ** 3))

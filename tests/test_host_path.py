@@ -396,12 +396,12 @@ class FakeRuntime:
 
 @pytest.fixture
 def runtime(monkeypatch):
-    from cupyffn.core import plans as _plan_cache
+    from cupyffn.core import plans as _plans
 
     rt = FakeRuntime()
     capturing = set()
     monkeypatch.setattr(cupy.cuda, "runtime", rt)
-    monkeypatch.setattr(_plan_cache, "is_capturing", lambda ptr: ptr in capturing)
+    monkeypatch.setattr(_plans, "is_capturing", lambda ptr: ptr in capturing)
     monkeypatch.setattr(_arrays, "_wait_events", {})
     rt.capturing = capturing
     return rt

@@ -10,7 +10,7 @@ import numpy
 import pytest
 
 from cupyffn.cuda import kernels as _kernels
-from cupyffn.cpu import backend as _numpy_backend
+from cupyffn.cpu import backend as _backend
 from cupyffn.core import precision as _precision
 from cupyffn.gemm import sm90
 
@@ -340,7 +340,7 @@ def test_gelu_constants_match_python():
 
     assert activation._C == numpy.float32(sqrt2pi)
     assert (activation._C0, activation._C1) == (numpy.float32(c0), numpy.float32(c1))
-    assert _numpy_backend.gelu_grad is activation.grad and _numpy_backend.tanh_inner is activation.tanh_inner
+    assert _backend.gelu_grad is activation.grad and _backend.tanh_inner is activation.tanh_inner
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import ctypes
 import pytest
 
 from cupyffn.gemm import cublas as _cublas
-from cupyffn.gemm import desc as _gemm
+from cupyffn.gemm import desc as _desc
 from cupyffn.gemm import ksplit as _ksplit
 
 MAX = _ksplit.MAX_K
@@ -99,11 +99,11 @@ def test_chunked_gemm_offsets_each_chunk_along_k(a_trans, b_trans, beta):
     [K, M], B stored [K, N]), one element where K runs along them; the caller's beta for the first chunk, 1.0
     after it; alpha, C and the leading dimensions as the engine set them on the wrapper."""
     k, item = 3 * 20_000 + 5, 2
-    desc = _gemm.GemmDesc("g", 96, 128, k, _cublas.R_16BF, _cublas.R_16BF, a_trans=a_trans, b_trans=b_trans,
+    desc = _desc.GemmDesc("g", 96, 128, k, _cublas.R_16BF, _cublas.R_16BF, a_trans=a_trans, b_trans=b_trans,
                           lda=111, ldb=222, ldc=128)
     backend = FakeBackend()
-    plan, name = _gemm.build(desc, 0, backends=(backend,), max_k=MAX, one_ptr=0xABC)
-    assert name == "fake" and isinstance(plan, _gemm.KChunked) and _gemm.chunk_count(plan) == 3
+    plan, name = _desc.build(desc, 0, backends=(backend,), max_k=MAX, one_ptr=0xABC)
+    assert name == "fake" and isinstance(plan, _desc.KChunked) and _desc.chunk_count(plan) == 3
     assert sorted(backend.built) == sorted({length for _, length in _ksplit.chunks(k)})
     plan.a.value, plan.b.value, plan.c.value = 0x10000000, 0x20000000, 0x30000000
     plan.alpha.value, plan.beta.value = 0x200, beta
@@ -120,11 +120,11 @@ def test_chunked_gemm_offsets_each_chunk_along_k(a_trans, b_trans, beta):
 
 def test_short_k_builds_the_plain_plan_and_a_chunked_one_needs_one_ptr():
     backend = FakeBackend()
-    desc = _gemm.GemmDesc("g", 8, 8, MAX, _cublas.R_16F, _cublas.R_16F)
-    plan, _ = _gemm.build(desc, 0, backends=(backend,), max_k=MAX, one_ptr=0xABC)
-    assert isinstance(plan, FakeGemm) and _gemm.chunk_count(plan) == 1
+    desc = _desc.GemmDesc("g", 8, 8, MAX, _cublas.R_16F, _cublas.R_16F)
+    plan, _ = _desc.build(desc, 0, backends=(backend,), max_k=MAX, one_ptr=0xABC)
+    assert isinstance(plan, FakeGemm) and _desc.chunk_count(plan) == 1
     with pytest.raises(ValueError, match="needs one_ptr"):
-        _gemm.build(_gemm.GemmDesc("g", 8, 8, MAX + 1, _cublas.R_16F, _cublas.R_16F), 0, backends=(backend,),
+        _desc.build(_desc.GemmDesc("g", 8, 8, MAX + 1, _cublas.R_16F, _cublas.R_16F), 0, backends=(backend,),
                     max_k=MAX)
 
 
@@ -132,16 +132,16 @@ def test_pair_gemm_chunks_both_products_and_keeps_the_callers_beta_first():
     """The f16+e4m3 pair: its e4m3 product's first chunk takes the caller's beta, every later chunk of both
     products adds (beta 1), so the whole pair is one sum into C."""
     backend = FakeBackend()
-    fp8 = _gemm.build(_gemm.GemmDesc("e4m3", 16, 16, 2 * 30_016, _cublas.R_8F_E4M3, _cublas.R_8F_E4M3,
+    fp8 = _desc.build(_desc.GemmDesc("e4m3", 16, 16, 2 * 30_016, _cublas.R_8F_E4M3, _cublas.R_8F_E4M3,
                                      b_trans=True, lda=2 * 30_016, ldb=2 * 30_016), 0, backends=(backend,),
                       max_k=MAX, one_ptr=0xABC)[0]
-    f16 = _gemm.build(_gemm.GemmDesc("f16", 16, 16, 30_000, _cublas.R_16F, _cublas.R_16F, a_trans=True), 0,
+    f16 = _desc.build(_desc.GemmDesc("f16", 16, 16, 30_000, _cublas.R_16F, _cublas.R_16F, a_trans=True), 0,
                       backends=(backend,), max_k=MAX, one_ptr=0xABC)[0]
-    pair = _gemm.PairGemm(fp8, f16, 0xABC, "pair")
+    pair = _desc.PairGemm(fp8, f16, 0xABC, "pair")
     fp8.a.value, fp8.b.value, f16.a.value, f16.b.value = 0x8000000, 0x9000000, 0x1000000, 0x2000000
-    assert _gemm.chunk_count(pair) == 3
-    _gemm.set_output(pair, 0x5000)
-    _gemm.set_beta(pair, 0x100, False)
+    assert _desc.chunk_count(pair) == 3
+    _desc.set_output(pair, 0x5000)
+    _desc.set_beta(pair, 0x100, False)
     pair(None)
     betas = [c[5] for c in backend.calls]
     assert betas == [0x100] + [0xABC] * (len(betas) - 1) and len(betas) == 3 + 2
@@ -155,7 +155,7 @@ def test_chunks_keep_the_whole_gemms_leading_dimensions():
     stored [K, N]), not the chunk's."""
     backend = FakeBackend()
     k = 2 * MAX + 128
-    plan, _ = _gemm.build(_gemm.GemmDesc("g", 8, 24, k, _cublas.R_16F, _cublas.R_16F), 0, backends=(backend,),
+    plan, _ = _desc.build(_desc.GemmDesc("g", 8, 24, k, _cublas.R_16F, _cublas.R_16F), 0, backends=(backend,),
                           max_k=MAX, one_ptr=0xABC)
     assert (plan.lda.value, plan.ldb.value, plan.ldc.value) == (k, 24, 24)
     plan.a.value, plan.b.value, plan.c.value = 0x1000, 0x2000, 0x3000

@@ -11,7 +11,7 @@ import numpy
 import pytest
 
 import cupyffn
-from cupyffn.cpu import backend as _numpy_backend
+from cupyffn.cpu import backend as _backend
 from cupyffn.core import precision as P
 from cupyffn import workloads as W
 
@@ -193,7 +193,7 @@ def test_power_of_two_scaling_is_exact(rng, precision, exponent):
 # ---------------------------------------------------------------------------------------------
 def test_bf16_round_is_nearest_even(rng):
     x = (rng.standard_normal(20000) * numpy.exp2(rng.integers(-40, 40, 20000))).astype(F32)
-    r = _numpy_backend.bf16_round(x)
+    r = _backend.bf16_round(x)
     assert r.dtype == F32
     assert not (r.view(numpy.uint32) & 0xFFFF).any()  # representable in bf16
     bits = x.view(numpy.uint32).astype(numpy.int64)
@@ -204,14 +204,14 @@ def test_bf16_round_is_nearest_even(rng):
     assert (err <= numpy.minimum(numpy.abs(x64 - down), numpy.abs(up - x64))).all()
     # ties go to the even significand
     ties = numpy.array([1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, -(1.0 + 2.0 ** -8)], dtype=F32)
-    numpy.testing.assert_array_equal(_numpy_backend.bf16_round(ties),
+    numpy.testing.assert_array_equal(_backend.bf16_round(ties),
                                      numpy.array([1.0, 1.0 + 2.0 ** -6, -1.0], dtype=F32))
 
 
 def test_bf16_round_keeps_specials_and_does_not_overflow():
     fmax = numpy.finfo(F32).max
     x = numpy.array([numpy.inf, -numpy.inf, numpy.nan, fmax, -fmax, 0.5], dtype=F32)
-    r = _numpy_backend.bf16_round(x)
+    r = _backend.bf16_round(x)
     assert r[0] == numpy.inf and r[1] == -numpy.inf and numpy.isnan(r[2])
     assert numpy.isfinite(r[3]) and numpy.isfinite(r[4]) and r[3] > 3.38e38 and r[4] < -3.38e38
     assert r[5] == 0.5
@@ -219,12 +219,12 @@ def test_bf16_round_keeps_specials_and_does_not_overflow():
 
 def test_bf16_split_represents_x_to_17_bits(rng):
     x = (rng.standard_normal(20000) * numpy.exp2(rng.integers(-30, 30, 20000))).astype(F32)
-    hi, lo = _numpy_backend.bf16_split(x)
+    hi, lo = _backend.bf16_split(x)
     assert not (hi.view(numpy.uint32) & 0xFFFF).any() and not (lo.view(numpy.uint32) & 0xFFFF).any()
     rel = numpy.abs(hi.astype(F64) + lo.astype(F64) - x.astype(F64)) / numpy.abs(x.astype(F64))
     assert rel.max() <= 2.0 ** -17
     assert (lo != 0).mean() > 0.9  # the low part carries information
-    hi_s, lo_s = _numpy_backend.bf16_split(numpy.array([numpy.inf, numpy.nan], dtype=F32))
+    hi_s, lo_s = _backend.bf16_split(numpy.array([numpy.inf, numpy.nan], dtype=F32))
     assert hi_s[0] == numpy.inf and numpy.isnan(hi_s[1]) and (lo_s == 0).all()
 
 
@@ -244,7 +244,7 @@ def test_gelu_derivative_formula_matches_finite_differences():
 def test_numpy_gelu_grad_float32_matches_float64_formula(rng):
     x = rng.uniform(-6.0, 6.0, 100000).astype(F32)
     t = tanh_inner64(x.astype(F64)).astype(F32)
-    got = _numpy_backend.gelu_grad(x, t)
+    got = _backend.gelu_grad(x, t)
     assert got.dtype == F32
     want = gelu_grad64(x.astype(F64), t.astype(F64))
     numpy.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

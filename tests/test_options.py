@@ -2,11 +2,13 @@
 the measured windows' choices: tests/test_fused_policy.py.)"""
 
 import dataclasses
+import inspect
 
 import numpy
 import pytest
 
 from cupyffn import GeluFFNBackward
+from cupyffn.api.backward_plan import plan_with_options
 from cupyffn.engine import options as _options
 from cupyffn.engine.options import SWITCHES, EngineOptions
 from cupyffn.gemm import ksplit as _ksplit
@@ -57,12 +59,14 @@ def test_max_k():
             EngineOptions(max_k=bad)
 
 
-def test_the_cpu_plan_checks_the_keyword():
-    """The NumPy backend has no engine to configure; _options must still be EngineOptions or None."""
-    GeluFFNBackward(4, 8, 16, device="cpu")
-    GeluFFNBackward(4, 8, 16, device="cpu", _options=EngineOptions(max_k=None))
-    with pytest.raises(TypeError, match="_options must be None or a cupyffn.engine.options.EngineOptions"):
-        GeluFFNBackward(4, 8, 16, device="cpu", _options={"max_k": None})
+def test_plan_with_options_checks_them_and_keeps_them_off_the_public_signature():
+    """The NumPy backend has no engine to configure; the options must still be EngineOptions."""
+    assert "_options" not in inspect.signature(GeluFFNBackward).parameters
+    plan = plan_with_options(4, 8, 16, EngineOptions(max_k=None), device="cpu", need_bias_grads=True)
+    assert type(plan) is GeluFFNBackward and repr(plan) == repr(GeluFFNBackward(4, 8, 16, device="cpu",
+                                                                                 need_bias_grads=True))
+    with pytest.raises(TypeError, match="options must be a cupyffn.engine.options.EngineOptions"):
+        plan_with_options(4, 8, 16, {"max_k": None}, device="cpu")
 
 
 def test_nothing_reads_the_environment_for_options(monkeypatch):

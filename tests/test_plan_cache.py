@@ -11,7 +11,7 @@ import pytest
 import cupyffn
 from cupyffn import workloads as W
 from cupyffn.api import backward_plan, execute, routes, validate
-from cupyffn.core import plans as _plan_cache
+from cupyffn.core import plans as _plans
 from cupyffn.core.plans import PlanCache
 from cupyffn.cuda.stream_engine import StreamEngine
 
@@ -38,7 +38,7 @@ class FakePlan:
 @pytest.fixture(autouse=True)
 def no_pins_left():
     yield
-    _plan_cache.release_captured_plans()
+    _plans.release_captured_plans()
 
 
 def build(name):
@@ -55,6 +55,7 @@ def test_acquire_builds_once_and_evicts_least_recently_used():
     cache.release(b)
     assert cache.acquire("a") is a  # a is now the most recent
     cache.release(a)
+    assert cache.plans() == [b, a]
     c = cache.acquire("c", build("c"))
     cache.release(c)
     assert b.closed and b.close_calls == 1
@@ -101,17 +102,18 @@ def test_racing_builds_keep_the_first_and_close_the_duplicate():
 
     got = cache.acquire("k", outer_build)
     assert got is inner[0] and got.name == "first"
-    assert got._users == 2
+    assert not got.closed and cache.plans() == [got]
+    cache.release(got)
+    cache.clear()  # unlinked while a call is still in it
     assert not got.closed
-    cache.release(got)
-    cache.release(got)
-    assert not got.closed  # still cached
+    cache.release(got)  # the second user (two acquires, one plan): the last
+    assert got.closed
 
 
 def test_pinned_plans_survive_eviction_and_clear_until_released():
     cache = PlanCache(2)
     a = cache.acquire("a", build("a"))
-    _plan_cache.pin(a)  # captured into a graph during this call
+    _plans.pin(a)  # captured into a graph during this call
     cache.release(a)
     others = []
     for i in range(5):  # churn more plans than the cache holds
@@ -126,7 +128,7 @@ def test_pinned_plans_survive_eviction_and_clear_until_released():
     assert not a.closed and all(p.closed for p in others)
     assert cache.acquire("a") is a
     cache.release(a)
-    assert _plan_cache.release_captured_plans() == 1
+    assert _plans.release_captured_plans() == 1
     assert not a.closed  # unpinned, within the cache size: kept
     cache.clear()
     assert a.closed
@@ -137,11 +139,11 @@ def test_release_of_pins_closes_what_is_beyond_the_cache_size():
     pinned = []
     for i in range(3):
         p = cache.acquire(i, build(str(i)))
-        _plan_cache.pin(p)
+        _plans.pin(p)
         cache.release(p)
         pinned.append(p)
     assert not any(p.closed for p in pinned)
-    assert _plan_cache.release_captured_plans() == 3
+    assert _plans.release_captured_plans() == 3
     assert [p.closed for p in pinned] == [True, True, False]  # the newest stays as the one cached plan
 
 
@@ -150,10 +152,10 @@ def test_pinned_while_evicted_in_use_is_kept_until_released():
     a = cache.acquire("a", build("a"))
     b = cache.acquire("b", build("b"))  # evicts a while a call is in it
     cache.release(b)
-    _plan_cache.pin(a)  # that call was being captured
+    _plans.pin(a)  # that call was being captured
     cache.release(a)
     assert not a.closed
-    assert _plan_cache.release_captured_plans() == 1
+    assert _plans.release_captured_plans() == 1
     assert a.closed
 
 
@@ -169,8 +171,10 @@ def test_close_failure_during_eviction_does_not_leak_the_use_count():
     with pytest.raises(RuntimeError, match="device lost"):
         cache.acquire("new", build("new"))
     new = cache.acquire("new")
-    assert new is not None and new._users == 1  # the failed acquire released its count
+    assert new is not None
     cache.release(new)
+    cache.clear()
+    assert new.closed  # no user left: the failed acquire released its count
 
 
 def test_two_threads_never_see_a_plan_closed_under_a_call():
@@ -225,7 +229,7 @@ def test_closed_cpu_plan_raises():
 def test_pinned_plan_refuses_close_until_released():
     args, _ = _cpu_args(1)
     plan = cupyffn.GeluFFNBackward(16, 8, 32, device="cpu")
-    _plan_cache.pin(plan)
+    _plans.pin(plan)
     with pytest.raises(RuntimeError, match="release_captured_plans"):
         plan.close()
     plan(*args)  # still usable
@@ -237,29 +241,29 @@ def test_pinned_plan_refuses_close_until_released():
 
 def test_failed_nan_fill_is_reported_on_the_error(monkeypatch):
     original = ValueError("the call failed")
-    assert _plan_cache.fill_nan_after_failure(original, lambda: None) is original
+    assert _plans.fill_nan_after_failure(original, lambda: None) is original
     assert not getattr(original, "__notes__", None)
 
     def broken_fill():
         raise RuntimeError("sticky CUDA error")
 
     error = ValueError("the call failed")
-    got = _plan_cache.fill_nan_after_failure(error, broken_fill)
+    got = _plans.fill_nan_after_failure(error, broken_fill)
     assert got is error
     assert any("filling out= with NaN after this error also failed" in n and "sticky CUDA error" in n
                for n in error.__notes__)
     # Pythons without add_note (3.9, 3.10): a RuntimeError that says so, caused by the original
-    monkeypatch.setattr(_plan_cache, "sys", types.SimpleNamespace(version_info=(3, 10)))
+    monkeypatch.setattr(_plans, "sys", types.SimpleNamespace(version_info=(3, 10)))
     error = ValueError("the call failed")
-    got = _plan_cache.fill_nan_after_failure(error, broken_fill)
+    got = _plans.fill_nan_after_failure(error, broken_fill)
     assert isinstance(got, RuntimeError) and got.__cause__ is error
     assert "the call failed" in str(got) and "out= may hold stale or partial values" in str(got)
 
 
 def test_legacy_streams_are_never_queried():
     # 0 (CuPy's null stream) and 1 (cudaStreamLegacy) cannot capture: answered without a CUDA call
-    assert _plan_cache.is_capturing(0) is False
-    assert _plan_cache.is_capturing(1) is False
+    assert _plans.is_capturing(0) is False
+    assert _plans.is_capturing(1) is False
 
 
 def test_release_captured_plans_is_exported():
@@ -366,12 +370,12 @@ def gpu_like(monkeypatch):
     cupy = pytest.importorskip("cupy")
     monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
     capturing = set()
-    monkeypatch.setattr(_plan_cache, "_stream_is_capturing", lambda ptr: ptr in capturing)
+    monkeypatch.setattr(_plans, "_stream_is_capturing", lambda ptr: ptr in capturing)
     out = [numpy.zeros((16, 8), numpy.float32), numpy.zeros((32, 8), numpy.float32),
            numpy.zeros((8, 32), numpy.float32)]
     engine = FakeEngine()
     yield Harness(engine, _gpu_call(2, out), out), capturing
-    _plan_cache.release_captured_plans()
+    _plans.release_captured_plans()
     execute.clear_engines()
 
 
@@ -416,7 +420,7 @@ def test_eager_call_orders_after_the_previous_and_records_done(gpu_like):
     h.engine.log.clear()
     h.run(7)  # the same arrays: the launches stay bound
     assert h.engine.log == [("order", 7), ("enqueue", 7, False), ("done", 7)]
-    assert not _plan_cache.is_pinned(h.engine)
+    assert not _plans.is_pinned(h.engine)
 
 
 def test_eager_calls_take_the_call_graph_where_the_engine_has_one(gpu_like, monkeypatch):
@@ -498,7 +502,7 @@ def test_captured_call_pins_and_uses_no_event_from_outside(gpu_like):
     capturing.add(9)
     h.run(9)
     assert engine.log == [("enqueue", 9, False)]  # no order_after_previous wait, no done record
-    assert _plan_cache.is_pinned(engine) and engine.side_in_capture
+    assert _plans.is_pinned(engine) and engine.side_in_capture
     # an eager call while that capture still holds the side stream: everything on its own stream
     engine.log.clear()
     engine.side_busy = True
@@ -521,7 +525,7 @@ def test_captured_call_without_out_raises_before_anything(gpu_like):
     call = _gpu_call(2, partial)
     with pytest.raises(RuntimeError, match="without out= for grad_weight1, grad_weight2: allocating from CuPy"):
         h.run(9, call=call, out=partial)
-    assert h.engine.log == [] and not _plan_cache.is_pinned(h.engine)
+    assert h.engine.log == [] and not _plans.is_pinned(h.engine)
 
 
 def test_failed_eager_call_records_done_and_fills_nan(gpu_like):
@@ -612,7 +616,7 @@ def test_a_plans_captured_call_pins_the_plan(gpu_like):
     capturing.add(9)
     execute.run(h.call, h.route, h.out, FakeStream(9), plan=owner)
     owner.engine = None
-    assert _plan_cache.is_pinned(owner) and not _plan_cache.is_pinned(h.engine)
+    assert _plans.is_pinned(owner) and not _plans.is_pinned(h.engine)
     with pytest.raises(RuntimeError, match="pinned"):
         owner.close()
     assert cupyffn.release_captured_plans() == 1

@@ -56,13 +56,13 @@ def loss_and_grads(model, ids, seed):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def check_same_training(plain, swapped, ids, calls_per_step):
+def check_same_training(plain, swapped, ids, calls_per_step, entry_counter):
     for mode in ("train", "eval"):
         getattr(plain, mode)(), getattr(swapped, mode)()
         want, want_grads = loss_and_grads(plain, ids, 7)
-        before = sum(ct.entry_counts.values())
+        before = entry_counter.bodies
         got, got_grads = loss_and_grads(swapped, ids, 7)
-        assert sum(ct.entry_counts.values()) == before + calls_per_step, mode  # every MLP ran cupyffn
+        assert entry_counter.bodies == before + calls_per_step, mode  # every MLP ran cupyffn
         assert rel(got, want) <= 1e-5, (mode, float(got), float(want))
         assert set(got_grads) == set(want_grads)
         worst = max((rel(got_grads[n], g), n) for n, g in want_grads.items() if float(g.norm()) > 0)
@@ -76,7 +76,7 @@ def _has_dropout(model):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_default_config_every_mlp_swapped_same_training(family, tmp_path):
+def test_default_config_every_mlp_swapped_same_training(family, tmp_path, entry_counter):
     transformers, model_class, plain = build(family)
     swapped = copy.deepcopy(plain)
     original = copy.deepcopy(plain.state_dict())
@@ -89,7 +89,7 @@ def test_default_config_every_mlp_swapped_same_training(family, tmp_path):
     assert {n: id(p) for n, p in swapped.named_parameters()} == params
     assert list(swapped.state_dict()) == list(original)
     ids = torch.randint(0, 64, (2, 16))
-    check_same_training(plain, swapped, ids, 2)
+    check_same_training(plain, swapped, ids, 2, entry_counter)
 
     with torch.no_grad():  # the original checkpoint loads into the swapped model
         for p in swapped.parameters():
@@ -104,7 +104,7 @@ def test_default_config_every_mlp_swapped_same_training(family, tmp_path):
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if FAMILIES[f][3]])
-def test_output_dropout_trains_as_the_module(family):
+def test_output_dropout_trains_as_the_module(family, entry_counter):
     """The families whose MLP ends in a dropout (default p = 0 except GPT-2), at p = 0.1: the module's own dropout
     on cupyffn's output, the same draws in train mode."""
     _, _, plain = build(family, seed=1, **{FAMILIES[family][3]: 0.1})
@@ -112,7 +112,7 @@ def test_output_dropout_trains_as_the_module(family):
     assert len(ct.replace_mlps(swapped)[0]) == 2
     mlp = next(m for m in swapped.modules() if type(m).__name__ == MLP_CLASSES[family])
     assert mlp.dropout.p == 0.1
-    check_same_training(plain, swapped, torch.randint(0, 64, (2, 16)), 2)
+    check_same_training(plain, swapped, torch.randint(0, 64, (2, 16)), 2, entry_counter)
 
 
 @pytest.mark.parametrize("family,mode", [("gptj", "eval"), ("phi", "eval"), ("gpt2", "train")])
@@ -212,7 +212,7 @@ def feedforward(dropout, final_dropout=False, seed=4):
                                                   final_dropout=final_dropout)
 
 
-def test_feedforward_dropout_before_the_second_linear_swaps_in_eval_only():
+def test_feedforward_dropout_before_the_second_linear_swaps_in_eval_only(entry_counter):
     ff = feedforward(0.1)
     ff.train()
     with pytest.warns(UserWarning, match="swapped none of the 1 MLP-like modules of FeedForward"):
@@ -224,8 +224,7 @@ def test_feedforward_dropout_before_the_second_linear_swaps_in_eval_only():
     plain = copy.deepcopy(ff)
     assert ct.replace_mlps(ff) == ([""], {}) and ct.swapped_mlps(ff) == [""]
     x = torch.randn(3, 7, 16)
-    calls = sum(ct.entry_counts.values())
-    assert rel(ff(x), plain(x)) <= 1e-5 and sum(ct.entry_counts.values()) == calls + 1
+    assert rel(ff(x), plain(x)) <= 1e-5 and entry_counter.bodies == 1
 
     # put in training, the swapped module computes as the module does (its own forward, the same draws), not
     # cupyffn's block without the dropout
@@ -235,12 +234,12 @@ def test_feedforward_dropout_before_the_second_linear_swaps_in_eval_only():
     got = ff(x)
     torch.manual_seed(5)
     want = plain(x)
-    assert torch.equal(got, want) and sum(ct.entry_counts.values()) == calls + 1
+    assert torch.equal(got, want) and entry_counter.bodies == 1
     torch.manual_seed(6)
     assert not torch.equal(ff(x), got)  # the dropout is live
     ff.eval()
     assert ct.swapped_mlps(ff) == [""] and rel(ff(x), plain.eval()(x)) <= 1e-5
-    assert sum(ct.entry_counts.values()) == calls + 2
+    assert entry_counter.bodies == 2
     ff.train()  # swapping it again in training updates its options, and it stays eval-only
     assert ct.replace_mlps(ff, precision="bf16x3") == ([""], {}) and ct.swapped_mlps(ff) == []
     assert ff.eval()._cupyffn_mlp.precision == "bf16x3" and ct.swapped_mlps(ff) == [""]

@@ -101,7 +101,7 @@ def tiny_gpt2(seed=0):
     return transformers, transformers.GPT2LMHeadModel(config).eval()
 
 
-def test_gpt2_swap_keeps_modules_parameters_keys_and_checkpoints():
+def test_gpt2_swap_keeps_modules_parameters_keys_and_checkpoints(entry_counter):
     _, model = tiny_gpt2()
     ids = torch.randint(0, 64, (2, 16))
     want = model(ids).logits
@@ -116,9 +116,8 @@ def test_gpt2_swap_keeps_modules_parameters_keys_and_checkpoints():
     assert list(model.state_dict()) == list(original)
     assert model.transformer.h[0].mlp.c_fc.weight.shape == (D, 4 * D)  # Conv1D's [in, out], used as stored
     assert model.lm_head.weight is model.transformer.wte.weight  # tied weights intact
-    calls = sum(ct.entry_counts.values())
     got = model(ids).logits
-    assert sum(ct.entry_counts.values()) == calls + 2  # both MLPs ran cupyffn
+    assert entry_counter.bodies == 2  # both MLPs ran cupyffn
     assert float((got - want).abs().max()) <= 1e-5
     with torch.no_grad():  # an original checkpoint loads after the swap (perturb, then load it back)
         for p in model.parameters():

@@ -96,8 +96,8 @@ def poison_outputs(setattr_):
     or an all-reduce that reads grad_hidden_states before its GEMM wrote it, then shows as NaN."""
     from cupyffn.frameworks import torch_ops
 
-    setattr_(torch_ops.Call, "empty", lambda call, shape, dtype=torch.float32: torch.full(
-        shape, float("nan"), dtype=dtype, device=call.device))
+    setattr_(torch_ops.TorchDevice, "empty", lambda dev, shape, dtype=torch.float32: torch.full(
+        shape, float("nan"), dtype=dtype, device=dev.device))
 
 
 def _api_checks(rank, world, device):

@@ -39,6 +39,20 @@ def _resolve_device(device):
                            f"device='cpu' for a plan that takes NumPy arrays") from None
 
 
+def plan_with_options(tokens, dim, hidden_dim, options, **kwargs):
+    """A `GeluFFNBackward` whose GPU engine uses `options`, a cupyffn/engine/options.py `EngineOptions`, instead of
+    the measured defaults: how measurements (the benchmark's A/B twins) and tests build a plan with a mechanism
+    turned on or off. kwargs: GeluFFNBackward's keywords. Not a user feature, so not on the public signature."""
+    from ..engine.options import EngineOptions
+
+    if not isinstance(options, EngineOptions):
+        raise TypeError(f"options must be a cupyffn.engine.options.EngineOptions; got {options!r}")
+    plan = GeluFFNBackward.__new__(GeluFFNBackward)
+    plan._engine_options = options  # read by __init__ in place of the class's None
+    plan.__init__(tokens, dim, hidden_dim, **kwargs)
+    return plan
+
+
 class GeluFFNBackward:
     """A reusable backward pass of ``Linear(weight1) -> GELU(tanh) -> Linear(weight2)`` for one shape.
 
@@ -84,8 +98,12 @@ class GeluFFNBackward:
     plan on other streams is the caller's business (they share the scratch).
     """
 
+    #: The GPU engine's mechanisms (cupyffn/engine/options.py); None: the measured defaults. Only
+    #: `plan_with_options` builds a plan with others.
+    _engine_options = None
+
     def __init__(self, tokens, dim, hidden_dim, *, precision=None, device=None, graph=False,
-                 need_grad_hidden=True, need_weight_grads=True, need_bias_grads=False, _options=None):
+                 need_grad_hidden=True, need_weight_grads=True, need_bias_grads=False):
         self.tokens = check_size("tokens", tokens, 0)
         self.dim = check_size("dim", dim, 1)
         self.hidden_dim = check_size("hidden_dim", hidden_dim, 1)
@@ -96,12 +114,6 @@ class GeluFFNBackward:
         self.need_grad_hidden = bool(need_grad_hidden)
         self.need_weight_grads = bool(need_weight_grads)
         self.need_bias_grads = bool(need_bias_grads)
-        # _options (private, for comparisons and measurements): the mechanisms the GPU engine uses
-        # (cupyffn/engine/options.py); None: the measured defaults
-        from ..engine.options import DEFAULT, EngineOptions
-
-        if _options is not None and not isinstance(_options, EngineOptions):
-            raise TypeError(f"_options must be None or a cupyffn.engine.options.EngineOptions; got {_options!r}")
         self.device = _resolve_device(device)
         self.precision = _precision.resolve(precision, cpu=self.device == "cpu")
         self.graph = bool(graph)
@@ -113,10 +125,11 @@ class GeluFFNBackward:
         self._closed = False
         if self.device != "cpu":
             from ..engine.engine import GpuEngine
+            from ..engine.options import DEFAULT
 
+            options = DEFAULT if self._engine_options is None else self._engine_options
             self.engine = GpuEngine(self.tokens, self.dim, self.hidden_dim, self.precision, self.device,
-                                    self.need_grad_hidden, self.need_weight_grads,
-                                    options=_options if _options is not None else DEFAULT,
+                                    self.need_grad_hidden, self.need_weight_grads, options=options,
                                     need_bias_grads=self.need_bias_grads)
 
     # ------------------------------------------------------------------ introspection

@@ -1,7 +1,7 @@
 """Taking arrays in: NumPy, CuPy, or any DLPack / CUDA Array Interface producer, zero-copy.
 
 Everything here is about what an argument *is* (backend, device, memory span, 2-D row-strided view);
-what it must be is decided in _validate.py.
+what it must be is decided in cupyffn/api/validate.py.
 """
 
 import contextlib

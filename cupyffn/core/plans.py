@@ -22,45 +22,60 @@ _pinned = {}  # id(plan) -> plan: plans a caller's CUDA graph uses
 _caches = weakref.WeakSet()  # every PlanCache: dropping pins may leave one above its size
 
 
+class _Entry:
+    """One plan as its cache knows it: its key, the calls in flight on it, and whether it was unlinked (evicted or
+    cleared: its last user closes it)."""
+
+    __slots__ = ("plan", "key", "users", "evicted")
+
+    def __init__(self, plan, key):
+        self.plan, self.key, self.users, self.evicted = plan, key, 1, False
+
+
 class PlanCache:
     """Up to `size` unpinned plans by key, least recently used evicted first.
 
     Plans are built outside the lock; if two threads build the same key, the second build is closed
-    and the first kept. Per plan the cache keeps `_users` (calls in flight), `_evicted` (unlinked,
-    closed by its last user) and `_cache_key`.
+    and the first kept. The cache's bookkeeping of a plan (its `_Entry`) stays here: a plan is any
+    object with close().
     """
 
     def __init__(self, size):
         self.size = size
-        self._plans = collections.OrderedDict()
+        self._linked = collections.OrderedDict()  # key -> _Entry, least recently used first
+        self._entries = {}  # id(plan) -> _Entry: the linked plans, and unlinked ones still in use or pinned
         with _lock:
             _caches.add(self)
 
     def __len__(self):
-        return len(self._plans)
+        return len(self._linked)
+
+    def plans(self):
+        """The plans in the cache, least recently used first."""
+        with _lock:
+            return [e.plan for e in self._linked.values()]
 
     def acquire(self, key, build=None):
         """The plan for `key`, in use until release(). Missing: build() it (outside the lock), or
         return None when `build` is None (a call during CUDA stream capture must not build)."""
         with _lock:
-            plan = self._plans.get(key)
-            if plan is not None:
-                self._plans.move_to_end(key)
-                plan._users += 1
-                return plan
+            entry = self._linked.get(key)
+            if entry is not None:
+                self._linked.move_to_end(key)
+                entry.users += 1
+                return entry.plan
         if build is None:
             return None
         plan = build()
         with _lock:
-            existing = self._plans.get(key)
+            existing = self._linked.get(key)
             if existing is not None:  # another thread built the same plan meanwhile
-                existing._users += 1
-                self._plans.move_to_end(key)
+                existing.users += 1
+                self._linked.move_to_end(key)
                 doomed = [plan]
-                plan = existing
+                plan = existing.plan
             else:
-                plan._users, plan._evicted, plan._cache_key = 1, False, key
-                self._plans[key] = plan
+                self._linked[key] = self._entries[id(plan)] = _Entry(plan, key)
                 doomed = self._evict_locked()
         try:
             _close_all(doomed)
@@ -72,40 +87,54 @@ class PlanCache:
     def reacquire(self, plan):
         """Mark `plan` (remembered from an earlier acquire) in use again; False if it left the cache."""
         with _lock:
-            if plan._evicted:
+            entry = self._entries.get(id(plan))
+            if entry is None or entry.evicted:
                 return False
-            plan._users += 1
-            self._plans.move_to_end(plan._cache_key)
+            entry.users += 1
+            self._linked.move_to_end(entry.key)
             return True
 
     def release(self, plan):
         """End a call on `plan`; the last user of an evicted, unpinned plan closes it."""
         with _lock:
-            plan._users -= 1
-            if plan._users or not plan._evicted or id(plan) in _pinned:
+            entry = self._entries[id(plan)]
+            entry.users -= 1
+            if entry.users or not entry.evicted or id(plan) in _pinned:
                 return
+            del self._entries[id(plan)]
         plan.close()
 
     def clear(self):
         """Drop every unpinned plan (closed now, or by its last user when in use)."""
         with _lock:
             doomed = []
-            for key in [k for k, p in self._plans.items() if id(p) not in _pinned]:
+            for key in [k for k, e in self._linked.items() if id(e.plan) not in _pinned]:
                 doomed += self._unlink_locked(key)
         _close_all(doomed)
 
     def _unlink_locked(self, key):
-        plan = self._plans.pop(key)
-        plan._evicted = True
-        return [plan] if plan._users == 0 else []  # in use: its last release() closes it
+        entry = self._linked.pop(key)
+        entry.evicted = True
+        if entry.users:  # in use: its last release() closes it
+            return []
+        del self._entries[id(entry.plan)]
+        return [entry.plan]
 
     def _evict_locked(self):
         """Unlink the oldest unpinned plans beyond `size`; returns those to close now."""
-        unpinned = [k for k, p in self._plans.items() if id(p) not in _pinned]
+        unpinned = [k for k, e in self._linked.items() if id(e.plan) not in _pinned]
         doomed = []
         for key in unpinned[:max(0, len(unpinned) - self.size)]:
             doomed += self._unlink_locked(key)
         return doomed
+
+    def _unpinned_leftovers_locked(self):
+        """Forget the unlinked plans that no call uses, kept only for their pins (dropped by the caller); returns
+        them to close."""
+        left = [e for e in self._entries.values() if e.evicted and not e.users]
+        for e in left:
+            del self._entries[id(e.plan)]
+        return [e.plan for e in left]
 
 
 def _close_all(plans):
@@ -143,9 +172,9 @@ def release_captured_plans():
     with _lock:
         plans = list(_pinned.values())
         _pinned.clear()
-        doomed = [p for p in plans if getattr(p, "_evicted", False) and p._users == 0]
+        doomed = []
         for cache in list(_caches):
-            doomed += cache._evict_locked()
+            doomed += cache._unpinned_leftovers_locked() + cache._evict_locked()
     _close_all(doomed)
     return len(plans)
 

@@ -3,7 +3,7 @@ float32 CUDA torch tensors given to the functional API (cupyffn/core/arrays.py `
 
 A framework tensor reaches cupyffn as a ``cupy.ndarray`` built from its pointer, shape and strides:
 no DLPack import (whose stream handshake is empty in the layers, since they run cupyffn on the stream the
-framework itself uses; the functional API makes its one ordering per call instead, ``_arrays.follow_torch``)
+framework itself uses; the functional API makes its one ordering per call instead, ``arrays.follow_torch``)
 and, for a repeated tensor, cupyffn's validated-call fast path.
 
 Views are cached by (pointer, shape, strides, device). A view is a pure function of that key and owns

@@ -10,7 +10,7 @@ capture, the graph cache) is its base, cupyffn/cuda/stream_engine.py; the execut
 cupyffn/api/execute.py.
 """
 
-from ..core import plans as _plan_cache
+from ..core import plans as _plans
 from ..core import precision as P
 from ..cuda.stream_engine import StreamEngine
 from ..gemm import cublas, cublaslt
@@ -41,7 +41,7 @@ class GpuEngine(StreamEngine):
         self.plan = self.kernels = self.gemms = None
         with cupy.cuda.Device(device_id):
             self._alloc_stream_ptr = cupy.cuda.get_current_stream().ptr
-            if _plan_cache.is_capturing(self._alloc_stream_ptr):  # the zero fills below would join that capture
+            if _plans.is_capturing(self._alloc_stream_ptr):  # the zero fills below would join that capture
                 raise RuntimeError("cupyffn cannot build a backward plan while CuPy's current stream is being captured "
                                    "into a CUDA graph: build it (or make one call) before the capture begins")
             StreamEngine.__init__(self, device_id)

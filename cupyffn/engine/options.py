@@ -19,8 +19,9 @@ and measurements (the benchmark's A/B twins, tests), not a user feature.
   max_k           the longest K one GEMM accumulator sums (cupyffn/gemm/ksplit.py; docs/decisions/001):
                   ksplit.MAX_K by default, None (or 0) unbounded, for measuring what the K-chunks buy
 
-Plans take them through the private keyword ``GeluFFNBackward(..., _options=EngineOptions(...))`` (the benchmark's
-A/B twins and the tests); the functions' plans use the defaults. They are arguments, never read from the environment.
+Plans take them through ``plan_with_options(tokens, dim, hidden_dim, EngineOptions(...), ...)`` of
+cupyffn/api/backward_plan.py (the benchmark's A/B twins and the tests), never through the public
+``GeluFFNBackward``; the functions' plans use the defaults. They are arguments, never read from the environment.
 """
 
 import dataclasses

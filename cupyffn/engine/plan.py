@@ -191,7 +191,7 @@ class Plan:
     # ------------------------------------------------------------------ forms and fallbacks
     def _choose_forms(self, build_fp8):
         """The form of each GEMM this plan runs: the recipe's table at T, bf16x3 where the pair does not fit
-        (_precision.pair_fits) or cuBLASLt offers no algorithm for its e4m3 GEMM (`build_fp8`, asked here, once)."""
+        (P.pair_fits) or cuBLASLt offers no algorithm for its e4m3 GEMM (`build_fp8`, asked here, once)."""
         present = ["gemm1"] + (["gemm2", "gemm4"] if self.need_weight_grads else []) + \
             (["gemm3"] if self.need_grad_hidden else [])
         forms = P.effective_forms(self.precision, self.T, self.D, self.H)

@@ -64,8 +64,9 @@ def cuda_stream(index):
     return stream
 
 
-class Call:
-    """How a call reaches cupyffn on `device`: the arguments to pass and the stream (None on the CPU)."""
+class TorchDevice:
+    """A torch device as cupyffn runs on it, as a context: CuPy's current device switched to it and torch's current
+    stream as a CuPy stream (None on the CPU); `arg` is what cupyffn gets for a tensor, `empty` allocates with torch."""
 
     __slots__ = ("device", "cuda", "index", "stream", "_switch")
 
@@ -202,13 +203,13 @@ def forward_impl(x, w1, w2, b1, b2, precision):
     else:
         w1c, w2c = x.new_empty(_NOTHING), x.new_empty(_NOTHING)  # two: an operator's outputs may not alias
     lead, dim, hidden = tuple(x.shape[:-1]), x.shape[-1], w1.shape[0]
-    with Call(x.device) as call:
-        y, z, g = call.empty(lead + (dim,), act), call.empty(lead + (hidden,), act), call.empty(lead + (hidden,), act)
-        t = call.empty(lead + (hidden,), act) if act is _F32 else call.empty(_NOTHING, act)
-        arg = call.arg
+    with TorchDevice(x.device) as dev:
+        y, z, g = dev.empty(lead + (dim,), act), dev.empty(lead + (hidden,), act), dev.empty(lead + (hidden,), act)
+        t = dev.empty(lead + (hidden,), act) if act is _F32 else dev.empty(_NOTHING, act)
+        arg = dev.arg
         _functional.gelu_ffn_forward(arg(x), arg(w1), arg(w2), bias1=arg(b1), bias2=arg(b2), precision=precision,
                                      out=[arg(y), arg(z), arg(t) if act is _F32 else None, arg(g)],
-                                     stream=call.stream)
+                                     stream=dev.stream)
     return y, z, t, g, w1c, w2c
 
 
@@ -225,17 +226,17 @@ def backward_impl(dy, x, w1, w2, z, t, g, precision, need_x, need_w, need_b, w1c
     w1, w2 = weights(w1, w2, act, x.device)
     if x.device.type == "cpu" and _cpu.takes(act, precision):
         return _cpu.backward(dy, x, w1, w2, z, t, g, precision, need_x, need_w, need_b)
-    with Call(x.device) as call:
-        gx = call.empty(tuple(x.shape), act) if need_x else None
+    with TorchDevice(x.device) as dev:
+        gx = dev.empty(tuple(x.shape), act) if need_x else None
         gw1 = weight_grad(w1, wt, flip, x.device) if need_w else None
         gw2 = weight_grad(w2, wt, flip, x.device) if need_w else None
-        gb1 = call.empty((w1.shape[0],), wt) if need_b else None
-        gb2 = call.empty((w2.shape[0],), wt) if need_b else None
+        gb1 = dev.empty((w1.shape[0],), wt) if need_b else None
+        gb2 = dev.empty((w2.shape[0],), wt) if need_b else None
         grads = (gx, gw1, gw2, gb1, gb2)
-        arg = call.arg
+        arg = dev.arg
         _functional.gelu_ffn_backward(arg(dy), arg(x), arg(w1), arg(w2), arg(z), arg(t), arg(g),
                                       precision=precision, out=[arg(o) for o in (grads if need_b else grads[:3])],
-                                      stream=call.stream, need_grad_hidden=need_x, need_weight_grads=need_w,
+                                      stream=dev.stream, need_grad_hidden=need_x, need_weight_grads=need_w,
                                       need_bias_grads=need_b)
     return grads
 
@@ -372,8 +373,6 @@ _backward_once = torch.autograd.function.once_differentiable(
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-#: How many calls took each entry point (tests read it; one integer add per call).
-entry_counts = {"eager": 0, "operator": 0}
 
 
 def _eager(tensors):
@@ -388,8 +387,5 @@ def apply(x, w1, w2, b1, b2, precision, save):
     """The differentiable block through the eager Function or the operators (see _eager); x already in the
     activation dtype, precision a name (float32 x) or None (16-bit x)."""
     if _eager((x, w1, w2, b1, b2)):
-        entry_counts["eager"] += 1
         return EagerGeluFFN.apply(x, w1, w2, b1, b2, precision, save)
-    if not torch.compiler.is_compiling():  # a counter update in a traced graph would be a side effect
-        entry_counts["operator"] += 1
     return torch.ops.cupyffn.forward(x, w1, w2, b1, b2, precision, save)[0]

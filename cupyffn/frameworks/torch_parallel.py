@@ -154,7 +154,7 @@ class TensorParallelGeluFFNFunction(torch.autograd.Function):
         if x.dim() >= 1 and w1.dim() == 2:  # the layer's own body (on the CPU: torch_cpu's route where it takes it)
             output, z, t, g = _ops.forward_impl(x, w1, w2, None, None, prec.name)[:4]
         else:  # the door raises the shape error
-            arg = _ops.Call(device).arg
+            arg = _ops.TorchDevice(device).arg
             _gelu_ffn_forward(arg(x), arg(w1), arg(w2), precision=prec.name)
         # The ranks' partial outputs sum to the full one; the caller's stream waits for it (async_op=False).
         dist.all_reduce(output, group=group)
@@ -187,18 +187,18 @@ class TensorParallelGeluFFNFunction(torch.autograd.Function):
             if need_x:
                 _start_all_reduce(grad_x, ctx.group, None).wait()
             return (grad_x, grad_w1 if need_w1 else None, grad_w2 if need_w2 else None) + none
-        with _ops.Call(x.device) as call:
-            out = (call.empty(x.shape) if need_x else None,
-                   call.empty(w1.shape) if need_weights else None,
-                   call.empty(w2.shape) if need_weights else None)
+        with _ops.TorchDevice(x.device) as dev:
+            out = (dev.empty(x.shape) if need_x else None,
+                   dev.empty(w1.shape) if need_weights else None,
+                   dev.empty(w2.shape) if need_weights else None)
             extra = {}
             if overlap:
                 import cupy
 
                 extra["grad_hidden_ready"] = cupy.cuda.Event(block=False, disable_timing=True)
-            _gelu_ffn_backward(call.arg(dy), call.arg(x), call.arg(w1), call.arg(w2), call.arg(z), call.arg(t),
-                               call.arg(g), precision=ctx.precision, out=[call.arg(o) for o in out],
-                               stream=call.stream, need_grad_hidden=need_x, need_weight_grads=need_weights, **extra)
+            _gelu_ffn_backward(dev.arg(dy), dev.arg(x), dev.arg(w1), dev.arg(w2), dev.arg(z), dev.arg(t),
+                               dev.arg(g), precision=ctx.precision, out=[dev.arg(o) for o in out],
+                               stream=dev.stream, need_grad_hidden=need_x, need_weight_grads=need_weights, **extra)
             grad_x, grad_w1, grad_w2 = out
             work = _start_all_reduce(grad_x, ctx.group, extra.get("grad_hidden_ready")) if need_x else None
         if work is not None:

@@ -30,7 +30,7 @@ R_8F_E4M3 = 28  # OCP E4M3 "fn" (cuBLASLt only: cublasGemmEx takes no fp8)
 #: Workspace per handle: the size the cuBLAS docs recommend for Hopper.
 WORKSPACE_BYTES = 32 << 20
 
-_STATUS_NAMES = {
+STATUS_NAMES = {
     0: "CUBLAS_STATUS_SUCCESS", 1: "CUBLAS_STATUS_NOT_INITIALIZED", 3: "CUBLAS_STATUS_ALLOC_FAILED",
     7: "CUBLAS_STATUS_INVALID_VALUE", 8: "CUBLAS_STATUS_ARCH_MISMATCH", 11: "CUBLAS_STATUS_MAPPING_ERROR",
     13: "CUBLAS_STATUS_EXECUTION_FAILED", 14: "CUBLAS_STATUS_INTERNAL_ERROR",
@@ -44,7 +44,7 @@ class CublasError(RuntimeError):
     def __init__(self, call, status):
         self.call = call
         self.status = status
-        super().__init__(f"{call} failed with {_STATUS_NAMES.get(status, 'unknown status')} ({status})")
+        super().__init__(f"{call} failed with {STATUS_NAMES.get(status, 'unknown status')} ({status})")
 
 
 def check(status, call):
@@ -56,7 +56,7 @@ _lib = None
 _lib_lock = threading.Lock()
 
 
-def _loaded_cublas_path(prefix="libcublas.so"):
+def loaded_cublas_path(prefix="libcublas.so"):
     """Path of the libcublas (or, by `prefix`, e.g. libcublasLt) this process already has mapped (the one CuPy linked), or None."""
     try:
         with open("/proc/self/maps") as maps:
@@ -81,7 +81,7 @@ def library():
         # Importing CuPy's wrapper module links libcublas into the process; take that very copy.
         from cupy_backends.cuda.libs import cublas as _cupy_cublas  # noqa: F401
 
-        path = _loaded_cublas_path()
+        path = loaded_cublas_path()
         if path is None:
             from cuda.pathfinder import load_nvidia_dynamic_lib
 
@@ -126,7 +126,7 @@ class Handle:
         check(lib.cublasSetPointerMode_v2(self.ptr, POINTER_MODE_DEVICE), "cublasSetPointerMode")
         check(lib.cublasSetMathMode(self.ptr, DEFAULT_MATH), "cublasSetMathMode")
         self.stream_ptr = None
-        self._lt = None
+        self.lt = None  # its cuBLASLt handle, created by cublaslt.lt_handle on first use
 
     def bind(self, stream_ptr):
         """Route this handle's work to `stream_ptr`. cublasSetStream resets the workspace, so set it again."""

@@ -91,10 +91,10 @@ _query = {}  # device id -> cuBLASLt handle for heuristic queries (host-only wor
 
 def _library_path():
     # libcublas needs libcublasLt, so the one it loaded is normally mapped already: that very copy.
-    path = cublas._loaded_cublas_path("libcublasLt.so")
+    path = cublas.loaded_cublas_path("libcublasLt.so")
     if path is not None:
         return path
-    blas = cublas._loaded_cublas_path()
+    blas = cublas.loaded_cublas_path()
     if blas is not None:
         folder, name = os.path.split(blas)
         same = os.path.join(folder, "libcublasLt.so" + name[len("libcublas.so"):])
@@ -153,9 +153,9 @@ def lt_handle(handle):
     """The cuBLASLt handle (an int) of cuBLAS handle `handle` (a cublas.Handle), created on first use. Like the cuBLAS
     handle it lives as long as the pooled Handle, i.e. for the process: it is shared by every plan that takes this
     Handle, and a destroy at interpreter exit could run after the CUDA context is gone."""
-    if handle._lt is None:
-        handle._lt = create_handle(handle.device_id)
-    return handle._lt
+    if handle.lt is None:
+        handle.lt = create_handle(handle.device_id)
+    return handle.lt
 
 
 def create_handle(device_id):
@@ -370,7 +370,7 @@ class LtMatmul:
         finally:  # also on failure (then a failed destroy does not hide the first error)
             destroyed = lib.cublasLtMatmulPreferenceDestroy(pref)
         check(destroyed, f"cublasLtMatmulPreferenceDestroy ({what})")
-        status_name = cublas._STATUS_NAMES.get(status, "unknown status")
+        status_name = cublas.STATUS_NAMES.get(status, "unknown status")
         # NOT_SUPPORTED (15): no algorithm; INVALID_VALUE (7): cuBLASLt's answer to a type combination it lacks
         if status in (7, 15) or (status == 0 and (count.value < 1 or result.state != 0)):
             raise LtUnsupported(f"cuBLASLt has no algorithm for {what} (cublasLtMatmulAlgoGetHeuristic: "
