@@ -11,7 +11,7 @@ import numpy
 import pytest
 
 import cupyffn
-from cupyffn.api import execute, functional as _functional, routes
+from cupyffn.api import execute, routes
 from cupyffn.core import plans as _plans, views as _views
 from cupyffn import workloads as W
 

@@ -279,7 +279,7 @@ def test_the_layer_validates_once_and_replays_its_repeated_tensors(monkeypatch):
     the call by its signature), a repeated set is replayed as a captured graph (cupyffn/cuda/graph_cache.py), with
     the same bits as the functional API on the same bf16 operands; unaligned weights are refused with the reason."""
     torch = pytest.importorskip("torch")
-    from cupyffn.api import execute, functional, routes, validate
+    from cupyffn.api import execute, routes, validate
     import cupyffn.torch as ct
 
     torch.manual_seed(0)
