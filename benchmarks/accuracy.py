@@ -110,7 +110,7 @@ def measure(tokens_list, precisions, dim, hidden, calls=3):
 
     import cupyffn
     from cupyffn.api.backward_plan import plan_with_options
-    from cupyffn.engine.options import EngineOptions
+    from cupyffn.f32.options import EngineOptions
     from cupyffn.gemm import ksplit as _ksplit
 
     rows = []

@@ -12,7 +12,7 @@ import time
 
 import cupyffn
 from cupyffn.api.backward_plan import plan_with_options
-from cupyffn.engine.options import EngineOptions
+from cupyffn.f32.options import EngineOptions
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -37,7 +37,7 @@ def _compiled_tf32(dy, x, w1, w2, z, t, g):
 
 
 #: Twins of a cupyffn plan for an A/B in the same run (report.A_B_TWINS), each the plan built with one mechanism
-#: turned off in its options (cupyffn/engine/options.py, backward_plan.plan_with_options): (options, precision). For tf32:
+#: turned off in its options (cupyffn/f32/options.py, backward_plan.plan_with_options): (options, precision). For tf32:
 #: the cuBLAS GEMM1 + dgelu pass route instead of the fused sm90 kernel (H100/H200 only, fused_gemm1=False), every
 #: launch from the host instead of the re-pointed call graph (call_graph=False), convert A and B as two launches on
 #: two streams instead of one (convert_ab=False), the fused GEMM1's staged epilogue instead of its epilogue warps

@@ -4,7 +4,7 @@ docs/decisions/023-fp16-fp8-pair-form.md):
     PYTHONPATH=. python3 dev/gemm_forms_bench.py --out $OUT/gemm-forms-h200.json [--reps 30] [--budget-s 80]
 
 Forms (C fp32 [M, N], fp32 compute, alpha/beta device pointers, on one private handle and stream):
-  bf16x3     bf16 cublasGemmEx, K tripled, the engine's bf16x3 layouts (cupyffn/engine/launches.py Gemms)
+  bf16x3     bf16 cublasGemmEx, K tripled, the engine's bf16x3 layouts (cupyffn/f32/launches.py Gemms)
   fp16       fp16 cublasGemmEx, natural layouts (the "tf32" plan's GEMM, the pair's hi*hi product)
   e4m3       e4m3 cuBLASLt, K' = 2 * round_up(K, 16), both operands K-major ("TN"), A_SCALE 8 (f16e4m3 plan)
   pair       e4m3 with beta 0, then fp16 with beta 1 onto the same output (the "f16+e4m3" form)
@@ -66,7 +66,7 @@ def mnk(gemm, t):
 
 def layout(gemm, t, fmt):
     """The call of one form's GEMM: dict(m, n, k, a_trans, b_trans, lda, ldb, ldc, a_shape, b_shape, dtype).
-    fmt: "bf16x3" (p = 3, bf16), "fp16" (p = 1) as the engine builds them (cupyffn/engine/launches.py), or "e4m3"."""
+    fmt: "bf16x3" (p = 3, bf16), "fp16" (p = 1) as the engine builds them (cupyffn/f32/launches.py), or "e4m3"."""
     m, n, k = mnk(gemm, t)
     if fmt == "e4m3":
         kk = 2 * pad16(k)

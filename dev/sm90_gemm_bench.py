@@ -312,7 +312,7 @@ class Bench:
         job.grad_gelu_ld = job.x_ld = job.t_ld = job.dst_ld = n
         job.rows, job.cols, job.vec = m, n, 1
         launch = k.KernelLaunch(dgelu, job, ctypes.c_void_p(0), ctypes.c_void_p(0))
-        items = m * -(-n // (8 * k.BLOCK))  # the engine's grid (cupyffn/engine/launches.py)
+        items = m * -(-n // (8 * k.BLOCK))  # the engine's grid (cupyffn/f32/launches.py)
         launch.grid = max(1, min(items, k.sm_count(device) * k.blocks_per_sm("dgelu", "dgelu_kernel<1>", device) * 2))
         return launch
 

@@ -45,7 +45,7 @@ def test_every_twin_is_kept_out_of_the_headline():
 
     import cupyffn
     from benchmarks import report
-    from cupyffn.engine.options import SWITCHES, EngineOptions
+    from cupyffn.f32.options import SWITCHES, EngineOptions
 
     assert set(report.A_B_TWINS) == set(I.TWIN_OPTIONS) | {I.TF32_MEMORY_MODE}
     for name, (options, precision) in I.TWIN_OPTIONS.items():

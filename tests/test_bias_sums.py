@@ -1,4 +1,4 @@
-"""cupyffn/engine/bias_sums.py without a GPU (the device queries and the allocation are stand-ins): the summing dgelu
+"""cupyffn/f32/bias_sums.py without a GPU (the device queries and the allocation are stand-ins): the summing dgelu
 pass's grid keeps every block on one chunk of columns and gives every (row, chunk) item to exactly one block of one
 group of rows; the colsum launches cover their matrices; a call's bind points them at its arrays."""
 
@@ -11,7 +11,7 @@ cupy = pytest.importorskip("cupy")
 from cupyffn.cuda import kernels as _kernels  # noqa: E402
 from cupyffn.core import precision as P  # noqa: E402
 from cupyffn.core.arrays import Matrix  # noqa: E402
-from cupyffn.engine import bias_sums as B  # noqa: E402
+from cupyffn.f32 import bias_sums as B  # noqa: E402
 
 SMS, RESIDENT = 132, 5
 

@@ -8,8 +8,8 @@ import pytest
 from cupyffn.cuda import kernels as _kernels
 from cupyffn.core import precision as P
 from cupyffn.cuda import call_graph as _call_graph
-from cupyffn.engine import plan as E
-from cupyffn.engine.options import EngineOptions
+from cupyffn.f32 import plan as E
+from cupyffn.f32.options import EngineOptions
 from cupyffn.gemm import cublas as _cublas
 
 

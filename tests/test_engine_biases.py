@@ -1,5 +1,5 @@
-"""Biases in the split float32 precisions ("bf16x3", "fp16+fp8") on the float32 engine (cupyffn/engine/forward.py,
-cupyffn/engine/bias_sums.py, kernels_cu/bias.cu; docs/decisions/050-biases-in-the-split-precisions.md): values
+"""Biases in the split float32 precisions ("bf16x3", "fp16+fp8") on the float32 engine (cupyffn/f32/forward.py,
+cupyffn/f32/bias_sums.py, kernels_cu/bias.cu; docs/decisions/050-biases-in-the-split-precisions.md): values
 against float64, the GPU against the NumPy model, bit-identical bias gradients, accumulation, memory mode, the plan
 API, CUDA graphs (call graph, graph=True, a caller's capture) and argument errors."""
 

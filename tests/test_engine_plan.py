@@ -1,4 +1,4 @@
-"""The backward plan's decisions on the CPU (cupyffn/engine/plan.py, layout.py, schedule.py's stage graph): for the 16
+"""The backward plan's decisions on the CPU (cupyffn/f32/plan.py, layout.py, schedule.py's stage graph): for the 16
 official workloads (cupyffn/workloads.json) and every precision, on a Hopper GPU and elsewhere, what runs: the form of
 each GEMM and its fallbacks, the fused GEMM1 and its epilogue options, convert A+B in one launch, the call graph, the
 K-chunks, the lean layout and the scratch layout. No CuPy, no GPU: the plan's two device questions are answered by
@@ -9,10 +9,10 @@ import pytest
 from cupyffn.cuda import kernels as _kernels
 from cupyffn.core import precision as P
 from cupyffn import workloads as W
-from cupyffn.engine import layout as L
-from cupyffn.engine import plan as E
-from cupyffn.engine import schedule as S
-from cupyffn.engine.options import EngineOptions
+from cupyffn.f32 import layout as L
+from cupyffn.f32 import plan as E
+from cupyffn.f32 import schedule as S
+from cupyffn.f32.options import EngineOptions
 from cupyffn.gemm import ksplit
 
 TOKENS = sorted({w.tokens for w in W.WORKLOADS})
@@ -145,7 +145,7 @@ def test_k_chunks_follow_max_k():
 def test_plans_of_t_zero_and_bad_options():
     plan = build("tf32", 0)
     assert not plan.fused_gemm1 and plan.k_chunked == {} and not plan.call_graph
-    with pytest.raises(TypeError, match="options must be a cupyffn.engine.options.EngineOptions"):
+    with pytest.raises(TypeError, match="options must be a cupyffn.f32.options.EngineOptions"):
         E.Plan(8, 8, 8, P.lookup("tf32"), options={"max_k": None})
 
 

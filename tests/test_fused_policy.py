@@ -1,14 +1,14 @@
-"""The plan's choice of the fused GEMM1 + dgelu (Plan._fused_gemm1_ok, cupyffn/engine/plan.py) and of the other sm90
+"""The plan's choice of the fused GEMM1 + dgelu (Plan._fused_gemm1_ok, cupyffn/f32/plan.py) and of the other sm90
 mechanisms without a GPU: the formats the kernel serves, the default windows (EngineOptions left at auto), the
-options that override them (cupyffn/engine/options.py) and the shapes the kernel cannot take."""
+options that override them (cupyffn/f32/options.py) and the shapes the kernel cannot take."""
 
 import types
 
 import pytest
 
 from cupyffn.core import precision as P
-from cupyffn.engine import plan as E
-from cupyffn.engine.options import EngineOptions
+from cupyffn.f32 import plan as E
+from cupyffn.f32.options import EngineOptions
 from cupyffn.gemm import ksplit as _ksplit
 
 AUTO = EngineOptions()

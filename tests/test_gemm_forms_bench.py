@@ -30,7 +30,7 @@ def test_help_and_arguments(bench, monkeypatch, tmp_path, capsys):
 
 
 def test_layouts_are_the_engines(bench):
-    """The 16-bit layouts as cupyffn/engine/launches.py Gemms builds them (p planes: K = p * K, activations
+    """The 16-bit layouts as cupyffn/f32/launches.py Gemms builds them (p planes: K = p * K, activations
     [T, p * cols] read as [p * T, cols] by the weight-gradient GEMMs), e4m3 as the f16e4m3 plan lays it out."""
     t, d, h = 3142, 1536, 6144
     keys = ("m", "n", "k", "a_trans", "b_trans", "lda", "ldb", "ldc", "a_shape", "b_shape", "dtype")

@@ -15,7 +15,7 @@ from cupyffn.api import routes
 from cupyffn.gemm import cublas as _cublas
 from cupyffn import workloads as W
 from cupyffn.api.backward_plan import plan_with_options
-from cupyffn.engine.options import EngineOptions
+from cupyffn.f32.options import EngineOptions
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
@@ -195,7 +195,7 @@ def test_failure_while_capturing_leaves_nan_and_a_usable_plan(monkeypatch):
 
 
 def test_default_policy():
-    """auto: the tf32 plan at T <= 512 (cupyffn/engine/plan.py CALL_GRAPH_TOKENS), nothing else; True: every plan it can."""
+    """auto: the tf32 plan at T <= 512 (cupyffn/f32/plan.py CALL_GRAPH_TOKENS), nothing else; True: every plan it can."""
     for tokens, precision, graphed in ((1, "tf32", True), (512, "tf32", True), (513, "tf32", False),
                                        (256, "bf16x3", False), (256, "ieee", False), (256, "bf16", False)):
         plan = cupyffn.GeluFFNBackward(tokens, 64, 256, precision=precision)

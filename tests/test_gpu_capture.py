@@ -95,7 +95,7 @@ def replay_and_check(graph, stream, args, out, precision, seeds, what):
 
 def pinned_backward_plans():
     """The backward engines a caller's capture pinned (the functions' cached ones)."""
-    from cupyffn.engine.engine import GpuEngine
+    from cupyffn.f32.engine import GpuEngine
 
     return [p for p in _plans._pinned.values() if isinstance(p, GpuEngine)]
 

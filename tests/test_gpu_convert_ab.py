@@ -1,4 +1,4 @@
-"""convert A and B as one launch (tf32, cupyffn/engine/plan.py CONVERT_AB_TOKENS): the same bits as two launches on two streams.
+"""convert A and B as one launch (tf32, cupyffn/f32/plan.py CONVERT_AB_TOKENS): the same bits as two launches on two streams.
 
 Both routes convert with the same delayed scales and decide them in the same order (grad_output's exponent before
 the exponents capped by it), so outputs must be bit-identical, also when magnitudes jump between calls and the
@@ -11,7 +11,7 @@ import pytest
 import cupyffn
 from cupyffn import workloads as W
 from cupyffn.api.backward_plan import plan_with_options
-from cupyffn.engine.options import EngineOptions
+from cupyffn.f32.options import EngineOptions
 
 from test_gpu_api import _scaled_inputs  # noqa: E402  (tests/ is on sys.path under pytest's rootdir conftest)
 

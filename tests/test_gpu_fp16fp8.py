@@ -13,10 +13,10 @@ import pytest
 import cupyffn
 from cupyffn.core import precision as _precision
 from cupyffn.gemm import sm90
-from cupyffn.engine import plan as engine_plan
+from cupyffn.f32 import plan as engine_plan
 from cupyffn import workloads as W
 from cupyffn.api.backward_plan import plan_with_options
-from cupyffn.engine.options import EngineOptions
+from cupyffn.f32.options import EngineOptions
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")

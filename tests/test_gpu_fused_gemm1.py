@@ -1,5 +1,5 @@
 """GPU: the "tf32" and "bf16x3" plans with GEMM1 + the GELU derivative as one sm90 kernel
-(cupyffn/engine/plan.py, kernels_cu/gemm_sm90.cu; tf32: scaled fp16 out, bf16x3: three bf16 planes out)
+(cupyffn/f32/plan.py, kernels_cu/gemm_sm90.cu; tf32: scaled fp16 out, bf16x3: three bf16 planes out)
 against float64, against the benchmark's own check, and against the same plan on the cuBLAS GEMM1 +
 dgelu pass route (EngineOptions(fused_gemm1=False)), on fresh inputs with NaN-poisoned outputs. fp16+fp8 below
 T = 2048 is the bf16x3 plan and fuses the same way.
@@ -19,7 +19,7 @@ import cupyffn
 from cupyffn.core import precision as _precision
 from cupyffn import workloads as W
 from cupyffn.api.backward_plan import plan_with_options
-from cupyffn.engine.options import EngineOptions
+from cupyffn.f32.options import EngineOptions
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
@@ -286,7 +286,7 @@ def test_default_policy_and_the_override():
     every format the kernel serves, False turns it off. Plans the kernel does not serve (ieee, fp16+fp8 from
     T = 2048) never fuse. (The window's ends, 1 and 2^31 - 1, are tested without a GPU in test_fused_policy.py: a
     plan of 2^31 tokens does not fit in memory.)"""
-    from cupyffn.engine import plan as engine_plan
+    from cupyffn.f32 import plan as engine_plan
 
     assert engine_plan.FUSED_GEMM1_TOKENS[_precision.FMT_F16S] == (1, 2 ** 31 - 1)
     for tokens in (1, 256, 1024, 4096):

@@ -15,7 +15,7 @@ import cupyffn
 from cupyffn.gemm import ksplit as _ksplit
 from cupyffn import workloads as W
 from cupyffn.api.backward_plan import plan_with_options
-from cupyffn.engine.options import EngineOptions
+from cupyffn.f32.options import EngineOptions
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")

@@ -332,7 +332,7 @@ def test_view2d_of_a_reused_call_reads_the_tensor(fake_torch):
 
 
 def test_import_array_follows_per_tensor(fake_torch):
-    """import_array itself (the float32 forward's path, cupyffn/engine/forward.py) reads torch tensors by pointer and follows torch's stream."""
+    """import_array itself (the float32 forward's path, cupyffn/f32/forward.py) reads torch tensors by pointer and follows torch's stream."""
     a = FakeTensor(1 << 36, (T, D))
     backend, view = _arrays.import_array(a, "hidden_states", Stream(OTHER_STREAM))
     assert backend == "gpu" and view.data.ptr == a.ptr and view.shape == (T, D)

@@ -1,4 +1,4 @@
-"""EngineOptions (cupyffn/engine/options.py) without a GPU: the defaults and the type checks. (That the defaults make
+"""EngineOptions (cupyffn/f32/options.py) without a GPU: the defaults and the type checks. (That the defaults make
 the measured windows' choices: tests/test_fused_policy.py.)"""
 
 import dataclasses
@@ -9,8 +9,8 @@ import pytest
 
 from cupyffn import GeluFFNBackward
 from cupyffn.api.backward_plan import plan_with_options
-from cupyffn.engine import options as _options
-from cupyffn.engine.options import SWITCHES, EngineOptions
+from cupyffn.f32 import options as _options
+from cupyffn.f32.options import SWITCHES, EngineOptions
 from cupyffn.gemm import ksplit as _ksplit
 
 
@@ -65,7 +65,7 @@ def test_plan_with_options_checks_them_and_keeps_them_off_the_public_signature()
     plan = plan_with_options(4, 8, 16, EngineOptions(max_k=None), device="cpu", need_bias_grads=True)
     assert type(plan) is GeluFFNBackward and repr(plan) == repr(GeluFFNBackward(4, 8, 16, device="cpu",
                                                                                  need_bias_grads=True))
-    with pytest.raises(TypeError, match="options must be a cupyffn.engine.options.EngineOptions"):
+    with pytest.raises(TypeError, match="options must be a cupyffn.f32.options.EngineOptions"):
         plan_with_options(4, 8, 16, {"max_k": None}, device="cpu")
 
 

@@ -59,7 +59,7 @@ def test_wheel_contents(wheel):
     expected |= {f"cupyffn/kernels_cu/{n}" for n in cu_files}
     package = REPO / "cupyffn"  # every module, the subpackages (engine/, gemm/, gemm/sm90/) included
     py_files = sorted(p.relative_to(package).as_posix() for p in package.rglob("*.py"))
-    assert "__init__.py" in py_files and "engine/engine.py" in py_files and "gemm/sm90/launch.py" in py_files
+    assert "__init__.py" in py_files and "f32/engine.py" in py_files and "gemm/sm90/launch.py" in py_files
     expected |= {f"cupyffn/{n}" for n in py_files}
     missing = expected - names
     assert not missing, f"missing from {wheel.name}: {sorted(missing)}"

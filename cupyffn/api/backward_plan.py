@@ -40,13 +40,13 @@ def _resolve_device(device):
 
 
 def plan_with_options(tokens, dim, hidden_dim, options, **kwargs):
-    """A `GeluFFNBackward` whose GPU engine uses `options`, a cupyffn/engine/options.py `EngineOptions`, instead of
+    """A `GeluFFNBackward` whose GPU engine uses `options`, a cupyffn/f32/options.py `EngineOptions`, instead of
     the measured defaults: how measurements (the benchmark's A/B twins) and tests build a plan with a mechanism
     turned on or off. kwargs: GeluFFNBackward's keywords. Not a user feature, so not on the public signature."""
-    from ..engine.options import EngineOptions
+    from ..f32.options import EngineOptions
 
     if not isinstance(options, EngineOptions):
-        raise TypeError(f"options must be a cupyffn.engine.options.EngineOptions; got {options!r}")
+        raise TypeError(f"options must be a cupyffn.f32.options.EngineOptions; got {options!r}")
     plan = GeluFFNBackward.__new__(GeluFFNBackward)
     plan._engine_options = options  # read by __init__ in place of the class's None
     plan.__init__(tokens, dim, hidden_dim, **kwargs)
@@ -98,7 +98,7 @@ class GeluFFNBackward:
     plan on other streams is the caller's business (they share the scratch).
     """
 
-    #: The GPU engine's mechanisms (cupyffn/engine/options.py); None: the measured defaults. Only
+    #: The GPU engine's mechanisms (cupyffn/f32/options.py); None: the measured defaults. Only
     #: `plan_with_options` builds a plan with others.
     _engine_options = None
 
@@ -124,8 +124,8 @@ class GeluFFNBackward:
         self.engine = None
         self._closed = False
         if self.device != "cpu":
-            from ..engine.engine import GpuEngine
-            from ..engine.options import DEFAULT
+            from ..f32.engine import GpuEngine
+            from ..f32.options import DEFAULT
 
             options = DEFAULT if self._engine_options is None else self._engine_options
             self.engine = GpuEngine(self.tokens, self.dim, self.hidden_dim, self.precision, self.device,
@@ -226,7 +226,7 @@ class GeluFFNBackward:
         request = Request("backward", self.precision.name, self.need_grad_hidden, self.need_weight_grads,
                           self.need_bias_grads)
         functional.run(request, arrays, out, s, plan=self, graphs=routes.EAGER)
-        from ..engine.schedule import time_stages
+        from ..f32.schedule import time_stages
 
         with engine.lock:  # no ordinary call of this plan interleaves with the serialized ones
             if engine.closed:  # closed by another thread since the call above: its scratch is being freed

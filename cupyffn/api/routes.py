@@ -6,7 +6,7 @@ remembers the answer beside the validated call; cupyffn/api/execute.py runs what
     -------  -----------  ------  ----------------------------------------------  ---------------------------------
     cpu      any          any     numpy      cupyffn/cpu/backend.py NumpyEngine     EAGER
     gpu      any          0       no tokens  nothing to launch (zero gradients)     EAGER
-    gpu      float32      >= 1    float32    cupyffn/engine/ GpuEngine (backward),  backward: GRAPH_PLAN for plans
+    gpu      float32      >= 1    float32    cupyffn/f32/ GpuEngine (backward),  backward: GRAPH_PLAN for plans
                                              GpuForward (forward)                   made with graph=True; REPEATED
                                                                                     where the plan runs a call graph
                                                                                     (tf32, T <= 512); else EAGER
@@ -76,9 +76,9 @@ def route(call, plan=None):
 
 def _runs_call_graph(precision, tokens):
     """Whether a float32 backward plan of the functions runs its eager calls as one re-pointed call graph
-    (cupyffn/engine/plan.py CALL_GRAPH_TOKENS; where K is chunked the plan has none, and the graphs are captured
+    (cupyffn/f32/plan.py CALL_GRAPH_TOKENS; where K is chunked the plan has none, and the graphs are captured
     whole instead)."""
-    from ..engine.plan import call_graph_wanted
+    from ..f32.plan import call_graph_wanted
 
     return call_graph_wanted(precision, tokens)
 
@@ -165,10 +165,10 @@ def _build(key):
     _, pass_kind, device, tokens, dim, hidden, precision = key[:7]
     precision = _precision.lookup(precision)
     if pass_kind == "forward":
-        from ..engine.forward import GpuForward
+        from ..f32.forward import GpuForward
 
         return GpuForward(tokens, dim, hidden, precision, device, bias2=key[7])
-    from ..engine.engine import GpuEngine
+    from ..f32.engine import GpuEngine
 
     need_grad_hidden, need_weight_grads, need_bias_grads = key[7:]
     return GpuEngine(tokens, dim, hidden, precision, device, need_grad_hidden, need_weight_grads,

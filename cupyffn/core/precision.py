@@ -103,7 +103,7 @@ FORMS = {
 #: GEMM1 (output [T, H]) takes the pair from T = 2048 on only as one launch of the sm90 pair kernel (e4m3 and fp16
 #: stages into one accumulator, one output: 0.78-0.81x bf16x3's time at T = 2048-8192, where cuBLAS's two
 #: products are 1.06-1.09x; docs/decisions/024-sm90-pair-kernel-gemm1.md): the GPU engine runs it bf16x3 wherever that
-#: kernel cannot run (cupyffn/engine/plan.py SM90_PAIR_GEMMS).
+#: kernel cannot run (cupyffn/f32/plan.py SM90_PAIR_GEMMS).
 FORM_TABLE = {
     "gemm1": ((0, "bf16x3"), (2048, "f16+e4m3")),
     "gemm2": ((0, "bf16x3"), (2048, "f16+e4m3")),

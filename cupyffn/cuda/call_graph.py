@@ -20,7 +20,7 @@ against ~35 calls and ~80-95 us launched one by one), and the GPU runs the whole
 is instantiated with node priorities: the engine captures its critical path on a high-priority stream, so that
 where two kernels become ready at once the GPU starts them in the order the host's launches gave them (without
 it, convert B went first at T = 8192 and GEMM1's last wave ran alone: +17 us). Where it is the default:
-cupyffn/engine/plan.py CALL_GRAPH_TOKENS. The driver entry points come from libcuda through ctypes (names and
+cupyffn/f32/plan.py CALL_GRAPH_TOKENS. The driver entry points come from libcuda through ctypes (names and
 structs the same under CUDA 12 and 13; cupyffn/cuda/libcuda.py).
 """
 

@@ -1,4 +1,4 @@
-"""What every GPU engine shares (the float32 backward and forward, cupyffn/engine/; the cuBLASLt backward and forward,
+"""What every GPU engine shares (the float32 backward and forward, cupyffn/f32/; the cuBLASLt backward and forward,
 cupyffn/lt/engine.py): the lock, the ordering of calls on different streams, the "last call done" event that close()
 waits for, the side stream's part in a caller's CUDA graph capture, and the engine's graph caches (one per graph
 policy a route asks of it). The one executor

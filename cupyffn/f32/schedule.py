@@ -18,13 +18,13 @@ compute-bound GEMM. At the start of S2 it was on the critical path of the lean l
 CONVERT_AB_TOKENS); `dgelu` reads grad_gelu, linear1_out and tanh_inner once and writes grad_linear1 straight in
 the format of GEMM3/GEMM4. GEMM1 and GEMM2, and GEMM3 and GEMM4, are independent: at small T, where one GEMM
 leaves most of the GPU idle, they run side by side (docs/decisions/013-two-streams.md). Where the sm90 kernel
-fuses GEMM1 and dgelu (cupyffn/engine/plan.py), GEMM1 + dgelu is one launch, then a one-thread scale decision and a
+fuses GEMM1 and dgelu (cupyffn/f32/plan.py), GEMM1 + dgelu is one launch, then a one-thread scale decision and a
 rescue launch; in memory mode with gelu_out formed in that epilogue, GEMM2 waits for the rescue launch:
 
     S : convert A ──► GEMM1 + dgelu + gelu_out ──► decide, rescue ──┬─► GEMM3 ──────────────────► join
     S2: convert B (hidden_states, weight1) ──────────────(B)─┘      └─► GEMM2 ──► GEMM4 ─────────┘
 
-The lean layout (cupyffn/engine/layout.py): S waits for GEMM2 before dgelu, converts weight1 and hidden_states
+The lean layout (cupyffn/f32/layout.py): S waits for GEMM2 before dgelu, converts weight1 and hidden_states
 after it ("convert late") and runs GEMM4 itself. With `serial=True` (a caller's capture holding the side stream,
 or the per-stage profile) every step runs on S in this order and no event is waited on or recorded.
 """
@@ -74,7 +74,7 @@ class StageContext:
     """What the calls of one binding mode run (GpuEngine.stage_context builds one per mode, once, from its plan and
     launches; a mode: whether GEMM1's epilogue forms gelu_out, and whether ieee memory mode recomputes it).
 
-    fmt, fused_gemm1, lean: the plan's (cupyffn/engine/plan.py, layout.py); cvt_a, cvt_b: what convert A and
+    fmt, fused_gemm1, lean: the plan's (cupyffn/f32/plan.py, layout.py); cvt_a, cvt_b: what convert A and
     convert B convert in this mode (Plan.convert_modes); gelu_in_gemm1: GEMM1's epilogue forms gelu_out;
     convert: {stage: (names, launch, rescue launch or None)}; ieee_gelu: the launch recomputing gelu_out in fp32 in
     ieee memory mode (None in every other mode); fused, fused_rescue, decide: the fused GEMM1 + dgelu's launches

@@ -1,11 +1,11 @@
 """Building and binding a backward plan's launches: our kernels (`Kernels`: convert, dgelu, the fused sm90 GEMM1 +
 dgelu, fp16+fp8's split_e4m3) and the four GEMMs (`Gemms`: cuBLAS, cuBLASLt, the sm90 pair kernel).
 
-Everything is built once per plan over its scratch (cupyffn/engine/layout.py) from its `Plan`
-(cupyffn/engine/plan.py); a call only rewrites the pointers that changed (`Kernels.bind`, `Gemms.bind`,
+Everything is built once per plan over its scratch (cupyffn/f32/layout.py) from its `Plan`
+(cupyffn/f32/plan.py); a call only rewrites the pointers that changed (`Kernels.bind`, `Gemms.bind`,
 `Gemms.set_outputs`, from `GpuEngine.set_io`). For "tf32" (fp16 operands) every gathering pass is followed by a
 small rescue launch that converts again any tensor whose delayed scale did not fit (kernels_cu/convert.cu;
-docs/decisions/009-delayed-fp16-scaling.md). The order they run in: cupyffn/engine/schedule.py.
+docs/decisions/009-delayed-fp16-scaling.md). The order they run in: cupyffn/f32/schedule.py.
 """
 
 import ctypes
@@ -61,7 +61,7 @@ class Kernels:
     convert {stage: (names, launch, rescue launch or None)} for "convert A", "convert B", "convert late", and the
     fused GEMM1 + dgelu's launches (None without it); `dgelu`, `dgelu_rescue` (None with the fused GEMM1);
     `ieee_gelu` (ieee memory mode's gelu_out recomputed in fp32: built on first use, `ieee_bytes` its buffer);
-    `bias` (need_bias_grads: the bias gradients' launches and scratch, cupyffn/engine/bias_sums.py)."""
+    `bias` (need_bias_grads: the bias gradients' launches and scratch, cupyffn/f32/bias_sums.py)."""
 
     def __init__(self, plan, base, state, consts, device_id):
         self.plan, self.ops = plan, plan.layout.ops
@@ -185,7 +185,7 @@ class Kernels:
         self.dgelu_rescue = self._dgelu_launch(kernel, min(grid, 2 * sms), rescue=1) if f16 else None
 
     def _build_fused_gemm1(self, gelu_epilogue):
-        """The fused GEMM1 + dgelu (cupyffn/engine/plan.py) as (launch, rescue launch, decision): tf32, its gathering
+        """The fused GEMM1 + dgelu (cupyffn/f32/plan.py) as (launch, rescue launch, decision): tf32, its gathering
         and rescue launches and the decision between them, also writing gelu_out's codes if `gelu_epilogue`;
         bf16x3, one launch (no scale to decide)."""
         # A: grad_output [T, planes * D]; B: weight2 [planes * D, H] as stored ("kn"); out: grad_linear1

@@ -1,12 +1,12 @@
 """What a backward plan runs: the form of each GEMM, the fallbacks, the sm90 mechanisms, the K-chunks, the
-scratch layout and the conversion stages, resolved from the plan's `EngineOptions` (cupyffn/engine/options.py).
+scratch layout and the conversion stages, resolved from the plan's `EngineOptions` (cupyffn/f32/options.py).
 
 Pure host code: no CuPy, no GPU. `Plan` takes two questions about the device as callables, so that a CPU test
 can answer them: `sm90_supported()` (a compute capability 9.0 GPU: the sm_90a kernels run only there) and
 `build_fp8(plan, gemm)` (cuBLASLt builds GEMM `gemm`'s e4m3 product, `plan.fp8_desc(gemm, ...)`: None, else the
 reason it refuses; asked while the plan chooses the forms).
-The engine (cupyffn/engine/engine.py) builds one `Plan`, then the launches (cupyffn/engine/launches.py) and the
-stage schedule (cupyffn/engine/schedule.py) from it.
+The engine (cupyffn/f32/engine.py) builds one `Plan`, then the launches (cupyffn/f32/launches.py) and the
+stage schedule (cupyffn/f32/schedule.py) from it.
 
 "tf32" on an H100/H200 (compute capability 9.0): GEMM1 and dgelu are one kernel (kernels_cu/gemm_sm90.cu,
 `fused_gemm1`): the GELU derivative is applied in GEMM1's epilogue, which writes grad_linear1 as scaled fp16
@@ -21,7 +21,7 @@ Memory mode without gelu_out (tf32, fused, weight gradients wanted; GELU_EPILOGU
 such a call, `gelu_epilogue_ok` for the plan): the fused epilogue also writes GEMM2's operand gelu_out =
 0.5 x (1 + t) as scaled fp16 codes, from the linear1_out and tanh_inner it holds anyway (EPI_DGELU_F16G), instead
 of convert B recomputing it, and GEMM2 runs after GEMM1's rescue launch instead of beside GEMM1 (the stage graph:
-cupyffn/engine/schedule.py). A gelu_out the caller gives is always converted and used as given
+cupyffn/f32/schedule.py). A gelu_out the caller gives is always converted and used as given
 (docs/decisions/002-honour-every-input.md): the plan holds the conversion lists of both ways (`convert_modes`)
 and each call takes the one its inputs need.
 
@@ -46,7 +46,7 @@ from .layout import Layout, pad16
 FUSABLE_FORMATS = (P.FMT_F16S, P.FMT_BF16X3)
 
 # ---------------------------------------------------------------------- the measured windows
-# What each option of cupyffn/engine/options.py left at None (auto) resolves to, through option_wanted: one table,
+# What each option of cupyffn/f32/options.py left at None (auto) resolves to, through option_wanted: one table,
 # each entry with its measurement and decision note.
 
 #: Per format, T (first <= T <= last) at which the default (fused_gemm1 auto) fuses (module docstring); a format
@@ -114,7 +114,7 @@ GEMM_NAMES = {"gemm1": "grad_gelu = grad_output @ weight2", "gemm2": "grad_weigh
 
 
 def option_wanted(choice, windows, fmt, tokens):
-    """Whether a switch of the plan's EngineOptions (cupyffn/engine/options.py), of value `choice`, asks for its
+    """Whether a switch of the plan's EngineOptions (cupyffn/f32/options.py), of value `choice`, asks for its
     mechanism in a plan of format `fmt` at `tokens`: True always, False never, None (auto) where `windows` ({format:
     (first, last)}: FUSED_GEMM1_TOKENS, GELU_EPILOGUE_TOKENS, EPILOGUE_WARPS_TOKENS, CALL_GRAPH_TOKENS,
     CONVERT_AB_TOKENS) has first <= tokens <= last. The caller adds what the mechanism itself needs."""
@@ -138,7 +138,7 @@ class Plan:
 
     forms ({gemm: Form}), form_notes (why a GEMM fell back to bf16x3), sm90_pair (the pair GEMMs run as the sm90
     pair kernel), fmt / planes (the operand format the plan converts to), fused_gemm1, gelu_epilogue_ok,
-    epilogue_warps, layout (cupyffn/engine/layout.py), convert_ab, convert_modes ({gelu_out from GEMM1's epilogue:
+    epilogue_warps, layout (cupyffn/f32/layout.py), convert_ab, convert_modes ({gelu_out from GEMM1's epilogue:
     (convert A's names, convert B's names)}), k_chunked ({gemm: chunks}), call_graph.
     """
 
@@ -146,9 +146,9 @@ class Plan:
                  options=_options.DEFAULT, sm90_supported=lambda: False, build_fp8=lambda plan, gemm: None,
                  need_bias_grads=False):
         if not isinstance(options, _options.EngineOptions):
-            raise TypeError(f"options must be a cupyffn.engine.options.EngineOptions; got {options!r}")
+            raise TypeError(f"options must be a cupyffn.f32.options.EngineOptions; got {options!r}")
         self.T, self.D, self.H = tokens, dim, hidden_dim
-        self.options = options  # every mechanism choice this plan makes (cupyffn/engine/options.py)
+        self.options = options  # every mechanism choice this plan makes (cupyffn/f32/options.py)
         self.precision = precision
         self.need_grad_hidden = need_grad_hidden
         self.need_weight_grads = need_weight_grads

@@ -1,8 +1,8 @@
 """The scratch layout of a backward plan: where each converted GEMM operand lives and how it is written.
 
 Pure host code (no CuPy): offsets from the start of the plan's one device scratch allocation, which
-cupyffn/engine/engine.py allocates (`scratch_bytes`) and whose base address the launches add
-(cupyffn/engine/launches.py). grad_gelu (GEMM1's fp32 output, T x H; absent where the fused GEMM1 runs) comes
+cupyffn/f32/engine.py allocates (`scratch_bytes`) and whose base address the launches add
+(cupyffn/f32/launches.py). grad_gelu (GEMM1's fp32 output, T x H; absent where the fused GEMM1 runs) comes
 first, at offset 0, then each operand, every one aligned to ALIGN bytes.
 
 "Lean" layout (bf16x3 at large T, where three 16-bit planes of gelu_out and of grad_linear1 side by side would
@@ -58,7 +58,7 @@ class Operand:
 
 
 class Layout:
-    """The scratch layout of `plan` (cupyffn/engine/plan.py: its format, planes, forms, fused GEMM1 and flags).
+    """The scratch layout of `plan` (cupyffn/f32/plan.py: its format, planes, forms, fused GEMM1 and flags).
 
     ops: {name: Operand} with offsets (fp16+fp8: name, name + ".x3", name + ".e4n" / ".e4t"); scratch_bytes;
     gg_bytes (grad_gelu's); lean; cvt_a / cvt_b (what convert A and convert B write, gelu_out converted);

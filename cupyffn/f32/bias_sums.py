@@ -7,7 +7,7 @@ grad_linear1 exists in fp32 only inside the GELU-derivative pass (before its rou
 pass writes rows of column sums into this object's scratch and one colsum launch adds the rows: dgelu.cu's summing
 variant writes one row per group of blocks that keep their columns (DGELU_SUM_ROWS at most), split_e4m3.cu (fp16+fp8)
 one row per step's rows. grad_output takes two launches: bands of its rows into rows of sums, then those rows.
-The launches run on the side stream (cupyffn/engine/schedule.py).
+The launches run on the side stream (cupyffn/f32/schedule.py).
 """
 
 from ..cuda import kernels as _kernels

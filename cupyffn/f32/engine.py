@@ -2,9 +2,9 @@
 handles, the per-call binding (`set_io`) and its lifetime (`close`).
 
 `GpuEngine` is composed of the parts that hold the rest: its `Plan` (what runs, with the scratch layout:
-cupyffn/engine/plan.py, cupyffn/engine/layout.py), its `Kernels` and `Gemms` (the launches, built once:
-cupyffn/engine/launches.py) and its `StageRunner` (the stage graph on two streams, and the call graph:
-cupyffn/engine/schedule.py), which runs the `StageContext` of the call's binding mode on the engine's
+cupyffn/f32/plan.py, cupyffn/f32/layout.py), its `Kernels` and `Gemms` (the launches, built once:
+cupyffn/f32/launches.py) and its `StageRunner` (the stage graph on two streams, and the call graph:
+cupyffn/f32/schedule.py), which runs the `StageContext` of the call's binding mode on the engine's
 `StageResources`. What every GPU engine shares (ordering, lifetime, the side stream under a caller's
 capture, the graph cache) is its base, cupyffn/cuda/stream_engine.py; the executor that runs it,
 cupyffn/api/execute.py.
@@ -26,7 +26,7 @@ from .schedule import EVENTS, StageContext, StageResources, StageRunner, stage_b
 class GpuEngine(StreamEngine):
     """Everything one (T, D, H, precision, device) backward needs on the GPU, built once. What it runs is its
     `plan`'s (with `layout`), `kernels`' and `gemms`'; `stage` is the StageContext of the mode of the call bound
-    last (cupyffn/engine/schedule.py)."""
+    last (cupyffn/f32/schedule.py)."""
 
     what = "GeluFFNBackward plan"
 

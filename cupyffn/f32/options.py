@@ -1,8 +1,8 @@
 """How a backward plan chooses its mechanisms: `EngineOptions`, one frozen object per plan.
 
-A backward plan (`Plan`, cupyffn/engine/plan.py) reads its choices from the options it is built with, nothing
+A backward plan (`Plan`, cupyffn/f32/plan.py) reads its choices from the options it is built with, nothing
 else. Every field left at its default (None for the switches) is "auto": the measured choice. The windows that
-auto resolves to are one table, kept beside the code that uses them in cupyffn/engine/plan.py (`FUSED_GEMM1_TOKENS`,
+auto resolves to are one table, kept beside the code that uses them in cupyffn/f32/plan.py (`FUSED_GEMM1_TOKENS`,
 `GELU_EPILOGUE_TOKENS`, `EPILOGUE_WARPS_TOKENS`, `CALL_GRAPH_TOKENS`, `CONVERT_AB_TOKENS`: per operand format,
 the first and last T at which the mechanism runs; `SM90_PAIR_GEMMS`), each with its measurement and the
 decision note in docs/decisions/ it comes from. True asks for a mechanism wherever it can run (the engine still
