@@ -213,3 +213,40 @@ def test_the_old_module_check_finds_old_names():
     assert old_module_names("self._device.id, cupyffn/cuda/call_graph.py, cupyffn.api.forward_plan") == []
     assert REMOVED.findall("from cupyffn.engine.plan import Plan; cupyffn/engine/; cupyffn.f32.engine") == [
         "cupyffn.engine", "cupyffn/engine"]
+
+
+#: underscore names that are public API of their objects: the NamedTuple methods, and torch's C module (a
+#: third-party private the torch layer reads for the raw current stream and the dispatch-mode stack: documented where
+#: used)
+PUBLIC_UNDERSCORES = {"_replace", "_fields", "_asdict", "_make", "_C"}
+
+
+def private_reads(source):
+    """`name._attr` in `source` where `name` is not self or cls: a read (or write) of another object's private name."""
+    found = []
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__") \
+                and n.attr not in PUBLIC_UNDERSCORES:
+            owner = n.value.id if isinstance(n.value, ast.Name) else None
+            if owner not in ("self", "cls"):
+                found.append(f"{owner or ast.unparse(n.value)}.{n.attr} (line {n.lineno})")
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("getattr", "setattr",
+                                                                                          "hasattr") \
+                and len(n.args) >= 2 and isinstance(n.args[1], ast.Constant) and isinstance(n.args[1].value, str) \
+                and n.args[1].value.startswith("_") and not n.args[1].value.startswith("__") \
+                and ast.unparse(n.args[0]) not in ("self", "cls", "torch._C"):
+            found.append(f"{n.func.id}({ast.unparse(n.args[0])}, {n.args[1].value!r}) (line {n.lineno})")
+    return found
+
+
+def test_no_module_reads_another_objects_private_names():
+    """Engines expose what others need (issue 49): no module of the package reaches into another object's private
+    attributes (its own, through self or cls, are its business)."""
+    reads = {_rel(p): r for p in PACKAGE if (r := private_reads(p.read_text()))}
+    assert not reads
+
+
+def test_the_private_read_check_finds_them():
+    assert private_reads("e._main.bind(s)\nself._x = 1\nc._replace(a=1)\ntorch._C.f()") == ["e._main (line 1)"]
+    assert private_reads("getattr(e, 'x')\nfoo().bar._baz") == ["foo().bar._baz (line 2)"]
+    assert private_reads("getattr(e, '_sidecar', None)\ngetattr(self, '_y')") == ["getattr(e, '_sidecar') (line 1)"]

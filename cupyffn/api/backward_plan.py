@@ -48,7 +48,7 @@ def plan_with_options(tokens, dim, hidden_dim, options, **kwargs):
     if not isinstance(options, EngineOptions):
         raise TypeError(f"options must be a cupyffn.f32.options.EngineOptions; got {options!r}")
     plan = GeluFFNBackward.__new__(GeluFFNBackward)
-    plan._engine_options = options  # read by __init__ in place of the class's None
+    plan.engine_options = options  # read by __init__ in place of the class's None
     plan.__init__(tokens, dim, hidden_dim, **kwargs)
     return plan
 
@@ -98,9 +98,9 @@ class GeluFFNBackward:
     plan on other streams is the caller's business (they share the scratch).
     """
 
-    #: The GPU engine's mechanisms (cupyffn/f32/options.py); None: the measured defaults. Only
-    #: `plan_with_options` builds a plan with others.
-    _engine_options = None
+    #: The GPU engine's mechanisms (cupyffn/f32/options.py EngineOptions; None: the measured defaults), what the plan
+    #: was built with. Only `plan_with_options` builds a plan with others.
+    engine_options = None
 
     def __init__(self, tokens, dim, hidden_dim, *, precision=None, device=None, graph=False,
                  need_grad_hidden=True, need_weight_grads=True, need_bias_grads=False):
@@ -127,9 +127,10 @@ class GeluFFNBackward:
             from ..f32.engine import GpuEngine
             from ..f32.options import DEFAULT
 
-            options = DEFAULT if self._engine_options is None else self._engine_options
+            if self.engine_options is None:
+                self.engine_options = DEFAULT
             self.engine = GpuEngine(self.tokens, self.dim, self.hidden_dim, self.precision, self.device,
-                                    self.need_grad_hidden, self.need_weight_grads, options=options,
+                                    self.need_grad_hidden, self.need_weight_grads, options=self.engine_options,
                                     need_bias_grads=self.need_bias_grads)
 
     # ------------------------------------------------------------------ introspection

@@ -120,6 +120,11 @@ class PlanCache:
         del self._entries[id(entry.plan)]
         return [entry.plan]
 
+    def after_unpin_locked(self):
+        """The plans to close now that no plan is pinned (release_captured_plans, with the module's lock held): those
+        kept beyond the cache's size while pinned, and the least recently used beyond it."""
+        return self._unpinned_leftovers_locked() + self._evict_locked()
+
     def _evict_locked(self):
         """Unlink the oldest unpinned plans beyond `size`; returns those to close now."""
         unpinned = [k for k, e in self._linked.items() if id(e.plan) not in _pinned]
@@ -174,7 +179,7 @@ def release_captured_plans():
         _pinned.clear()
         doomed = []
         for cache in list(_caches):
-            doomed += cache._unpinned_leftovers_locked() + cache._evict_locked()
+            doomed += cache.after_unpin_locked()
     _close_all(doomed)
     return len(plans)
 
