@@ -52,7 +52,7 @@ from jax.experimental.buffer_callback import buffer_callback as _buffer_callback
 from .api.functional import gelu_ffn_backward as _gelu_ffn_backward
 from .api.functional import gelu_ffn_forward as _gelu_ffn_forward
 from .core import views as _views
-from .core.precision import lookup as _lookup_precision
+from .core.precision import checked_name as _checked_precision
 
 __all__ = ["gelu_ffn"]
 
@@ -273,7 +273,7 @@ def gelu_ffn(x, weight1, weight2, precision=None, *, bias1=None, bias2=None):
     _shapes(x, weight1, weight2, bias1, bias2)  # errors at the call (trace time under jit), naming the argument
     # None travels to the callbacks, where cupyffn sees the buffers and picks the default of their device
     # (a traced value has no device to ask at trace time)
-    precision = None if precision is None else _lookup_precision(precision).name
+    precision = _checked_precision(precision)
     if precision is not None and str(x.dtype) != "float32":
         raise ValueError(f"precision= chooses how float32 operands are multiplied; {x.dtype} activations are "
                          f"multiplied as they are (bf16/fp16 tensor cores, fp32 accumulation): pass precision=None")

@@ -31,7 +31,6 @@ import torch
 from ..api import functional as _functional
 from ..core import arrays as _arrays
 from ..core import views as _views
-from ..core.precision import lookup as _lookup_precision
 from ..core.precision import resolve as _resolve_precision
 from . import torch_cpu as _cpu
 
@@ -110,11 +109,6 @@ def check_save(save):
     if save not in SAVE_MODES:
         raise ValueError(f"save must be one of {', '.join(repr(s) for s in SAVE_MODES)}; got {save!r}")
     return save
-
-
-def precision_name(precision):
-    """The checked name of `precision`, or None (the default of the tensors' device, decided per call)."""
-    return None if precision is None else _lookup_precision(precision).name
 
 
 def device_default(tensor):

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from ..api.functional import gelu_ffn_backward as _gelu_ffn_backward
 from ..api.functional import gelu_ffn_forward as _gelu_ffn_forward
-from ..core.precision import lookup as _lookup_precision
+from ..core.precision import checked_name
 from ..core.precision import resolve as _resolve_precision
 from . import torch_ops as _ops
 
@@ -144,8 +144,7 @@ class TensorParallelGeluFFNFunction(torch.autograd.Function):
     @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)  # CUDA autocast: computed in float32
     def forward(ctx, hidden_states, weight1, weight2, group=None, precision=None, save="all",
                 overlap=True):
-        if precision is not None:  # a bad name is reported before the tensors are looked at
-            _lookup_precision(precision)
+        precision = checked_name(precision)  # a bad name is reported before the tensors are looked at
         _ops.check_save(save)
         _group_info(group)
         device = _ops.check_tensors((("hidden_states", hidden_states), ("weight1", weight1), ("weight2", weight2)))
@@ -238,7 +237,7 @@ class TensorParallelGeluFFN(torch.nn.Module):
             raise TypeError(f"TensorParallelGeluFFN supports dtype=torch.float32 only; got {dtype}")
         self.dim = _check_int("dim", dim, 1)
         self.hidden_dim = _check_int("hidden_dim", hidden_dim, 1)
-        self.precision = None if precision is None else _lookup_precision(precision).name  # None: per call
+        self.precision = checked_name(precision)  # None: per call
         self.save = _ops.check_save(save)
         self.overlap = bool(overlap)
         self.process_group = process_group
