@@ -78,6 +78,6 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
     """
     _ops.check_tensors((("grad_output", grad_output), ("hidden_states", hidden_states), ("weight1", weight1),
                         ("weight2", weight2)))
-    precision = _ops.device_default(hidden_states) if precision is None else _checked_precision(precision)
+    precision = _checked_precision(precision)  # None: the default of the tensors' device, resolved by the door
     return _ops.backward_impl(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out,
                               precision, need_grad_hidden, need_weight_grads, False)[:3]

@@ -15,7 +15,7 @@ import torch
 
 from ..core.precision import checked_name
 from . import torch_ops
-from .torch_ops import HALF, check_save, check_tensors, device_default
+from .torch_ops import HALF, check_save, check_tensors
 
 
 def activation_dtype(x, weight):
@@ -39,7 +39,6 @@ def block(x, w1, w2, b1=None, b2=None, precision=None, save="all", act=None):
         raise TypeError(f"cupyffn computes in bfloat16, float16 or float32; got {act}")
     if act is torch.float32:
         w1, w2, b1, b2 = (t if t is None or t.dtype is act else t.float() for t in (w1, w2, b1, b2))
-        precision = device_default(x) if precision is None else precision
     else:
         # parameters in another 16-bit dtype than the activations are cast first (fp32 ones go in as they are)
         w1, w2, b1, b2 = (t if t is None or t.dtype in (act, torch.float32) else t.to(act) for t in (w1, w2, b1, b2))

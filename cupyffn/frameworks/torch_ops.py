@@ -31,7 +31,6 @@ import torch
 from ..api import functional as _functional
 from ..core import arrays as _arrays
 from ..core import views as _views
-from ..core.precision import resolve as _resolve_precision
 from . import torch_cpu as _cpu
 
 SAVE_MODES = ("all", "linear1_out")
@@ -111,12 +110,6 @@ def check_save(save):
     return save
 
 
-def device_default(tensor):
-    """The name of the default precision for `tensor`'s device: "ieee" on the CPU, "fp16+fp8" on CUDA."""
-    cpu = isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu"
-    return _resolve_precision(None, cpu=cpu).name
-
-
 def check_tensors(named, dtype=_F32):
     """Torch tensors of `dtype` (None: any) on one CPU or CUDA device; returns that device."""
     for name, t in named:
@@ -185,7 +178,8 @@ def weight_grad(w, dtype, transposed, device):
 def forward_impl(x, w1, w2, b1, b2, precision):
     """(output, linear1_out, tanh_inner, gelu_out, weight1_cast, weight2_cast) in x's dtype (tanh_inner a placeholder
     for 16-bit x; the casts placeholders unless `casts_weights`), allocated by torch and written by cupyffn (out=), or
-    on the CPU computed by torch where `torch_cpu.takes` the call. precision: a name for float32 x, None for 16-bit."""
+    on the CPU computed by torch where `torch_cpu.takes` the call. precision: a checked name or None (float32 x: the
+    device's default, resolved by the door or by `torch_cpu.takes`), None for 16-bit."""
     act = x.dtype
     x = readable(x)
     w1, w2 = weights(w1, w2, act, x.device)
@@ -379,7 +373,7 @@ def _eager(tensors):
 
 def apply(x, w1, w2, b1, b2, precision, save):
     """The differentiable block through the eager Function or the operators (see _eager); x already in the
-    activation dtype, precision a name (float32 x) or None (16-bit x)."""
+    activation dtype, precision a checked name or None (float32 x: the device's default; 16-bit x: always None)."""
     if _eager((x, w1, w2, b1, b2)):
         return EagerGeluFFN.apply(x, w1, w2, b1, b2, precision, save)
     return torch.ops.cupyffn.forward(x, w1, w2, b1, b2, precision, save)[0]

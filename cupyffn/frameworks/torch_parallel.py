@@ -44,7 +44,6 @@ import torch.distributed as dist
 from ..api.functional import gelu_ffn_backward as _gelu_ffn_backward
 from ..api.functional import gelu_ffn_forward as _gelu_ffn_forward
 from ..core.precision import checked_name
-from ..core.precision import resolve as _resolve_precision
 from . import torch_ops as _ops
 
 __all__ = ["TensorParallelGeluFFN", "TensorParallelGeluFFNFunction", "shard_weights", "tensor_parallel_gelu_ffn"]
@@ -148,16 +147,15 @@ class TensorParallelGeluFFNFunction(torch.autograd.Function):
         _ops.check_save(save)
         _group_info(group)
         device = _ops.check_tensors((("hidden_states", hidden_states), ("weight1", weight1), ("weight2", weight2)))
-        prec = _resolve_precision(precision, cpu=device.type == "cpu")  # None: the default of the tensors' device
         x, w1, w2 = (_ops.readable(t) for t in (hidden_states, weight1, weight2))
         if x.dim() >= 1 and w1.dim() == 2:  # the layer's own body (on the CPU: torch_cpu's route where it takes it)
-            output, z, t, g = _ops.forward_impl(x, w1, w2, None, None, prec.name)[:4]
+            output, z, t, g = _ops.forward_impl(x, w1, w2, None, None, precision)[:4]
         else:  # the door raises the shape error
             arg = _ops.TorchDevice(device).arg
-            _gelu_ffn_forward(arg(x), arg(w1), arg(w2), precision=prec.name)
+            _gelu_ffn_forward(arg(x), arg(w1), arg(w2), precision=precision)
         # The ranks' partial outputs sum to the full one; the caller's stream waits for it (async_op=False).
         dist.all_reduce(output, group=group)
-        ctx.group, ctx.precision, ctx.overlap = group, prec.name, bool(overlap)
+        ctx.group, ctx.precision, ctx.overlap = group, precision, bool(overlap)
         if save == "all":
             ctx.save_for_backward(x, w1, w2, z, t, g)
         else:
