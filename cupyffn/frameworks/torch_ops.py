@@ -30,6 +30,7 @@ import torch
 
 from ..api import functional as _functional
 from ..core import arrays as _arrays
+from ..core import rules as _rules
 from ..core import views as _views
 from . import torch_cpu as _cpu
 
@@ -230,6 +231,16 @@ def backward_impl(dy, x, w1, w2, z, t, g, precision, need_x, need_w, need_b, w1c
 
 
 # ---------------------------------------------------------------------- the operators
+def _dtypes(tensors):
+    """The dtype names of `tensors` (None kept) for cupyffn/core/rules.py."""
+    return tuple(None if t is None else _arrays.dtype_name(t) for t in tensors)
+
+
+def _shapes(tensors):
+    """The shapes of `tensors` (None kept) as tuples, for cupyffn/core/rules.py."""
+    return tuple(None if t is None else tuple(t.shape) for t in tensors)
+
+
 @torch.library.custom_op("cupyffn::forward", mutates_args=())
 def forward_op(hidden_states: torch.Tensor, weight1: torch.Tensor, weight2: torch.Tensor,
                bias1: Optional[torch.Tensor], bias2: Optional[torch.Tensor], precision: Optional[str],
@@ -241,9 +252,8 @@ def forward_op(hidden_states: torch.Tensor, weight1: torch.Tensor, weight2: torc
 
 @forward_op.register_fake
 def _forward_fake(hidden_states, weight1, weight2, bias1, bias2, precision, save):
-    if hidden_states.dim() < 1 or weight1.dim() != 2:
-        raise ValueError(f"hidden_states must be [..., dim] and weight1 [hidden_dim, dim]; got "
-                         f"{tuple(hidden_states.shape)} and {tuple(weight1.shape)}")
+    tensors = (hidden_states, weight1, weight2, bias1, bias2)
+    _rules.check("forward", _dtypes(tensors), _shapes(tensors), precision)  # the door's errors, at trace time
     act = hidden_states.dtype
     lead, hidden = tuple(hidden_states.shape[:-1]), weight1.shape[0]
     inner = lead + (hidden,) if act is _F32 else _NOTHING
@@ -272,6 +282,12 @@ def backward_op(grad_output: torch.Tensor, hidden_states: torch.Tensor, weight1:
 @backward_op.register_fake
 def _backward_fake(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out, precision,
                    need_grad_hidden, need_weight_grads, need_bias_grads, weight1_cast=None, weight2_cast=None):
+    # the door's shape rules, at trace time; the dtypes are the body's to arrange (it casts grad_output to the
+    # activation dtype and multiplies the forward's weight casts)
+    _rules.check_needs(need_grad_hidden, need_weight_grads, need_bias_grads)
+    _rules.check_shapes("backward", _shapes((grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner,
+                                             gelu_out)))
+    _rules.check_precision(_arrays.dtype_name(hidden_states), precision)
     wt = weight1.dtype
 
     def empty(shape, needed, dtype=wt):
