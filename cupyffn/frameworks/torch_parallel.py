@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..api.functional import gelu_ffn_backward as _gelu_ffn_backward
-from ..api.functional import gelu_ffn_forward as _gelu_ffn_forward
+from ..core import rules as _rules
 from ..core.precision import checked_name
 from . import torch_ops as _ops
 
@@ -146,13 +146,12 @@ class TensorParallelGeluFFNFunction(torch.autograd.Function):
         precision = checked_name(precision)  # a bad name is reported before the tensors are looked at
         _ops.check_save(save)
         _group_info(group)
-        device = _ops.check_tensors((("hidden_states", hidden_states), ("weight1", weight1), ("weight2", weight2)))
+        _ops.check_tensors((("hidden_states", hidden_states), ("weight1", weight1), ("weight2", weight2)))
         x, w1, w2 = (_ops.readable(t) for t in (hidden_states, weight1, weight2))
-        if x.dim() >= 1 and w1.dim() == 2:  # the layer's own body (on the CPU: torch_cpu's route where it takes it)
-            output, z, t, g = _ops.forward_impl(x, w1, w2, None, None, precision)[:4]
-        else:  # the door raises the shape error
-            arg = _ops.TorchDevice(device).arg
-            _gelu_ffn_forward(arg(x), arg(w1), arg(w2), precision=precision)
+        # the door's shape rules before the layer's own body reads the shapes (on the CPU: torch_cpu's route where it
+        # takes the call)
+        _rules.check_shapes("forward", (tuple(x.shape), tuple(w1.shape), tuple(w2.shape), None, None))
+        output, z, t, g = _ops.forward_impl(x, w1, w2, None, None, precision)[:4]
         # The ranks' partial outputs sum to the full one; the caller's stream waits for it (async_op=False).
         dist.all_reduce(output, group=group)
         ctx.group, ctx.precision, ctx.overlap = group, precision, bool(overlap)
