@@ -51,8 +51,10 @@ from jax.experimental.buffer_callback import buffer_callback as _buffer_callback
 
 from .api.functional import gelu_ffn_backward as _gelu_ffn_backward
 from .api.functional import gelu_ffn_forward as _gelu_ffn_forward
+from .core import rules as _rules
 from .core import views as _views
-from .core.precision import lookup as _lookup_precision
+from .core.arrays import dtype_name as _dtype_name
+from .core.precision import checked_name as _checked_precision
 
 __all__ = ["gelu_ffn"]
 
@@ -164,11 +166,9 @@ def _backward_callback(precision, bias_grads, half):
 
 
 # ---------------------------------------------------------------------- traced side
-_ACTS = ("float32", "bfloat16", "float16")
-
-
-def _shapes(x, w1, w2, b1=None, b2=None):
-    """Check the arguments (concrete or traced); returns (leading dims, D, H)."""
+def _check(x, w1, w2, b1, b2, precision):
+    """Check the arguments (concrete or traced: at trace time under jit): jax arrays on one device here, their shapes,
+    dtypes and precision by the door's rules (cupyffn/core/rules.py), which read the same on every entry point."""
     named = (("hidden_states (x)", x), ("weight1", w1), ("weight2", w2), ("bias1", b1), ("bias2", b2))
     for name, a in named:
         if a is None:
@@ -178,35 +178,14 @@ def _shapes(x, w1, w2, b1=None, b2=None):
         if not isinstance(a, _Tracer) and len(a.devices()) != 1:
             raise ValueError(f"{name} is sharded over {len(a.devices())} devices; cupyffn.jax takes single-device "
                              f"arrays (or use it inside shard_map)")
-    act = str(x.dtype)
-    if act not in _ACTS:
-        raise TypeError(f"hidden_states (x) must be float32, bfloat16 or float16; got {act}")
-    weights = ("float32",) if act == "float32" else ("float32", act)
-    if str(w1.dtype) not in weights:
-        raise TypeError(f"weight1 must be {' or '.join(weights)} with {act} hidden_states; got {w1.dtype}")
-    if x.ndim < 1 or x.shape[-1] < 1:
-        raise ValueError(f"hidden_states (x) must have shape [..., dim] with dim >= 1; got {x.shape}")
-    dim = x.shape[-1]
-    if w1.ndim != 2 or w1.shape[1] != dim:
-        raise ValueError(f"weight1 must have shape (hidden_dim, dim) with dim = x.shape[-1] = {dim} and "
-                         f"hidden_dim >= 1; got {w1.shape}")
-    hidden = w1.shape[0]
-    if hidden < 1:
-        raise ValueError(f"weight1 has no rows (shape {w1.shape}): hidden_dim, its first dimension, must be >= 1")
-    for name, dims, a, shape in (("weight2", "(dim, hidden_dim)", w2, (dim, hidden)),
-                                 ("bias1", "(hidden_dim,)", b1, (hidden,)), ("bias2", "(dim,)", b2, (dim,))):
-        if a is None:
-            continue
-        if a.shape != shape:
-            raise ValueError(f"{name} must have shape {dims} = {shape}; got {a.shape}")
-        if a.dtype != w1.dtype:
-            raise TypeError(f"{name} must have weight1's dtype {w1.dtype}; got {a.dtype}")
-    return tuple(x.shape[:-1]), dim, hidden
+    arrays = (x, w1, w2, b1, b2)
+    _rules.check("forward", tuple(None if a is None else _dtype_name(a) for a in arrays),
+                 tuple(None if a is None else tuple(a.shape) for a in arrays), precision)
 
 
 def _forward(x, w1, w2, b1, b2, precision):
-    """(output, linear1_out, tanh_inner or None (16-bit x), gelu_out)."""
-    lead, dim, hidden = _shapes(x, w1, w2, b1, b2)
+    """(output, linear1_out, tanh_inner or None (16-bit x), gelu_out) of arguments `gelu_ffn` checked."""
+    lead, dim, hidden = x.shape[:-1], x.shape[-1], w1.shape[0]
     half = x.dtype != _jnp.float32
     if _math.prod(lead) == 0:  # no tokens: nothing for cupyffn to do
         z = _jnp.zeros(lead + (hidden,), x.dtype)
@@ -270,11 +249,8 @@ def gelu_ffn(x, weight1, weight2, precision=None, *, bias1=None, bias2=None):
     dtype; precision None. On the GPU, D and H must be multiples of 8 for 16-bit x (cuBLASLt's row alignment).
     Gradients come back in their primal's dtype. Works eagerly and under ``jax.jit``.
     """
-    _shapes(x, weight1, weight2, bias1, bias2)  # errors at the call (trace time under jit), naming the argument
     # None travels to the callbacks, where cupyffn sees the buffers and picks the default of their device
     # (a traced value has no device to ask at trace time)
-    precision = None if precision is None else _lookup_precision(precision).name
-    if precision is not None and str(x.dtype) != "float32":
-        raise ValueError(f"precision= chooses how float32 operands are multiplied; {x.dtype} activations are "
-                         f"multiplied as they are (bf16/fp16 tensor cores, fp32 accumulation): pass precision=None")
+    precision = _checked_precision(precision)
+    _check(x, weight1, weight2, bias1, bias2, precision)  # errors at the call (trace time under jit)
     return _gelu_ffn(x, weight1, weight2, bias1, bias2, precision)

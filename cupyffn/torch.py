@@ -54,6 +54,7 @@ rules (vmap), untested with ``torch.func``; all three tensors on one device.
 This module imports torch; ``import cupyffn`` does not import it.
 """
 
+from .core.precision import checked_name as _checked_precision
 from .frameworks import torch_ops as _ops
 from .frameworks.torch_layer import GeluFFN, GeluFFNFunction, gelu_ffn
 from .frameworks.torch_parallel import (TensorParallelGeluFFN, TensorParallelGeluFFNFunction, shard_weights,
@@ -77,6 +78,6 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
     """
     _ops.check_tensors((("grad_output", grad_output), ("hidden_states", hidden_states), ("weight1", weight1),
                         ("weight2", weight2)))
-    precision = _ops.device_default(hidden_states) if precision is None else _ops.precision_name(precision)
+    precision = _checked_precision(precision)  # None: the default of the tensors' device, resolved by the door
     return _ops.backward_impl(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out,
                               precision, need_grad_hidden, need_weight_grads, False)[:3]

@@ -17,6 +17,7 @@ cupy = pytest.importorskip("cupy")
 from cupyffn.api import backward_plan as _backward_plan, execute as _execute  # noqa: E402
 from cupyffn.api import functional as _functional, validate as _validate  # noqa: E402
 from cupyffn.core import arrays as _arrays, views as _views  # noqa: E402
+from cupyffn.core.results import BACKWARD_INPUTS  # noqa: E402
 
 T, D, H = 12, 64, 256
 INPUT_SHAPES = ((T, D), (T, D), (H, D), (D, H), (T, H), (T, H), (T, H))
@@ -209,7 +210,7 @@ def test_unreadable_layout_names_the_argument(fake_torch, index):
     args = tensors()
     a = args[index]
     args[index] = FakeTensor(a.ptr, a.shape, (1, a.shape[0]))  # a transpose: last dimension not unit-stride
-    name = _validate.BACKWARD_INPUTS[index]
+    name = BACKWARD_INPUTS[index]
     strides = (4, 4 * a.shape[0])
     with pytest.raises(ValueError, match=rf"^{name} has strides \({strides[0]}, {strides[1]}\) \(bytes\) for shape"):
         prepare(args, None, Stream(TORCH_STREAM))

@@ -129,16 +129,16 @@ def test_zero_tokens_with_biases(device):
 def test_argument_errors_with_biases(device):
     _, place = make(device)
     x, w1, w2, b1, b2, _ = place("bfloat16", "float32")
-    with pytest.raises(ValueError, match=r"bias1 must have shape \(hidden_dim,\) = \((256|4096),\)"):
+    with pytest.raises(ValueError, match=r"bias1 must have shape \((256|4096),\); got"):
         ours(x, w1, w2, b2, b2)
-    with pytest.raises(TypeError, match="bias2 must have weight1's dtype float32; got bfloat16"):
+    with pytest.raises(TypeError, match=r"bias2 must be float32 \(weight1's dtype\); got bfloat16"):
         ours(x, w1, w2, b1, b2.astype(jnp.bfloat16))
-    with pytest.raises(TypeError, match="weight1 must be float32 or bfloat16 with bfloat16 hidden_states; got "
+    with pytest.raises(TypeError, match="weight1 must be float32 or bfloat16 with bfloat16 activations; got "
                                         "float16"):
         ours(x, w1.astype(jnp.float16), w2, b1, b2)
     with pytest.raises(ValueError, match="pass precision=None"):
         cj.gelu_ffn(x, w1, w2, "tf32")
-    with pytest.raises(TypeError, match="bias1 must have weight1's dtype float32; got bfloat16"):
+    with pytest.raises(TypeError, match=r"bias1 must be float32 \(weight1's dtype\); got bfloat16"):
         ours(x, w1, w2, b1.astype(jnp.bfloat16), b2)
     with pytest.raises(ValueError, match="bias1 must have shape"):  # at trace time under jit
         jax.jit(ours)(x, w1, w2, b2, b2)

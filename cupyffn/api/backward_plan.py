@@ -9,6 +9,7 @@ import numpy
 
 from ..core import plans as _plans
 from ..core import precision as _precision
+from ..core import rules as _rules
 from ..cuda import device as _device
 from . import functional, routes
 from .validate import Request, check_size
@@ -108,9 +109,7 @@ class GeluFFNBackward:
         self.dim = check_size("dim", dim, 1)
         self.hidden_dim = check_size("hidden_dim", hidden_dim, 1)
         _precision.checked_name(precision)  # a bad name is reported before the device is looked at
-        if not (need_grad_hidden or need_weight_grads or need_bias_grads):
-            raise ValueError("need_grad_hidden, need_weight_grads and need_bias_grads are all False: there is nothing "
-                             "to compute")
+        _rules.check_needs(need_grad_hidden, need_weight_grads, need_bias_grads)
         self.need_grad_hidden = bool(need_grad_hidden)
         self.need_weight_grads = bool(need_weight_grads)
         self.need_bias_grads = bool(need_bias_grads)

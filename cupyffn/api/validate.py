@@ -1,6 +1,9 @@
 """The one validator: every call (functional forward and backward, plans, the torch and JAX layers) is checked here,
 once, and becomes a `Call`. Every error names the argument and what was expected; nothing is written or launched
-before a Call exists, so a rejected call leaves every array untouched.
+before a Call exists, so a rejected call leaves every array untouched. The shape, dtype and precision rules are
+cupyffn/core/rules.py's, over shapes and dtype names, which the JAX layer and the torch operators' fake
+implementations run too (on tracers and fake tensors, at trace time); the rules that need the arrays themselves
+(device, layout, byte order, out=, overlap) are here.
 
 What a call may be (docs/precisions.md, "16-bit activations and biases"):
 
@@ -35,11 +38,9 @@ import numpy
 
 from ..core import arrays as _arrays
 from ..core import precision as _precision
+from ..core import rules as _rules
 from ..core.arrays import Matrix, dtype_name
-from ..core.results import BACKWARD_INPUTS, BACKWARD_OUTPUTS, FORWARD_INPUTS, FORWARD_OUTPUTS
-
-ACTIVATIONS = ("float32", "bfloat16", "float16")
-HALF = ("bfloat16", "float16")
+from ..core.results import BACKWARD_OUTPUTS, FORWARD_OUTPUTS
 
 
 class Request(NamedTuple):
@@ -88,10 +89,6 @@ def _computed(request, act):
     r = request
     needed = (r.need_grad_hidden, r.need_weight_grads, r.need_weight_grads)
     return needed + (True, True) if r.need_bias_grads else needed
-
-
-def inputs_of(kind):
-    return FORWARD_INPUTS if kind == "forward" else BACKWARD_INPUTS
 
 
 def outputs_of(kind):
@@ -208,12 +205,11 @@ def _ready_event(event, call):
 
 # ---------------------------------------------------------------------- the checks
 def validate(request, args, out=None, stream=None):
-    """Check a call's inputs (`inputs_of(request.kind)` order) and `out`; return its Call (module docstring)."""
+    """Check a call's inputs (`_rules.inputs_of(request.kind)` order) and `out`; return its Call (module docstring)."""
     kind = request.kind
-    names = inputs_of(kind)
-    if kind == "backward" and not (request.need_grad_hidden or request.need_weight_grads or request.need_bias_grads):
-        raise ValueError("need_grad_hidden, need_weight_grads and need_bias_grads are all False: there is nothing to "
-                         "compute")
+    names = _rules.inputs_of(kind)
+    if kind == "backward":
+        _rules.check_needs(request.need_grad_hidden, request.need_weight_grads, request.need_bias_grads)
     _check_stream(stream)
     required = 5 if kind == "backward" else 3
     for a, n in zip(args[:required], names):
@@ -223,8 +219,8 @@ def validate(request, args, out=None, stream=None):
             raise TypeError(f"{n} is required; only {optional}")
     backend, arrays, torch_devices = _import(args, names, stream)
     device = _one_device(arrays, names)
-    act, weights = _dtypes(kind, arrays, names)
-    lead, dim, hidden = _shapes(kind, arrays, names)
+    act, weights = _rules.check_dtypes(kind, tuple(None if a is None else _dtype_of(a) for a in arrays))
+    lead, dim, hidden = _rules.check_shapes(kind, tuple(None if a is None else tuple(a.shape) for a in arrays))
     if request.accumulate and kind == "backward" and out is None and (request.need_weight_grads
                                                                        or request.need_bias_grads):
         raise ValueError("accumulate=True adds into existing gradients: pass out=(grad_hidden_states or None, "
@@ -233,12 +229,8 @@ def validate(request, args, out=None, stream=None):
     transposed = _weights_transposed(arrays[names.index("weight1")], arrays[names.index("weight2")])
     inputs = tuple(None if a is None else _matrix(a, n, transposed and n in ("weight1", "weight2"))
                    for a, n in zip(arrays, names))
-    precision = None
-    if act == "float32":
-        precision = _precision.resolve(request.precision, cpu=backend == "cpu")
-    elif request.precision is not None:
-        raise ValueError(f"precision= chooses how float32 operands are multiplied; {act} activations are multiplied "
-                         f"as they are (bf16/fp16 tensor cores, fp32 accumulation): pass precision=None")
+    _rules.check_precision(act, request.precision)
+    precision = _precision.resolve(request.precision, cpu=backend == "cpu") if act == "float32" else None
     grads = act if kind == "forward" else "float32"
     call = Call(request, kind, backend, device, act, weights, grads, precision, math.prod(lead), dim, hidden, lead,
                 transposed, inputs, (), tuple(arrays), (), _computed(request, act),
@@ -295,79 +287,13 @@ def _one_device(arrays, names):
     return given[0][1]
 
 
-def _is(a, name):
-    """`a` has dtype `name` in native byte order (a byte-swapped float32 is not float32 to the kernels)."""
-    if dtype_name(a) != name:
-        return False
+def _dtype_of(a):
+    """`a`'s dtype name for the rules (cupyffn/core/rules.py); a dtype not in native byte order by its code ('>f4'),
+    which matches no name: a byte-swapped float32 is not float32 to the kernels."""
     dt = getattr(a, "dtype", None)
-    return getattr(dt, "byteorder", "=") in ("=", "|") or getattr(dt, "isnative", True)
-
-
-def _dtype_error(name, want, a):
-    got = getattr(a, "dtype", None)
-    got = got.str if getattr(got, "byteorder", "=") not in ("=", "|") and not getattr(got, "isnative", True) \
-        else dtype_name(a)
-    return TypeError(f"{name} must be {want}; got {got}")
-
-
-def _dtypes(kind, arrays, names):
-    """(activation dtype, weights' dtype) after checking every input's dtype against them."""
-    first, first_name = arrays[0], names[0]
-    act = dtype_name(first)
-    if act not in ACTIVATIONS or not _is(first, act):
-        raise _dtype_error(first_name, "float32 (or bfloat16 / float16: docs/precisions.md)", first)
-    w1 = arrays[names.index("weight1")]
-    weights = ("float32",) if act == "float32" else ("float32", act)
-    wt = dtype_name(w1)
-    if wt not in weights or not _is(w1, wt):
-        raise _dtype_error("weight1", " or ".join(weights) + (f" with {act} activations" if act != "float32"
-                                                              else ""), w1)
-    for a, n in zip(arrays, names):
-        if a is None or n in (first_name, "weight1"):
-            continue
-        if n in ("weight2", "bias1", "bias2"):
-            if not _is(a, wt):
-                raise _dtype_error(n, wt + (" (weight1's dtype)" if act != "float32" else ""), a)
-        elif not _is(a, act):
-            raise _dtype_error(n, act + (f" ({first_name}'s dtype)" if act != "float32" else ""), a)
-    if act in HALF and kind == "backward" and arrays[5] is not None:
-        raise ValueError("tanh_inner must be None with bfloat16/float16 activations: these plans recompute the GELU "
-                         "derivative from linear1_out inside GEMM1 (cuBLASLt's DGELU epilogue)")
-    return act, wt
-
-
-def _shapes(kind, arrays, names):
-    """(leading dimensions, D, H) after checking every input's shape against them."""
-    first, first_name = arrays[0], names[0]
-    if first.ndim < 1 or first.shape[-1] < 1:
-        raise ValueError(f"{first_name} must have shape [..., dim] with dim >= 1; got {tuple(first.shape)}")
-    dim, lead = first.shape[-1], tuple(first.shape[:-1])
-    if kind == "backward" and tuple(arrays[1].shape) != tuple(first.shape):
-        raise ValueError(f"hidden_states must have the shape of grad_output {tuple(first.shape)}; "
-                         f"got {tuple(arrays[1].shape)}")
-    w1, w2 = arrays[names.index("weight1")], arrays[names.index("weight2")]
-    if w1.ndim != 2 or w1.shape[1] != dim:
-        raise ValueError(f"weight1 must have shape (hidden_dim, dim) with dim = {first_name}.shape[-1] = {dim} "
-                         f"and hidden_dim >= 1; got {tuple(w1.shape)}")
-    hidden = w1.shape[0]
-    if hidden < 1:
-        raise ValueError(f"weight1 has no rows (shape {tuple(w1.shape)}): hidden_dim, its first dimension, must be "
-                         f">= 1")
-    if tuple(w2.shape) != (dim, hidden):
-        raise ValueError(f"weight2 must have shape (dim, hidden_dim) = {(dim, hidden)} to match {first_name} "
-                         f"{tuple(first.shape)} and weight1 {tuple(w1.shape)}; got {tuple(w2.shape)}")
-    act_shape = lead + (hidden,)
-    for a, n in zip(arrays, names):
-        if a is None:
-            continue
-        if n in ("linear1_out", "tanh_inner", "gelu_out") and tuple(a.shape) != act_shape:
-            raise ValueError(f"{n} must have shape {act_shape} ({first_name}'s leading dimensions {lead} + hidden_dim "
-                             f"{hidden} from weight1 {tuple(w1.shape)}); got {tuple(a.shape)}")
-        if n in ("bias1", "bias2"):
-            length = hidden if n == "bias1" else dim
-            if tuple(a.shape) != (length,):
-                raise ValueError(f"{n} must have shape ({length},); got {tuple(a.shape)}")
-    return lead, dim, hidden
+    if getattr(dt, "byteorder", "=") not in ("=", "|") and not getattr(dt, "isnative", True):
+        return dt.str
+    return dtype_name(a)
 
 
 def _transposed(a):
@@ -424,7 +350,7 @@ def _outputs(call, out, stream, torch_devices):
                                           if kind == "backward" and not r.need_bias_grads else ""))
     out = tuple(out) + (None,) * (n - len(out))
     shapes = call.output_shapes
-    spans = [(m, nm) for m, nm in zip(call.inputs, inputs_of(kind)) if m is not None]
+    spans = [(m, nm) for m, nm in zip(call.inputs, _rules.inputs_of(kind)) if m is not None]
     given, imported, grads, layouts = [], [], set(), {}
     for i, (obj, name) in enumerate(zip(out, names)):
         label = f"out[{i}] ({name})"
@@ -448,8 +374,8 @@ def _outputs(call, out, stream, torch_devices):
             raise ValueError(f"{label} is on {_where(_arrays.device_of(a))} but the inputs are on "
                              f"{_where(call.device)}")
         want = (call.act,) if kind == "forward" or i == 0 else tuple(dict.fromkeys(("float32", call.weights)))
-        if dtype_name(a) not in want or not _is(a, dtype_name(a)):
-            raise _dtype_error(label, " or ".join(want), a)
+        if _dtype_of(a) not in want:
+            raise _rules.dtype_error(label, " or ".join(want), _dtype_of(a))
         if i > 0 and kind == "backward":
             grads.add(dtype_name(a))
         if tuple(a.shape) != shapes[i]:

@@ -23,6 +23,7 @@ import torch
 
 from ..api import validate as _validate
 from ..core import activation
+from ..core import precision as _precision
 from ..core import views as _views
 
 F = torch.nn.functional
@@ -36,8 +37,9 @@ _checked = set()
 
 
 def takes(act, precision):
-    """Whether torch's ops compute a CPU call of activation dtype `act` at `precision` (module docstring)."""
-    return act is not _F32 or precision == "ieee"
+    """Whether torch's ops compute a CPU call of activation dtype `act` at `precision` (a name, or None: the CPU's
+    default, as the door would resolve it; module docstring)."""
+    return act is not _F32 or _precision.resolve(precision, cpu=True).name == "ieee"
 
 
 def numpy_view(tensor):

@@ -13,8 +13,9 @@ import math
 
 import torch
 
+from ..core.precision import checked_name
 from . import torch_ops
-from .torch_ops import HALF, check_save, check_tensors, device_default, precision_name
+from .torch_ops import HALF, check_save, check_tensors
 
 
 def activation_dtype(x, weight):
@@ -38,7 +39,6 @@ def block(x, w1, w2, b1=None, b2=None, precision=None, save="all", act=None):
         raise TypeError(f"cupyffn computes in bfloat16, float16 or float32; got {act}")
     if act is torch.float32:
         w1, w2, b1, b2 = (t if t is None or t.dtype is act else t.float() for t in (w1, w2, b1, b2))
-        precision = device_default(x) if precision is None else precision
     else:
         # parameters in another 16-bit dtype than the activations are cast first (fp32 ones go in as they are)
         w1, w2, b1, b2 = (t if t is None or t.dtype in (act, torch.float32) else t.to(act) for t in (w1, w2, b1, b2))
@@ -57,7 +57,7 @@ def gelu_ffn(x, weight1, weight2, precision=None, save="all", *, bias1=None, bia
     float32). Returns a ``[..., D]`` float32 tensor. Traceable by ``torch.compile`` (``fullgraph=True``) and
     capturable in CUDA graphs. (``GeluFFN`` computes in the autocast dtype instead, as ``nn.Linear`` does.)
     """
-    precision, save = precision_name(precision), check_save(save)
+    precision, save = checked_name(precision), check_save(save)
     named = [("hidden_states", x), ("weight1", weight1), ("weight2", weight2)]
     named += [(n, b) for n, b in (("bias1", bias1), ("bias2", bias2)) if b is not None]
     if torch.is_autocast_enabled(x.device.type if isinstance(x, torch.Tensor) else "cpu"):
@@ -134,7 +134,7 @@ class GeluFFN(torch.nn.Module):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
         self.dim, self.hidden_dim = dim, hidden_dim
-        self.precision = precision_name(precision)
+        self.precision = checked_name(precision)
         self.save = check_save(save)
         self.weights_transposed = False
         factory = {"device": device, "dtype": dtype}

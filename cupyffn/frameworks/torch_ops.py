@@ -30,9 +30,8 @@ import torch
 
 from ..api import functional as _functional
 from ..core import arrays as _arrays
+from ..core import rules as _rules
 from ..core import views as _views
-from ..core.precision import lookup as _lookup_precision
-from ..core.precision import resolve as _resolve_precision
 from . import torch_cpu as _cpu
 
 SAVE_MODES = ("all", "linear1_out")
@@ -112,17 +111,6 @@ def check_save(save):
     return save
 
 
-def precision_name(precision):
-    """The checked name of `precision`, or None (the default of the tensors' device, decided per call)."""
-    return None if precision is None else _lookup_precision(precision).name
-
-
-def device_default(tensor):
-    """The name of the default precision for `tensor`'s device: "ieee" on the CPU, "fp16+fp8" on CUDA."""
-    cpu = isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu"
-    return _resolve_precision(None, cpu=cpu).name
-
-
 def check_tensors(named, dtype=_F32):
     """Torch tensors of `dtype` (None: any) on one CPU or CUDA device; returns that device."""
     for name, t in named:
@@ -191,7 +179,8 @@ def weight_grad(w, dtype, transposed, device):
 def forward_impl(x, w1, w2, b1, b2, precision):
     """(output, linear1_out, tanh_inner, gelu_out, weight1_cast, weight2_cast) in x's dtype (tanh_inner a placeholder
     for 16-bit x; the casts placeholders unless `casts_weights`), allocated by torch and written by cupyffn (out=), or
-    on the CPU computed by torch where `torch_cpu.takes` the call. precision: a name for float32 x, None for 16-bit."""
+    on the CPU computed by torch where `torch_cpu.takes` the call. precision: a checked name or None (float32 x: the
+    device's default, resolved by the door or by `torch_cpu.takes`), None for 16-bit."""
     act = x.dtype
     x = readable(x)
     w1, w2 = weights(w1, w2, act, x.device)
@@ -242,6 +231,16 @@ def backward_impl(dy, x, w1, w2, z, t, g, precision, need_x, need_w, need_b, w1c
 
 
 # ---------------------------------------------------------------------- the operators
+def _dtypes(tensors):
+    """The dtype names of `tensors` (None kept) for cupyffn/core/rules.py."""
+    return tuple(None if t is None else _arrays.dtype_name(t) for t in tensors)
+
+
+def _shapes(tensors):
+    """The shapes of `tensors` (None kept) as tuples, for cupyffn/core/rules.py."""
+    return tuple(None if t is None else tuple(t.shape) for t in tensors)
+
+
 @torch.library.custom_op("cupyffn::forward", mutates_args=())
 def forward_op(hidden_states: torch.Tensor, weight1: torch.Tensor, weight2: torch.Tensor,
                bias1: Optional[torch.Tensor], bias2: Optional[torch.Tensor], precision: Optional[str],
@@ -253,9 +252,8 @@ def forward_op(hidden_states: torch.Tensor, weight1: torch.Tensor, weight2: torc
 
 @forward_op.register_fake
 def _forward_fake(hidden_states, weight1, weight2, bias1, bias2, precision, save):
-    if hidden_states.dim() < 1 or weight1.dim() != 2:
-        raise ValueError(f"hidden_states must be [..., dim] and weight1 [hidden_dim, dim]; got "
-                         f"{tuple(hidden_states.shape)} and {tuple(weight1.shape)}")
+    tensors = (hidden_states, weight1, weight2, bias1, bias2)
+    _rules.check("forward", _dtypes(tensors), _shapes(tensors), precision)  # the door's errors, at trace time
     act = hidden_states.dtype
     lead, hidden = tuple(hidden_states.shape[:-1]), weight1.shape[0]
     inner = lead + (hidden,) if act is _F32 else _NOTHING
@@ -284,6 +282,12 @@ def backward_op(grad_output: torch.Tensor, hidden_states: torch.Tensor, weight1:
 @backward_op.register_fake
 def _backward_fake(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner, gelu_out, precision,
                    need_grad_hidden, need_weight_grads, need_bias_grads, weight1_cast=None, weight2_cast=None):
+    # the door's shape rules, at trace time; the dtypes are the body's to arrange (it casts grad_output to the
+    # activation dtype and multiplies the forward's weight casts)
+    _rules.check_needs(need_grad_hidden, need_weight_grads, need_bias_grads)
+    _rules.check_shapes("backward", _shapes((grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner,
+                                             gelu_out)))
+    _rules.check_precision(_arrays.dtype_name(hidden_states), precision)
     wt = weight1.dtype
 
     def empty(shape, needed, dtype=wt):
@@ -385,7 +389,7 @@ def _eager(tensors):
 
 def apply(x, w1, w2, b1, b2, precision, save):
     """The differentiable block through the eager Function or the operators (see _eager); x already in the
-    activation dtype, precision a name (float32 x) or None (16-bit x)."""
+    activation dtype, precision a checked name or None (float32 x: the device's default; 16-bit x: always None)."""
     if _eager((x, w1, w2, b1, b2)):
         return EagerGeluFFN.apply(x, w1, w2, b1, b2, precision, save)
     return torch.ops.cupyffn.forward(x, w1, w2, b1, b2, precision, save)[0]

@@ -42,9 +42,8 @@ import torch
 import torch.distributed as dist
 
 from ..api.functional import gelu_ffn_backward as _gelu_ffn_backward
-from ..api.functional import gelu_ffn_forward as _gelu_ffn_forward
-from ..core.precision import lookup as _lookup_precision
-from ..core.precision import resolve as _resolve_precision
+from ..core import rules as _rules
+from ..core.precision import checked_name
 from . import torch_ops as _ops
 
 __all__ = ["TensorParallelGeluFFN", "TensorParallelGeluFFNFunction", "shard_weights", "tensor_parallel_gelu_ffn"]
@@ -144,21 +143,18 @@ class TensorParallelGeluFFNFunction(torch.autograd.Function):
     @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)  # CUDA autocast: computed in float32
     def forward(ctx, hidden_states, weight1, weight2, group=None, precision=None, save="all",
                 overlap=True):
-        if precision is not None:  # a bad name is reported before the tensors are looked at
-            _lookup_precision(precision)
+        precision = checked_name(precision)  # a bad name is reported before the tensors are looked at
         _ops.check_save(save)
         _group_info(group)
-        device = _ops.check_tensors((("hidden_states", hidden_states), ("weight1", weight1), ("weight2", weight2)))
-        prec = _resolve_precision(precision, cpu=device.type == "cpu")  # None: the default of the tensors' device
+        _ops.check_tensors((("hidden_states", hidden_states), ("weight1", weight1), ("weight2", weight2)))
         x, w1, w2 = (_ops.readable(t) for t in (hidden_states, weight1, weight2))
-        if x.dim() >= 1 and w1.dim() == 2:  # the layer's own body (on the CPU: torch_cpu's route where it takes it)
-            output, z, t, g = _ops.forward_impl(x, w1, w2, None, None, prec.name)[:4]
-        else:  # the door raises the shape error
-            arg = _ops.TorchDevice(device).arg
-            _gelu_ffn_forward(arg(x), arg(w1), arg(w2), precision=prec.name)
+        # the door's shape rules before the layer's own body reads the shapes (on the CPU: torch_cpu's route where it
+        # takes the call)
+        _rules.check_shapes("forward", (tuple(x.shape), tuple(w1.shape), tuple(w2.shape), None, None))
+        output, z, t, g = _ops.forward_impl(x, w1, w2, None, None, precision)[:4]
         # The ranks' partial outputs sum to the full one; the caller's stream waits for it (async_op=False).
         dist.all_reduce(output, group=group)
-        ctx.group, ctx.precision, ctx.overlap = group, prec.name, bool(overlap)
+        ctx.group, ctx.precision, ctx.overlap = group, precision, bool(overlap)
         if save == "all":
             ctx.save_for_backward(x, w1, w2, z, t, g)
         else:
@@ -238,7 +234,7 @@ class TensorParallelGeluFFN(torch.nn.Module):
             raise TypeError(f"TensorParallelGeluFFN supports dtype=torch.float32 only; got {dtype}")
         self.dim = _check_int("dim", dim, 1)
         self.hidden_dim = _check_int("hidden_dim", hidden_dim, 1)
-        self.precision = None if precision is None else _lookup_precision(precision).name  # None: per call
+        self.precision = checked_name(precision)  # None: per call
         self.save = _ops.check_save(save)
         self.overlap = bool(overlap)
         self.process_group = process_group

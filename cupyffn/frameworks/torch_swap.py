@@ -22,8 +22,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ..core.precision import checked_name
 from .torch_layer import block, linear_weights
-from .torch_ops import check_save, precision_name
+from .torch_ops import check_save
 
 _TANH_GELUS = ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "GELUPytorchTanh", "FastGELUActivation")
 _ERF_GELUS = ("GELUActivation",)
@@ -223,7 +224,7 @@ def replace_mlps(model, precision=None, save="all"):
     MLP-like modules left alone because cupyffn would compute something else. Where the model has MLP-like modules
     and none was swapped, one warning says why.
     """
-    precision, save = precision_name(precision), check_save(save)
+    precision, save = checked_name(precision), check_save(save)
     replaced, skipped = [], {}
     for name, module in model.named_modules():
         if any(name.startswith(r + ".") for r in replaced):
