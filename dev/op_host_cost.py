@@ -24,6 +24,8 @@ from cupyffn.api import execute, functional, routes, validate
 from cupyffn.cuda import graph_cache, stream_engine
 from cupyffn.frameworks import torch_ops
 
+_device_context = getattr(torch_ops, "TorchDevice", None) or getattr(torch_ops, "Call")  # its name in older trees
+
 D, H = 1536, 6144
 
 #: (module, attribute) wrapped with a timer: the stages of an operator's body, outermost first
@@ -31,14 +33,16 @@ STAGES = [(torch_ops, "forward_impl"), (torch_ops, "backward_impl"), (functional
           (routes, "route"), (execute, "run"), (execute, "outputs"), (execute, "_run_gpu"), (execute, "_issue"),
           (graph_cache.GraphCache, "launch"), (graph_cache.GraphCache, "run"),
           (stream_engine.StreamEngine, "order_after_previous"), (stream_engine.StreamEngine, "record_done"),
-          (torch_ops.TorchDevice, "__enter__"), (torch_ops, "weights"), (torch_ops, "readable")]
+          (_device_context, "__enter__"), (torch_ops, "weights"), (torch_ops, "readable")]
 
 
 def wrap(spent):
     """Wrap STAGES with timers adding into spent[name] (seconds); returns a function that unwraps them."""
     saved = []
     for owner, name in STAGES:
-        real = getattr(owner, name)
+        real = getattr(owner, name, None)
+        if real is None:  # an older tree without this stage
+            continue
         label = f"{getattr(owner, '__name__', owner)}.{name}".replace("cupyffn.", "")
 
         def timed(*a, _real=real, _label=label, **k):
