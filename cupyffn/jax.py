@@ -228,7 +228,8 @@ def _gelu_ffn_bwd(precision, residuals, dy):
         callback = _backward_callback(precision, bias_grads, half)
         grads = tuple(_buffer_callback(callback, shapes, vmap_method="sequential")(dy, x, w1, w2, z, *saved))
         grads += (None, None)
-    return grads[:3] + (grads[3] if has_b1 else None, grads[4] if has_b2 else None)
+    # bias gradients come in the weights' dtype (the door writes one gradient dtype): each in its bias's dtype
+    return grads[:3] + (grads[3].astype(b1.dtype) if has_b1 else None, grads[4].astype(b2.dtype) if has_b2 else None)
 
 
 _gelu_ffn.defvjp(_gelu_ffn_fwd, _gelu_ffn_bwd)
@@ -245,8 +246,8 @@ def gelu_ffn(x, weight1, weight2, precision=None, *, bias1=None, bias2=None):
     ``"ieee"`` (plain fp32, the fastest on the CPU) on the CPU; the others remain valid on the CPU, reproducing the
     GPU's numerics. Returns ``[..., D]`` float32.
 
-    bfloat16 / float16 x: weights and biases float32 or x's dtype (one dtype for all of them); the output in x's
-    dtype; precision None. On the GPU, D and H must be multiples of 8 for 16-bit x (cuBLASLt's row alignment).
+    bfloat16 / float16 x: weights float32 or x's dtype (both alike), biases the weights' dtype or float32; the output
+    in x's dtype; precision None. On the GPU, D and H must be multiples of 8 for 16-bit x (cuBLASLt's row alignment).
     Gradients come back in their primal's dtype. Works eagerly and under ``jax.jit``.
     """
     # None travels to the callbacks, where cupyffn sees the buffers and picks the default of their device

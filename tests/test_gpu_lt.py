@@ -327,3 +327,24 @@ def test_the_layer_validates_once_and_replays_its_repeated_tensors(monkeypatch):
     odd.weight1 = w
     with pytest.raises(ValueError, match="16-byte boundary"), torch.autocast("cuda", dtype=torch.bfloat16):
         odd(x)
+
+
+@pytest.mark.parametrize("act", ["bfloat16", "float16"])
+def test_float32_biases_beside_16bit_weights_are_rounded_in_the_call(act):
+    """16-bit weights with fp32 (master) biases, as the torch operators pass them: the engine rounds the biases inside
+    its call, so the results are bit for bit those of biases cast to the activation dtype first; and against float64
+    within the route's error, NaN-poisoned outputs fully written."""
+    T, D, H = 256, 128, 512
+    x, _, w1, w2, b1, b2 = make(T, D, H, act, seed=311, weights=act)
+    b1f, b2f = ((0.5 * numpy.random.default_rng(312).standard_normal(n)).astype(numpy.float32) for n in (H, D))
+    outs = {}
+    for name, biases in (("float32", (b1f, b2f)), ("cast", (b1f.astype(DT[act]), b2f.astype(DT[act])))):
+        out = [nan_like((T, D), act), nan_like((T, H), act), None, nan_like((T, H), act)]
+        xd, w1d, w2d, b1d, b2d = dev(x, w1, w2, *biases)
+        cupyffn.gelu_ffn_forward(xd, w1d, w2d, bias1=b1d, bias2=b2d, out=out)
+        outs[name] = [cupy.asnumpy(o) for o in out if o is not None]
+    for got, want in zip(outs["float32"], outs["cast"]):
+        assert numpy.array_equal(got.view(numpy.uint16), want.view(numpy.uint16))
+    ref = reference(x, x, w1, w2, b1f.astype(DT[act]), b2f.astype(DT[act]))[0]
+    for got, want in zip(outs["float32"], ref):
+        assert rel(got, want) < 2e-2

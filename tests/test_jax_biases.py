@@ -179,3 +179,19 @@ def test_vmap_with_biases_runs_one_call_per_element(device):
     # measured 3.4e-3 of the largest entry at worst)
     assert float(jnp.abs(gw - whole).max()) <= 2.0 ** -6 * float(jnp.abs(whole).max())
     assert float(jnp.linalg.norm(gw - whole)) <= 2.0 ** -8 * float(jnp.linalg.norm(whole))
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+def test_float32_biases_beside_bfloat16_weights(device):
+    """bf16 weights with fp32 biases: accepted, the biases rounded as a cast would round them, and each gradient in
+    its primal's dtype (the bias gradients in float32)."""
+    _, place = make(device, seed=3)
+    x, w1, w2, b1, b2, r = place("bfloat16", "bfloat16")
+    _, _, _, b1f, b2f, _ = place("bfloat16", "float32")
+    y = jax.jit(ours)(x, w1, w2, b1f, b2f)
+    cast = jax.jit(ours)(x, w1, w2, b1f.astype(jnp.bfloat16), b2f.astype(jnp.bfloat16))
+    assert bool((y == cast).all())
+    grads = jax.jit(jax.grad(loss(ours, r), argnums=range(5)))(x, w1, w2, b1f, b2f)
+    assert [str(g.dtype) for g in grads] == ["bfloat16"] * 3 + ["float32"] * 2
+    refs = reference(x, w1, w2, b1f.astype(jnp.bfloat16), b2f.astype(jnp.bfloat16), r)
+    assert all(rel(g, ref) < 2e-2 for g, ref in zip(grads, refs[1:]))

@@ -529,3 +529,24 @@ def test_a_bias_elsewhere_is_named(inp, monkeypatch):
     with pytest.raises(ValueError, match=r"^cannot mix NumPy \(CPU\) and GPU arrays: hidden_states is on the CPU but "
                                          r"bias1 is on a GPU$"):
         cupyffn.gelu_ffn_forward(x, w1, w2, bias1=sentinel)
+
+
+def test_float32_biases_beside_16bit_weights_on_the_numpy_route():
+    """bf16 weights with fp32 biases: accepted, and the NumPy route rounds the biases as it rounds fp32 master ones;
+    fp16 biases beside bf16 weights are refused, naming what is allowed."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf16 = numpy.dtype(ml_dtypes.bfloat16)
+    r = numpy.random.default_rng(5)
+    x = r.standard_normal((16, 8)).astype(bf16)
+    w1, w2 = (0.2 * r.standard_normal((32, 8))).astype(bf16), (0.2 * r.standard_normal((8, 32))).astype(bf16)
+    b1, b2 = r.standard_normal(32).astype(numpy.float32), r.standard_normal(8).astype(numpy.float32)
+    got = cupyffn.gelu_ffn_forward(x, w1, w2, bias1=b1, bias2=b2)
+    cast = cupyffn.gelu_ffn_forward(x, w1, w2, bias1=b1.astype(bf16), bias2=b2.astype(bf16))
+    for a, b in zip(got, cast):
+        if a is not None:
+            assert numpy.array_equal(numpy.asarray(a, numpy.float32), numpy.asarray(b, numpy.float32))
+    assert not numpy.array_equal(numpy.asarray(got[0], numpy.float32),
+                                 numpy.asarray(cupyffn.gelu_ffn_forward(x, w1, w2)[0], numpy.float32))
+    with pytest.raises(TypeError, match=r"^bias1 must be bfloat16 or float32 \(weight1's dtype or float32\); got "
+                                        r"float16$"):
+        cupyffn.gelu_ffn_forward(x, w1, w2, bias1=b1.astype(numpy.float16))

@@ -44,7 +44,8 @@ def gelu_ffn_forward(hidden_states, weight1, weight2, *, bias1=None, bias2=None,
     float32 hidden_states: weights and biases (bias1 [H], bias2 [D], each optional) float32; `precision` treats the
     two GEMMs' operands as in the backward (same names and contracts; None, the default: the arrays' device's
     default, "fp16+fp8" on a GPU and "ieee", plain fp32, for NumPy arrays). bfloat16 / float16 hidden_states:
-    weights and biases float32 (rounded to the activation dtype first, as torch's autocast does) or that dtype,
+    weights and biases float32 (rounded to the activation dtype first, as torch's autocast does) or that dtype (biases
+    may stay float32 beside 16-bit weights),
     precision None; the GEMMs run on the 16-bit operands with fp32 accumulation and cuBLASLt's fused bias and GELU
     epilogues; output, linear1_out and gelu_out come back in the activation dtype and tanh_inner is None (the
     backward recomputes it from linear1_out).

@@ -147,8 +147,9 @@ def plan_key(call):
     from ..lt.key import LtBackwardKey, LtForwardKey
 
     if call.kind == "forward":
+        biases = next((m.dtype for m in call.inputs[3:5] if m is not None), "")
         return LtForwardKey(call.device, call.tokens, call.dim, call.hidden_dim, call.act, call.weights,
-                            call.inputs[3] is not None, call.inputs[4] is not None, call.weights_transposed)
+                            call.inputs[3] is not None, call.inputs[4] is not None, call.weights_transposed, biases)
     return LtBackwardKey(call.device, call.tokens, call.dim, call.hidden_dim, call.act, call.weights, call.grads,
                          r.need_bias_grads, r.need_grad_hidden, r.need_weight_grads, call.inputs[6] is None,
                          call.weights_transposed, call.grads_transposed)

@@ -11,7 +11,7 @@ What a call may be (docs/precisions.md, "16-bit activations and biases"):
   dtype: float32, bfloat16 or float16;
 * float32 activations: float32 weights and biases, float32 gradients, any precision;
 * bfloat16 / float16 activations: weights float32 (master weights, rounded to the activation dtype as autocast
-  does) or the activation dtype, biases in the weights' dtype, precision None (the operands are multiplied as they
+  does) or the activation dtype, biases in the weights' dtype or float32, precision None (the operands are multiplied as they
   are), no tanh_inner (the GELU derivative is recomputed from linear1_out), weight and bias gradients in float32 or
   the weights' dtype (chosen by out=, float32 by default);
 * arrays whose last dimension is contiguous and whose leading dimensions flatten to one row stride; weights also as

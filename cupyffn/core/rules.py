@@ -52,9 +52,16 @@ def check_dtypes(kind, dtypes):
     for n, d in zip(names, dtypes):
         if d is None or n in (first_name, "weight1"):
             continue
-        if n in ("weight2", "bias1", "bias2"):
+        if n == "weight2":
             if d != wt:
                 raise dtype_error(n, wt + (" (weight1's dtype)" if act != "float32" else ""), d)
+        elif n in ("bias1", "bias2"):
+            # the weights' dtype, or float32 master biases beside 16-bit weights (the engine rounds them in its call)
+            allowed = tuple(dict.fromkeys((wt, "float32")))
+            if d not in allowed:
+                raise dtype_error(n, " or ".join(allowed) + (" (weight1's dtype" + (" or float32)" if len(allowed) > 1
+                                                                                   else ")") if act != "float32"
+                                                             else ""), d)
         elif d != act:
             raise dtype_error(n, act + (f" ({first_name}'s dtype)" if act != "float32" else ""), d)
     if act in HALF and kind == "backward" and dtypes[names.index("tanh_inner")] is not None:

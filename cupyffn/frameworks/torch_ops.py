@@ -155,6 +155,11 @@ def weights(w1, w2, act, device):
     return readable(w1), readable(w2)
 
 
+def _bias(b, act):
+    """A bias as cupyffn takes it beside 16-bit weights: float32 or the activation dtype as it is, else cast."""
+    return b if b is None or b.dtype is _F32 or b.dtype == act else b.to(act)
+
+
 def casts_weights(x, w1):
     """Whether the forward makes the weights' 16-bit copies: fp32 master weights with 16-bit activations on CUDA
     (autocast's case). They are returned and saved, so the backward reuses them: one conversion per step."""
@@ -188,7 +193,8 @@ def forward_impl(x, w1, w2, b1, b2, precision):
         return _cpu.forward(x, w1, w2, b1, b2, precision) + (x.new_empty(_NOTHING), x.new_empty(_NOTHING))
     if casts_weights(x, w1):  # torch's cast kernel keeps the [in, out] layout of transposed weights
         w1c, w2c = w1.to(act), w2.to(act)
-        w1, w2, b1, b2 = w1c, w2c, None if b1 is None else b1.to(act), None if b2 is None else b2.to(act)
+        # fp32 master biases go as they are: the engine rounds them inside its call (its graph), no cast launched here
+        w1, w2, b1, b2 = w1c, w2c, _bias(b1, act), _bias(b2, act)
     else:
         w1c, w2c = x.new_empty(_NOTHING), x.new_empty(_NOTHING)  # two: an operator's outputs may not alias
     lead, dim, hidden = tuple(x.shape[:-1]), x.shape[-1], w1.shape[0]

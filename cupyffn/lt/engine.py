@@ -137,13 +137,17 @@ class LtForward(_Engine):
 
     def __init__(self, key):
         T, D, H, act = key.tokens, key.dim, key.hidden_dim, key.act
-        convert = key.weights != act
         size = ITEMSIZE[act]
+        # fp32 master weights and biases are rounded here, inside the call (and its graph): each independently, so a
+        # caller that casts the weights itself (to keep the casts for its backward) passes fp32 biases unconverted
+        self.convert = key.weights != act
+        self.convert_biases = key.biases not in ("", act)
         scratch = {}
-        if convert:
-            scratch = {"weight1": H * D * size, "weight2": D * H * size, "bias1": H * size, "bias2": D * size}
+        if self.convert:
+            scratch.update(weight1=H * D * size, weight2=D * H * size)
+        if self.convert_biases:
+            scratch.update(bias1=H * size, bias2=D * size)
         super().__init__(key, scratch)
-        self.convert = convert
         gelu = _EPILOGUE[activation.LT_FORWARD_BIAS if key.has_bias1 else activation.LT_FORWARD]
         self.gemm("linear1_out, gelu_out = GELU(hidden_states @ weight1^T + bias1)", T, H, D, act, act, act,
                   b_trans=True, epilogue=gelu, weight_b=True)
@@ -162,11 +166,12 @@ class LtForward(_Engine):
         """Issue the bound forward on `stream_ptr` (one stream)."""
         (x, w1, w2, b1, b2), (y, z, _, g) = self._ptrs
         k = self.key
+        s = self.scratch.ptr
         if self.convert:
-            s = self.scratch.ptr
             self.to_half(w1, s["weight1"], k.hidden_dim, k.dim, stream_ptr)
             self.to_half(w2, s["weight2"], k.dim, k.hidden_dim, stream_ptr)
             w1, w2 = s["weight1"], s["weight2"]
+        if self.convert_biases:
             if b1 is not None:
                 self.to_half(b1, s["bias1"], 1, k.hidden_dim, stream_ptr)
                 b1 = s["bias1"]

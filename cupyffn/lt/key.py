@@ -16,6 +16,7 @@ class LtForwardKey(NamedTuple):
     has_bias1: bool     # bias1 given: GEMM1's epilogue adds it
     has_bias2: bool
     weights_transposed: bool = False  # weights stored [in, out] (transformers' Conv1D)
+    biases: str = ""    # dtype name of the biases given ("float32" master biases, or act; "": none given)
 
 
 class LtBackwardKey(NamedTuple):
