@@ -221,7 +221,12 @@ def test_replay_survives_clear_cache_and_churn():
             assert o_hi <= lo or hi <= o_lo, "a new plan was given the captured plan's scratch"
     assert seen >= len(CHURN)
     assert not plan.closed
-    assert plan in backward_cache().plans()  # still the cached plan for its shape
+    # still the cached plan for its shape: an eager call of that shape takes it (and makes it the most recently used,
+    # so that release_captured_plans below, evicting the least recently used beyond the cache's size, keeps it)
+    assert plan in backward_cache().plans()
+    cupyffn.gelu_ffn_backward(*args, out=nan_outputs(args))
+    cupy.cuda.Device().synchronize()
+    assert backward_cache().plans()[-1] is plan  # the most recently used: the eager call took it
     replay_and_check(graph, cap, args, out, "bf16x3", range(30, 33), "replay after clear_cache and churn")
     del graph
     cupy.cuda.Device().synchronize()
