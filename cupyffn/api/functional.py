@@ -2,7 +2,8 @@
 `run`). A call goes through three stages, each entered once: validate (cupyffn/api/validate.py `check`: the arrays
 checked into a Call, or a call with the same signature recalled), route (cupyffn/api/routes.py `route`: asked once per
 new signature, remembered beside the call) and execute (cupyffn/api/execute.py `run`: the engine from its cache, the
-outputs, the launches). `clear_cache` drops every remembered call and cached engine.
+outputs, the launches). `clear_cache` drops every remembered call and cached engine
+(docs/decisions/062-door-in-three-stages.md).
 """
 
 from ..core import precision as _precision

@@ -140,6 +140,7 @@ class LtForward(_Engine):
         size = ITEMSIZE[act]
         # fp32 master weights and biases are rounded here, inside the call (and its graph): each independently, so a
         # caller that casts the weights itself (to keep the casts for its backward) passes fp32 biases unconverted
+        # (docs/decisions/063-fp32-biases-in-the-lt-call.md)
         self.convert = key.weights != act
         self.convert_biases = key.biases not in ("", act)
         scratch = {}
