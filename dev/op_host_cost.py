@@ -17,29 +17,29 @@ import os
 import statistics
 import time
 
-import torch
-
-import cupyffn.torch  # noqa: F401 (registers the operators)
-from cupyffn.api import execute, functional, routes, validate
-from cupyffn.cuda import graph_cache, stream_engine
-from cupyffn.frameworks import torch_ops
-
-_device_context = getattr(torch_ops, "TorchDevice", None) or getattr(torch_ops, "Call")  # its name in older trees
-
 D, H = 1536, 6144
 
-#: (module, attribute) wrapped with a timer: the stages of an operator's body, outermost first
-STAGES = [(torch_ops, "forward_impl"), (torch_ops, "backward_impl"), (functional, "run"), (validate, "check"),
-          (routes, "route"), (execute, "run"), (execute, "outputs"), (execute, "_run_gpu"), (execute, "_issue"),
-          (graph_cache.GraphCache, "launch"), (graph_cache.GraphCache, "run"),
-          (stream_engine.StreamEngine, "order_after_previous"), (stream_engine.StreamEngine, "record_done"),
-          (_device_context, "__enter__"), (torch_ops, "weights"), (torch_ops, "readable")]
+
+def stages():
+    """(module or class, attribute) wrapped with a timer: the stages of an operator's body, outermost first (imported
+    here: the tool loads and answers --help without the GPU's modules)."""
+    import cupyffn.torch  # noqa: F401 (registers the operators)
+    from cupyffn.api import execute, functional, routes, validate
+    from cupyffn.cuda import graph_cache, stream_engine
+    from cupyffn.frameworks import torch_ops
+
+    device_context = getattr(torch_ops, "TorchDevice", None) or getattr(torch_ops, "Call")  # its name in older trees
+    return [(torch_ops, "forward_impl"), (torch_ops, "backward_impl"), (functional, "run"), (validate, "check"),
+            (routes, "route"), (execute, "run"), (execute, "outputs"), (execute, "_run_gpu"), (execute, "_issue"),
+            (graph_cache.GraphCache, "launch"), (graph_cache.GraphCache, "run"),
+            (stream_engine.StreamEngine, "order_after_previous"), (stream_engine.StreamEngine, "record_done"),
+            (device_context, "__enter__"), (torch_ops, "weights"), (torch_ops, "readable")]
 
 
 def wrap(spent):
-    """Wrap STAGES with timers adding into spent[name] (seconds); returns a function that unwraps them."""
+    """Wrap the stages with timers adding into spent[name] (seconds); returns a function that unwraps them."""
     saved = []
-    for owner, name in STAGES:
+    for owner, name in stages():
         real = getattr(owner, name, None)
         if real is None:  # an older tree without this stage
             continue
@@ -64,6 +64,8 @@ def wrap(spent):
 
 def host_us(run, calls):
     """Median host microseconds of run() over `calls` calls after 10 warm-ups, the queue drained before each."""
+    import torch
+
     times = []
     for _ in range(calls + 10):
         torch.cuda.synchronize()
@@ -79,6 +81,9 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "op-host-cost.json"))
     a = p.parse_args(argv)
+    import torch
+
+    stages()  # registers the operators
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(a.tokens, D, device="cuda", generator=g).bfloat16()
     dy = torch.randn(a.tokens, D, device="cuda", generator=g).bfloat16()

@@ -16,7 +16,8 @@ from benchmarks import timing
                                          ("bias_cost", "--tokens"), ("io_graph_ab", "--rounds"),
                                          ("tf32_rs_probe", "--tokens"), ("ptx_hashes", "--against"),
                                          ("rescue_cost", "--rounds"), ("gpu_suite", "--workers"),
-                                         ("step_breakdown", "--modes"), ("lt_gemm_choices", "--shapes")])
+                                         ("step_breakdown", "--modes"), ("lt_gemm_choices", "--shapes"),
+                                         ("op_host_cost", "--calls"), ("wave_table", "--tiles")])
 def test_loads_without_cupy_and_answers_help(name, option, capsys):
     tool = load_tool(name)
     with pytest.raises(SystemExit) as info:
@@ -252,3 +253,15 @@ def test_step_breakdown_finds_the_idle_stretches():
     assert tool.largest_gaps(spans, 5) == [(3.0, "c", "d"), (2.0, "a", "c")]
     assert tool.largest_gaps(spans, 1) == [(3.0, "c", "d")]
     assert tool.largest_gaps([(0, 5, "x"), (1, 3, "y")], 3) == []
+
+
+def test_wave_table_counts_tiles_waves_and_fill():
+    tool = load_tool("wave_table")
+    # GEMM2's 1536 x 6144 output on 132 SMs: 576 tiles of 128 x 128 in 5 waves (the last 36% full), 384 of 128 x 192
+    # in 3 (97%)
+    assert tool.fill(1536, 6144, (128, 128), 132) == (576, 576 / 132, 576 / 660)
+    assert tool.fill(1536, 6144, (128, 192), 132) == (384, 384 / 132, 384 / 396)
+    assert tool.fill(100, 100, (128, 128), 132) == (1, 1 / 132, 1 / 132)  # a partial tile is a tile
+    rows = tool.table([256, 8192], 1536, 6144, [(128, 128)], 132)
+    assert rows["gemm3", 256][(128, 128)] == (24, 24 / 132, 24 / 132)  # M = T = 256, N = D
+    assert rows["gemm4", 8192] == rows["gemm4", 256]  # the weight gradients' output does not depend on T
