@@ -3,11 +3,12 @@ rotated inputs, flushed warm-ups), used by benchmarks/accuracy.py and the dev/ t
 then per sample an optional L2 flush, an event before and after the call on `stream`; the median in ms.
 
 flushed_median_ms waits for each sample before enqueuing the next; flushed_median_ms_batched enqueues all samples,
-then waits once. `cupy` is passed in, so that a module using this imports cupy only when it runs (the dev/ tools
+then waits once. host_median_us is the other clock: the host's time to issue a call, the device drained before each. `cupy` is passed in, so that a module using this imports cupy only when it runs (the dev/ tools
 load without it: tests/tool_loader.py).
 """
 
 import statistics
+import time
 
 
 def flushed_median_ms(cupy, stream, run, flush, reps, warmup):
@@ -45,3 +46,15 @@ def flushed_median_ms_batched(cupy, stream, run, flush, reps, warmup):
         stop.record(stream)
     stream.synchronize()
     return statistics.median(cupy.cuda.get_elapsed_time(s, e) for s, e in events)
+
+
+def host_median_us(run, calls, synchronize, warmup=10):
+    """Median host microseconds of `run()` over `calls` calls after `warmup` more, `synchronize()` (the device's, e.g.
+    torch.cuda.synchronize) before each, so each call's time is its own host work and not a wait for the queue."""
+    times = []
+    for _ in range(calls + warmup):
+        synchronize()
+        t0 = time.perf_counter()
+        run()
+        times.append(1e6 * (time.perf_counter() - t0))
+    return statistics.median(times[warmup:])

@@ -1,3 +1,4 @@
-"""benchmarks/timing.py's flushed_median_ms, for the dev/ tools that import it from here (run from the repo root)."""
+"""benchmarks/timing.py's flushed_median_ms and host_median_us, for the dev/ tools that import them from here (run
+from the repo root)."""
 
-from benchmarks.timing import flushed_median_ms  # noqa: F401
+from benchmarks.timing import flushed_median_ms, host_median_us  # noqa: F401

@@ -14,8 +14,9 @@ import argparse
 import collections
 import json
 import os
-import statistics
 import time
+
+from _event_timing import host_median_us
 
 D, H = 1536, 6144
 
@@ -66,13 +67,7 @@ def host_us(run, calls):
     """Median host microseconds of run() over `calls` calls after 10 warm-ups, the queue drained before each."""
     import torch
 
-    times = []
-    for _ in range(calls + 10):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        run()
-        times.append(1e6 * (time.perf_counter() - t0))
-    return statistics.median(times[10:])
+    return host_median_us(run, calls, torch.cuda.synchronize)
 
 
 def main(argv=None):

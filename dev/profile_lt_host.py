@@ -11,23 +11,16 @@ the median. Then cProfile's top functions by own time over the layer's backward 
 import argparse
 import cProfile
 import pstats
-import statistics
-import time
 
 import torch
+from _event_timing import host_median_us
 
 import cupyffn.torch as ct
 
 
 def host_us(run, calls):
     """Median host microseconds of run() over `calls` calls (the first 10 dropped), the queue drained before each."""
-    times = []
-    for _ in range(calls + 10):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        run()
-        times.append(1e6 * (time.perf_counter() - t0))
-    return statistics.median(times[10:])
+    return host_median_us(run, calls, torch.cuda.synchronize)
 
 
 def main(argv=None):

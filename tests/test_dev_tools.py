@@ -265,3 +265,12 @@ def test_wave_table_counts_tiles_waves_and_fill():
     rows = tool.table([256, 8192], 1536, 6144, [(128, 128)], 132)
     assert rows["gemm3", 256][(128, 128)] == (24, 24 / 132, 24 / 132)  # M = T = 256, N = D
     assert rows["gemm4", 8192] == rows["gemm4", 256]  # the weight gradients' output does not depend on T
+
+
+def test_host_median_us_drains_the_device_before_each_call_and_drops_the_warmups(monkeypatch):
+    log = []
+    times = iter([0.0, 0.5, 1.0, 1.000002, 2.0, 2.000004, 3.0, 3.000009])  # perf_counter: warm-up, then 3 calls
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(times))
+    us = timing.host_median_us(lambda: log.append("run"), 3, lambda: log.append("sync"), warmup=1)
+    assert log == ["sync", "run"] * 4
+    assert abs(us - 4.0) < 1e-6  # the median of 2, 4 and 9 us; the warm-up's 500,000 us dropped
