@@ -15,20 +15,19 @@ from cupyffn.gemm.sm90 import tensor_map
 
 
 def test_variants_are_what_the_plans_run():
-    """22 variants: the fp16 dgelu epilogue on every schedule direct and staged plus the epilogue warps (7), with
+    """24 variants: the fp16 dgelu epilogue on every schedule direct and staged plus the epilogue warps (7), with
     gelu_out on the 128 x 128 schedules (5), the bf16x3 planes on every schedule direct and staged (6), the pair on
-    its two cooperative schedules with either A layout (4); each expression once, each accepted by can_implement."""
+    its three cooperative schedules with either A layout (6); each expression once, each accepted by can_implement."""
     v = G.VARIANTS
-    assert len(v) == len({c.expression for c in v}) == 22
+    assert len(v) == len({c.expression for c in v}) == 24
     assert all(G.can_implement(c) and not c.trace for c in v)
     count = {}
     for c in v:
         count[c.op, c.epi] = count.get((c.op, c.epi), 0) + 1
     assert count == {(G.OP_F16, G.EPI_DGELU_F16): 7, (G.OP_F16, G.EPI_DGELU_F16G): 5,
-                     (G.OP_BF16, G.EPI_DGELU_BF16X3): 6, (G.OP_F16E4M3, G.EPI_F32): 4}
+                     (G.OP_BF16, G.EPI_DGELU_BF16X3): 6, (G.OP_F16E4M3, G.EPI_F32): 6}
     assert {c.expression for c in v if c.op == G.OP_F16E4M3} == {
-        "gemm_sm90_pair_kernel<128, 0>", "gemm_sm90_pair_kernel<128, 1>", "gemm_sm90_pair_kernel<256, 0>",
-        "gemm_sm90_pair_kernel<256, 1>"}
+        f"gemm_sm90_pair_kernel<{bn}, {ta}>" for bn in (128, 192, 256) for ta in (0, 1)}
     assert G.Sm90Config(G.OP_F16, 256, False, G.EPI_DGELU_F16, "staged").expression == "gemm_sm90_kernel<0, 256, 2, 0, 1>"
 
 
@@ -274,10 +273,21 @@ def test_pair_launch_refuses_what_does_not_exist(stand_ins):
     assert stand_ins == []
 
 
-@pytest.mark.parametrize("m,n,want", [(8192, 6144, 256), (2048, 6144, 256), (1024, 6144, 128), (256, 6144, 128),
-                                      (1536, 6144, 128), (8192, 1536, 256)])
+@pytest.mark.parametrize("m,n,want", [(8192, 6144, 256), (2048, 6144, 256), (1024, 6144, 192), (256, 6144, 128),
+                                      (1536, 6144, 192), (6144, 1536, 192), (2048, 1536, 192), (8192, 1536, 256),
+                                      (512, 1536, 128)])
 def test_pair_config_fills_the_last_wave(m, n, want):
-    """choose_pair_config: 128 x 256 unless 128 x 128 fills the last wave better by more than 2%; never
-    ping-pong (measured 1.5-2.2x slower for the pair)."""
+    """choose_pair_config: the tile width whose waves (each counted full) take the least time, the wider one on a
+    tie; never ping-pong (measured 1.5-2.2x slower for the pair). GEMM2's 1536 x 6144 output: 576 tiles of 128 x 128
+    are 5 waves of 132 SMs (640 columns of work per SM), 384 of 128 x 192 are 3 (576), 288 of 128 x 256 are 3 (768)."""
     assert G.choose_pair_config(m, n, 132) == (want, False)
+
+
+def test_pair_config_never_picks_a_slower_wave_count():
+    """Against the three schedules' wave cost over many shapes: the choice is always a minimum."""
+    for m in range(128, 9000, 352):
+        for n in (1536, 4096, 6144, 1000):
+            block_n, _ = G.choose_pair_config(m, n, 132)
+            cost = {bn: -(-(-(-m // 128) * -(-n // bn)) // 132) * bn for bn, _ in G.PAIR_SCHEDULES}
+            assert cost[block_n] == min(cost.values()), (m, n, cost)
 

@@ -128,6 +128,9 @@ __device__ __forceinline__ void fence_regs(float (&d)[N]) {
   "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
   "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
   "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define CUPYFFN_WGMMA_REGS_64_96 \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
 #define CUPYFFN_WGMMA_D_0_64 \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
@@ -137,6 +140,11 @@ __device__ __forceinline__ void fence_regs(float (&d)[N]) {
   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define CUPYFFN_WGMMA_D_64_96 \
+  "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+  "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+  "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+  "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
 #define CUPYFFN_WGMMA_D_64_128 \
   "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
   "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
@@ -185,10 +193,19 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long 
   }
 }
 
+// 192 columns: the pair kernel's tile for 132 SMs (fp16 only: the pair's 16-bit stages).
+template <int OP, int TA, int TB>
+__device__ __forceinline__ void wgmma_m64n192k16(float (&d)[96], unsigned long long desc_a, unsigned long long desc_b) {
+  static_assert(OP != kOpBf16, "n192: the pair's fp16 stages only");
+  CUPYFFN_WGMMA(192, "f16", CUPYFFN_WGMMA_REGS_0_64 ", " CUPYFFN_WGMMA_REGS_64_96, "%96, %97, 1, 1, 1, %98, %99",
+                CUPYFFN_WGMMA_D_0_64, CUPYFFN_WGMMA_D_64_96);
+}
+
 // One k16 step of 16-bit operands (kOpF16E4M3: its fp16 part).
 template <int OP, int BN, int TA, int TB>
 __device__ __forceinline__ void wgmma_k16(float (&d)[BN / 2], unsigned long long desc_a, unsigned long long desc_b) {
   if constexpr (BN == 128) wgmma_m64n128k16<OP, TA, TB>(d, desc_a, desc_b);
+  if constexpr (BN == 192) wgmma_m64n192k16<OP, TA, TB>(d, desc_a, desc_b);
   if constexpr (BN == 256) wgmma_m64n256k16<OP, TA, TB>(d, desc_a, desc_b);
 }
 
@@ -197,6 +214,9 @@ template <int BN>
 __device__ __forceinline__ void wgmma_e4m3_k32(float (&d)[BN / 2], unsigned long long desc_a, unsigned long long desc_b) {
   if constexpr (BN == 128) {
     CUPYFFN_WGMMA_E4M3(128, CUPYFFN_WGMMA_REGS_0_64, "%64, %65, 1, 1, 1", CUPYFFN_WGMMA_D_0_64);
+  } else if constexpr (BN == 192) {
+    CUPYFFN_WGMMA_E4M3(192, CUPYFFN_WGMMA_REGS_0_64 ", " CUPYFFN_WGMMA_REGS_64_96, "%96, %97, 1, 1, 1",
+                       CUPYFFN_WGMMA_D_0_64, CUPYFFN_WGMMA_D_64_96);
   } else {
     CUPYFFN_WGMMA_E4M3(256, CUPYFFN_WGMMA_REGS_0_64 ", " CUPYFFN_WGMMA_REGS_64_128, "%128, %129, 1, 1, 1",
                        CUPYFFN_WGMMA_D_0_64, CUPYFFN_WGMMA_D_64_128);

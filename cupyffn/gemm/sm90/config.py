@@ -38,8 +38,9 @@ EPI_DGELU_F16G = 4  # EPI_DGELU_F16 and gelu_out = 0.5 x (1 + t) as fp16 codes t
 #: (block_n, pingpong) schedules: cooperative 128 x 128 and 128 x 256 tiles, ping-pong 128 x 128.
 SCHEDULES = ((128, False), (256, False), (128, True))
 #: The pair kernel's schedules: cooperative only (ping-pong measured 1.5-2.2x slower everywhere,
-#: docs/decisions/024-sm90-pair-kernel-gemm1.md).
-PAIR_SCHEDULES = ((128, False), (256, False))
+#: docs/decisions/024-sm90-pair-kernel-gemm1.md); 128 x 192 for outputs whose 128 x 128 and 128 x 256 tiles leave the
+#: last wave of 132 SMs part empty (docs/decisions/064-pair-kernel-for-every-gemm.md).
+PAIR_SCHEDULES = ((128, False), (192, False), (256, False))
 #: How a dgelu epilogue reads linear1_out and tanh_inner (template parameter XS): "direct" (global loads in the
 #: epilogue), "staged" (cp.async into shared memory during the mainloop: rows on 16-byte boundaries), "warps" (the
 #: epilogue in seven warps of its own, fed each accumulator tile through shared memory: the cooperative 128 x 128
@@ -199,12 +200,13 @@ def choose_dgelu_config(m, n, sms, epi, *, tanh_inner, rows_16b, warps=False):
 
 
 def choose_pair_config(m, n, sms):
-    """The (block_n, pingpong) of a pair kernel launch of an [m, n] output on `sms` multiprocessors: the 128 x 128
-    tile if it fills the last wave better than 128 x 256 by more than 2%, else 128 x 256; both cooperative.
-    Measured on the H200, GEMM1 at T = 256 ... 8192 (docs/decisions/024-sm90-pair-kernel-gemm1.md): the rule's choice
-    is the fastest schedule at every T; ping-pong is 1.5-2.2x slower everywhere (the pair's e4m3 stages bring
-    the same bytes per stage in half the MMA time, so delivery, which ping-pong's tiles need more of, rules)."""
-    return (128, False) if _wave_fill(m, n, 128, sms) > _wave_fill(m, n, 256, sms) + 0.02 else (256, False)
+    """The (block_n, pingpong) of a pair kernel launch of an [m, n] output on `sms` multiprocessors: the tile width
+    whose waves take the least time, counting every wave as full (waves x block_n), the wider tile where two tie
+    (fewer tiles re-read fewer operands); always cooperative (ping-pong is 1.5-2.2x slower everywhere: the pair's
+    e4m3 stages bring the same bytes per stage in half the MMA time, so delivery rules). Measured on the H100
+    per GEMM and token count (docs/decisions/064-pair-kernel-for-every-gemm.md, 024)."""
+    costs = {block_n: -(-_tiles(m, n, block_n) // sms) * block_n for block_n, _ in PAIR_SCHEDULES}
+    return min(costs, key=lambda block_n: (costs[block_n], -block_n)), False
 
 
 def _tiles(m, n, block_n):
@@ -225,8 +227,8 @@ def stage_bytes(block_n):
 
 
 def stages_for(block_n):
-    """Pipeline stages (stages_for): as many as fit in 192 KiB."""
-    return (192 * 1024) // stage_bytes(block_n)
+    """Pipeline stages (stages_for): as many as fit in 200 KiB."""
+    return (200 * 1024) // stage_bytes(block_n)
 
 
 def smem_bytes(block_n):

@@ -132,7 +132,7 @@ def gemm_pair(a, b, a8, b8, out, *, alpha=1.0, pair_scale=8.0, accumulate=False,
     a8, b8: uint8 e4m3 bit patterns, [M, k8] and [N, k8] (both K-major; k8 a multiple of 16: the cross terms'
     pairs of kernels_cu/split_e4m3.cu, e.g. [lo | hi] against [hi | lo]). The e4m3 product is summed first, then
     weighed by pair_scale (a power of two) and the fp16 product added to it in the same accumulator (see
-    gemm_sm90.cu). block_n: 128 or 256 (PAIR_SCHEDULES, cooperative). stream: a cupy Stream (default: the current
+    gemm_sm90.cu). block_n: 128, 192 or 256 (PAIR_SCHEDULES, cooperative). stream: a cupy Stream (default: the current
     one)."""
     import cupy
     import numpy

@@ -1,0 +1,128 @@
+"""Whole fp16+fp8 backward calls with the pair's GEMMs placed differently, per official token count (GPU machine; a
+measurement, not a test; docs/decisions/064-pair-kernel-for-every-gemm.md):
+
+    PYTHONPATH=. python3 dev/pair_plan_ab.py [--tokens 256 1024 8192] [--out $OUT/pair-plan-ab.json]
+
+Variants, each a plan of the official shape (D = 1536, H = 6144) on the same three rotated input sets:
+  default        the fp16+fp8 plan as built (FORM_TABLE, SM90_PAIR_GEMMS)
+  sm90-all       EngineOptions(sm90_pair=True): every pair GEMM as the sm90 pair kernel
+  pair-all-t     the pair form at every T (the form table's bf16x3 steps below T = 2048 left out), default options
+  pair-all-t-sm90  both
+  tf32           the tf32 plan, for the ratio the issue's target names
+The pair-all-t variants are made by swapping the registry's fp16+fp8 Precision for one with a uniform pair table
+around each of their calls (a measurement build, never the product). Timing as dev/io_graph_ab.py's GPU span (L2
+flushed, a spin kernel ahead of the events), the variants alternated call by call, median of --reps. Accuracy: each
+variant's relative L2 error against the float64 reference (computed on the GPU) on the first input set, outputs
+NaN-filled before the call.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _json_out import save_json  # noqa: E402
+from io_graph_ab import SPIN, sample  # noqa: E402
+
+TOKENS = (256, 512, 1024, 2048, 3142, 4096, 4904, 8192)
+
+
+@contextlib.contextmanager
+def pair_everywhere(active):
+    """While active: the registry's fp16+fp8 precision takes the pair form at every T."""
+    from cupyffn.core import precision as P
+
+    if not active:
+        yield
+        return
+    saved = P.PRECISIONS["fp16+fp8"]
+    P.PRECISIONS["fp16+fp8"] = dataclasses.replace(saved, steps=tuple((g, ((0, "f16+e4m3"),)) for g in P.GEMMS))
+    try:
+        yield
+    finally:
+        P.PRECISIONS["fp16+fp8"] = saved
+
+
+def rel_l2(cupy, got, want):
+    return float(cupy.linalg.norm((got.astype(cupy.float64) - want).ravel()) / cupy.linalg.norm(want.ravel()))
+
+
+def measure(cupy, T, reps):
+    from cupyffn import workloads as W
+    from cupyffn.api.backward_plan import plan_with_options
+    from cupyffn.f32.options import EngineOptions
+
+    D, H = W.DIM, W.HIDDEN_DIM
+    sets = []
+    for k in range(3):
+        inputs = {n: cupy.asarray(v) for n, v in W.make_inputs((T,), seed=10 * T + k).items()}
+        sets.append([inputs[n] for n in W.INPUT_NAMES])
+    variants = {"default": (EngineOptions(), "fp16+fp8", False),
+                "sm90-all": (EngineOptions(sm90_pair=True), "fp16+fp8", False),
+                "pair-all-t": (EngineOptions(), "fp16+fp8", True),
+                "pair-all-t-sm90": (EngineOptions(sm90_pair=True), "fp16+fp8", True),
+                "tf32": (EngineOptions(), "tf32", False)}
+    s = cupy.cuda.Stream(non_blocking=True)
+    flush_buf = cupy.empty(256 * 2 ** 20 // 4, cupy.float32)
+    spin = cupy.RawKernel(SPIN, "spin")
+    plans, outs = {}, {}
+    for name, (options, precision, everywhere) in variants.items():
+        with pair_everywhere(everywhere):
+            plans[name] = plan_with_options(T, D, H, options, precision=precision)
+        outs[name] = [[cupy.empty(sh, cupy.float32) for sh in ((T, D), (H, D), (D, H))] for _ in sets]
+    cupy.cuda.Device().synchronize()
+
+    def call(name, i):
+        with pair_everywhere(variants[name][2]):
+            plans[name](*sets[i % 3], out=outs[name][i % 3], stream=s)
+
+    row = {"tokens": T}
+    want = W.reference(dict(zip(W.INPUT_NAMES, sets[0])), xp=cupy)
+    for name in variants:
+        with s:
+            for o in outs[name][0]:
+                o.fill(cupy.nan)
+        call(name, 0)
+        s.synchronize()
+        row.setdefault("rel_l2", {})[name] = max(rel_l2(cupy, o, w) for o, w in zip(outs[name][0], want))
+        row.setdefault("forms", {})[name] = plans[name].gemm_forms
+    for name in variants:
+        for i in range(3):
+            call(name, i)
+    got = {name: [] for name in variants}
+    for i in range(reps):
+        for name in variants:
+            ms, _ = sample(cupy, s, lambda: call(name, i), lambda: flush_buf.fill(1), spin, True)
+            got[name].append(ms)
+    row["ms"] = {name: round(statistics.median(v), 4) for name, v in got.items()}
+    for plan in plans.values():
+        plan.close()
+    cupy.cuda.Device().synchronize()
+    return row
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    p.add_argument("--reps", type=int, default=25)
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "pair-plan-ab.json"))
+    a = p.parse_args(argv)
+    import cupy
+
+    rows = []
+    for T in a.tokens:
+        rows.append(measure(cupy, T, a.reps))
+        r = rows[-1]
+        print(T, " ".join(f"{k} {v:.4f}" for k, v in r["ms"].items()),
+              "| rel_l2", " ".join(f"{k} {v:.1e}" for k, v in r["rel_l2"].items()), flush=True)
+        save_json({"device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                   "command": "python3 dev/pair_plan_ab.py " + " ".join(argv or sys.argv[1:]), "rows": rows}, a.out)
+    print("wrote", a.out)
+
+
+if __name__ == "__main__":
+    main()
