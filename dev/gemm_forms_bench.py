@@ -12,8 +12,8 @@ Forms (C fp32 [M, N], fp32 compute, alpha/beta device pointers, on one private h
   lt_bf16x3  bf16 K-tripled through cuBLASLt, the bf16x3 form's layouts
   sm90_pair  the pair as one launch of our sm90 kernel (gemm_sm90_pair_kernel: the e4m3 stages, then the fp16
              ones, into one accumulator, one fp32 output), on the fp16 and e4m3 operands above; the fastest of its
-             three schedules (each one's ms under "sm90_pair_configs"), its rel. L2 against the cuBLAS pair's
-             output on the same operands under "sm90_pair_rel_l2" (Hopper only)
+             schedules (PAIR_SCHEDULES x --pair-rasters; each one's ms under "sm90_pair_configs"), its rel. L2
+             against the cuBLAS pair's output on the same operands under "sm90_pair_rel_l2" (Hopper only)
 
 Shapes (D = 1536, H = 6144; row-major C[M,N] = op(A) @ op(B); p = planes: 3 for bf16x3, 1 for fp16):
   gemm1 grad_gelu    M=T N=H K=D   A [T, pD]             B [pD, H]
@@ -38,6 +38,7 @@ items) the rest are listed as skipped. A table is printed at the end.
 
 import argparse
 import datetime
+import itertools
 import os
 import sys
 import time
@@ -90,6 +91,9 @@ def parse_args(argv):
                    help="wall-clock seconds from the start after which no new (T, GEMM) starts (default 80)")
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)),
                    help="comma-separated token counts (default: the official ones)")
+    p.add_argument("--pair-rasters", type=lambda v: [int(x) for x in v.split(",")], default=[0],
+                   help="tile orders of the sm90 pair to time, comma-separated (0: down each column; R: bands of R "
+                        "tile rows); default 0")
     p.add_argument("--host-calls", type=int, default=2000, help="enqueues per host-cost measurement (default 2000)")
     args = p.parse_args(argv)
     try:
@@ -314,13 +318,13 @@ class Bench:
         want = c.astype(cupy.float64)
         out = cupy.full(m * n, cupy.nan, dtype=cupy.float32)
         rec["sm90_pair_configs"], rec["sm90_pair_rel_l2"] = {}, {}
-        for block_n, pingpong in sm90.PAIR_SCHEDULES:
-            name = f"bn{block_n}" + ("pp" if pingpong else "")
+        for (block_n, pingpong), raster in itertools.product(sm90.PAIR_SCHEDULES, self.args.pair_rasters):
+            name = f"bn{block_n}" + ("pp" if pingpong else "") + (f"r{raster}" if raster else "")
             launch = sm90.PairLaunch(a.data.ptr, lay16["lda"], "km" if lay16["a_trans"] else "mk", b.data.ptr,
                                      lay16["ldb"], "kn", a8.data.ptr, lay8["lda"], b8.data.ptr, lay8["ldb"],
                                      m, n, k, lay8["k"], device_id=self.device.id, alpha=1.0,
                                      pair_scale=A_SCALE, block_n=block_n, pingpong=pingpong,
-                                     out_ptr=out.data.ptr, ldc=n)
+                                     out_ptr=out.data.ptr, ldc=n, raster=raster)
             with self.stream:
                 out.fill(cupy.nan)
             rec["sm90_pair_configs"][name] = self.time(lambda: launch(self.stream.ptr))

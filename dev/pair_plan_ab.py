@@ -4,16 +4,17 @@ measurement, not a test; docs/decisions/064-pair-kernel-for-every-gemm.md):
     PYTHONPATH=. python3 dev/pair_plan_ab.py [--tokens 256 1024 8192] [--out $OUT/pair-plan-ab.json]
 
 Variants, each a plan of the official shape (D = 1536, H = 6144) on the same three rotated input sets:
-  default        the fp16+fp8 plan as built (FORM_TABLE, SM90_PAIR_GEMMS)
+  default        the fp16+fp8 plan as built (FORM_TABLE, SM90_PAIR_TOKENS, CUBLAS_PAIR_TOKENS)
+  before         the plan before docs/decisions/064: bf16x3 below T = 2048, the pair from there with GEMM1 alone as
+                 the sm90 kernel
+  gemm3-sm90     default, with GEMM3's pair as the sm90 kernel at every T too
   sm90-all       EngineOptions(sm90_pair=True): every pair GEMM as the sm90 pair kernel
-  pair-all-t     the pair form at every T (the form table's bf16x3 steps below T = 2048 left out), default options
-  pair-all-t-sm90  both
   tf32           the tf32 plan, for the ratio the issue's target names
-The pair-all-t variants are made by swapping the registry's fp16+fp8 Precision for one with a uniform pair table
-around each of their calls (a measurement build, never the product). Timing as dev/io_graph_ab.py's GPU span (L2
-flushed, a spin kernel ahead of the events), the variants alternated call by call, median of --reps. Accuracy: each
-variant's relative L2 error against the float64 reference (computed on the GPU) on the first input set, outputs
-NaN-filled before the call.
+The other tables are made by swapping the registry's fp16+fp8 Precision and cupyffn/f32/plan.py's SM90_PAIR_TOKENS
+around each build and call of that variant (a measurement build, never the product). Timing as dev/io_graph_ab.py's
+GPU span (L2 flushed, a spin kernel ahead of the events), the variants alternated call by call, median of --reps.
+Accuracy: each variant's relative L2 error against the float64 reference (computed on the GPU) on the first input
+set, outputs NaN-filled before the call.
 """
 
 import argparse
@@ -31,20 +32,30 @@ from io_graph_ab import SPIN, sample  # noqa: E402
 TOKENS = (256, 512, 1024, 2048, 3142, 4096, 4904, 8192)
 
 
-@contextlib.contextmanager
-def pair_everywhere(active):
-    """While active: the registry's fp16+fp8 precision takes the pair form at every T."""
-    from cupyffn.core import precision as P
+BEFORE = {"form_start": 2048, "sm90": {"gemm1": (0, 2 ** 31 - 1)}}
 
-    if not active:
+
+@contextlib.contextmanager
+def tables(change):
+    """While active: the fp16+fp8 form table's pair from change["form_start"] on, and SM90_PAIR_TOKENS updated with
+    change["sm90"] (GEMMs it does not name: never)."""
+    from cupyffn.core import precision as P
+    from cupyffn.f32 import plan as engine_plan
+
+    if not change:
         yield
         return
-    saved = P.PRECISIONS["fp16+fp8"]
-    P.PRECISIONS["fp16+fp8"] = dataclasses.replace(saved, steps=tuple((g, ((0, "f16+e4m3"),)) for g in P.GEMMS))
+    saved, saved_tokens = P.PRECISIONS["fp16+fp8"], engine_plan.SM90_PAIR_TOKENS
+    start = change.get("form_start")
+    if start is not None:
+        steps = tuple((g, ((0, "bf16x3"), (start, "f16+e4m3"))) for g in P.GEMMS)
+        P.PRECISIONS["fp16+fp8"] = dataclasses.replace(saved, steps=steps)
+    if "sm90" in change:
+        engine_plan.SM90_PAIR_TOKENS = {g: change["sm90"].get(g, (1, 0)) for g in P.GEMMS}
     try:
         yield
     finally:
-        P.PRECISIONS["fp16+fp8"] = saved
+        P.PRECISIONS["fp16+fp8"], engine_plan.SM90_PAIR_TOKENS = saved, saved_tokens
 
 
 def rel_l2(cupy, got, want):
@@ -61,23 +72,26 @@ def measure(cupy, T, reps):
     for k in range(3):
         inputs = {n: cupy.asarray(v) for n, v in W.make_inputs((T,), seed=10 * T + k).items()}
         sets.append([inputs[n] for n in W.INPUT_NAMES])
-    variants = {"default": (EngineOptions(), "fp16+fp8", False),
-                "sm90-all": (EngineOptions(sm90_pair=True), "fp16+fp8", False),
-                "pair-all-t": (EngineOptions(), "fp16+fp8", True),
-                "pair-all-t-sm90": (EngineOptions(sm90_pair=True), "fp16+fp8", True),
-                "tf32": (EngineOptions(), "tf32", False)}
+    from cupyffn.f32 import plan as engine_plan
+
+    gemm3_everywhere = dict(engine_plan.SM90_PAIR_TOKENS, gemm3=(0, 2 ** 31 - 1))
+    variants = {"default": (EngineOptions(), "fp16+fp8", None),
+                "before": (EngineOptions(), "fp16+fp8", BEFORE),
+                "gemm3-sm90": (EngineOptions(), "fp16+fp8", {"sm90": gemm3_everywhere}),
+                "sm90-all": (EngineOptions(sm90_pair=True), "fp16+fp8", None),
+                "tf32": (EngineOptions(), "tf32", None)}
     s = cupy.cuda.Stream(non_blocking=True)
     flush_buf = cupy.empty(256 * 2 ** 20 // 4, cupy.float32)
     spin = cupy.RawKernel(SPIN, "spin")
     plans, outs = {}, {}
-    for name, (options, precision, everywhere) in variants.items():
-        with pair_everywhere(everywhere):
+    for name, (options, precision, change) in variants.items():
+        with tables(change):
             plans[name] = plan_with_options(T, D, H, options, precision=precision)
         outs[name] = [[cupy.empty(sh, cupy.float32) for sh in ((T, D), (H, D), (D, H))] for _ in sets]
     cupy.cuda.Device().synchronize()
 
     def call(name, i):
-        with pair_everywhere(variants[name][2]):
+        with tables(variants[name][2]):
             plans[name](*sets[i % 3], out=outs[name][i % 3], stream=s)
 
     row = {"tokens": T}
@@ -90,6 +104,7 @@ def measure(cupy, T, reps):
         s.synchronize()
         row.setdefault("rel_l2", {})[name] = max(rel_l2(cupy, o, w) for o, w in zip(outs[name][0], want))
         row.setdefault("forms", {})[name] = plans[name].gemm_forms
+        row.setdefault("sm90", {})[name] = sorted(plans[name].engine.plan.sm90_pair)
     for name in variants:
         for i in range(3):
             call(name, i)

@@ -24,7 +24,7 @@ precision  forms                                                      contract(*
 ieee       f32 everywhere                                             5e-6
 bf16x3     bf16x3 everywhere                                          1e-4
 fp16+fp8   per GEMM the cheaper of f16+e4m3 and bf16x3 at the call's  1e-4
-           token count (FORM_TABLE, measured on the H200); bf16x3
+           token count (FORM_TABLE, measured on the H100); bf16x3
            where fp8's constraints fail; forward: bf16x3
 tf32       f16s everywhere                                            6e-4
 bf16       bf16 everywhere                                            5e-3
@@ -94,22 +94,14 @@ FORMS = {
                      "fp16 hi*hi plus one e4m3 GEMM (K doubled) for lo*hi + hi*lo, one fp32 output"),
 }
 
-#: fp16+fp8: per GEMM, (from this many tokens on, this form) steps. Measured on the H200
-#: (dev/gemm_forms_bench.py -> results/gemm-forms-h200.json; whole calls: docs/decisions/023-fp16-fp8-pair-form.md):
-#: the pair pays its fp32 output twice, so alone it is 0.73-0.90x bf16x3's time for GEMM2-4 from T = 2048
-#: on, but 1.01-1.08x for GEMM1 (output [T, H]) there; below T = 2048 it saves at most ~0.02 ms on a GEMM,
-#: less than the plan's extra conversion work costs the whole call (0.03-0.04 ms measured at T = 256-1024),
-#: so there every GEMM stays bf16x3 and the plan is the bf16x3 plan.
-#: GEMM1 (output [T, H]) takes the pair from T = 2048 on only as one launch of the sm90 pair kernel (e4m3 and fp16
-#: stages into one accumulator, one output: 0.78-0.81x bf16x3's time at T = 2048-8192, where cuBLAS's two
-#: products are 1.06-1.09x; docs/decisions/024-sm90-pair-kernel-gemm1.md): the GPU engine runs it bf16x3 wherever that
-#: kernel cannot run (cupyffn/f32/plan.py SM90_PAIR_GEMMS).
-FORM_TABLE = {
-    "gemm1": ((0, "bf16x3"), (2048, "f16+e4m3")),
-    "gemm2": ((0, "bf16x3"), (2048, "f16+e4m3")),
-    "gemm3": ((0, "bf16x3"), (2048, "f16+e4m3")),
-    "gemm4": ((0, "bf16x3"), (2048, "f16+e4m3")),
-}
+#: fp16+fp8: per GEMM, (from this many tokens on, this form) steps: the pair from T = 256 on (the smallest
+#: official T), bf16x3 below, where it was not measured. Measured on the H100, GEMMs alone and whole calls
+#: (dev/gemm_forms_bench.py, dev/pair_plan_ab.py; docs/decisions/064-pair-kernel-for-every-gemm.md, 023): with the
+#: pair of GEMM1, GEMM2 and GEMM4 as one sm90 kernel launch (128 x 192 tiles for the weight gradients), every GEMM's
+#: pair is faster than its bf16x3 from T = 256 on. Where that kernel cannot run, the GPU engine keeps bf16x3 for the
+#: GEMMs whose cuBLAS pair is slower (cupyffn/f32/plan.py CUBLAS_PAIR_TOKENS: GEMM1 everywhere, GEMM2 and GEMM4
+#: below T = 2048); GeluFFNBackward.gemm_forms reports what ran.
+FORM_TABLE = {g: ((0, "bf16x3"), (256, "f16+e4m3")) for g in ("gemm1", "gemm2", "gemm3", "gemm4")}
 
 
 def _uniform(form):
@@ -181,8 +173,8 @@ PRECISIONS = {
     "bf16": _plan("bf16", 5e-3, False, "one bf16 tensor-core pass, fp32 accumulation", _uniform("bf16"), "bf16"),
 }
 
-#: The default on a GPU: fp32-class gradients (contract 1e-4) at the lowest cost measured; below T = 2048 it is the
-#: bf16x3 plan bit for bit, from T = 2048 on GEMM2-4 run the fp16 + e4m3 pair (results/nvidia-h200.json).
+#: The default on a GPU: fp32-class gradients (contract 1e-4) at the lowest cost measured; below T = 256 it is the
+#: bf16x3 plan bit for bit, from T = 256 on every GEMM runs the fp16 + e4m3 pair (FORM_TABLE).
 DEFAULT = "fp16+fp8"
 
 #: The default on the CPU (NumPy arrays, device="cpu", CPU tensors): plain fp32, the fastest precision there and

@@ -4,7 +4,7 @@ A backward plan (`Plan`, cupyffn/f32/plan.py) reads its choices from the options
 else. Every field left at its default (None for the switches) is "auto": the measured choice. The windows that
 auto resolves to are one table, kept beside the code that uses them in cupyffn/f32/plan.py (`FUSED_GEMM1_TOKENS`,
 `GELU_EPILOGUE_TOKENS`, `EPILOGUE_WARPS_TOKENS`, `CALL_GRAPH_TOKENS`, `CONVERT_AB_TOKENS`: per operand format,
-the first and last T at which the mechanism runs; `SM90_PAIR_GEMMS`), each with its measurement and the
+the first and last T at which the mechanism runs; `SM90_PAIR_TOKENS`), each with its measurement and the
 decision note in docs/decisions/ it comes from. True asks for a mechanism wherever it can run (the engine still
 adds what the mechanism itself needs: the GPU, the format, the shape), False never; both are for comparisons
 and measurements (the benchmark's A/B twins, tests), not a user feature.
@@ -12,7 +12,7 @@ and measurements (the benchmark's A/B twins, tests), not a user feature.
   fused_gemm1     GEMM1 + dgelu as one sm90 kernel (FUSED_GEMM1_TOKENS; docs/decisions/025, 042)
   gelu_epilogue   memory mode: the fused GEMM1's epilogue also writes gelu_out for GEMM2 (GELU_EPILOGUE_TOKENS; 041)
   epilogue_warps  the fused GEMM1's epilogue in warps of its own (EPILOGUE_WARPS_TOKENS; 045)
-  sm90_pair       fp16+fp8: which pair GEMMs run as the sm90 pair kernel: None the GEMMs in SM90_PAIR_GEMMS,
+  sm90_pair       fp16+fp8: which pair GEMMs run as the sm90 pair kernel: None the GEMMs and T in SM90_PAIR_TOKENS,
                   True every pair GEMM, False none (024)
   call_graph      eager calls as one re-pointed CUDA graph launch (CALL_GRAPH_TOKENS; 018)
   convert_ab      convert A and convert B as one launch (CONVERT_AB_TOKENS; 019)

@@ -97,13 +97,24 @@ GELU_EPILOGUE_TOKENS = {P.FMT_F16S: (4096, 2 ** 31 - 1)}
 EPILOGUE_WARPS_TOKENS = {P.FMT_F16S: (513, 2 ** 31 - 1)}
 
 
-#: fp16+fp8: the GEMMs whose f16+e4m3 form runs as one launch of the sm90 pair kernel (kernels_cu/gemm_sm90.cu
-#: gemm_sm90_pair_kernel: no fp32 output written and read again between the two products) instead of cuBLAS's
-#: e4m3 + fp16 pair. Measured on the H200, GEMMs alone (docs/decisions/024-sm90-pair-kernel-gemm1.md): GEMM1 0.74x of
-#: cuBLAS's pair at T = 8192 (0.78-0.81x of bf16x3 at T = 2048-8192); GEMM3 0.99x at T = 8192 but 1.09-1.17x at
-#: T = 2048-4096; GEMM2 and GEMM4 (A read MN-major) 1.05-1.36x. sm90_pair auto: these; True: every pair GEMM;
-#: False: none.
-SM90_PAIR_GEMMS = ("gemm1",)
+#: fp16+fp8: per GEMM, the T (first, last) at which its f16+e4m3 form runs as one launch of the sm90 pair kernel
+#: (kernels_cu/gemm_sm90.cu gemm_sm90_pair_kernel: the e4m3 and fp16 stages into one accumulator, no fp32 output
+#: written and read again between the two products) instead of cuBLAS's e4m3 + fp16 pair. Measured on the H100,
+#: GEMMs alone and whole calls (docs/decisions/064-pair-kernel-for-every-gemm.md; GEMM1: 024): GEMM1 0.78-0.90x of
+#: bf16x3 at every official T; GEMM2 and GEMM4 (A read MN-major, 128 x 192 tiles) 0.81-0.92x of cuBLAS's pair and
+#: 0.66-0.95x of bf16x3 up to T = 4096, 1.06-1.09x of cuBLAS's pair beyond; GEMM3 0.88x of cuBLAS's pair at
+#: T = 2048 (128 x 192: 128 tiles, one wave) but 1.0-1.2x at the other T. sm90_pair auto: these; True: every pair
+#: GEMM at every T; False: none.
+SM90_PAIR_TOKENS = {"gemm1": (256, 2 ** 31 - 1), "gemm2": (256, 4096), "gemm3": (2048, 2048),
+                    "gemm4": (256, 4096)}
+
+#: fp16+fp8: per GEMM, the T (first, last) at which cuBLAS's two products (e4m3 cross terms, then fp16 onto the same
+#: fp32 output) beat bf16x3; None: nowhere (GEMM1, whose [T, H] output they write twice). A pair GEMM that the sm90
+#: kernel does not run (SM90_PAIR_TOKENS, the GPU, the options) outside its window runs bf16x3. Measured on the H100,
+#: GEMMs alone (064): GEMM2 and GEMM4 1.10-1.57x of bf16x3 below T = 2048, 0.73-0.94x from there; GEMM3 0.74-0.94x
+#: from T = 256 on; GEMM1 1.04-1.12x at T = 2048-4904.
+CUBLAS_PAIR_TOKENS = {"gemm1": None, "gemm2": (2048, 2 ** 31 - 1), "gemm3": (256, 2 ** 31 - 1),
+                      "gemm4": (2048, 2 ** 31 - 1)}
 
 #: The backward's GEMMs in launch order (their index: the call table's entry, the alpha's slot).
 GEMM_ORDER = ("gemm1", "gemm2", "gemm3", "gemm4")
@@ -206,11 +217,13 @@ class Plan:
                 if g in on_sm90:
                     self.sm90_pair.add(g)
                     continue
-                if g == "gemm1":  # cuBLAS's two products are slower than bf16x3 there (FORM_TABLE)
+                window = CUBLAS_PAIR_TOKENS[g]
+                if window is None or not window[0] <= self.T <= window[1]:  # cuBLAS's pair is slower than bf16x3
                     self.forms[g] = P.FORMS["bf16x3"]
-                    self.form_notes[g] = ("GEMM1's pair runs only as the sm90 pair kernel, which this plan does not "
-                                          "use (EngineOptions(sm90_pair=False), not a compute capability 9.0 GPU, "
-                                          "or D or H not a multiple of 8)")
+                    self.form_notes[g] = (f"{g}'s pair at T = {self.T} runs only as the sm90 pair kernel "
+                                          "(CUBLAS_PAIR_TOKENS), which this plan does not use for it "
+                                          "(SM90_PAIR_TOKENS, EngineOptions(sm90_pair=False), not a compute "
+                                          "capability 9.0 GPU, or D or H not a multiple of 8)")
                     continue
                 refusal = build_fp8(self, g)
                 if refusal is not None:
@@ -271,12 +284,13 @@ class Plan:
         return self.D % 8 == 0 and self.H % 8 == 0 and self.T < 2 ** 31 and self._sm90_supported()
 
     def _sm90_pair_gemms(self):
-        """The GEMMs whose f16+e4m3 form runs as one sm90 pair kernel (SM90_PAIR_GEMMS; options.sm90_pair: auto, True
+        """The GEMMs whose f16+e4m3 form runs as one sm90 pair kernel (SM90_PAIR_TOKENS; options.sm90_pair: auto, True
         every pair GEMM (comparisons), False none), where the kernel can run (_sm90_fits)."""
         choice = self.options.sm90_pair
         if choice is False or not self._sm90_fits():
             return set()
-        gemms = set(P.GEMMS) if choice else set(SM90_PAIR_GEMMS)
+        gemms = set(P.GEMMS) if choice else {g for g, (first, last) in SM90_PAIR_TOKENS.items()
+                                              if first <= self.T <= last}
         # the kernel sums all of K (and the pair's doubled K) in one accumulator
         return {g for g in gemms if not ksplit.chunked(2 * pad16(self.mnk(g)[2]), self.max_k)}
 

@@ -15,7 +15,7 @@ Backends, in the order :func:`build` tries them:
 
 A precision's form decides the descriptions (cupyffn/core/precision.py); :class:`PairGemm` is the
 f16+e4m3 form's two products into one output, :class:`Sm90PairGemm` the same form as one launch of our sm90
-kernel (cupyffn/gemm/sm90/launch.py PairLaunch) where the engine takes it (cupyffn/f32/plan.py SM90_PAIR_GEMMS).
+kernel (cupyffn/gemm/sm90/launch.py PairLaunch) where the engine takes it (cupyffn/f32/plan.py SM90_PAIR_TOKENS).
 :func:`build` with ``max_k`` runs a GEMM whose K exceeds it as :class:`KChunked` (cupyffn/gemm/ksplit.py).
 """
 

@@ -187,16 +187,17 @@ class PairLaunch:
     out = alpha (pair_scale A8 B8^T + A B^T) (+ out), alpha read from the device at ``alpha_ptr`` (the engine's
     consts) or the float ``alpha``. A [M, K] (a_layout "mk") or [K, M] ("km"), B [K, N] (b_layout "kn"), A8 [M, k8],
     B8 [N, k8]. The output and whether it accumulates are set per call (``args.c``, ``args.accumulate``).
-    (block_n, pingpong): one of PAIR_SCHEDULES (choose_pair_config)."""
+    (block_n, pingpong): one of PAIR_SCHEDULES (choose_pair_config); raster: the tile order (0 down each column, R > 0
+    bands of R tile rows: kernels_cu/sm90/scheduler.cuh)."""
 
     def __init__(self, a_ptr, lda, a_layout, b_ptr, ldb, b_layout, a8_ptr, lda8, b8_ptr, ldb8, m, n, k, k8, *,
                  device_id, alpha=1.0, alpha_ptr=None, pair_scale=8.0, block_n=128, pingpong=False, out_ptr=None,
-                 ldc=None):
+                 ldc=None, raster=0):
         if b_layout != "kn":
             raise ValueError(f"b_layout must be 'kn' (B [K, N], a weight as stored), got {b_layout!r}")
         self.config = check_config(Sm90Config(OP_F16E4M3, block_n, bool(pingpong), a_layout=a_layout))
         self.args = GemmArgs(out_ptr, None, None, n if ldc is None else ldc, 0, 0, m, n, k, alpha, None, alpha_ptr,
-                             xt_pairs=1, pair_scale=pair_scale, k8=k8)
+                             xt_pairs=1, raster=raster, pair_scale=pair_scale, k8=k8)
         self._maps = tensor_map.pair_maps(a_ptr, lda, a_layout, b_ptr, ldb, a8_ptr, lda8, b8_ptr, ldb8, m, n, k, k8,
                                           block_n)
         self._argv = (ctypes.c_void_p * 5)(*(ctypes.addressof(x.desc) for x in self._maps), ctypes.addressof(self.args))
