@@ -101,7 +101,7 @@ FORMS = {
 #: pair is faster than its bf16x3 from T = 256 on. Where that kernel cannot run, the GPU engine keeps bf16x3 for the
 #: GEMMs whose cuBLAS pair is slower (cupyffn/f32/plan.py CUBLAS_PAIR_TOKENS: GEMM1 everywhere, GEMM2 and GEMM4
 #: below T = 2048); GeluFFNBackward.gemm_forms reports what ran.
-FORM_TABLE = {g: ((0, "bf16x3"), (256, "f16+e4m3")) for g in ("gemm1", "gemm2", "gemm3", "gemm4")}
+FORM_TABLE = {g: ((0, "bf16x3"), (1024, "f16+e4m3")) for g in ("gemm1", "gemm2", "gemm3", "gemm4")}
 
 
 def _uniform(form):

@@ -376,7 +376,7 @@ class Gemms:
             self.addr(a), self.ops[a].dst_ld, "km" if g in ("gemm2", "gemm4") else "mk", self.addr(b),
             self.ops[b].dst_ld, "kn", self.addr(a8), k8, self.addr(b8), self.ops[b8].dst_ld, m, n, k, k8,
             device_id=self.device_id, alpha_ptr=alpha_ptr, pair_scale=P.E4M3_PAIR_SCALE, block_n=block_n,
-            pingpong=pingpong, ldc=n)
+            pingpong=pingpong, ldc=n, raster=sm90.choose_pair_raster(m, n))
         return gemm_desc.Sm90PairGemm(launch, f"{g} f16+e4m3 (sm90 pair kernel)")
 
     # ------------------------------------------------------------------ per call

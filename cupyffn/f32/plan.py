@@ -105,8 +105,7 @@ EPILOGUE_WARPS_TOKENS = {P.FMT_F16S: (513, 2 ** 31 - 1)}
 #: 0.66-0.95x of bf16x3 up to T = 4096, 1.06-1.09x of cuBLAS's pair beyond; GEMM3 0.88x of cuBLAS's pair at
 #: T = 2048 (128 x 192: 128 tiles, one wave) but 1.0-1.2x at the other T. sm90_pair auto: these; True: every pair
 #: GEMM at every T; False: none.
-SM90_PAIR_TOKENS = {"gemm1": (256, 2 ** 31 - 1), "gemm2": (256, 4096), "gemm3": (2048, 2048),
-                    "gemm4": (256, 4096)}
+SM90_PAIR_TOKENS = {"gemm1": (0, 2 ** 31 - 1), "gemm2": (0, 2048), "gemm3": (2048, 2048), "gemm4": (0, 2048)}
 
 #: fp16+fp8: per GEMM, the T (first, last) at which cuBLAS's two products (e4m3 cross terms, then fp16 onto the same
 #: fp32 output) beat bf16x3; None: nowhere (GEMM1, whose [T, H] output they write twice). A pair GEMM that the sm90

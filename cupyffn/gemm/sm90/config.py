@@ -209,6 +209,19 @@ def choose_pair_config(m, n, sms):
     return min(costs, key=lambda block_n: (costs[block_n], -block_n)), False
 
 
+#: Tile order of a pair launch whose output has at least as many rows as columns (GemmArgs::raster: bands of this many
+#: tile rows; 0, down each column, for the wide ones). Measured on the H100, GEMMs alone
+#: (docs/decisions/064-pair-kernel-for-every-gemm.md): GEMM4 ([H, D]: 48 tile rows) 0.93-0.96x of the column order at
+#: T = 1024-4904, GEMM1 at T = 8192 0.97x, GEMM2 ([D, H]: 12 tile rows) 1.00-1.05x with bands, so not there.
+PAIR_RASTER = 8
+
+
+def choose_pair_raster(m, n):
+    """The tile order (GemmArgs::raster) of a pair launch of an [m, n] output: bands of PAIR_RASTER tile rows where
+    m >= n, else the column order (0)."""
+    return PAIR_RASTER if m >= n else 0
+
+
 def _tiles(m, n, block_n):
     """Output tiles of BLOCK_M x block_n over an [m, n] output."""
     return -(-m // BLOCK_M) * -(-n // block_n)
