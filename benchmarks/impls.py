@@ -41,8 +41,8 @@ def _compiled_tf32(dy, x, w1, w2, z, t, g):
 #: the cuBLAS GEMM1 + dgelu pass route instead of the fused sm90 kernel (H100/H200 only, fused_gemm1=False), every
 #: launch from the host instead of the re-pointed call graph (call_graph=False), convert A and B as two launches on
 #: two streams instead of one (convert_ab=False), the fused GEMM1's staged epilogue instead of its epilogue warps
-#: (H100/H200 only, epilogue_warps=False). For fp16+fp8: GEMM1 as cuBLAS bf16x3 instead of the sm90 pair kernel
-#: (H100/H200 only, sm90_pair=False).
+#: (H100/H200 only, epilogue_warps=False). For fp16+fp8: no pair on the sm90 pair kernel, GEMM1 as cuBLAS bf16x3 and
+#: GEMM2-4 as cuBLAS's pair (or bf16x3 where that is slower: CUBLAS_PAIR_TOKENS) (H100/H200 only, sm90_pair=False).
 TF32_CUBLAS_GEMM1 = "cupyffn-tf32-cublas-gemm1"
 TF32_LAUNCHES = "cupyffn-tf32-launches"
 TF32_CONVERT_APART = "cupyffn-tf32-convert-apart"

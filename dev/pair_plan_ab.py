@@ -32,7 +32,7 @@ from io_graph_ab import SPIN, sample  # noqa: E402
 TOKENS = (256, 512, 1024, 2048, 3142, 4096, 4904, 8192)
 
 
-BEFORE = {"form_start": 2048, "sm90": {"gemm1": (0, 2 ** 31 - 1)}}
+BEFORE = {"form_start": 2048, "sm90": {"gemm1": ((0, 2 ** 31 - 1),)}}
 
 
 @contextlib.contextmanager
@@ -51,7 +51,7 @@ def tables(change):
         steps = tuple((g, ((0, "bf16x3"), (start, "f16+e4m3"))) for g in P.GEMMS)
         P.PRECISIONS["fp16+fp8"] = dataclasses.replace(saved, steps=steps)
     if "sm90" in change:
-        engine_plan.SM90_PAIR_TOKENS = {g: change["sm90"].get(g, (1, 0)) for g in P.GEMMS}
+        engine_plan.SM90_PAIR_TOKENS = {g: change["sm90"].get(g, ()) for g in P.GEMMS}
     try:
         yield
     finally:
@@ -74,7 +74,7 @@ def measure(cupy, T, reps):
         sets.append([inputs[n] for n in W.INPUT_NAMES])
     from cupyffn.f32 import plan as engine_plan
 
-    wide = dict(engine_plan.SM90_PAIR_TOKENS, gemm2=(0, 2 ** 31 - 1), gemm4=(0, 2 ** 31 - 1))
+    wide = dict(engine_plan.SM90_PAIR_TOKENS, gemm2=((0, 2 ** 31 - 1),), gemm4=((0, 2 ** 31 - 1),))
     variants = {"default": (EngineOptions(), "fp16+fp8", None),
                 "before": (EngineOptions(), "fp16+fp8", BEFORE),
                 "gemm2-4-sm90": (EngineOptions(), "fp16+fp8", {"sm90": wide}),

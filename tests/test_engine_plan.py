@@ -74,28 +74,42 @@ def test_bf16x3_and_its_lean_layout(tokens):
     assert build("bf16x3", tokens, options=EngineOptions(fused_gemm1=True)).fused_gemm1  # on request only
 
 
+def _in(windows, tokens):
+    return any(first <= tokens <= last for first, last in windows)
+
+
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("hopper", [True, False])
 def test_fp16_fp8_forms_and_fallbacks(tokens, hopper):
+    """Per GEMM: the pair as the sm90 kernel inside its SM90_PAIR_TOKENS windows (on a cc 9.0 GPU), else cuBLAS's
+    pair inside CUBLAS_PAIR_TOKENS (asked of cuBLASLt once), else bf16x3 with a note saying why."""
     plan = build("fp16+fp8", tokens, hopper)
-    if tokens < 2048:  # every GEMM bf16x3 (FORM_TABLE): the bf16x3 plan, bit for bit
+    if tokens < 1024:  # every GEMM bf16x3 (FORM_TABLE): the bf16x3 plan, bit for bit
         assert plan.gemm_forms == dict.fromkeys(P.GEMMS, "bf16x3") and (plan.fmt, plan.planes) == (P.FMT_BF16X3, 3)
         assert plan.asked_fp8 == [] and plan.layout.lean == (tokens >= 4096)
         return
     assert plan.fmt == P.FMT_F16E4M3 and not plan.fused_gemm1 and not plan.call_graph and not plan.convert_ab
-    assert plan.sm90_pair == ({"gemm1"} if hopper else set())  # SM90_PAIR_GEMMS
-    want = dict.fromkeys(P.GEMMS, "f16+e4m3")
-    if not hopper:  # GEMM1's pair only as the sm90 kernel
-        want["gemm1"] = "bf16x3"
-        assert "not a compute capability 9.0 GPU" in plan.form_notes["gemm1"]
+    on_sm90 = {g for g, windows in E.SM90_PAIR_TOKENS.items() if _in(windows, tokens)} if hopper else set()
+    assert plan.sm90_pair == on_sm90
+    on_cublas = [g for g in P.GEMMS if g not in on_sm90 and E.CUBLAS_PAIR_TOKENS[g] is not None
+                 and _in((E.CUBLAS_PAIR_TOKENS[g],), tokens)]
+    want = {g: "f16+e4m3" if g in on_sm90 or g in on_cublas else "bf16x3" for g in P.GEMMS}
+    for g in P.GEMMS:
+        if want[g] == "bf16x3":
+            assert "runs only as the sm90 pair kernel" in plan.form_notes[g]
     assert plan.gemm_forms == want
-    assert plan.asked_fp8 == ["gemm2", "gemm3", "gemm4"]  # the cuBLASLt pairs, asked once each
-    refused = build("fp16+fp8", tokens, hopper, refuse=("gemm3",))
-    assert refused.gemm_forms["gemm3"] == "bf16x3" and refused.form_notes["gemm3"] == "no cuBLASLt algorithm for gemm3"
+    assert plan.asked_fp8 == on_cublas  # the cuBLASLt pairs, asked once each
+    if on_cublas:
+        refused = build("fp16+fp8", tokens, hopper, refuse=(on_cublas[-1],))
+        assert refused.gemm_forms[on_cublas[-1]] == "bf16x3"
+        assert refused.form_notes[on_cublas[-1]] == f"no cuBLASLt algorithm for {on_cublas[-1]}"
     # the layout holds every encoding the forms read; each pair's K padded to 16, nothing overlaps
     ops = plan.layout.ops
-    assert {"grad_output", "grad_output.e4t", "gelu_out.e4t", "grad_linear1.e4t", "hidden_states.e4t"} <= set(ops)
-    assert ("grad_output.x3" in ops) == (not hopper)
+    if want["gemm2"] == "f16+e4m3":
+        assert {"grad_output", "grad_output.e4t", "gelu_out.e4t"} <= set(ops)
+    if want["gemm4"] == "f16+e4m3":
+        assert {"grad_linear1.e4t", "hidden_states.e4t"} <= set(ops)
+    assert ("grad_output.x3" in ops) == (want["gemm1"] == "bf16x3" or want["gemm2"] == "bf16x3")
     spans = sorted((op.offset, op.offset + op.nbytes) for op in ops.values())
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= plan.layout.scratch_bytes
 

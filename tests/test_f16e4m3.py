@@ -238,11 +238,12 @@ def test_effective_forms_fall_back_where_the_pair_does_not_fit():
     assert forms_of(ALL_PAIR, 64, 64, 200) == {"gemm1": b3, "gemm2": b3, "gemm3": pair, "gemm4": pair}
     assert forms_of(ALL_PAIR, 0, 64, 256)["gemm2"] == pair  # K = T = 0 is padded like any K
     plan = P.PRECISIONS["fp16+fp8"]
-    assert forms_of(plan, 512, 1536, 6144) == dict.fromkeys(P.GEMMS, b3)  # below T = 2048: the bf16x3 plan
-    # from T = 2048 on every GEMM (GEMM1's pair runs as the sm90 pair kernel; the GPU engine falls back to bf16x3
-    # where that kernel cannot run: tests/test_gpu_fp16fp8.py)
+    assert forms_of(plan, 512, 1536, 6144) == dict.fromkeys(P.GEMMS, b3)  # below T = 1024: the bf16x3 plan
+    assert forms_of(plan, 1023, 1536, 6144) == dict.fromkeys(P.GEMMS, b3)
+    # from T = 1024 on every GEMM (the GPU engine runs bf16x3 for a GEMM whose pair is slower on cuBLAS where the
+    # sm90 pair kernel does not run it: tests/test_engine_plan.py, tests/test_gpu_fp16fp8.py)
+    assert forms_of(plan, 1024, 1536, 6144) == dict.fromkeys(P.GEMMS, pair)
     assert forms_of(plan, 8192, 1536, 6144) == dict.fromkeys(P.GEMMS, pair)
-    assert forms_of(plan, 2047, 1536, 6144) == dict.fromkeys(P.GEMMS, b3)
     assert forms_of(plan, 3142, 1536, 6144)["gemm3"] == pair  # M = T = 3142 runs (measured)
 
 

@@ -37,20 +37,24 @@ def pair_gemms(tokens=8192, dim=1536, hidden=6144, hopper=True, monkeypatch=None
 def test_sm90_pair_gemms(monkeypatch):
     """fp16+fp8: which pair GEMMs run as the sm90 pair kernel (EngineOptions.sm90_pair) and where the kernel cannot
     run."""
-    assert pair_gemms(monkeypatch=monkeypatch) == {"gemm1"} == set(E.SM90_PAIR_GEMMS)
+    assert pair_gemms(monkeypatch=monkeypatch) == {"gemm1", "gemm2", "gemm3", "gemm4"}  # T = 8192
+    assert pair_gemms(tokens=4096, monkeypatch=monkeypatch) == {"gemm1"}
+    assert pair_gemms(tokens=2048, monkeypatch=monkeypatch) == {"gemm1", "gemm2", "gemm3", "gemm4"}
+    assert pair_gemms(tokens=1024, monkeypatch=monkeypatch) == {"gemm1", "gemm2", "gemm4"}
     assert pair_gemms(dim=1532, monkeypatch=monkeypatch) == set()     # rows not 16-byte multiples for TMA
     assert pair_gemms(hidden=6140, monkeypatch=monkeypatch) == set()
     assert pair_gemms(hopper=False, monkeypatch=monkeypatch) == set()  # sm_90a code runs on cc 9.0 only
     # the kernel sums its whole (doubled) K in one accumulator: not where that exceeds _ksplit.MAX_K
-    assert pair_gemms(dim=_ksplit.MAX_K // 2 - 16, monkeypatch=monkeypatch) == {"gemm1"}
-    assert pair_gemms(dim=_ksplit.MAX_K // 2 + 8, monkeypatch=monkeypatch) == set()
+    # (at T = 4096, where GEMM1 alone runs it)
+    assert pair_gemms(4096, dim=_ksplit.MAX_K // 2 - 16, monkeypatch=monkeypatch) == {"gemm1"}
+    assert pair_gemms(4096, dim=_ksplit.MAX_K // 2 + 8, monkeypatch=monkeypatch) == set()
     every = EngineOptions(sm90_pair=True)
     assert pair_gemms(monkeypatch=monkeypatch, options=every) == set(P.GEMMS)
     assert pair_gemms(tokens=_ksplit.MAX_K, monkeypatch=monkeypatch, options=every) == {"gemm1", "gemm3"}  # K = T
     assert pair_gemms(hopper=False, monkeypatch=monkeypatch, options=every) == set()
     assert pair_gemms(monkeypatch=monkeypatch, options=EngineOptions(sm90_pair=False)) == set()
     # max_k=None (unbounded): the kernel takes any K
-    assert pair_gemms(dim=_ksplit.MAX_K, monkeypatch=monkeypatch, options=EngineOptions(max_k=None)) == {"gemm1"}
+    assert pair_gemms(4096, dim=_ksplit.MAX_K, monkeypatch=monkeypatch, options=EngineOptions(max_k=None)) == {"gemm1"}
 
 
 def test_default_windows(monkeypatch):
@@ -157,15 +161,20 @@ def test_options_make_the_choices_of_the_old_switches(field, value, old):
 
 def test_default_options_reproduce_the_measured_windows(monkeypatch):
     """EngineOptions() makes exactly the choices the plans made with no switch set: fused GEMM1 for tf32 at every
-    T (never bf16x3), the sm90 pair for GEMM1 alone, gelu_out in the epilogue from T = 4096, epilogue warps from
-    T = 513."""
+    T (never bf16x3), the sm90 pair for the GEMMs and T of SM90_PAIR_TOKENS, gelu_out in the epilogue from T = 4096,
+    epilogue warps from T = 513."""
     assert AUTO == EngineOptions(None, None, None, None, None, None, _ksplit.MAX_K)
     for tokens in TOKENS[1:]:
         assert ok(P.FMT_F16S, tokens, monkeypatch=monkeypatch)
         assert not ok(P.FMT_BF16X3, tokens, monkeypatch=monkeypatch)
         assert gelu_ok(tokens=tokens, monkeypatch=monkeypatch) == (tokens >= 4096)
         assert warps_ok(tokens=tokens, monkeypatch=monkeypatch) == (tokens >= 513)
-    assert pair_gemms(monkeypatch=monkeypatch) == {"gemm1"}
+    for tokens in TOKENS:
+        want = {g for g, windows in E.SM90_PAIR_TOKENS.items() if any(a <= tokens <= b for a, b in windows)}
+        if 2 * ((tokens + 15) // 16 * 16) > _ksplit.MAX_K:  # GEMM2/GEMM4 (K = T) in K-chunks: cuBLAS's pair
+            want -= {"gemm2", "gemm4"}
+        assert pair_gemms(tokens, monkeypatch=monkeypatch) == want, tokens
+    assert pair_gemms(3142, monkeypatch=monkeypatch) == {"gemm1"}
     for tokens in TOKENS:
         for fmt in FORMATS:
             small_tf32 = fmt == P.FMT_F16S and 1 <= tokens <= 512

@@ -38,18 +38,35 @@ def on_sm90():
     return sm90.device_supported(cupy.cuda.Device().id)
 
 
+def _in(windows, tokens):
+    return any(first <= tokens <= last for first, last in windows)
+
+
+def expected_sm90(tokens):
+    """The pair GEMMs the engine runs as the sm90 pair kernel at `tokens` (SM90_PAIR_TOKENS), on a cc 9.0 GPU."""
+    if not on_sm90():
+        return set()
+    return {g for g, windows in engine_plan.SM90_PAIR_TOKENS.items() if _in(windows, tokens)}
+
+
 def expected_forms(tokens, dim, hidden):
-    """The table's forms, with GEMM1's pair where the engine can run it: only as the sm90 pair kernel."""
+    """The table's forms, with bf16x3 for a pair that neither the sm90 pair kernel (SM90_PAIR_TOKENS) nor cuBLAS
+    (CUBLAS_PAIR_TOKENS: where its two products beat bf16x3) runs at this T."""
     expected = {g: f.name for g, f in _precision.effective_forms(cupyffn.PRECISIONS[PLAN], tokens, dim, hidden).items()}
-    if expected["gemm1"] == "f16+e4m3" and not on_sm90():
-        expected["gemm1"] = "bf16x3"
+    sm90_gemms = expected_sm90(tokens)
+    for g, form in expected.items():
+        window = engine_plan.CUBLAS_PAIR_TOKENS[g]
+        if form == "f16+e4m3" and g not in sm90_gemms and (window is None or not _in((window,), tokens)):
+            expected[g] = "bf16x3"
     return expected
 
 
-CASES = [  # (T, D, H): the table gives the pair to gemm2-4 from T = 2048 on
-    (2048, 64, 256),
+CASES = [  # (T, D, H): the table gives the pair to every GEMM from T = 1024 on
+    (1024, 64, 256),     # GEMM1, GEMM2, GEMM4 as the sm90 pair kernel, GEMM3 as cuBLAS's
+    (2048, 64, 256),     # all four as the sm90 pair kernel
     (2048, 1536, 6144),  # official sizes
-    (4096, 1536, 6144),
+    (4096, 1536, 6144),  # GEMM1 as the sm90 pair kernel, GEMM2-4 as cuBLAS's
+    (8192, 64, 256),     # all four as the sm90 pair kernel again, K = T = 8192 for GEMM2 and GEMM4
     (2056, 64, 256),     # M = T not a multiple of 16: runs (measured), the pair on gemm2-4 still
 ]
 
@@ -63,8 +80,8 @@ def test_forms_ran_and_accuracy_beats_fp16_alone(tokens, dim, hidden):
     assert "f16+e4m3" in expected.values(), expected  # the case exercises the pair
     notes = plan.engine.plan.form_notes
     assert plan.gemm_forms == expected, f"ran {plan.gemm_forms}, table says {expected}; fallbacks: {notes}"
-    # GEMM1's pair as the sm90 kernel, GEMM2-4's as cuBLAS's two products (SM90_PAIR_GEMMS)
-    assert plan.engine.plan.sm90_pair == ({"gemm1"} if expected["gemm1"] == "f16+e4m3" else set())
+    # the pairs of SM90_PAIR_TOKENS as the sm90 kernel, the others as cuBLAS's two products
+    assert plan.engine.plan.sm90_pair == {g for g in expected_sm90(tokens) if expected[g] == "f16+e4m3"}
     grads = plan(*args, out=poisoned(args))
     tf32 = cupyffn.gelu_ffn_backward(*args, precision="tf32", out=poisoned(args))
     e_pair, e_tf32 = errors(grads, ref64), errors(tf32, ref64)
@@ -101,11 +118,12 @@ def test_memory_mode_and_accumulate_with_the_pair():
 def test_sm90_pair_switch(switch):
     """EngineOptions(sm90_pair=False): GEMM1 bf16x3 on cuBLAS (the plan before the sm90 pair kernel), GEMM2-4
     cuBLAS's pair; True: all four pairs on the sm90 kernel (GEMM2/GEMM4 read their A MN-major, and accumulate).
-    Either is a correct plan; the default (None) runs GEMM1 alone there, so its gradients downstream of GEMM1 differ
-    from both."""
+    Either is a correct plan; the default (None) runs GEMM1 alone there (T = 4096), so its gradients downstream of
+    GEMM1 differ from both."""
     if not on_sm90():
         pytest.skip("the sm90 pair kernel needs a compute capability 9.0 GPU")
-    tokens, dim, hidden = 2048, 64, 256
+    tokens, dim, hidden = 4096, 64, 256
+    assert expected_sm90(tokens) == {"gemm1"}
     args, inputs = make(tokens, dim, hidden, seed=21)
     ref64 = W.reference(inputs, xp=cupy)
     default = plan_with_options(tokens, dim, hidden, EngineOptions(), precision=PLAN)(
@@ -132,12 +150,11 @@ def test_sm90_pair_switch(switch):
             # GEMM2's: the same cuBLAS pair as the default's with False, the sm90 one with True
             assert not bool((grads[0] == default[0]).all()) and not bool((grads[1] == default[1]).all())
             assert bool((grads[2] == default[2]).all()) == (not switch)
-    assert engine_plan.SM90_PAIR_GEMMS == ("gemm1",)
 
 
 def test_below_the_pair_threshold_the_plan_is_bf16x3():
-    # every GEMM bf16x3 (T < 2048): the engine runs the bf16x3 plan's kernels, so the results are its bits
-    tokens, dim, hidden = 1024, 64, 256
+    # every GEMM bf16x3 (T < 1024): the engine runs the bf16x3 plan's kernels, so the results are its bits
+    tokens, dim, hidden = 1000, 64, 256
     args, _ = make(tokens, dim, hidden, seed=9)
     plan = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=PLAN)
     assert set(plan.gemm_forms.values()) == {"bf16x3"}, plan.gemm_forms

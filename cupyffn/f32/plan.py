@@ -97,23 +97,26 @@ GELU_EPILOGUE_TOKENS = {P.FMT_F16S: (4096, 2 ** 31 - 1)}
 EPILOGUE_WARPS_TOKENS = {P.FMT_F16S: (513, 2 ** 31 - 1)}
 
 
-#: fp16+fp8: per GEMM, the T (first, last) at which its f16+e4m3 form runs as one launch of the sm90 pair kernel
-#: (kernels_cu/gemm_sm90.cu gemm_sm90_pair_kernel: the e4m3 and fp16 stages into one accumulator, no fp32 output
-#: written and read again between the two products) instead of cuBLAS's e4m3 + fp16 pair. Measured on the H100,
-#: GEMMs alone and whole calls (docs/decisions/064-pair-kernel-for-every-gemm.md; GEMM1: 024): GEMM1 0.78-0.90x of
-#: bf16x3 at every official T; GEMM2 and GEMM4 (A read MN-major, 128 x 192 tiles) 0.81-0.92x of cuBLAS's pair and
-#: 0.66-0.95x of bf16x3 up to T = 4096, 1.06-1.09x of cuBLAS's pair beyond; GEMM3 0.88x of cuBLAS's pair at
-#: T = 2048 (128 x 192: 128 tiles, one wave) but 1.0-1.2x at the other T. sm90_pair auto: these; True: every pair
-#: GEMM at every T; False: none.
-SM90_PAIR_TOKENS = {"gemm1": (0, 2 ** 31 - 1), "gemm2": (0, 2048), "gemm3": (2048, 2048), "gemm4": (0, 2048)}
+#: fp16+fp8: per GEMM, the windows of T ((first, last), ...) in which its f16+e4m3 form runs as one launch of the
+#: sm90 pair kernel (kernels_cu/gemm_sm90.cu gemm_sm90_pair_kernel: the e4m3 and fp16 stages into one accumulator, no
+#: fp32 output written and read again between the two products) instead of cuBLAS's e4m3 + fp16 pair. Measured on
+#: the H100, whole calls at the official T against cuBLAS's pair for GEMM2-4, three runs
+#: (docs/decisions/064-pair-kernel-for-every-gemm.md; GEMM1: 024): GEMM2 and GEMM4 (A read MN-major, 128 x 192
+#: tiles) 0.90x of the call at T = 1024 (with the pair form), 0.965-0.975x at 2048 (with GEMM3); all three 0.969-0.981x
+#: at T = 8192, but 1.03-1.06x at T = 3142 and 1.01-1.04x at 4904 (their tiles share the GPU badly with the GEMM beside
+#: them on the other stream), 0.98-0.99x at 4096 (within the spread, left out); GEMM3 alone (cuBLAS's pair elsewhere)
+#: 1.0-1.2x of cuBLAS's pair but at T = 2048 (128 x 192 tiles: one wave). sm90_pair auto: these; True: every pair GEMM
+#: at every T; False: none.
+_LAST = 2 ** 31 - 1
+SM90_PAIR_TOKENS = {"gemm1": ((0, _LAST),), "gemm2": ((0, 2048), (8192, _LAST)),
+                    "gemm3": ((2048, 2048), (8192, _LAST)), "gemm4": ((0, 2048), (8192, _LAST))}
 
 #: fp16+fp8: per GEMM, the T (first, last) at which cuBLAS's two products (e4m3 cross terms, then fp16 onto the same
 #: fp32 output) beat bf16x3; None: nowhere (GEMM1, whose [T, H] output they write twice). A pair GEMM that the sm90
 #: kernel does not run (SM90_PAIR_TOKENS, the GPU, the options) outside its window runs bf16x3. Measured on the H100,
 #: GEMMs alone (064): GEMM2 and GEMM4 1.10-1.57x of bf16x3 below T = 2048, 0.73-0.94x from there; GEMM3 0.74-0.94x
 #: from T = 256 on; GEMM1 1.04-1.12x at T = 2048-4904.
-CUBLAS_PAIR_TOKENS = {"gemm1": None, "gemm2": (2048, 2 ** 31 - 1), "gemm3": (256, 2 ** 31 - 1),
-                      "gemm4": (2048, 2 ** 31 - 1)}
+CUBLAS_PAIR_TOKENS = {"gemm1": None, "gemm2": (2048, _LAST), "gemm3": (256, _LAST), "gemm4": (2048, _LAST)}
 
 #: The backward's GEMMs in launch order (their index: the call table's entry, the alpha's slot).
 GEMM_ORDER = ("gemm1", "gemm2", "gemm3", "gemm4")
@@ -288,8 +291,8 @@ class Plan:
         choice = self.options.sm90_pair
         if choice is False or not self._sm90_fits():
             return set()
-        gemms = set(P.GEMMS) if choice else {g for g, (first, last) in SM90_PAIR_TOKENS.items()
-                                              if first <= self.T <= last}
+        gemms = set(P.GEMMS) if choice else {g for g, windows in SM90_PAIR_TOKENS.items()
+                                              if any(first <= self.T <= last for first, last in windows)}
         # the kernel sums all of K (and the pair's doubled K) in one accumulator
         return {g for g in gemms if not ksplit.chunked(2 * pad16(self.mnk(g)[2]), self.max_k)}
 
