@@ -284,7 +284,7 @@ def test_default_policy_and_the_override():
     """auto (the default): fused for T in the format's FUSED_GEMM1_TOKENS window (tf32: every T), the cuBLAS
     route for bf16x3 (measured faster there over the whole call); EngineOptions(fused_gemm1=True) forces it for
     every format the kernel serves, False turns it off. Plans the kernel does not serve (ieee, fp16+fp8 from
-    T = 2048) never fuse. (The window's ends, 1 and 2^31 - 1, are tested without a GPU in test_fused_policy.py: a
+    T = 1024) never fuse. (The window's ends, 1 and 2^31 - 1, are tested without a GPU in test_fused_policy.py: a
     plan of 2^31 tokens does not fit in memory.)"""
     from cupyffn.f32 import plan as engine_plan
 
@@ -298,6 +298,6 @@ def test_default_policy_and_the_override():
     assert not plan_with_options(1024, 64, 256, off, precision="tf32").fused_gemm1
     assert plan_with_options(1024, 64, 256, on, precision="tf32").fused_gemm1
     assert plan_with_options(4096, 64, 256, on, precision="bf16x3").fused_gemm1
-    assert plan_with_options(1024, 64, 256, on, precision="fp16+fp8").fused_gemm1  # bf16x3 plan there
+    assert plan_with_options(1000, 64, 256, on, precision="fp16+fp8").fused_gemm1  # bf16x3 plan there
     assert not plan_with_options(4096, 64, 256, on, precision="fp16+fp8").fused_gemm1  # e4m3 pairs
     assert not plan_with_options(1024, 64, 256, on, precision="ieee").fused_gemm1
