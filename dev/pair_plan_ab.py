@@ -10,6 +10,8 @@ Variants, each a plan of the official shape (D = 1536, H = 6144) on the same thr
   gemm2-4-sm90   default, with GEMM2's and GEMM4's pairs as the sm90 kernel at every T
   sm90-all       EngineOptions(sm90_pair=True): every pair GEMM as the sm90 pair kernel
   tf32           the tf32 plan, for the ratio the issue's target names
+With --serial: default and sm90-all, each beside itself with every step on the caller's stream (GpuEngine.enqueue's
+serial mode, as the per-stage profile runs it), to see what the side stream's overlap gives or costs.
 The other tables are made by swapping the registry's fp16+fp8 Precision and cupyffn/f32/plan.py's SM90_PAIR_TOKENS
 around each build and call of that variant (a measurement build, never the product). Timing as dev/io_graph_ab.py's
 GPU span (L2 flushed, a spin kernel ahead of the events), the variants alternated call by call, median of --reps.
@@ -62,7 +64,7 @@ def rel_l2(cupy, got, want):
     return float(cupy.linalg.norm((got.astype(cupy.float64) - want).ravel()) / cupy.linalg.norm(want.ravel()))
 
 
-def measure(cupy, T, reps):
+def measure(cupy, T, reps, serial=False):
     from cupyffn import workloads as W
     from cupyffn.api.backward_plan import plan_with_options
     from cupyffn.f32.options import EngineOptions
@@ -80,6 +82,9 @@ def measure(cupy, T, reps):
                 "gemm2-4-sm90": (EngineOptions(), "fp16+fp8", {"sm90": wide}),
                 "sm90-all": (EngineOptions(sm90_pair=True), "fp16+fp8", None),
                 "tf32": (EngineOptions(), "tf32", None)}
+    if serial:
+        variants = {"default": variants["default"], "default-serial": variants["default"],
+                    "sm90-all": variants["sm90-all"], "sm90-all-serial": variants["sm90-all"]}
     s = cupy.cuda.Stream(non_blocking=True)
     flush_buf = cupy.empty(256 * 2 ** 20 // 4, cupy.float32)
     spin = cupy.RawKernel(SPIN, "spin")
@@ -87,6 +92,10 @@ def measure(cupy, T, reps):
     for name, (options, precision, change) in variants.items():
         with tables(change):
             plans[name] = plan_with_options(T, D, H, options, precision=precision)
+        if name.endswith("-serial"):  # every step on the caller's stream (the per-stage profile's order)
+            engine, enqueue = plans[name].engine, plans[name].engine.enqueue
+            engine.enqueue = lambda stream_ptr, serial=False, _enqueue=enqueue, **kw: _enqueue(stream_ptr, serial=True,
+                                                                                              **kw)
         outs[name] = [[cupy.empty(sh, cupy.float32) for sh in ((T, D), (H, D), (D, H))] for _ in sets]
     cupy.cuda.Device().synchronize()
 
@@ -124,13 +133,15 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     p.add_argument("--reps", type=int, default=25)
+    p.add_argument("--serial", action="store_true",
+                   help="instead: default and sm90-all, each also with every step on one stream")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "pair-plan-ab.json"))
     a = p.parse_args(argv)
     import cupy
 
     rows = []
     for T in a.tokens:
-        rows.append(measure(cupy, T, a.reps))
+        rows.append(measure(cupy, T, a.reps, a.serial))
         r = rows[-1]
         print(T, " ".join(f"{k} {v:.4f}" for k, v in r["ms"].items()),
               "| rel_l2", " ".join(f"{k} {v:.1e}" for k, v in r["rel_l2"].items()), flush=True)

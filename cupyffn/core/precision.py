@@ -94,13 +94,13 @@ FORMS = {
                      "fp16 hi*hi plus one e4m3 GEMM (K doubled) for lo*hi + hi*lo, one fp32 output"),
 }
 
-#: fp16+fp8: per GEMM, (from this many tokens on, this form) steps: the pair from T = 256 on (the smallest
-#: official T), bf16x3 below, where it was not measured. Measured on the H100, GEMMs alone and whole calls
-#: (dev/gemm_forms_bench.py, dev/pair_plan_ab.py; docs/decisions/064-pair-kernel-for-every-gemm.md, 023): with the
-#: pair of GEMM1, GEMM2 and GEMM4 as one sm90 kernel launch (128 x 192 tiles for the weight gradients), every GEMM's
-#: pair is faster than its bf16x3 from T = 256 on. Where that kernel cannot run, the GPU engine keeps bf16x3 for the
-#: GEMMs whose cuBLAS pair is slower (cupyffn/f32/plan.py CUBLAS_PAIR_TOKENS: GEMM1 everywhere, GEMM2 and GEMM4
-#: below T = 2048); GeluFFNBackward.gemm_forms reports what ran.
+#: fp16+fp8: per GEMM, (from this many tokens on, this form) steps: the pair from T = 1024 on, bf16x3 below.
+#: Measured on the H100, whole calls against the bf16x3 plan (dev/pair_plan_ab.py; GEMMs alone:
+#: dev/gemm_forms_bench.py; docs/decisions/064-pair-kernel-for-every-gemm.md, 023): with the pairs of GEMM1, GEMM2
+#: and GEMM4 as one sm90 kernel launch each (128 x 192 tiles for the weight gradients), 0.90x at T = 1024; at T = 256
+#: and 512 within 0.2% either way, so bf16x3 stays there (and below, unmeasured). Where that kernel cannot run, the
+#: GPU engine keeps bf16x3 for the GEMMs whose cuBLAS pair is slower (cupyffn/f32/plan.py CUBLAS_PAIR_TOKENS: GEMM1
+#: everywhere, GEMM2 and GEMM4 below T = 2048); GeluFFNBackward.gemm_forms reports what ran.
 FORM_TABLE = {g: ((0, "bf16x3"), (1024, "f16+e4m3")) for g in ("gemm1", "gemm2", "gemm3", "gemm4")}
 
 
@@ -173,8 +173,8 @@ PRECISIONS = {
     "bf16": _plan("bf16", 5e-3, False, "one bf16 tensor-core pass, fp32 accumulation", _uniform("bf16"), "bf16"),
 }
 
-#: The default on a GPU: fp32-class gradients (contract 1e-4) at the lowest cost measured; below T = 256 it is the
-#: bf16x3 plan bit for bit, from T = 256 on every GEMM runs the fp16 + e4m3 pair (FORM_TABLE).
+#: The default on a GPU: fp32-class gradients (contract 1e-4) at the lowest cost measured; below T = 1024 it is the
+#: bf16x3 plan bit for bit, from T = 1024 on every GEMM runs the fp16 + e4m3 pair (FORM_TABLE).
 DEFAULT = "fp16+fp8"
 
 #: The default on the CPU (NumPy arrays, device="cpu", CPU tensors): plain fp32, the fastest precision there and
