@@ -4,19 +4,18 @@ measurement, not a test; docs/decisions/064-pair-kernel-for-every-gemm.md):
     PYTHONPATH=. python3 dev/pair_plan_ab.py [--tokens 256 1024 8192] [--out $OUT/pair-plan-ab.json]
 
 Variants, each a plan of the official shape (D = 1536, H = 6144) on the same three rotated input sets:
-  default        the fp16+fp8 plan as built (FORM_TABLE, SM90_PAIR_TOKENS, CUBLAS_PAIR_TOKENS)
+  default        the fp16+fp8 plan as built (FORM_TABLE, SM90_PAIR_TOKENS, CUBLAS_PAIR_TOKENS, TWO_STREAMS_TOKENS)
   before         the plan before docs/decisions/064: bf16x3 below T = 2048, the pair from there with GEMM1 alone as
-                 the sm90 kernel
-  gemm2-4-sm90   default, with GEMM2's and GEMM4's pairs as the sm90 kernel at every T
+                 the sm90 kernel, two streams at every T
+  two-streams    default with EngineOptions(two_streams=True)
+  one-stream     default with EngineOptions(two_streams=False)
   sm90-all       EngineOptions(sm90_pair=True): every pair GEMM as the sm90 pair kernel
   tf32           the tf32 plan, for the ratio the issue's target names
-With --serial: default and sm90-all, each beside itself with every step on the caller's stream (GpuEngine.enqueue's
-serial mode, as the per-stage profile runs it), to see what the side stream's overlap gives or costs.
-The other tables are made by swapping the registry's fp16+fp8 Precision and cupyffn/f32/plan.py's SM90_PAIR_TOKENS
-around each build and call of that variant (a measurement build, never the product). Timing as dev/io_graph_ab.py's
-GPU span (L2 flushed, a spin kernel ahead of the events), the variants alternated call by call, median of --reps.
-Accuracy: each variant's relative L2 error against the float64 reference (computed on the GPU) on the first input
-set, outputs NaN-filled before the call.
+"before" is made by swapping the registry's fp16+fp8 Precision and cupyffn/f32/plan.py's SM90_PAIR_TOKENS around each
+build and call of that variant (a measurement build, never the product). Timing as dev/io_graph_ab.py's GPU span
+(L2 flushed, a spin kernel ahead of the events), the variants alternated call by call, median of --reps. Accuracy:
+each variant's relative L2 error against the float64 reference (computed on the GPU) on the first input set,
+outputs NaN-filled before the call.
 """
 
 import argparse
@@ -64,7 +63,7 @@ def rel_l2(cupy, got, want):
     return float(cupy.linalg.norm((got.astype(cupy.float64) - want).ravel()) / cupy.linalg.norm(want.ravel()))
 
 
-def measure(cupy, T, reps, serial=False):
+def measure(cupy, T, reps):
     from cupyffn import workloads as W
     from cupyffn.api.backward_plan import plan_with_options
     from cupyffn.f32.options import EngineOptions
@@ -74,17 +73,12 @@ def measure(cupy, T, reps, serial=False):
     for k in range(3):
         inputs = {n: cupy.asarray(v) for n, v in W.make_inputs((T,), seed=10 * T + k).items()}
         sets.append([inputs[n] for n in W.INPUT_NAMES])
-    from cupyffn.f32 import plan as engine_plan
-
-    wide = dict(engine_plan.SM90_PAIR_TOKENS, gemm2=((0, 2 ** 31 - 1),), gemm4=((0, 2 ** 31 - 1),))
     variants = {"default": (EngineOptions(), "fp16+fp8", None),
-                "before": (EngineOptions(), "fp16+fp8", BEFORE),
-                "gemm2-4-sm90": (EngineOptions(), "fp16+fp8", {"sm90": wide}),
+                "before": (EngineOptions(two_streams=True), "fp16+fp8", BEFORE),
+                "two-streams": (EngineOptions(two_streams=True), "fp16+fp8", None),
+                "one-stream": (EngineOptions(two_streams=False), "fp16+fp8", None),
                 "sm90-all": (EngineOptions(sm90_pair=True), "fp16+fp8", None),
                 "tf32": (EngineOptions(), "tf32", None)}
-    if serial:
-        variants = {"default": variants["default"], "default-serial": variants["default"],
-                    "sm90-all": variants["sm90-all"], "sm90-all-serial": variants["sm90-all"]}
     s = cupy.cuda.Stream(non_blocking=True)
     flush_buf = cupy.empty(256 * 2 ** 20 // 4, cupy.float32)
     spin = cupy.RawKernel(SPIN, "spin")
@@ -92,10 +86,6 @@ def measure(cupy, T, reps, serial=False):
     for name, (options, precision, change) in variants.items():
         with tables(change):
             plans[name] = plan_with_options(T, D, H, options, precision=precision)
-        if name.endswith("-serial"):  # every step on the caller's stream (the per-stage profile's order)
-            engine, enqueue = plans[name].engine, plans[name].engine.enqueue
-            engine.enqueue = lambda stream_ptr, serial=False, _enqueue=enqueue, **kw: _enqueue(stream_ptr, serial=True,
-                                                                                              **kw)
         outs[name] = [[cupy.empty(sh, cupy.float32) for sh in ((T, D), (H, D), (D, H))] for _ in sets]
     cupy.cuda.Device().synchronize()
 
@@ -133,15 +123,13 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     p.add_argument("--reps", type=int, default=25)
-    p.add_argument("--serial", action="store_true",
-                   help="instead: default and sm90-all, each also with every step on one stream")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "pair-plan-ab.json"))
     a = p.parse_args(argv)
     import cupy
 
     rows = []
     for T in a.tokens:
-        rows.append(measure(cupy, T, a.reps, a.serial))
+        rows.append(measure(cupy, T, a.reps))
         r = rows[-1]
         print(T, " ".join(f"{k} {v:.4f}" for k, v in r["ms"].items()),
               "| rel_l2", " ".join(f"{k} {v:.1e}" for k, v in r["rel_l2"].items()), flush=True)

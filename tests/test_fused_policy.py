@@ -38,23 +38,23 @@ def test_sm90_pair_gemms(monkeypatch):
     """fp16+fp8: which pair GEMMs run as the sm90 pair kernel (EngineOptions.sm90_pair) and where the kernel cannot
     run."""
     assert pair_gemms(monkeypatch=monkeypatch) == {"gemm1", "gemm2", "gemm3", "gemm4"}  # T = 8192
-    assert pair_gemms(tokens=4096, monkeypatch=monkeypatch) == {"gemm1"}
+    assert pair_gemms(tokens=3142, monkeypatch=monkeypatch) == {"gemm1"}
     assert pair_gemms(tokens=2048, monkeypatch=monkeypatch) == {"gemm1", "gemm2", "gemm3", "gemm4"}
     assert pair_gemms(tokens=1024, monkeypatch=monkeypatch) == {"gemm1", "gemm2", "gemm4"}
     assert pair_gemms(dim=1532, monkeypatch=monkeypatch) == set()     # rows not 16-byte multiples for TMA
     assert pair_gemms(hidden=6140, monkeypatch=monkeypatch) == set()
     assert pair_gemms(hopper=False, monkeypatch=monkeypatch) == set()  # sm_90a code runs on cc 9.0 only
     # the kernel sums its whole (doubled) K in one accumulator: not where that exceeds _ksplit.MAX_K
-    # (at T = 4096, where GEMM1 alone runs it)
-    assert pair_gemms(4096, dim=_ksplit.MAX_K // 2 - 16, monkeypatch=monkeypatch) == {"gemm1"}
-    assert pair_gemms(4096, dim=_ksplit.MAX_K // 2 + 8, monkeypatch=monkeypatch) == set()
+    # (at T = 3142, where GEMM1 alone runs it)
+    assert pair_gemms(3142, dim=_ksplit.MAX_K // 2 - 16, monkeypatch=monkeypatch) == {"gemm1"}
+    assert pair_gemms(3142, dim=_ksplit.MAX_K // 2 + 8, monkeypatch=monkeypatch) == set()
     every = EngineOptions(sm90_pair=True)
     assert pair_gemms(monkeypatch=monkeypatch, options=every) == set(P.GEMMS)
     assert pair_gemms(tokens=_ksplit.MAX_K, monkeypatch=monkeypatch, options=every) == {"gemm1", "gemm3"}  # K = T
     assert pair_gemms(hopper=False, monkeypatch=monkeypatch, options=every) == set()
     assert pair_gemms(monkeypatch=monkeypatch, options=EngineOptions(sm90_pair=False)) == set()
     # max_k=None (unbounded): the kernel takes any K
-    assert pair_gemms(4096, dim=_ksplit.MAX_K, monkeypatch=monkeypatch, options=EngineOptions(max_k=None)) == {"gemm1"}
+    assert pair_gemms(3142, dim=_ksplit.MAX_K, monkeypatch=monkeypatch, options=EngineOptions(max_k=None)) == {"gemm1"}
 
 
 def test_default_windows(monkeypatch):
@@ -145,7 +145,7 @@ TOKENS = (0, 1, 2, 255, 256, 257, 511, 512, 513, 1024, 2048, 3142, 4095, 4096, 4
 FORMATS = (P.FMT_F16S, P.FMT_BF16X3, P.FMT_F32, P.FMT_BF16, P.FMT_F16E4M3)
 WINDOWS = {"fused_gemm1": E.FUSED_GEMM1_TOKENS, "gelu_epilogue": E.GELU_EPILOGUE_TOKENS,
            "epilogue_warps": E.EPILOGUE_WARPS_TOKENS, "call_graph": E.CALL_GRAPH_TOKENS,
-           "convert_ab": E.CONVERT_AB_TOKENS}
+           "convert_ab": E.CONVERT_AB_TOKENS, "two_streams": E.TWO_STREAMS_TOKENS}
 
 
 @pytest.mark.parametrize("field", sorted(WINDOWS))
@@ -163,7 +163,7 @@ def test_default_options_reproduce_the_measured_windows(monkeypatch):
     """EngineOptions() makes exactly the choices the plans made with no switch set: fused GEMM1 for tf32 at every
     T (never bf16x3), the sm90 pair for the GEMMs and T of SM90_PAIR_TOKENS, gelu_out in the epilogue from T = 4096,
     epilogue warps from T = 513."""
-    assert AUTO == EngineOptions(None, None, None, None, None, None, _ksplit.MAX_K)
+    assert AUTO == EngineOptions(None, None, None, None, None, None, None, _ksplit.MAX_K)
     for tokens in TOKENS[1:]:
         assert ok(P.FMT_F16S, tokens, monkeypatch=monkeypatch)
         assert not ok(P.FMT_BF16X3, tokens, monkeypatch=monkeypatch)
@@ -175,6 +175,11 @@ def test_default_options_reproduce_the_measured_windows(monkeypatch):
             want -= {"gemm2", "gemm4"}
         assert pair_gemms(tokens, monkeypatch=monkeypatch) == want, tokens
     assert pair_gemms(3142, monkeypatch=monkeypatch) == {"gemm1"}
+    # two streams everywhere but fp16+fp8 from T = 4096 on (one stream there: TWO_STREAMS_TOKENS)
+    for tokens in TOKENS:
+        for fmt in FORMATS:
+            assert E.option_wanted(AUTO.two_streams, E.TWO_STREAMS_TOKENS, fmt, tokens) == (
+                fmt != P.FMT_F16E4M3 or tokens < 4096), (fmt, tokens)
     for tokens in TOKENS:
         for fmt in FORMATS:
             small_tf32 = fmt == P.FMT_F16S and 1 <= tokens <= 512

@@ -65,7 +65,8 @@ CASES = [  # (T, D, H): the table gives the pair to every GEMM from T = 1024 on
     (1024, 64, 256),     # GEMM1, GEMM2, GEMM4 as the sm90 pair kernel, GEMM3 as cuBLAS's
     (2048, 64, 256),     # all four as the sm90 pair kernel
     (2048, 1536, 6144),  # official sizes
-    (4096, 1536, 6144),  # GEMM1 as the sm90 pair kernel, GEMM2-4 as cuBLAS's
+    (3142, 64, 256),     # GEMM1 as the sm90 pair kernel, GEMM2-4 as cuBLAS's
+    (4096, 1536, 6144),  # all four as the sm90 pair kernel, on one stream (TWO_STREAMS_TOKENS)
     (8192, 64, 256),     # all four as the sm90 pair kernel again, K = T = 8192 for GEMM2 and GEMM4
     (2056, 64, 256),     # M = T not a multiple of 16: runs (measured), the pair on gemm2-4 still
 ]
@@ -118,11 +119,11 @@ def test_memory_mode_and_accumulate_with_the_pair():
 def test_sm90_pair_switch(switch):
     """EngineOptions(sm90_pair=False): GEMM1 bf16x3 on cuBLAS (the plan before the sm90 pair kernel), GEMM2-4
     cuBLAS's pair; True: all four pairs on the sm90 kernel (GEMM2/GEMM4 read their A MN-major, and accumulate).
-    Either is a correct plan; the default (None) runs GEMM1 alone there (T = 4096), so its gradients downstream of
+    Either is a correct plan; the default (None) runs GEMM1 alone there (T = 3142), so its gradients downstream of
     GEMM1 differ from both."""
     if not on_sm90():
         pytest.skip("the sm90 pair kernel needs a compute capability 9.0 GPU")
-    tokens, dim, hidden = 4096, 64, 256
+    tokens, dim, hidden = 3142, 64, 256
     assert expected_sm90(tokens) == {"gemm1"}
     args, inputs = make(tokens, dim, hidden, seed=21)
     ref64 = W.reference(inputs, xp=cupy)
@@ -150,6 +151,21 @@ def test_sm90_pair_switch(switch):
             # GEMM2's: the same cuBLAS pair as the default's with False, the sm90 one with True
             assert not bool((grads[0] == default[0]).all()) and not bool((grads[1] == default[1]).all())
             assert bool((grads[2] == default[2]).all()) == (not switch)
+
+
+@pytest.mark.parametrize("tokens", [1024, 4096])
+def test_one_stream_and_two_give_the_same_bits(tokens):
+    """EngineOptions(two_streams=...): the same launches in another order of streams, so bit for bit the same
+    gradients (fp16+fp8 runs one stream from T = 4096 on by default, two below: TWO_STREAMS_TOKENS)."""
+    dim, hidden = 64, 256
+    args, _ = make(tokens, dim, hidden, seed=31)
+    plans = {two: plan_with_options(tokens, dim, hidden, EngineOptions(two_streams=two), precision=PLAN)
+             for two in (False, True)}
+    default = cupyffn.GeluFFNBackward(tokens, dim, hidden, precision=PLAN)
+    assert default.engine.plan.two_streams == (tokens < 4096)
+    got = {two: plan(*args, out=poisoned(args)) for two, plan in plans.items()}
+    for label, a, b in zip(W.OUTPUT_NAMES, got[False], got[True]):
+        assert bool(cupy.isfinite(a).all()) and bool((a == b).all()), label
 
 
 def test_below_the_pair_threshold_the_plan_is_bf16x3():

@@ -153,7 +153,8 @@ class GpuEngine(StreamEngine):
                 lean=plan.layout.lean, convert=convert, ieee_gelu=kernels.ieee_gelu[1] if ieee_gelu else None,
                 fused=fused, fused_rescue=fused_rescue, decide=decide, dgelu=kernels.dgelu,
                 dgelu_rescue=kernels.dgelu_rescue, bias1=bias.bias1 if bias is not None else None,
-                bias2=bias.bias2 if bias is not None else None, gemms=(g.gemm1, g.gemm2, g.gemm3, g.gemm4))
+                bias2=bias.bias2 if bias is not None else None, gemms=(g.gemm1, g.gemm2, g.gemm3, g.gemm4),
+                two_streams=plan.two_streams)
         return stage
 
     def rebuild_stages(self):

@@ -3,8 +3,8 @@
 A backward plan (`Plan`, cupyffn/f32/plan.py) reads its choices from the options it is built with, nothing
 else. Every field left at its default (None for the switches) is "auto": the measured choice. The windows that
 auto resolves to are one table, kept beside the code that uses them in cupyffn/f32/plan.py (`FUSED_GEMM1_TOKENS`,
-`GELU_EPILOGUE_TOKENS`, `EPILOGUE_WARPS_TOKENS`, `CALL_GRAPH_TOKENS`, `CONVERT_AB_TOKENS`: per operand format,
-the first and last T at which the mechanism runs; `SM90_PAIR_TOKENS`), each with its measurement and the
+`GELU_EPILOGUE_TOKENS`, `EPILOGUE_WARPS_TOKENS`, `CALL_GRAPH_TOKENS`, `CONVERT_AB_TOKENS`, `TWO_STREAMS_TOKENS`: per
+operand format, the first and last T at which the mechanism runs; `SM90_PAIR_TOKENS`), each with its measurement and the
 decision note in docs/decisions/ it comes from. True asks for a mechanism wherever it can run (the engine still
 adds what the mechanism itself needs: the GPU, the format, the shape), False never; both are for comparisons
 and measurements (the benchmark's A/B twins, tests), not a user feature.
@@ -16,6 +16,8 @@ and measurements (the benchmark's A/B twins, tests), not a user feature.
                   True every pair GEMM, False none (024)
   call_graph      eager calls as one re-pointed CUDA graph launch (CALL_GRAPH_TOKENS; 018)
   convert_ab      convert A and convert B as one launch (CONVERT_AB_TOKENS; 019)
+  two_streams     the independent GEMMs (and convert B) on the engine's side stream beside the caller's
+                  (TWO_STREAMS_TOKENS; 013, 064); off, every step on the caller's stream in issue order
   max_k           the longest K one GEMM accumulator sums (cupyffn/gemm/ksplit.py; docs/decisions/001):
                   ksplit.MAX_K by default, None (or 0) unbounded, for measuring what the K-chunks buy
 
@@ -30,7 +32,8 @@ from typing import Optional
 from ..gemm import ksplit
 
 #: The fields that turn one mechanism on or off (None: auto).
-SWITCHES = ("fused_gemm1", "gelu_epilogue", "epilogue_warps", "sm90_pair", "call_graph", "convert_ab")
+SWITCHES = ("fused_gemm1", "gelu_epilogue", "epilogue_warps", "sm90_pair", "call_graph", "convert_ab",
+            "two_streams")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +47,7 @@ class EngineOptions:
     sm90_pair: Optional[bool] = None
     call_graph: Optional[bool] = None
     convert_ab: Optional[bool] = None
+    two_streams: Optional[bool] = None
     max_k: Optional[int] = ksplit.MAX_K
 
     def __post_init__(self):

@@ -68,6 +68,9 @@ FUSED_GEMM1_TOKENS = {P.FMT_F16S: (1, 2 ** 31 - 1)}
 CALL_GRAPH_TOKENS = {P.FMT_F16S: (1, 512)}
 
 
+#: The last T a window can name (T is below 2^31).
+_LAST = 2 ** 31 - 1
+
 #: Per format, T at which convert A and convert B are one launch (and one rescue launch) on S instead of two
 #: launches on two streams (convert_ab auto; True at every T, False never). Convert B's gathering pass can run
 #: beside convert A only after A's scale is decided (its last block caps gelu_out's exponent by grad_output's),
@@ -77,6 +80,17 @@ CALL_GRAPH_TOKENS = {P.FMT_F16S: (1, 512)}
 #: (docs/decisions/019-convert-ab-one-launch.md): 0.928-0.930 at T = 256, 0.983 at 512, 1.00-1.03 from T = 1024 on
 #: (there GEMM1 + dgelu, started after convert A, gains more from convert B filling its last wave).
 CONVERT_AB_TOKENS = {P.FMT_F16S: (1, 512)}
+
+#: Per format, T at which the independent work runs on the engine's side stream beside the caller's (GEMM2 beside
+#: GEMM1, GEMM4 beside GEMM3, convert B beside convert A: two_streams auto; True at every T, False never: every step
+#: on the caller's stream in issue order). Small GEMMs leave most of the GPU idle, so two side by side fill it
+#: (docs/decisions/013-two-streams.md: 4-15% at T = 256). fp16+fp8 from T = 4096 on runs one stream: there its GEMMs
+#: each fill the GPU, and two persistent sm90 pair kernels (or one beside a cuBLAS GEMM) share it worse than they
+#: run one after the other. Measured on the H100, whole calls, one stream / two, same run
+#: (docs/decisions/064-pair-kernel-for-every-gemm.md): every pair GEMM on the sm90 kernel 0.995 at T = 4096, 0.988 at
+#: 4904, 0.977 at 8192; but 1.04 at 1024, 1.01 at 2048 and 3142.
+TWO_STREAMS_TOKENS = {P.FMT_F32: (0, _LAST), P.FMT_BF16: (0, _LAST), P.FMT_BF16X3: (0, _LAST),
+                      P.FMT_F16S: (0, _LAST), P.FMT_F16E4M3: (0, 4095)}
 
 
 #: Per format, T at which the fused GEMM1 also writes gelu_out's fp16 codes for GEMM2 (module docstring;
@@ -100,16 +114,15 @@ EPILOGUE_WARPS_TOKENS = {P.FMT_F16S: (513, 2 ** 31 - 1)}
 #: fp16+fp8: per GEMM, the windows of T ((first, last), ...) in which its f16+e4m3 form runs as one launch of the
 #: sm90 pair kernel (kernels_cu/gemm_sm90.cu gemm_sm90_pair_kernel: the e4m3 and fp16 stages into one accumulator, no
 #: fp32 output written and read again between the two products) instead of cuBLAS's e4m3 + fp16 pair. Measured on
-#: the H100, whole calls at the official T against cuBLAS's pair for GEMM2-4, three runs
-#: (docs/decisions/064-pair-kernel-for-every-gemm.md; GEMM1: 024): GEMM2 and GEMM4 (A read MN-major, 128 x 192
-#: tiles) 0.90x of the call at T = 1024 (with the pair form), 0.965-0.975x at 2048 (with GEMM3); all three 0.969-0.981x
-#: at T = 8192, but 1.03-1.06x at T = 3142 and 1.01-1.04x at 4904 (their tiles share the GPU badly with the GEMM beside
-#: them on the other stream), 0.98-0.99x at 4096 (within the spread, left out); GEMM3 alone (cuBLAS's pair elsewhere)
-#: 1.0-1.2x of cuBLAS's pair but at T = 2048 (128 x 192 tiles: one wave). sm90_pair auto: these; True: every pair GEMM
-#: at every T; False: none.
-_LAST = 2 ** 31 - 1
-SM90_PAIR_TOKENS = {"gemm1": ((0, _LAST),), "gemm2": ((0, 2048), (8192, _LAST)),
-                    "gemm3": ((2048, 2048), (8192, _LAST)), "gemm4": ((0, 2048), (8192, _LAST))}
+#: the H100, whole calls at the official T against cuBLAS's pair for GEMM2-4 (docs/decisions/064-pair-kernel-for-every-
+#: gemm.md; GEMM1: 024): GEMM2 and GEMM4 (A read MN-major, 128 x 192 tiles) 0.90x of the call at T = 1024 (with the
+#: pair form), 0.965-0.975x at 2048 (with GEMM3); all three, with one stream from T = 4096 on (TWO_STREAMS_TOKENS),
+#: 0.97x at 4096, 1.00x at 4904, 0.98x at 8192; but at T = 3142, two streams, 1.03-1.06x (a persistent kernel shares
+#: the GPU badly with the GEMM beside it on the other stream), so cuBLAS's pair there; GEMM3 alone 1.0-1.2x of
+#: cuBLAS's pair but at T = 2048 (128 x 192 tiles: one wave). sm90_pair auto: these; True: every pair GEMM at every T;
+#: False: none.
+SM90_PAIR_TOKENS = {"gemm1": ((0, _LAST),), "gemm2": ((0, 2048), (4096, _LAST)),
+                    "gemm3": ((2048, 2048), (4096, _LAST)), "gemm4": ((0, 2048), (4096, _LAST))}
 
 #: fp16+fp8: per GEMM, the T (first, last) at which cuBLAS's two products (e4m3 cross terms, then fp16 onto the same
 #: fp32 output) beat bf16x3; None: nowhere (GEMM1, whose [T, H] output they write twice). A pair GEMM that the sm90
@@ -151,7 +164,7 @@ class Plan:
 
     forms ({gemm: Form}), form_notes (why a GEMM fell back to bf16x3), sm90_pair (the pair GEMMs run as the sm90
     pair kernel), fmt / planes (the operand format the plan converts to), fused_gemm1, gelu_epilogue_ok,
-    epilogue_warps, layout (cupyffn/f32/layout.py), convert_ab, convert_modes ({gelu_out from GEMM1's epilogue:
+    epilogue_warps, layout (cupyffn/f32/layout.py), convert_ab, two_streams, convert_modes ({gelu_out from GEMM1's epilogue:
     (convert A's names, convert B's names)}), k_chunked ({gemm: chunks}), call_graph.
     """
 
@@ -173,6 +186,7 @@ class Plan:
         self.epilogue_warps = self._epilogue_warps_ok()
         self.layout = Layout(self)
         self.convert_ab = self._convert_ab_ok()
+        self.two_streams = option_wanted(self.options.two_streams, TWO_STREAMS_TOKENS, self.fmt, self.T)
         # per mode (gelu_out formed in GEMM1's epilogue or not): what convert A and convert B write
         lay = self.layout
         if self.fmt == P.FMT_F16E4M3:

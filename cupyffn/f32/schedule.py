@@ -26,7 +26,8 @@ rescue launch; in memory mode with gelu_out formed in that epilogue, GEMM2 waits
 
 The lean layout (cupyffn/f32/layout.py): S waits for GEMM2 before dgelu, converts weight1 and hidden_states
 after it ("convert late") and runs GEMM4 itself. With `serial=True` (a caller's capture holding the side stream,
-or the per-stage profile) every step runs on S in this order and no event is waited on or recorded.
+or the per-stage profile), and in every call of a plan without two_streams (cupyffn/f32/plan.py TWO_STREAMS_TOKENS),
+every step runs on S in this order and no event is waited on or recorded.
 """
 
 import ctypes
@@ -79,7 +80,8 @@ class StageContext:
     convert: {stage: (names, launch, rescue launch or None)}; ieee_gelu: the launch recomputing gelu_out in fp32 in
     ieee memory mode (None in every other mode); fused, fused_rescue, decide: the fused GEMM1 + dgelu's launches
     (None without it); dgelu, dgelu_rescue (None with it); bias1 (a launch) and bias2 (two launches): the bias
-    gradients' (None without them); gemms: GEMM1..GEMM4's plans (None where the plan skips one). `steps`:
+    gradients' (None without them); gemms: GEMM1..GEMM4's plans (None where the plan skips one); two_streams: the
+    plan's (False: every call runs its steps on the caller's stream, as serial). `steps`:
     stages(self), built with the context so that a call only walks them.
     """
 
@@ -99,6 +101,7 @@ class StageContext:
     bias1: object
     bias2: tuple
     gemms: tuple
+    two_streams: bool = True
     steps: tuple = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -214,6 +217,7 @@ class StageRunner:
 
         r = self.resources
         mark = mark or (lambda name: None)
+        serial = serial or not stage.two_streams
         streams = {"S": stream_ptr, "S2": stream_ptr if serial else r.side_ptr}
         handles = {"S": r.main, "S2": r.main if serial else r.sidecar}
         events = r.events
