@@ -17,7 +17,8 @@ from benchmarks import timing
                                          ("tf32_rs_probe", "--tokens"), ("ptx_hashes", "--against"),
                                          ("rescue_cost", "--rounds"), ("gpu_suite", "--workers"),
                                          ("step_breakdown", "--modes"), ("lt_gemm_choices", "--shapes"),
-                                         ("op_host_cost", "--calls"), ("wave_table", "--tiles")])
+                                         ("op_host_cost", "--calls"), ("wave_table", "--tiles"),
+                                         ("pair_plan_ab", "--reps"), ("gemm_forms_bench", "--pair-rasters")])
 def test_loads_without_cupy_and_answers_help(name, option, capsys):
     tool = load_tool(name)
     with pytest.raises(SystemExit) as info:
@@ -274,3 +275,24 @@ def test_host_median_us_drains_the_device_before_each_call_and_drops_the_warmups
     us = timing.host_median_us(lambda: log.append("run"), 3, lambda: log.append("sync"), warmup=1)
     assert log == ["sync", "run"] * 4
     assert abs(us - 4.0) < 1e-6  # the median of 2, 4 and 9 us; the warm-up's 500,000 us dropped
+
+
+def test_pair_plan_ab_swaps_the_tables_and_puts_them_back():
+    """dev/pair_plan_ab.py's "before" build: inside tables(), the fp16+fp8 form table starts the pair at T = 2048 and
+    only GEMM1 has sm90 windows; after it (and after an exception inside it) the product's tables are back."""
+    from cupyffn.core import precision as P
+    from cupyffn.f32 import plan as engine_plan
+
+    tool = load_tool("pair_plan_ab")
+    precision, tokens = P.PRECISIONS["fp16+fp8"], engine_plan.SM90_PAIR_TOKENS
+    with tool.tables(tool.BEFORE):
+        inside = P.PRECISIONS["fp16+fp8"]
+        assert inside.form("gemm2", 2047).name == "bf16x3" and inside.form("gemm2", 2048).name == "f16+e4m3"
+        assert engine_plan.SM90_PAIR_TOKENS["gemm1"] == ((0, 2 ** 31 - 1),)
+        assert engine_plan.SM90_PAIR_TOKENS["gemm2"] == ()
+    assert P.PRECISIONS["fp16+fp8"] is precision and engine_plan.SM90_PAIR_TOKENS is tokens
+    with pytest.raises(RuntimeError):
+        with tool.tables(tool.BEFORE):
+            raise RuntimeError
+    assert P.PRECISIONS["fp16+fp8"] is precision and engine_plan.SM90_PAIR_TOKENS is tokens
+    assert precision.form("gemm2", 1024).name == "f16+e4m3"

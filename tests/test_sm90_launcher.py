@@ -291,3 +291,12 @@ def test_pair_config_never_picks_a_slower_wave_count():
             cost = {bn: -(-(-(-m // 128) * -(-n // bn)) // 132) * bn for bn, _ in G.PAIR_SCHEDULES}
             assert cost[block_n] == min(cost.values()), (m, n, cost)
 
+
+
+def test_pair_raster_bands_only_the_tall_outputs():
+    """choose_pair_raster: bands of PAIR_RASTER tile rows where the output has at least as many rows as columns
+    (GEMM4's [H, D], GEMM1 and GEMM3 at large T), the column order for the wide ones (GEMM2's [D, H])."""
+    assert G.PAIR_RASTER == 8
+    assert G.choose_pair_raster(6144, 1536) == 8 and G.choose_pair_raster(8192, 6144) == 8
+    assert G.choose_pair_raster(1536, 1536) == 8
+    assert G.choose_pair_raster(1536, 6144) == 0 and G.choose_pair_raster(256, 1536) == 0

@@ -42,7 +42,7 @@ from . import options as _options
 from .layout import Layout, pad16
 
 #: Operand formats whose GEMM1 + dgelu the sm90 kernel can run: the tf32 plan's scaled fp16 and the bf16x3 plan's
-#: planes (also fp16+fp8 below T = 2048, where it is the bf16x3 plan).
+#: planes (also fp16+fp8 below T = 1024, where it is the bf16x3 plan).
 FUSABLE_FORMATS = (P.FMT_F16S, P.FMT_BF16X3)
 
 # ---------------------------------------------------------------------- the measured windows
