@@ -18,7 +18,8 @@ from benchmarks import timing
                                          ("rescue_cost", "--rounds"), ("gpu_suite", "--workers"),
                                          ("step_breakdown", "--modes"), ("lt_gemm_choices", "--shapes"),
                                          ("op_host_cost", "--calls"), ("wave_table", "--tiles"),
-                                         ("pair_plan_ab", "--reps"), ("gemm_forms_bench", "--pair-rasters")])
+                                         ("pair_plan_ab", "--reps"), ("gemm_forms_bench", "--pair-rasters"),
+                                         ("streams_ab", "--precisions")])
 def test_loads_without_cupy_and_answers_help(name, option, capsys):
     tool = load_tool(name)
     with pytest.raises(SystemExit) as info:
