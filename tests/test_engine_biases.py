@@ -141,9 +141,10 @@ def test_bias_gradient_arguments_are_checked(rng):
 # ---------------------------------------------------------------------------------------------
 gpu = pytest.mark.gpu
 
-# (T, D, H): the SD3.5 block at a small T (bf16x3 planes in both precisions) and at T = 2048, where fp16+fp8 runs its
-# e4m3 pairs and split_e4m3's dgelu pass; an odd shape whose rows take the kernels' scalar paths
-SHAPES = [(256, 1536, 6144), (2048, 1536, 6144), (77, 100, 300)]
+# (T, D, H): the SD3.5 block at a small T (bf16x3 planes in both precisions), at T = 2048, where fp16+fp8 runs its
+# e4m3 pairs (all four on the sm90 pair kernel on an H100/H200) and split_e4m3's dgelu pass, and at T = 3142, where
+# GEMM2-4 take cuBLAS's pair; an odd shape whose rows take the kernels' scalar paths
+SHAPES = [(256, 1536, 6144), (2048, 1536, 6144), (3142, 256, 1024), (77, 100, 300)]
 
 
 def poisoned(cupy, shapes):
@@ -243,12 +244,16 @@ def test_gpu_bias_gradients_in_a_callers_capture(rng, precision):
                                   need_bias_grads=True)
 
     s = cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.Device().synchronize()  # the inputs and the poisoned outputs, made on the null stream
     step(s)  # plans built outside the capture
     s.begin_capture()
     step(s)
     graph = s.end_capture()
     for a in fwd + out:
         a.fill(numpy.nan)
+    # the fills ran on the null stream, which a non-blocking stream does not wait for: without this the replay may
+    # run first and the fills land on its results (a failure only when the GPU is busy with other work)
+    cupy.cuda.Device().synchronize()
     graph.launch(s)
     s.synchronize()
     refs, grads = reference(*host_args)

@@ -14,6 +14,7 @@ import cupyffn
 from cupyffn.api import execute, routes
 from cupyffn.core import plans as _plans, views as _views
 from cupyffn import workloads as W
+from cupyffn.gemm import sm90
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
@@ -490,14 +491,18 @@ def test_fixed_shape_stays_correct_while_another_thread_churns():
     assert checked[0] >= 20
 
 
-def test_cupy_capture_of_the_fp16fp8_pair():
-    """fp16+fp8 where it runs the e4m3 pair (cuBLASLt) on GEMM2-4: capture after a warm-up, replays with new
-    inputs (the fp16 scales re-decided on the device in every replay), accumulate into weight gradients."""
-    args, inputs = make(3, tokens=2048, dim=64, hidden=256)
+@pytest.mark.parametrize("tokens", [3142, 4096])
+def test_cupy_capture_of_the_fp16fp8_pair(tokens):
+    """fp16+fp8 where it runs the e4m3 pair on GEMM2-4, as cuBLAS's two products (cuBLASLt's e4m3 GEMM: T = 3142,
+    two streams) or as the sm90 pair kernel (T = 4096, one stream; on an H100/H200): capture after a warm-up, replays
+    with new inputs (the fp16 scales re-decided on the device in every replay), accumulate into weight gradients."""
+    args, inputs = make(3, tokens=tokens, dim=64, hidden=256)
     out = nan_outputs(args)
     cap = cupy.cuda.Stream(non_blocking=True)
-    plan = cupyffn.GeluFFNBackward(2048, 64, 256, precision="fp16+fp8")
+    plan = cupyffn.GeluFFNBackward(tokens, 64, 256, precision="fp16+fp8")
     assert plan.gemm_forms["gemm2"] == "f16+e4m3", plan.gemm_forms
+    assert ("gemm2" in plan.engine.plan.sm90_pair) == (tokens == 4096 and sm90.device_supported(cupy.cuda.Device().id))
+    assert plan.engine.plan.two_streams == (tokens < 4096)
     cupyffn.gelu_ffn_backward(*args, precision="fp16+fp8", out=out)  # warm-up, legacy stream
     cupy.cuda.Device().synchronize()
     graph = capture(cap, lambda: cupyffn.gelu_ffn_backward(*args, precision="fp16+fp8", out=out, stream=cap))
