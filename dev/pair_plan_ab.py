@@ -22,13 +22,12 @@ import argparse
 import contextlib
 import dataclasses
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _alternate import alternated_medians, input_sets  # noqa: E402
 from _json_out import save_json  # noqa: E402
-from io_graph_ab import SPIN, sample  # noqa: E402
 
 TOKENS = (256, 512, 1024, 2048, 3142, 4096, 4904, 8192)
 
@@ -69,10 +68,7 @@ def measure(cupy, T, reps):
     from cupyffn.f32.options import EngineOptions
 
     D, H = W.DIM, W.HIDDEN_DIM
-    sets = []
-    for k in range(3):
-        inputs = {n: cupy.asarray(v) for n, v in W.make_inputs((T,), seed=10 * T + k).items()}
-        sets.append([inputs[n] for n in W.INPUT_NAMES])
+    sets = input_sets(cupy, T)
     variants = {"default": (EngineOptions(), "fp16+fp8", None),
                 "before": (EngineOptions(two_streams=True), "fp16+fp8", BEFORE),
                 "two-streams": (EngineOptions(two_streams=True), "fp16+fp8", None),
@@ -80,8 +76,6 @@ def measure(cupy, T, reps):
                 "sm90-all": (EngineOptions(sm90_pair=True), "fp16+fp8", None),
                 "tf32": (EngineOptions(), "tf32", None)}
     s = cupy.cuda.Stream(non_blocking=True)
-    flush_buf = cupy.empty(256 * 2 ** 20 // 4, cupy.float32)
-    spin = cupy.RawKernel(SPIN, "spin")
     plans, outs = {}, {}
     for name, (options, precision, change) in variants.items():
         with tables(change):
@@ -104,15 +98,7 @@ def measure(cupy, T, reps):
         row.setdefault("rel_l2", {})[name] = max(rel_l2(cupy, o, w) for o, w in zip(outs[name][0], want))
         row.setdefault("forms", {})[name] = plans[name].gemm_forms
         row.setdefault("sm90", {})[name] = sorted(plans[name].engine.plan.sm90_pair)
-    for name in variants:
-        for i in range(3):
-            call(name, i)
-    got = {name: [] for name in variants}
-    for i in range(reps):
-        for name in variants:
-            ms, _ = sample(cupy, s, lambda: call(name, i), lambda: flush_buf.fill(1), spin, True)
-            got[name].append(ms)
-    row["ms"] = {name: round(statistics.median(v), 4) for name, v in got.items()}
+    row["ms"] = alternated_medians(cupy, s, {name: (lambda i, name=name: call(name, i)) for name in variants}, reps)
     for plan in plans.values():
         plan.close()
     cupy.cuda.Device().synchronize()

@@ -12,13 +12,12 @@ streams).
 
 import argparse
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _alternate import alternated_medians, input_sets  # noqa: E402
 from _json_out import save_json  # noqa: E402
-from io_graph_ab import SPIN, sample  # noqa: E402
 
 TOKENS = (256, 512, 1024, 2048, 3142, 4096, 4904, 8192)
 
@@ -29,17 +28,12 @@ def measure(cupy, precision, T, reps):
     from cupyffn.f32.options import EngineOptions
 
     D, H = W.DIM, W.HIDDEN_DIM
-    sets = []
-    for k in range(3):
-        inputs = {n: cupy.asarray(v) for n, v in W.make_inputs((T,), seed=10 * T + k).items()}
-        sets.append([inputs[n] for n in W.INPUT_NAMES])
+    sets = input_sets(cupy, T)
     options = {"default": EngineOptions(), "two": EngineOptions(two_streams=True),
                "one": EngineOptions(two_streams=False)}
     plans = {name: plan_with_options(T, D, H, o, precision=precision) for name, o in options.items()}
     outs = {name: [[cupy.empty(sh, cupy.float32) for sh in ((T, D), (H, D), (D, H))] for _ in sets] for name in plans}
     s = cupy.cuda.Stream(non_blocking=True)
-    flush_buf = cupy.empty(256 * 2 ** 20 // 4, cupy.float32)
-    spin = cupy.RawKernel(SPIN, "spin")
     cupy.cuda.Device().synchronize()
 
     def call(name, i):
@@ -52,12 +46,7 @@ def measure(cupy, precision, T, reps):
     row = {"precision": precision, "tokens": T,
            "default_two_streams": plans["default"].engine.plan.two_streams,
            "bitwise_equal": all(bool(cupy.array_equal(a, b)) for a, b in zip(outs["one"][0], outs["two"][0]))}
-    got = {name: [] for name in plans}
-    for i in range(reps):
-        for name in plans:
-            ms, _ = sample(cupy, s, lambda: call(name, i), lambda: flush_buf.fill(1), spin, True)
-            got[name].append(ms)
-    row["ms"] = {name: round(statistics.median(v), 4) for name, v in got.items()}
+    row["ms"] = alternated_medians(cupy, s, {name: (lambda i, name=name: call(name, i)) for name in plans}, reps)
     for plan in plans.values():
         plan.close()
     cupy.cuda.Device().synchronize()

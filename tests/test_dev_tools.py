@@ -297,3 +297,31 @@ def test_pair_plan_ab_swaps_the_tables_and_puts_them_back():
             raise RuntimeError
     assert P.PRECISIONS["fp16+fp8"] is precision and engine_plan.SM90_PAIR_TOKENS is tokens
     assert precision.form("gemm2", 1024).name == "f16+e4m3"
+
+
+def test_alternated_medians_warms_each_call_then_alternates(monkeypatch):
+    """dev/_alternate.py: `warmup` untimed calls of each, then round after round every call sampled once in order;
+    the medians per name."""
+    alternate = load_tool("_alternate")
+    log = []
+
+    class Cupy:  # only what alternated_medians touches outside `sample`
+        float32 = "float32"
+
+        @staticmethod
+        def empty(n, dtype):
+            return object()
+
+        @staticmethod
+        def RawKernel(src, name):
+            return object()
+
+    def sample(cupy, stream, call, flush, spin, queued):
+        call()
+        return {"a": 1.0, "b": 2.0}[log[-1][0]] + len(log) / 1000, 0.0
+
+    monkeypatch.setattr(alternate, "sample", sample)
+    calls = {name: (lambda i, name=name: log.append((name, i))) for name in ("a", "b")}
+    got = alternate.alternated_medians(Cupy, None, calls, reps=3, warmup=2)
+    assert log == [("a", 0), ("a", 1), ("b", 0), ("b", 1), ("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 2)]
+    assert got == {"a": 1.007, "b": 2.008}
