@@ -1,5 +1,5 @@
-"""Shared by dev/pair_plan_ab.py and dev/streams_ab.py: the official shape's rotated input sets, and whole calls of
-several plans timed alternately, each sample the GPU's span of one call (dev/io_graph_ab.py's `sample`: the L2
+"""Shared by dev/pair_plan_ab.py and dev/streams_ab.py: the official shape's rotated input sets and output sets, and
+whole calls of several plans timed alternately, each sample the GPU's span of one call (dev/io_graph_ab.py's `sample`: the L2
 flushed, a spin kernel ahead of the events)."""
 
 import statistics
@@ -17,6 +17,15 @@ def input_sets(cupy, tokens, count=3):
         inputs = {n: cupy.asarray(v) for n, v in W.make_inputs((tokens,), seed=10 * tokens + k).items()}
         sets.append([inputs[n] for n in W.INPUT_NAMES])
     return sets
+
+
+def output_sets(cupy, tokens, count=3):
+    """`count` sets of the backward's float32 outputs at the official D and H (grad_hidden, grad_weight1,
+    grad_weight2), uninitialized."""
+    from cupyffn import workloads as W
+
+    D, H = W.DIM, W.HIDDEN_DIM
+    return [[cupy.empty(shape, cupy.float32) for shape in ((tokens, D), (H, D), (D, H))] for _ in range(count)]
 
 
 def alternated_medians(cupy, stream, calls, reps, warmup=3):

@@ -26,7 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _alternate import alternated_medians, input_sets  # noqa: E402
+from _alternate import alternated_medians, input_sets, output_sets  # noqa: E402
 from _json_out import save_json  # noqa: E402
 
 TOKENS = (256, 512, 1024, 2048, 3142, 4096, 4904, 8192)
@@ -80,7 +80,7 @@ def measure(cupy, T, reps):
     for name, (options, precision, change) in variants.items():
         with tables(change):
             plans[name] = plan_with_options(T, D, H, options, precision=precision)
-        outs[name] = [[cupy.empty(sh, cupy.float32) for sh in ((T, D), (H, D), (D, H))] for _ in sets]
+        outs[name] = output_sets(cupy, T, len(sets))
     cupy.cuda.Device().synchronize()
 
     def call(name, i):

@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _alternate import alternated_medians, input_sets  # noqa: E402
+from _alternate import alternated_medians, input_sets, output_sets  # noqa: E402
 from _json_out import save_json  # noqa: E402
 
 TOKENS = (256, 512, 1024, 2048, 3142, 4096, 4904, 8192)
@@ -32,7 +32,7 @@ def measure(cupy, precision, T, reps):
     options = {"default": EngineOptions(), "two": EngineOptions(two_streams=True),
                "one": EngineOptions(two_streams=False)}
     plans = {name: plan_with_options(T, D, H, o, precision=precision) for name, o in options.items()}
-    outs = {name: [[cupy.empty(sh, cupy.float32) for sh in ((T, D), (H, D), (D, H))] for _ in sets] for name in plans}
+    outs = {name: output_sets(cupy, T, len(sets)) for name in plans}
     s = cupy.cuda.Stream(non_blocking=True)
     cupy.cuda.Device().synchronize()
 

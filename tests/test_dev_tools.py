@@ -5,6 +5,7 @@ the one timing helper (benchmarks/timing.py, re-exported by dev/_event_timing.py
 
 import types
 
+import numpy
 import pytest
 from tool_loader import load_tool  # tests/ is on sys.path
 
@@ -325,3 +326,17 @@ def test_alternated_medians_warms_each_call_then_alternates(monkeypatch):
     got = alternate.alternated_medians(Cupy, None, calls, reps=3, warmup=2)
     assert log == [("a", 0), ("a", 1), ("b", 0), ("b", 1), ("a", 0), ("b", 0), ("a", 1), ("b", 1), ("a", 2), ("b", 2)]
     assert got == {"a": 1.007, "b": 2.008}
+
+
+def test_output_sets_have_the_backwards_output_shapes():
+    """dev/_alternate.py output_sets: per set grad_hidden [T, D], grad_weight1 [H, D], grad_weight2 [D, H]."""
+    alternate = load_tool("_alternate")
+
+    class Cupy:
+        float32 = numpy.float32
+        empty = staticmethod(numpy.empty)
+
+    sets = alternate.output_sets(Cupy, 5, count=2)
+    assert len(sets) == 2 and sets[0][0] is not sets[1][0]
+    assert [a.shape for a in sets[0]] == [(5, 1536), (6144, 1536), (1536, 6144)]
+    assert all(a.dtype == numpy.float32 for s in sets for a in s)
