@@ -6,10 +6,12 @@ run: cupyffn's layer (``GeluFFN.from_linears``, the 16-bit/bias plan), torch eag
 under the same autocast) and, with --compile, torch.compile of that eager block and of cupyffn's layer (the same
 call for both: dynamic shapes, one compile each). An implementation that raises at a workload is recorded there with
 its error, and the suite goes on.
-Per workload: the backward alone (autograd, the graph retained, gradients reset to None before each call) and
-forward + backward, timed by benchmarks/protocol.py's Timer (CUPTI span; L2 flushed before each call, inputs
-rotated); every output's relative L2 error against float64 for each implementation; at every T the four bf16
-GEMMs alone (torch.matmul, plain cuBLAS) as the floor; the host time per backward call at T = 256 and 8192.
+Per workload: the forward alone (a training forward: autocast, parameters requiring grad, the graph then dropped),
+the backward alone (autograd, the graph retained, gradients reset to None before each call) and forward +
+backward, timed by benchmarks/protocol.py's Timer (CUPTI span; L2 flushed before each call, inputs rotated); every
+output's relative L2 error against float64 for each implementation; at every T the floors: the forward's two bf16
+GEMMs with their biases alone (torch.addmm) and the backward's four bf16 GEMMs alone (torch.matmul, plain cuBLAS);
+the host time per backward call at T = 256 and 8192.
 """
 
 import datetime
@@ -62,6 +64,12 @@ def _models(torch, params, compile, device="cuda"):
     return models, [l1.weight, l2.weight, l1.bias, l2.bias]
 
 
+def _forward(torch, model, x):
+    """One timed training forward (under autocast; the parameters require grad, so the graph is recorded)."""
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        return model(x)
+
+
 def _step(torch, model, params, x, dy, forward):
     """One timed call: forward (under autocast) + backward, or the backward of a retained graph `forward`."""
     for p in params:
@@ -105,6 +113,21 @@ def _gemm_floor(torch, T, timer):
 
     def run(i):
         dy @ w2, gl @ w1, gl.t() @ x, dy.t() @ g
+
+    return statistics.median(timer.measure(run)["times"])
+
+
+def _forward_floor(torch, T, timer):
+    """The forward's two bf16 GEMMs with their biases alone (torch.addmm, cuBLAS's bias epilogue), without the GELU:
+    the floor the fused forward (GELU in GEMM1's epilogue) is compared with."""
+    bf = torch.bfloat16
+    x, g = torch.randn(T, W.DIM, device="cuda", dtype=bf), torch.randn(T, W.HIDDEN_DIM, device="cuda", dtype=bf)
+    w1, w2 = torch.randn(W.HIDDEN_DIM, W.DIM, device="cuda", dtype=bf), torch.randn(W.DIM, W.HIDDEN_DIM,
+                                                                                     device="cuda", dtype=bf)
+    b1, b2 = torch.randn(W.HIDDEN_DIM, device="cuda", dtype=bf), torch.randn(W.DIM, device="cuda", dtype=bf)
+
+    def run(i):
+        torch.addmm(b1, x, w1.t()), torch.addmm(b2, g, w2.t())
 
     return statistics.median(timer.measure(run)["times"])
 
@@ -154,11 +177,13 @@ def run_suite(args, cupy):
         row = {"label": w.label, "tokens": T, "results": {}}
         with ctx():
             row["gemm_floor_ms"] = _gemm_floor(torch, T, timer)
+            row["forward_floor_ms"] = _forward_floor(torch, T, timer)
         for name, model in models.items():
             graphs = []
             try:
                 with ctx():
                     errors = _errors(torch, model, leaves, xs[0], dy, ref)
+                    fw = timer.measure(lambda i: _forward(torch, model, xs[i % len(xs)]))
                     fb = timer.measure(lambda i: _step(torch, model, leaves, xs[i % len(xs)], dy, None))
                     for x in xs:
                         xg = x.detach().clone().requires_grad_()
@@ -166,7 +191,8 @@ def run_suite(args, cupy):
                             graphs.append(model(xg))
                     bw = timer.measure(lambda i: _step(torch, model, leaves, None, dy, graphs[i % len(graphs)]))
                     graphs.clear()
-                row["results"][name] = {"backward_ms": statistics.median(bw["times"]),
+                row["results"][name] = {"forward_ms": statistics.median(fw["times"]),
+                                        "backward_ms": statistics.median(bw["times"]),
                                         "fwd_bwd_ms": statistics.median(fb["times"]), "timing": bw["timing"],
                                         "rel_l2": errors}
                 if T in (256, 8192):
@@ -177,7 +203,8 @@ def run_suite(args, cupy):
                 row["results"][name] = {"error": _one_line(e)}
         rows.append(row)
         print(f"{w.label:12s} T={T:5d} floor {row['gemm_floor_ms']:.4f} ms  " + "  ".join(
-            f"{n} failed: {r['error'][:200]}" if "error" in r else f"{n} bwd {r['backward_ms']:.4f} fwd+bwd "
+            f"{n} failed: {r['error'][:200]}" if "error" in r else f"{n} fwd {r['forward_ms']:.4f} bwd "
+            f"{r['backward_ms']:.4f} fwd+bwd "
             f"{r['fwd_bwd_ms']:.4f}" for n, r in row["results"].items()), flush=True)
         del models
         torch.cuda.empty_cache()
@@ -201,6 +228,9 @@ def summarize(rows):
         fb = [r["results"][n]["fwd_bwd_ms"] for r in rows]
         out["implementations"][n] = {"backward_geomean_ms": _geomean(bw), "backward_mean_ms": statistics.mean(bw),
                                      "fwd_bwd_geomean_ms": _geomean(fb), "fwd_bwd_mean_ms": statistics.mean(fb)}
+        if all("forward_ms" in r["results"][n] for r in rows):
+            fw = [r["results"][n]["forward_ms"] for r in rows]
+            out["implementations"][n].update(forward_geomean_ms=_geomean(fw), forward_mean_ms=statistics.mean(fw))
     per = out["implementations"]
     rivals = [n for n in names if n.startswith("torch-")]
     if "cupyffn" in per and rivals:
@@ -213,6 +243,15 @@ def summarize(rows):
         worst = max((r["results"]["cupyffn"]["rel_l2"][o] / max(r["results"]["torch-eager"]["rel_l2"][o], 1e-30), o,
                      r["tokens"]) for r in rows for o in OUTPUTS)
         out["worst_error_ratio_vs_torch_eager"] = {"ratio": worst[0], "output": worst[1], "tokens": worst[2]}
+    if all("forward_ms" in r["results"].get(n, {}) for r in rows for n in ("cupyffn", "torch-eager")):
+        # the forward's two targets: never slower than torch eager's; near its two GEMMs' floor at T >= 2048
+        slowest = max((r["results"]["cupyffn"]["forward_ms"] / r["results"]["torch-eager"]["forward_ms"], r["tokens"])
+                      for r in rows)
+        out["forward_slowest_vs_torch_eager"] = {"ratio": slowest[0], "tokens": slowest[1]}
+        large = [(r["results"]["cupyffn"]["forward_ms"] / r["forward_floor_ms"], r["tokens"]) for r in rows
+                 if r["tokens"] >= 2048 and "forward_floor_ms" in r]
+        if large:
+            out["forward_over_floor_from_2048"] = {"ratio": max(large)[0], "tokens": max(large)[1]}
     big = [r for r in rows if r["tokens"] == 8192]
     if big and "backward_ms" in big[0]["results"].get("cupyffn", {}):
         out["t8192_backward_over_gemm_floor"] = big[0]["results"]["cupyffn"]["backward_ms"] / big[0]["gemm_floor_ms"]
@@ -228,10 +267,11 @@ def markdown(result):
     lines = [f"# {SUITE}: SD3.5's MLP (dim 1536, hidden 6144, biases) under bf16 autocast, {env['device']}", "",
              f"{result['date'][:10]}, commit {str(result['git_commit'])[:7]}, CuPy {env['cupy']}, torch "
              f"{env['torch']}, timing {result['timing']}: `{result['command']}` (benchmarks/sd35.py says what is "
-             "timed).", "", "| implementation | backward geomean ms | backward mean ms | fwd+bwd geomean ms | "
-             "fwd+bwd mean ms |", "|---|---|---|---|---|"]
+             "timed).", "", "| implementation | forward geomean ms | forward mean ms | backward geomean ms | "
+             "backward mean ms | fwd+bwd geomean ms | fwd+bwd mean ms |", "|---|---|---|---|---|---|---|"]
     for n, e in per.items():
-        lines.append(f"| {n} | {e['backward_geomean_ms']:.4f} | {e['backward_mean_ms']:.4f} | "
+        forward = [f"{e[k]:.4f}" if k in e else "-" for k in ("forward_geomean_ms", "forward_mean_ms")]
+        lines.append(f"| {n} | {' | '.join(forward)} | {e['backward_geomean_ms']:.4f} | {e['backward_mean_ms']:.4f} | "
                      f"{e['fwd_bwd_geomean_ms']:.4f} | {e['fwd_bwd_mean_ms']:.4f} |")
     if "backward_speedup_vs_best_torch" in s:
         lines += ["", f"Backward: cupyffn {s['backward_speedup_vs_best_torch']:.2f}x faster (geomean) than the faster "
@@ -240,6 +280,13 @@ def markdown(result):
         wr = s["worst_error_ratio_vs_torch_eager"]
         lines[-1] += (f" Worst error ratio against torch eager's own (rel. L2 vs float64): {wr['ratio']:.2f} "
                       f"({wr['output']}, T = {wr['tokens']}).")
+    if "forward_slowest_vs_torch_eager" in s:
+        fs = s["forward_slowest_vs_torch_eager"]
+        lines.append(f"Forward: cupyffn's over torch eager's at most {fs['ratio']:.2f}x (T = {fs['tokens']})"
+                     + (f"; over its two GEMMs with biases alone (torch.addmm) at most "
+                        f"{s['forward_over_floor_from_2048']['ratio']:.2f}x from T = 2048 (T = "
+                        f"{s['forward_over_floor_from_2048']['tokens']})" if "forward_over_floor_from_2048" in s else "")
+                     + ".")
     if "t8192_backward_over_gemm_floor" in s:
         lines.append(f"At T = 8192 the backward takes {s['t8192_backward_over_gemm_floor']:.2f}x the four bf16 "
                      "GEMMs alone (torch.matmul).")
@@ -249,11 +296,15 @@ def markdown(result):
     for n, e in s.get("errors", {}).items():
         lines.append(f"{n} failed at {len(e['workloads'])} workloads ({', '.join(e['workloads'])}): "
                      + e["error"].replace("|", "\\|"))
-    lines += ["", "| workload | T | GEMM floor ms | " + " | ".join(f"{n} bwd ms | {n} fwd+bwd ms" for n in per) + " |",
-              "|---|---|---|" + "---|---|" * len(per)]
+    def ms(value):
+        return "-" if value is None else f"{value:.4f}"
+
+    lines += ["", "| workload | T | forward floor ms | backward floor ms | " + " | ".join(
+        f"{n} fwd ms | {n} bwd ms | {n} fwd+bwd ms" for n in per) + " |", "|---|---|---|---|" + "---|---|---|" * len(per)]
     for r in result["workloads"]:
-        lines.append(f"| {r['label']} | {r['tokens']} | {r['gemm_floor_ms']:.4f} | " + " | ".join(
-            f"{r['results'][n]['backward_ms']:.4f} | {r['results'][n]['fwd_bwd_ms']:.4f}" for n in per) + " |")
+        lines.append(f"| {r['label']} | {r['tokens']} | {ms(r.get('forward_floor_ms'))} | {ms(r['gemm_floor_ms'])} | "
+                     + " | ".join(f"{ms(r['results'][n].get('forward_ms'))} | {ms(r['results'][n]['backward_ms'])} | "
+                                  f"{ms(r['results'][n]['fwd_bwd_ms'])}" for n in per) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -7,7 +7,10 @@ with a GPT-2 MLP's tensors (bf16 activations, fp32 master Conv1D weights stored 
 every call, as a training loop's caching allocator gives them, so the calls run the route's graph replay. The median
 host time per call with the queue drained first, and the inclusive host time of each stage of the body (the
 functions below wrapped with timers: torch's casts and allocations, the door's three stages, the engine's parts),
-per call. Beside it, the host time of torch eager's addmm + GELU + addmm and of its autograd backward.
+per call. Beside it, the host time of torch eager's addmm + GELU + addmm and of its autograd backward; and a whole
+layer's forward + backward as a model runs it (autocast, parameters and input requiring grad): torch eager, torch
+inductor's code (torch.compile, default mode), cupyffn's block eager and under the same torch.compile, which is
+what a compiled swapped model pays per MLP on the host against what the plain compiled model pays.
 """
 
 import argparse
@@ -68,6 +71,38 @@ def host_us(run, calls):
     import torch
 
     return host_median_us(run, calls, torch.cuda.synchronize)
+
+
+def layer_rows(x, dy, w1s, w2s, b1, b2, calls):
+    """Host us of one layer's forward + backward, each way a model runs it (module docstring)."""
+    import torch
+
+    from cupyffn.frameworks.torch_layer import block
+
+    params = [w1s.clone().requires_grad_(), w2s.clone().requires_grad_(), b1.clone().requires_grad_(),
+              b2.clone().requires_grad_()]
+    xin = x.detach().clone().requires_grad_()
+
+    def torch_mlp(h):  # transformers' Conv1D: h @ W[in, out] + b
+        z = torch.addmm(params[2], h.flatten(0, -2), params[0])
+        return torch.addmm(params[3], torch.nn.functional.gelu(z, approximate="tanh"), params[1])
+
+    def cupyffn_mlp(h):  # what replace_mlps runs for it: the weights as [out, in] views of the same storage
+        return block(h, params[0].t(), params[1].t(), params[2], params[3])
+
+    rows = {}
+    for name, fn in (("torch eager", torch_mlp), ("torch.compile", torch.compile(torch_mlp)),
+                     ("cupyffn", cupyffn_mlp), ("cupyffn + torch.compile", torch.compile(cupyffn_mlp))):
+        def step(fn=fn):
+            for q in params:
+                q.grad = None
+            xin.grad = None
+            with torch.autocast(xin.device.type, dtype=torch.bfloat16):
+                y = fn(xin)
+            y.backward(dy)
+
+        rows[f"layer forward + backward: {name}"] = host_us(step, calls)
+    return rows
 
 
 def main(argv=None):
@@ -131,12 +166,13 @@ def main(argv=None):
         out.backward(dy, retain_graph=True)
 
     rows["torch eager backward"] = host_us(torch_backward, a.calls)
+    rows.update(layer_rows(x, dy, w1s, w2s, b1, b2, a.calls))
     print(f"T = {a.tokens}, D = {D}, H = {H}: host us per call (median, queue drained)")
     for k, v in rows.items():
         print(f"  {k:<24} {v:8.1f}")
-    for name, stages in per_call.items():
+    for name, timed in per_call.items():
         print(f"{name}: inclusive host us per call, timers on")
-        for k, v in stages.items():
+        for k, v in timed.items():
             print(f"  {k:<40} {v:8.1f}")
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": a.tokens,
               "commit": os.environ.get("CUPYFFN_GIT_COMMIT"), "host_us": rows, "stages_us": per_call}
