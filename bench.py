@@ -81,6 +81,9 @@ def _parser():
     parser.add_argument("--models", nargs="+", choices=("gpt2", "gpt2-medium", "sd35"), default=None,
                         help="train-bf16: the models to train (default: all three)")
     parser.add_argument("--steps", type=int, default=300, help="train-bf16: AdamW steps per run (default 300)")
+    parser.add_argument("--compiled", choices=("module", "cupyffn"), default="module",
+                        help="train-bf16: what the swapped MLPs run under torch.compile (replace_mlps' compiled=): "
+                             "the module's own forward (default) or cupyffn's operators")
     return parser
 
 
@@ -94,8 +97,8 @@ def parse_args(argv=None):
     unset = object()
     seen = parser.parse_args(argv, argparse.Namespace(**{name: unset for name in vars(args)}))
     args.given = frozenset(name for name, value in vars(seen).items() if value is not unset)
-    if args.suite != "train-bf16" and args.given & {"models", "steps"}:
-        parser.error("--models and --steps are options of --suite train-bf16")
+    if args.suite != "train-bf16" and args.given & {"models", "steps", "compiled"}:
+        parser.error("--models, --steps and --compiled are options of --suite train-bf16")
     if args.steps < 25:
         parser.error("--steps must be >= 25 (the median is taken after the fifth step, the loss over the last fifth)")
     for name in ("rounds", "iters", "warmup", "loop_calls"):

@@ -43,7 +43,8 @@ def run_suite(args, cupy):
     started = time.perf_counter()
     models, steps = {}, args.steps
     for model in args.models or MODELS:
-        entry = summarize(example.main(model, steps=steps, device="cuda", compile=True, keep_going=True), example)
+        entry = summarize(example.main(model, steps=steps, device="cuda", compile=True, keep_going=True,
+                                       compiled=args.compiled), example)
         models[model] = entry
         print(f"{model}: " + ", ".join(f"{n} " + ("failed" if "error" in e else f"{e['median_step_ms']:.2f} ms")
                                        for n, e in entry["runs"].items())
@@ -52,6 +53,7 @@ def run_suite(args, cupy):
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "python bench.py " + " ".join(sys.argv[1:]), "steps": steps,
             "tolerance": inspect.signature(example.main).parameters["tolerance"].default, "models": models,
+            "compiled": args.compiled,
             "wall_s": round(time.perf_counter() - started, 1)}
 
 
@@ -73,13 +75,19 @@ def _cell(text):
     return text.replace("|", "\\|")
 
 
+#: what a swapped model's compiled runs ran (replace_mlps' `compiled`; runs before the option ran the operators)
+_COMPILED_NOTE = {"module": "the MLP modules' own forward (replace_mlps' default compiled=\"module\"), as the plain "
+                            "model.",
+                  "cupyffn": "cupyffn's operators (replace_mlps(compiled=\"cupyffn\"))."}
+
+
 def markdown(result):
     env = result["env"]
     lines = [f"# {SUITE}: training steps under bf16 autocast, torch against cupyffn's MLPs, {env['device']}", "",
              f"{result['date'][:10]}, commit {str(result['git_commit'])[:7]}, CuPy {env['cupy']}, torch "
              f"{env['torch']}: `{result['command']}` ({result['steps']} AdamW steps per run; benchmarks/training.py "
-             "says what is timed).", "",
-             "| model | run | ms/step | torch eager / this | cupyffn vs its torch twin | final loss / eager's | "
+             "says what is timed). Compiled swapped runs: " + _COMPILED_NOTE.get(result.get("compiled", "cupyffn")),
+             "", "| model | run | ms/step | torch eager / this | cupyffn vs its torch twin | final loss / eager's | "
              "agree | graph breaks |",
              "|---|---|---|---|---|---|---|---|"]
     errors = []

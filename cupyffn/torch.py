@@ -33,6 +33,9 @@ parameters (cupyffn/frameworks/torch_layer.py).
 Models: ``replace_mlps(model)`` runs a model's MLPs (nn.Sequential, diffusers' FeedForward, transformers' GPT-2,
 GPTBigCode, GPT-Neo, GPT-J, CodeGen and Phi MLPs, timm's Mlp; their dropout as they place it) on cupyffn without
 changing its modules, parameters or state_dict keys; ``restore_mlps`` undoes it (cupyffn/frameworks/torch_swap.py).
+Under torch.compile with 16-bit activations a swapped MLP runs the module's own forward by default
+(``compiled="module"``: the compiler's fused code, as in the plain model, no Python per call; ``compiled="cupyffn"``
+keeps the operators in the graph; ``COMPILED`` lists the choices; docs/decisions/065-swap-in-a-compiled-step.md).
 
 Devices and streams: the work is enqueued on torch's current stream of the tensors' device
 (``torch.cuda.current_stream(device)``), so it is ordered like any torch op and the host is never
@@ -59,11 +62,11 @@ from .frameworks import torch_ops as _ops
 from .frameworks.torch_layer import GeluFFN, GeluFFNFunction, gelu_ffn
 from .frameworks.torch_parallel import (TensorParallelGeluFFN, TensorParallelGeluFFNFunction, shard_weights,
                                         tensor_parallel_gelu_ffn)
-from .frameworks.torch_swap import replace_mlps, restore_mlps, swapped_mlps
+from .frameworks.torch_swap import COMPILED, replace_mlps, restore_mlps, swapped_mlps
 
 __all__ = ["GeluFFN", "GeluFFNFunction", "gelu_ffn", "gelu_ffn_backward", "replace_mlps", "restore_mlps",
            "swapped_mlps", "TensorParallelGeluFFN", "TensorParallelGeluFFNFunction", "shard_weights",
-           "tensor_parallel_gelu_ffn"]
+           "tensor_parallel_gelu_ffn", "COMPILED"]
 
 
 def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out, tanh_inner=None, gelu_out=None,

@@ -64,6 +64,9 @@ def group_of(name, own):
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default="gpt2", help="examples/train_gpt2.py PRESETS name (default: %(default)s)")
+    p.add_argument("--compiled", choices=("module", "cupyffn"), default="cupyffn",
+                   help="replace_mlps' compiled= for the swapped model (default: %(default)s, the operators; "
+                        "\"module\" compiles the plain model's code)")
     p.add_argument("--layers", type=int, default=None, help="layers instead of the preset's")
     p.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["default"],
                    help="how both models run (default: %(default)s)")
@@ -205,12 +208,12 @@ def main(argv=None):
     item = next(example.batches(kind, 1, preset["batch"], preset["seq"], preset["dim"], preset["vocab"], "cuda"))
     own = own_kernels()
     result = {"model": args.model, "sizes": preset, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "commit": os.environ.get("CUPYFFN_GIT_COMMIT"), "runs": {}}
+              "commit": os.environ.get("CUPYFFN_GIT_COMMIT"), "compiled": args.compiled, "runs": {}}
     for mode in args.modes:
         for swapped in (False, True):
             model = example.build(kind, preset, "cuda")
             if swapped:
-                ct.replace_mlps(model)
+                ct.replace_mlps(model, compiled=args.compiled)
             name = ("cupyffn + " if swapped else "torch ") + mode
             torch._dynamo.reset()
             r = measure(model, kind, item, MODES[mode], args, own)

@@ -187,7 +187,7 @@ def _one_line(error, limit=1000):
 
 
 def main(model="gpt2", steps=300, device="cuda", dim=None, layers=None, heads=None, vocab=None, seq=None, batch=None,
-         lr=None, compile=True, tolerance=0.03, keep_going=False, say=None):
+         lr=None, compile=True, tolerance=0.03, keep_going=False, say=None, compiled="module"):
     """Train the torch model and its cupyffn clone, each eager and (compile=True) under torch.compile's default and
     reduce-overhead modes (RUNS); returns a dict: per run its losses, median step time, final loss (the mean of the
     last fifth of the steps, at least 20), its ratio to torch eager's and whether that is within `tolerance`
@@ -198,7 +198,9 @@ def main(model="gpt2", steps=300, device="cuda", dim=None, layers=None, heads=No
     lr: AdamW's (default 3e-4 for GPT-2; 1e-4 for sd35, whose regression at 3e-4 spikes: measured on the H200,
     eager and torch.compile then ended 17% apart). keep_going: a run that raises is recorded as {"error": "..."}
     and the others still run (the bench suite); otherwise the exception propagates. say(line), if given, reports
-    each run as it starts and ends (the script prints them: a compiled run can take a minute)."""
+    each run as it starts and ends (the script prints them: a compiled run can take a minute). compiled: replace_mlps'
+    option, what the swapped MLPs run under torch.compile ("module": the module's own forward, as the plain model;
+    "cupyffn": cupyffn's operators)."""
     if model not in PRESETS:
         raise ValueError(f"model must be one of {sorted(PRESETS)}; got {model!r}")
     given = dict(dim=dim, layers=layers, heads=heads, vocab=vocab, seq=seq, batch=batch)
@@ -210,10 +212,10 @@ def main(model="gpt2", steps=300, device="cuda", dim=None, layers=None, heads=No
     sizes["layers"] = layers_that_fit(kind, sizes, device)
     base = build(kind, sizes, device)
     fast = copy.deepcopy(base)
-    replaced, skipped = ct.replace_mlps(fast)
+    replaced, skipped = ct.replace_mlps(fast, compiled=compiled)
     if len(replaced) != sizes["layers"] or skipped:
         raise RuntimeError(f"replace_mlps swapped {replaced}, left {skipped}")
-    results = {"sizes": dict(sizes, hidden=4 * sizes["dim"])}
+    results = {"sizes": dict(sizes, hidden=4 * sizes["dim"]), "compiled": compiled}
     say = say or (lambda line: None)
     runs = [r for r in RUNS if compile or r[2] is None]
     for i, (name, swapped, mode) in enumerate(runs):
@@ -264,9 +266,12 @@ if __name__ == "__main__":
     p.add_argument("--small", action="store_true", help="dim 64, 2 layers, 2 heads, vocab 64, seq 32, batch 4")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cuda")
     p.add_argument("--no-compile", action="store_true", help="eager runs only (no torch.compile)")
+    p.add_argument("--compiled", choices=ct.COMPILED, default="module",
+                   help="what the swapped MLPs run under torch.compile: the module's own forward (default) or "
+                        "cupyffn's operators (replace_mlps' compiled=)")
     a = p.parse_args()
     sizes = dict(dim=64, layers=2, heads=2, vocab=64, seq=32, batch=4) if a.small else {}
-    r = main(a.model, a.steps, a.device, compile=not a.no_compile, keep_going=True,
+    r = main(a.model, a.steps, a.device, compile=not a.no_compile, keep_going=True, compiled=a.compiled,
              say=lambda line: print(line, flush=True), **sizes)
     failed = [name for name, _, _ in RUNS if "error" in r.get(name, {})]
     for name, _, _ in RUNS:

@@ -113,3 +113,19 @@ def test_gpt2_medium_comes_down_to_the_layers_that_fit(monkeypatch, capsys):
                      "note: gpt2 with 12 layers (dim 1024, seq 1024, batch 8) does not fit in GPU memory (24 GiB); "
                      "trying 6 layers"]
     assert EXAMPLE.layers_that_fit("gpt2", sizes, "cpu") == 24 and built == [24, 12, 6]  # the CPU: no probe
+
+
+def test_compiled_option_is_train_bf16s_and_reaches_the_swap(capsys):
+    import bench
+
+    assert bench.parse_args(["--suite", "train-bf16"]).compiled == "module"  # replace_mlps' default
+    assert bench.parse_args(["--suite", "train-bf16", "--compiled", "cupyffn"]).compiled == "cupyffn"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--compiled", "cupyffn"])  # the official suite swaps no model
+    assert "--compiled are options of --suite train-bf16" in capsys.readouterr().err
+    r = EXAMPLE.main("sd35", steps=20, device="cpu", compile=False, keep_going=True, compiled="cupyffn", **TINY)
+    assert r["compiled"] == "cupyffn"
+    note = training.markdown({"env": {"device": "CPU", "cupy": "-", "torch": "-"}, "date": "2026-12-06",
+                              "git_commit": "abcdef0", "command": "python bench.py", "steps": 20, "compiled": "module",
+                              "models": {}, "tolerance": 0.03})
+    assert "Compiled swapped runs: the MLP modules' own forward" in note

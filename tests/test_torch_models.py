@@ -186,6 +186,65 @@ def test_swapped_gpt2_and_sd35_stack_compile_with_zero_graph_breaks():
         assert torch.equal(torch.compile(stack, fullgraph=True, backend="aot_eager")(x), stack(x))
 
 
+def _swapped_stack(compiled=None):
+    """Three residual SD3.5-like blocks whose MLPs replace_mlps swapped (`compiled`: its option, None: the default),
+    the plain stack with the same weights, and their forward function."""
+    torch.manual_seed(5)
+    blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(D, H), torch.nn.GELU(approximate="tanh"),
+                                                     torch.nn.Linear(H, D)) for _ in range(3))
+    plain = copy.deepcopy(blocks)
+    options = {} if compiled is None else {"compiled": compiled}
+    assert len(ct.replace_mlps(blocks, **options)[0]) == 3
+
+    def forward(mlps, x):
+        for mlp in mlps:
+            x = x + mlp(x)
+        return x
+
+    return blocks, plain, forward
+
+
+@pytest.mark.parametrize("compiled", [None, "module", "cupyffn"])
+@pytest.mark.parametrize("autocast", [None, bf16_autocast], ids=["float32", "bf16-autocast"])
+def test_compiled_swap_runs_the_modules_own_forward_for_16_bit_activations(monkeypatch, compiled, autocast):
+    """replace_mlps(compiled="module"), the default: while torch.compile traces a swapped MLP with 16-bit
+    activations, the module's own forward is traced (no cupyffn operator in the graph, the plain compiled model's
+    values), and eager calls still run cupyffn's block; compiled="cupyffn" and float32 activations keep the
+    operators in the graph."""
+    from cupyffn.frameworks import torch_swap
+
+    torch._dynamo.reset()
+    blocks, plain, forward = _swapped_stack(compiled)
+    calls = []
+    real_block = torch_swap.block
+    monkeypatch.setattr(torch_swap, "block", lambda *a, **k: calls.append(1) or real_block(*a, **k))
+    x = torch.randn(2, 8, D)
+    ctx = autocast() if autocast is not None else torch.autocast("cpu", enabled=False)
+    with ctx:
+        eager = forward(blocks, x)
+        assert len(calls) == 3  # eager: cupyffn's block for each MLP, whatever `compiled` says
+        explain = torch._dynamo.explain(forward)(blocks, x)
+        got = torch.compile(forward, fullgraph=True, backend="aot_eager")(blocks, x)
+        want = torch.compile(forward, fullgraph=True, backend="aot_eager")(plain, x)
+    assert explain.graph_break_count == 0
+    operators = "\n".join(g.code for g in explain.graphs).count("cupyffn")
+    if autocast is not None and compiled != "cupyffn":
+        assert operators == 0
+        assert torch.equal(got, want)  # the plain model's traced code, its very values
+    else:
+        assert operators >= 3  # one forward operator per MLP
+        assert torch.equal(got, eager)
+    assert float((got.float() - want.float()).abs().max()) <= (5e-2 if autocast is not None else 1e-5)
+
+
+def test_compiled_option_is_checked():
+    blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(D, H), torch.nn.GELU(approximate="tanh"),
+                                                      torch.nn.Linear(H, D))])
+    with pytest.raises(ValueError, match=r"compiled must be one of 'module', 'cupyffn'; got 'fast'"):
+        ct.replace_mlps(blocks, compiled="fast")
+    assert ct.swapped_mlps(blocks) == []  # refused before anything was swapped
+
+
 def test_shared_weights_stay_shared():
     """Two MLPs built on one Linear (a tied layer): both run cupyffn, the Parameter stays one object, and its
     gradient is the sum of both uses, as in the plain model."""

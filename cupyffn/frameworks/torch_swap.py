@@ -14,6 +14,12 @@ second linear) is the module's own, run on cupyffn's output as the module runs i
 draws). A dropout between the activation and the second linear cannot be placed around cupyffn's block: with p > 0
 such an MLP is swapped in eval mode only, and in training its swapped forward is the module's own forward
 (docs/decisions/060-swap-places-dropout.md).
+
+Under torch.compile (and torch.export), where the activations are 16-bit, a swapped MLP runs the module's own forward
+by default (``compiled="module"``): the compiler then generates and fuses its code as in the plain model, whose GEMMs
+are the same cuBLAS products cupyffn's 16-bit route runs, and the operators' Python host time per call is not paid
+(docs/decisions/065-swap-in-a-compiled-step.md). ``compiled="cupyffn"`` keeps cupyffn's operators in the compiled
+graph. float32 activations always run cupyffn (its precisions are not torch's).
 """
 
 import functools
@@ -23,12 +29,14 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..core.precision import checked_name
-from .torch_layer import block, linear_weights
-from .torch_ops import check_save
+from .torch_layer import activation_dtype, block, linear_weights
+from .torch_ops import HALF, check_save
 
 _TANH_GELUS = ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "GELUPytorchTanh", "FastGELUActivation")
 _ERF_GELUS = ("GELUActivation",)
 _MARK = "_cupyffn_mlp"  # the attribute a swapped module carries (its Swap)
+#: What a swapped MLP runs under torch.compile / torch.export with 16-bit activations (module docstring).
+COMPILED = ("module", "cupyffn")
 
 
 class Family(NamedTuple):
@@ -65,6 +73,7 @@ class Swap(NamedTuple):
     save: str
     dropout: tuple = None      # path of the dropout on the output, run after cupyffn's block
     eval_only: bool = False    # a dropout p > 0 before linear2: in training, the module's own forward runs
+    compiled: str = "module"   # a COMPILED value
 
 
 def _probe_is_tanh_gelu(act):
@@ -199,6 +208,8 @@ def _forward(module, swap, hidden_states, *args, **kwargs):
     if swap.eval_only and module.training:
         return type(module).forward(module, hidden_states, *args, **kwargs)
     w1, b1, t1 = linear_weights(_walk(module, swap.linear1))
+    if swap.compiled == "module" and torch.compiler.is_compiling() and activation_dtype(hidden_states, w1) in HALF:
+        return type(module).forward(module, hidden_states, *args, **kwargs)
     w2, b2, _ = linear_weights(_walk(module, swap.linear2))
     if t1:  # Conv1D: [in, out] as stored, read through the transposed views
         w1, w2 = w1.t(), w2.t()
@@ -206,7 +217,13 @@ def _forward(module, swap, hidden_states, *args, **kwargs):
     return out if swap.dropout is None else _walk(module, swap.dropout)(out)
 
 
-def replace_mlps(model, precision=None, save="all"):
+def check_compiled(compiled):
+    if compiled not in COMPILED:
+        raise ValueError(f"compiled must be one of {', '.join(repr(c) for c in COMPILED)}; got {compiled!r}")
+    return compiled
+
+
+def replace_mlps(model, precision=None, save="all", compiled="module"):
     """Run every MLP of `model` that cupyffn reproduces exactly on cupyffn, in place, keeping the model (module
     docstring).
 
@@ -217,14 +234,19 @@ def replace_mlps(model, precision=None, save="all"):
     ``PhiMLP``; timm's ``Mlp`` (``act_layer=partial(nn.GELU, approximate="tanh")``, SigLIP-style ViTs). A dropout on the
     MLP's output runs as the module runs it; an MLP with a dropout p > 0 between the activation and the second linear
     is swapped only when it is in eval mode, and computes with its own forward whenever it is in training
-    (``swapped_mlps`` then leaves it out). `precision` and `save` as in ``GeluFFN``. Swapping a swapped MLP again
-    updates its options; ``restore_mlps`` undoes it.
+    (``swapped_mlps`` then leaves it out). `precision` and `save` as in ``GeluFFN``. `compiled`: what a swapped MLP
+    runs while torch.compile or torch.export traces it with 16-bit activations (autocast or 16-bit inputs):
+    "module" (the default), the module's own forward, so that the compiled model's code for its MLPs is the plain
+    model's (inductor's fused kernels, no Python per call); "cupyffn", cupyffn's operators, opaque calls in the graph
+    (1-2% faster on the GPU-bound GPT-2 medium, 7-12% slower on host-bound small models: docs/decisions/065). Eager
+    calls and float32 activations run cupyffn either way. Swapping a swapped MLP again updates its options;
+    ``restore_mlps`` undoes it.
 
     Returns ``(replaced, skipped)``: the names of the modules now running on cupyffn, and {name: reason} for
     MLP-like modules left alone because cupyffn would compute something else. Where the model has MLP-like modules
     and none was swapped, one warning says why.
     """
-    precision, save = checked_name(precision), check_save(save)
+    precision, save, compiled = checked_name(precision), check_save(save), check_compiled(compiled)
     replaced, skipped = [], {}
     for name, module in model.named_modules():
         if any(name.startswith(r + ".") for r in replaced):
@@ -239,7 +261,7 @@ def replace_mlps(model, precision=None, save="all"):
         if fields is None:
             continue
         path1, path2, dropout, eval_only = fields
-        swap = Swap(path1, path2, precision, save, dropout, eval_only)
+        swap = Swap(path1, path2, precision, save, dropout, eval_only, compiled)
         setattr(module, _MARK, swap)
         module.forward = functools.partial(_forward, module, swap)
         replaced.append(name)
