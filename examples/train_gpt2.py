@@ -5,7 +5,9 @@ Builds a transformers GPT-2 from a config (no downloaded weights), clones it, sw
 same synthetic batches, and checks that the loss curves agree: the mean loss of the last fifth of the steps (at
 least 20) within `tolerance` (relative) of eager torch's. With compilation (the default) both are also trained
 under ``torch.compile`` (default mode) and ``torch.compile(mode="reduce-overhead")`` (CUDA graphs on the GPU), the
-plain model and the swapped one compiled alike. Reports the median step time and final loss of every run.
+plain model and the swapped one compiled alike (the swapped MLPs then run their modules' own forward, as in the
+plain model, unless --compiled cupyffn keeps cupyffn's operators in the compiled graph: replace_mlps' `compiled`).
+Reports the median step time and final loss of every run.
 
     python examples/train_gpt2.py                       # dim 1536, hidden 6144 (SD3.5 medium's MLP shape), 4 layers
     python examples/train_gpt2.py --model gpt2-medium   # GPT-2 medium: dim 1024, hidden 4096, 24 layers, seq 1024
