@@ -118,6 +118,16 @@ def test_gpt2_medium_comes_down_to_the_layers_that_fit(monkeypatch, capsys):
 def test_compiled_option_is_train_bf16s_and_reaches_the_swap(capsys):
     import bench
 
+    import cupyffn.torch as ct
+
+    # bench.py parses without torch, so it spells the choices out: they must stay replace_mlps' own
+    choices = next(a.choices for a in bench._parser()._actions if a.dest == "compiled")
+    assert tuple(choices) == ct.COMPILED
+    from tool_loader import load_tool  # tests/ is on sys.path
+
+    breakdown = load_tool("step_breakdown")  # the same in dev/step_breakdown.py, whose default is the operators
+    assert breakdown.parse([]).compiled == "cupyffn"
+    assert all(breakdown.parse(["--compiled", c]).compiled == c for c in ct.COMPILED)
     assert bench.parse_args(["--suite", "train-bf16"]).compiled == "module"  # replace_mlps' default
     assert bench.parse_args(["--suite", "train-bf16", "--compiled", "cupyffn"]).compiled == "cupyffn"
     with pytest.raises(SystemExit):
