@@ -251,7 +251,8 @@ def summarize(rows):
         large = [(r["results"]["cupyffn"]["forward_ms"] / r["forward_floor_ms"], r["tokens"]) for r in rows
                  if r["tokens"] >= 2048 and "forward_floor_ms" in r]
         if large:
-            out["forward_over_floor_from_2048"] = {"ratio": max(large)[0], "tokens": max(large)[1]}
+            ratio, tokens = max(large)
+            out["forward_over_floor_from_2048"] = {"ratio": ratio, "tokens": tokens}
     big = [r for r in rows if r["tokens"] == 8192]
     if big and "backward_ms" in big[0]["results"].get("cupyffn", {}):
         out["t8192_backward_over_gemm_floor"] = big[0]["results"]["cupyffn"]["backward_ms"] / big[0]["gemm_floor_ms"]
@@ -264,14 +265,18 @@ def summarize(rows):
 def markdown(result):
     s, env = result["summary"], result["env"]
     per = s["implementations"]
+
+    def ms(value):  # a table cell: "-" where a run (an older one: no forward) has no such figure
+        return "-" if value is None else f"{value:.4f}"
+
     lines = [f"# {SUITE}: SD3.5's MLP (dim 1536, hidden 6144, biases) under bf16 autocast, {env['device']}", "",
              f"{result['date'][:10]}, commit {str(result['git_commit'])[:7]}, CuPy {env['cupy']}, torch "
              f"{env['torch']}, timing {result['timing']}: `{result['command']}` (benchmarks/sd35.py says what is "
              "timed).", "", "| implementation | forward geomean ms | forward mean ms | backward geomean ms | "
              "backward mean ms | fwd+bwd geomean ms | fwd+bwd mean ms |", "|---|---|---|---|---|---|---|"]
     for n, e in per.items():
-        forward = [f"{e[k]:.4f}" if k in e else "-" for k in ("forward_geomean_ms", "forward_mean_ms")]
-        lines.append(f"| {n} | {' | '.join(forward)} | {e['backward_geomean_ms']:.4f} | {e['backward_mean_ms']:.4f} | "
+        lines.append(f"| {n} | {ms(e.get('forward_geomean_ms'))} | {ms(e.get('forward_mean_ms'))} | "
+                     f"{e['backward_geomean_ms']:.4f} | {e['backward_mean_ms']:.4f} | "
                      f"{e['fwd_bwd_geomean_ms']:.4f} | {e['fwd_bwd_mean_ms']:.4f} |")
     if "backward_speedup_vs_best_torch" in s:
         lines += ["", f"Backward: cupyffn {s['backward_speedup_vs_best_torch']:.2f}x faster (geomean) than the faster "
@@ -296,9 +301,6 @@ def markdown(result):
     for n, e in s.get("errors", {}).items():
         lines.append(f"{n} failed at {len(e['workloads'])} workloads ({', '.join(e['workloads'])}): "
                      + e["error"].replace("|", "\\|"))
-    def ms(value):
-        return "-" if value is None else f"{value:.4f}"
-
     lines += ["", "| workload | T | forward floor ms | backward floor ms | " + " | ".join(
         f"{n} fwd ms | {n} bwd ms | {n} fwd+bwd ms" for n in per) + " |", "|---|---|---|---|" + "---|---|---|" * len(per)]
     for r in result["workloads"]:
