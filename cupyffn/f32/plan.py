@@ -46,6 +46,9 @@ from .layout import Layout, pad16
 FUSABLE_FORMATS = (P.FMT_F16S, P.FMT_BF16X3)
 
 # ---------------------------------------------------------------------- the measured windows
+#: The last T a window can name (T is below 2^31).
+_LAST = 2 ** 31 - 1
+
 # What each option of cupyffn/f32/options.py left at None (auto) resolves to, through option_wanted: one table,
 # each entry with its measurement and decision note.
 
@@ -55,7 +58,7 @@ FUSABLE_FORMATS = (P.FMT_F16S, P.FMT_BF16X3)
 #: (host noise); 0.89-0.99 at every T in a one-round A/B (docs/decisions/025-sm90-gemm1-dgelu-fusion.md).
 #: bf16x3: 1.02-1.13 from T = 512 on, 0.97-0.98 at 256 (docs/decisions/042-bf16x3-fused-gemm1.md): the
 #: three-plane epilogue costs more than the pass it replaces, so not listed.
-FUSED_GEMM1_TOKENS = {P.FMT_F16S: (1, 2 ** 31 - 1)}
+FUSED_GEMM1_TOKENS = {P.FMT_F16S: (1, _LAST)}
 
 
 #: Per format, T (first <= T <= last) at which eager calls run as a call graph by default (call_graph auto;
@@ -67,9 +70,6 @@ FUSED_GEMM1_TOKENS = {P.FMT_F16S: (1, 2 ** 31 - 1)}
 #: calls 1.3x), so not listed; bf16 measured even.
 CALL_GRAPH_TOKENS = {P.FMT_F16S: (1, 512)}
 
-
-#: The last T a window can name (T is below 2^31).
-_LAST = 2 ** 31 - 1
 
 #: Per format, T at which convert A and convert B are one launch (and one rescue launch) on S instead of two
 #: launches on two streams (convert_ab auto; True at every T, False never). Convert B's gathering pass can run
@@ -98,7 +98,7 @@ TWO_STREAMS_TOKENS = {P.FMT_F32: (0, _LAST), P.FMT_BF16: (0, _LAST), P.FMT_BF16X
 #: against the same plan converting gelu_out, same run (docs/decisions/041-gelu-out-in-epilogue.md): 0.973-0.995 at
 #: T = 4096-8192; 1.02-1.07 at T = 256-3142, where the saved conversion is smaller than what the epilogue's second
 #: output costs and GEMM2 no longer overlaps GEMM1's last wave.
-GELU_EPILOGUE_TOKENS = {P.FMT_F16S: (4096, 2 ** 31 - 1)}
+GELU_EPILOGUE_TOKENS = {P.FMT_F16S: (4096, _LAST)}
 
 
 #: Per format, T at which the fused GEMM1's epilogue runs in warps of its own (kernels_cu/gemm_sm90.cu, XS = 2: the
@@ -108,7 +108,7 @@ GELU_EPILOGUE_TOKENS = {P.FMT_F16S: (4096, 2 ** 31 - 1)}
 #: engine's schedule, two runs (docs/decisions/045-epilogue-warps.md): 0.91-0.97 at T = 512-8192,
 #: 0.98-1.07 at T = 256, where the 96 tiles leave nothing to overlap (one tile per CTA); from T = 513 on a CTA has
 #: more than one 128 x 128 tile (H = 6144: more tiles than SMs).
-EPILOGUE_WARPS_TOKENS = {P.FMT_F16S: (513, 2 ** 31 - 1)}
+EPILOGUE_WARPS_TOKENS = {P.FMT_F16S: (513, _LAST)}
 
 
 #: fp16+fp8: per GEMM, the windows of T ((first, last), ...) in which its f16+e4m3 form runs as one launch of the
@@ -139,6 +139,11 @@ GEMM_NAMES = {"gemm1": "grad_gelu = grad_output @ weight2", "gemm2": "grad_weigh
               "gemm4": "grad_weight1 = grad_linear1^T @ hidden_states"}
 
 
+def in_window(tokens, window):
+    """Whether `tokens` lies in `window` ((first, last), both included; None: no window)."""
+    return window is not None and window[0] <= tokens <= window[1]
+
+
 def option_wanted(choice, windows, fmt, tokens):
     """Whether a switch of the plan's EngineOptions (cupyffn/f32/options.py), of value `choice`, asks for its
     mechanism in a plan of format `fmt` at `tokens`: True always, False never, None (auto) where `windows` ({format:
@@ -146,8 +151,7 @@ def option_wanted(choice, windows, fmt, tokens):
     CONVERT_AB_TOKENS) has first <= tokens <= last. The caller adds what the mechanism itself needs."""
     if choice is not None:
         return choice
-    window = windows.get(fmt)
-    return window is not None and window[0] <= tokens <= window[1]
+    return in_window(tokens, windows.get(fmt))
 
 
 def call_graph_wanted(precision, tokens, choice=None):
@@ -233,8 +237,7 @@ class Plan:
                 if g in on_sm90:
                     self.sm90_pair.add(g)
                     continue
-                window = CUBLAS_PAIR_TOKENS[g]
-                if window is None or not window[0] <= self.T <= window[1]:  # cuBLAS's pair is slower than bf16x3
+                if not in_window(self.T, CUBLAS_PAIR_TOKENS[g]):  # cuBLAS's pair is slower than bf16x3
                     self.forms[g] = P.FORMS["bf16x3"]
                     self.form_notes[g] = (f"{g}'s pair at T = {self.T} runs only as the sm90 pair kernel "
                                           "(CUBLAS_PAIR_TOKENS), which this plan does not use for it "
@@ -306,7 +309,7 @@ class Plan:
         if choice is False or not self._sm90_fits():
             return set()
         gemms = set(P.GEMMS) if choice else {g for g, windows in SM90_PAIR_TOKENS.items()
-                                              if any(first <= self.T <= last for first, last in windows)}
+                                              if any(in_window(self.T, w) for w in windows)}
         # the kernel sums all of K (and the pair's doubled K) in one accumulator
         return {g for g in gemms if not ksplit.chunked(2 * pad16(self.mnk(g)[2]), self.max_k)}
 
