@@ -58,7 +58,8 @@ def main(argv=None):
     def lt(m, n, k, a, b, c, a_trans=False, b_trans=False, epilogue=cublaslt.EPILOGUE_DEFAULT, out_type=None,
            bias=None, aux=None, bias_type=None):
         try:
-            g = cublaslt.LtMatmul(m, n, k, A, A, out_type or A, a_trans, b_trans, device_id=dev.index or 0,
+            c_type = A if out_type is None else out_type  # not `or`: float32's cudaDataType is 0
+            g = cublaslt.LtMatmul(m, n, k, A, A, c_type, a_trans, b_trans, device_id=dev.index or 0,
                                   epilogue=epilogue, bias_type=bias_type)
         except cublaslt.LtUnsupported as e:
             return None, str(e)
@@ -79,7 +80,8 @@ def main(argv=None):
             rows[name] = dict(timed(fn_or_none), **extra)
         r = rows[name]
         print(f"    {name:44s} " + (f"{r['ms'] * 1e3:8.1f} us  {' | '.join(k[:60] for k in r['kernels'])}"
-                                    if "ms" in r else f"unsupported: {why[:120]}"), flush=True)
+                                    if "ms" in r else f"unsupported: {why[:120]}")
+              + "".join(f"  {k} {v:.1e}" for k, v in extra.items()), flush=True)
 
     def rel(got, want):
         return float((got.double() - want.double()).norm() / want.double().norm())
@@ -112,11 +114,15 @@ def main(argv=None):
         record(rows, "fwd2 torch addmm", lambda: torch.addmm(b2, g, w2.t(), out=out_td))
         # backward GEMM1: grad_linear1 = (dy w2) * GELU'(z)
         record(rows, "bwd1 dgelu", *lt(T, H, D, dy, w2, out_th, epilogue=E.EPILOGUE_DGELU, aux=z))
-        gb_h.fill_(float("nan"))
         run, why = lt(T, H, D, dy, w2, out_th, epilogue=E.EPILOGUE_DGELU_BGRAD, aux=z, bias=gb_h, bias_type=F)
-        record(rows, "bwd1 dgelu_bgrad (fp32 bias grad)", run, why)
-        if run is not None:
-            rows["bwd1 dgelu_bgrad (fp32 bias grad)"]["bias_rel_err"] = rel(gb_h, out_th.float().sum(0))
+        errors = {}
+        if run is not None:  # checked on the first call's outputs, NaN-poisoned before it
+            gb_h.fill_(float("nan"))
+            out_th.fill_(float("nan"))
+            run()
+            torch.cuda.synchronize()
+            errors = {"bias_rel_err": rel(gb_h, out_th.float().sum(0))}
+        record(rows, "bwd1 dgelu_bgrad (fp32 bias grad)", run, why, **errors)
         record(rows, "bwd1 plain", *lt(T, H, D, dy, w2, out_th))
         record(rows, "bwd1 torch mm", lambda: torch.mm(dy, w2, out=out_th))
         rows["bwd1 elementwise floor"] = {"ms": 3 * T * H * 2 / bw / 1e9,
@@ -129,11 +135,14 @@ def main(argv=None):
             for name, (mm, nn, a, b, c, bgrad) in (("", (m, n, summed, other, grad, E.EPILOGUE_BGRADB)),
                                                    (" transposed", (n, m, other, summed, grad_t, E.EPILOGUE_BGRADA))):
                 run, why = lt(mm, nn, T, a, b, c, a_trans=True, epilogue=bgrad, out_type=F, bias=bias)
-                record(rows, f"{label}{name} {'bgrada' if name else 'bgradb'}", run, why)
-                if run is not None:
-                    rows[f"{label}{name} {'bgrada' if name else 'bgradb'}"]["bias_rel_err"] = rel(bias, want)
-                    rows[f"{label}{name} {'bgrada' if name else 'bgradb'}"]["grad_rel_err"] = rel(
-                        c, (a.float().t() @ b.float()))
+                errors = {}
+                if run is not None:  # checked on the first call's outputs, NaN-poisoned before it
+                    c.fill_(float("nan"))
+                    bias.fill_(float("nan"))
+                    run()
+                    torch.cuda.synchronize()
+                    errors = {"bias_rel_err": rel(bias, want), "grad_rel_err": rel(c, a.float().t() @ b.float())}
+                record(rows, f"{label}{name} {'bgrada' if name else 'bgradb'}", run, why, **errors)
                 record(rows, f"{label}{name} plain", *lt(mm, nn, T, a, b, c, a_trans=True, out_type=F))
 
         # backward GEMM4: grad_weight1 [H, D] = gl^T x (+ grad_bias1 = column sums of gl); transposed: [D, H]
