@@ -86,6 +86,17 @@ def main(argv=None):
     def rel(got, want):
         return float((got.double() - want.double()).norm() / want.double().norm())
 
+    def first_call_errors(run, outputs, errors):
+        """errors() ({name: relative error}) after one call of `run` on `outputs` NaN-poisoned first ({} when the form
+        is unsupported): a form that leaves any output element unwritten reads NaN."""
+        if run is None:
+            return {}
+        for o in outputs:
+            o.fill_(float("nan"))
+        run()
+        torch.cuda.synchronize()
+        return errors()
+
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": args.dtype,
                "cublaslt": cublaslt.version(), "shapes": {}}
     copy_src = torch.randn(64 << 20, device=dev).to(act)
@@ -115,13 +126,7 @@ def main(argv=None):
         # backward GEMM1: grad_linear1 = (dy w2) * GELU'(z)
         record(rows, "bwd1 dgelu", *lt(T, H, D, dy, w2, out_th, epilogue=E.EPILOGUE_DGELU, aux=z))
         run, why = lt(T, H, D, dy, w2, out_th, epilogue=E.EPILOGUE_DGELU_BGRAD, aux=z, bias=gb_h, bias_type=F)
-        errors = {}
-        if run is not None:  # checked on the first call's outputs, NaN-poisoned before it
-            gb_h.fill_(float("nan"))
-            out_th.fill_(float("nan"))
-            run()
-            torch.cuda.synchronize()
-            errors = {"bias_rel_err": rel(gb_h, out_th.float().sum(0))}
+        errors = first_call_errors(run, (gb_h, out_th), lambda: {"bias_rel_err": rel(gb_h, out_th.float().sum(0))})
         record(rows, "bwd1 dgelu_bgrad (fp32 bias grad)", run, why, **errors)
         record(rows, "bwd1 plain", *lt(T, H, D, dy, w2, out_th))
         record(rows, "bwd1 torch mm", lambda: torch.mm(dy, w2, out=out_th))
@@ -135,13 +140,8 @@ def main(argv=None):
             for name, (mm, nn, a, b, c, bgrad) in (("", (m, n, summed, other, grad, E.EPILOGUE_BGRADB)),
                                                    (" transposed", (n, m, other, summed, grad_t, E.EPILOGUE_BGRADA))):
                 run, why = lt(mm, nn, T, a, b, c, a_trans=True, epilogue=bgrad, out_type=F, bias=bias)
-                errors = {}
-                if run is not None:  # checked on the first call's outputs, NaN-poisoned before it
-                    c.fill_(float("nan"))
-                    bias.fill_(float("nan"))
-                    run()
-                    torch.cuda.synchronize()
-                    errors = {"bias_rel_err": rel(bias, want), "grad_rel_err": rel(c, a.float().t() @ b.float())}
+                errors = first_call_errors(run, (c, bias), lambda: {
+                    "bias_rel_err": rel(bias, want), "grad_rel_err": rel(c, a.float().t() @ b.float())})
                 record(rows, f"{label}{name} {'bgrada' if name else 'bgradb'}", run, why, **errors)
                 record(rows, f"{label}{name} plain", *lt(mm, nn, T, a, b, c, a_trans=True, out_type=F))
 
