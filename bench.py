@@ -84,6 +84,9 @@ def _parser():
     parser.add_argument("--compiled", choices=("module", "cupyffn"), default="module",
                         help="train-bf16: what the swapped MLPs run under torch.compile (replace_mlps' compiled=): "
                              "the module's own forward (default) or cupyffn's operators")
+    parser.add_argument("--paired", action="store_true",
+                        help="train-bf16: each plain run beside its swapped twin, their steps alternating in one "
+                             "process, the ratio also taken step by step (default: one run after the other)")
     return parser
 
 
@@ -97,8 +100,8 @@ def parse_args(argv=None):
     unset = object()
     seen = parser.parse_args(argv, argparse.Namespace(**{name: unset for name in vars(args)}))
     args.given = frozenset(name for name, value in vars(seen).items() if value is not unset)
-    if args.suite != "train-bf16" and args.given & {"models", "steps", "compiled"}:
-        parser.error("--models, --steps and --compiled are options of --suite train-bf16")
+    if args.suite != "train-bf16" and args.given & {"models", "steps", "compiled", "paired"}:
+        parser.error("--models, --steps, --compiled and --paired are options of --suite train-bf16")
     if args.steps < 25:
         parser.error("--steps must be >= 25 (the median is taken after the fifth step, the loss over the last fifth)")
     for name in ("rounds", "iters", "warmup", "loop_calls"):

@@ -7,7 +7,8 @@ least 20) within `tolerance` (relative) of eager torch's. With compilation (the 
 under ``torch.compile`` (default mode) and ``torch.compile(mode="reduce-overhead")`` (CUDA graphs on the GPU), the
 plain model and the swapped one compiled alike (the swapped MLPs then run their modules' own forward, as in the
 plain model, unless --compiled cupyffn keeps cupyffn's operators in the compiled graph: replace_mlps' `compiled`).
-Reports the median step time and final loss of every run.
+Reports the median step time and final loss of every run. ``--paired`` trains each plain run beside its swapped twin,
+their steps alternating, and also reports the swapped run's speed step by step (the median of the per-step ratios).
 
     python examples/train_gpt2.py                       # dim 1536, hidden 6144 (SD3.5 medium's MLP shape), 4 layers
     python examples/train_gpt2.py --model gpt2-medium   # GPT-2 medium: dim 1024, hidden 4096, 24 layers, seq 1024
@@ -120,13 +121,14 @@ def batches(kind, steps, batch, seq, dim, vocab, device):
             yield x.to(device), torch.tanh(x @ proj).to(device)
 
 
-def train(model, kind, data, device, lr, mark_steps=False):
-    """Losses and step times (ms; CUDA events on the GPU) of AdamW steps under bf16 autocast, the gradient norm
-    clipped at 1. mark_steps: tell torch.compile's CUDA graphs (reduce-overhead) where each step begins."""
+def stepper(model, kind, device, lr, mark_steps=False):
+    """step(item) -> (loss, ms): one AdamW step under bf16 autocast, the gradient norm clipped at 1, its time in ms
+    (CUDA events around the step, the host synchronized after it; on the CPU the host's clock). mark_steps: tell
+    torch.compile's CUDA graphs (reduce-overhead) where each step begins."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses, times = [], []
     cuda = device != "cpu"
-    for item in data:
+
+    def step(item):
         start = time.perf_counter()
         if cuda:
             t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -145,10 +147,22 @@ def train(model, kind, data, device, lr, mark_steps=False):
         if cuda:
             t1.record()
             t1.synchronize()
-            times.append(t0.elapsed_time(t1))
+            ms = t0.elapsed_time(t1)
         else:
-            times.append(1e3 * (time.perf_counter() - start))
-        losses.append(loss.item())
+            ms = 1e3 * (time.perf_counter() - start)
+        return loss.item(), ms
+
+    return step
+
+
+def train(model, kind, data, device, lr, mark_steps=False):
+    """Losses and step times (ms) of one AdamW step (`stepper`) per item of `data`."""
+    step = stepper(model, kind, device, lr, mark_steps)
+    losses, times = [], []
+    for item in data:
+        loss, ms = step(item)
+        losses.append(loss)
+        times.append(ms)
     return losses, times
 
 
@@ -183,13 +197,28 @@ def layers_that_fit(kind, sizes, device):
     return layers
 
 
+class _Run:
+    """One run of main() in progress: its step function, its batches, what it has measured so far."""
+
+    def __init__(self, name, mode, data):
+        self.name, self.mode, self.data, self.step = name, mode, data, None
+        self.losses, self.times, self.graph_breaks, self.error = [], [], 0, None
+
+    def fail(self, error, model, keep_going):
+        """Record `error` as this run's outcome (keep_going), or raise it."""
+        if not keep_going:
+            raise error
+        self.error = _one_line(error)
+        print(f"{model}: {self.name} failed: {self.error[:300]}", flush=True)
+
+
 def _one_line(error, limit=1000):
     text = f"{type(error).__name__}: {' '.join(str(error).split())}"
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def main(model="gpt2", steps=300, device="cuda", dim=None, layers=None, heads=None, vocab=None, seq=None, batch=None,
-         lr=None, compile=True, tolerance=0.03, keep_going=False, say=None, compiled="module"):
+         lr=None, compile=True, tolerance=0.03, keep_going=False, say=None, compiled="module", paired=False):
     """Train the torch model and its cupyffn clone, each eager and (compile=True) under torch.compile's default and
     reduce-overhead modes (RUNS); returns a dict: per run its losses, median step time, final loss (the mean of the
     last fifth of the steps, at least 20), its ratio to torch eager's and whether that is within `tolerance`
@@ -202,7 +231,10 @@ def main(model="gpt2", steps=300, device="cuda", dim=None, layers=None, heads=No
     and the others still run (the bench suite); otherwise the exception propagates. say(line), if given, reports
     each run as it starts and ends (the script prints them: a compiled run can take a minute). compiled: replace_mlps'
     option, what the swapped MLPs run under torch.compile ("module": the module's own forward, as the plain model;
-    "cupyffn": cupyffn's operators)."""
+    "cupyffn": cupyffn's operators). paired: train each plain run and its swapped twin side by side, their steps
+    alternating (each first every other step), so that both see the same state of the host and the GPU; the swapped
+    run then also has "paired_speedup_vs_twin", the median over its steps (after the fifth) of the twin's step time
+    over its own. Otherwise one run after the other."""
     if model not in PRESETS:
         raise ValueError(f"model must be one of {sorted(PRESETS)}; got {model!r}")
     given = dict(dim=dim, layers=layers, heads=heads, vocab=vocab, seq=seq, batch=batch)
@@ -220,31 +252,56 @@ def main(model="gpt2", steps=300, device="cuda", dim=None, layers=None, heads=No
     results = {"sizes": dict(sizes, hidden=4 * sizes["dim"]), "compiled": compiled}
     say = say or (lambda line: None)
     runs = [r for r in RUNS if compile or r[2] is None]
-    for i, (name, swapped, mode) in enumerate(runs):
-        say(f"{model}: run {i + 1}/{len(runs)}, {name}: {steps} steps on {device}"
-            + (" (compiling first)" if mode is not None else ""))
-        breaks = sum(torch._dynamo.utils.counters["graph_break"].values())  # Dynamo's count (no public API)
-        try:
-            m = copy.deepcopy(fast if swapped else base)  # every run from the same initial weights
-            if mode is not None:
-                torch._dynamo.reset()  # each compiled run from empty caches (and no CUDA graphs of the last)
-                m = torch.compile(m, mode=None if mode == "default" else mode)
-            data = batches(kind, steps, sizes["batch"], sizes["seq"], sizes["dim"], sizes["vocab"], device)
-            losses, times = train(m, kind, data, device, lr, mark_steps=mode == "reduce-overhead")
-            results[name] = {"losses": losses, "median_step_ms": statistics.median(times[5:] or times)}
-            say(f"{model}: run {i + 1}/{len(runs)}, {name}: median step {results[name]['median_step_ms']:.2f} ms, "
-                f"last loss {losses[-1]:.4f}")
-            if mode is not None:
-                results[name]["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks
-        except Exception as e:
-            if not keep_going:
-                raise
-            results[name] = {"error": _one_line(e)}
-            print(f"{model}: {name} failed: {results[name]['error'][:300]}", flush=True)
-        finally:
-            m = None  # free this run's model (and its optimizer state) before the next
-            if device == "cuda":
-                torch.cuda.empty_cache()
+    # one run at a time, or (paired) each plain run beside its swapped twin (RUNS lists them in pairs)
+    groups = [runs[i:i + 2] for i in range(0, len(runs), 2)] if paired else [[r] for r in runs]
+    for g, group in enumerate(groups):
+        label = f"{model}: run {g + 1}/{len(groups)}"
+        say(f"{label}, {' and '.join(name for name, _, _ in group)}: {steps} steps on {device}"
+            + (", steps alternating" if len(group) > 1 else "") + (" (compiling first)" if group[0][2] else ""))
+        if group[0][2] is not None:
+            torch._dynamo.reset()  # each compiled group from empty caches (and no CUDA graphs of the last)
+        active = []
+        for name, swapped, mode in group:
+            run = _Run(name, mode, batches(kind, steps, sizes["batch"], sizes["seq"], sizes["dim"], sizes["vocab"],
+                                           device))
+            try:
+                m = copy.deepcopy(fast if swapped else base)  # every run from the same initial weights
+                if mode is not None:
+                    m = torch.compile(m, mode=None if mode == "default" else mode)
+                run.step = stepper(m, kind, device, lr, mark_steps=mode == "reduce-overhead")
+            except Exception as e:
+                run.fail(e, model, keep_going)
+            active.append(run)
+        for i in range(steps):
+            for run in (active if i % 2 == 0 else active[::-1]):  # paired: each goes first every other step
+                if run.error is not None:
+                    continue
+                breaks = sum(torch._dynamo.utils.counters["graph_break"].values())  # Dynamo's count (no public API)
+                try:
+                    loss, ms = run.step(next(run.data))
+                except Exception as e:
+                    run.fail(e, model, keep_going)
+                    continue
+                run.graph_breaks += sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks
+                run.losses.append(loss)
+                run.times.append(ms)
+        for run in active:
+            if run.error is not None:
+                results[run.name] = {"error": run.error}
+                continue
+            results[run.name] = {"losses": run.losses,
+                                 "median_step_ms": statistics.median(run.times[5:] or run.times)}
+            if run.mode is not None:
+                results[run.name]["graph_breaks"] = run.graph_breaks
+            say(f"{label}, {run.name}: median step {results[run.name]['median_step_ms']:.2f} ms, "
+                f"last loss {run.losses[-1]:.4f}")
+        if len(active) == 2 and all(run.error is None for run in active):
+            plain, twin = active  # the swapped run's step time against its plain twin's, step by step
+            ratios = [a / b for a, b in zip(plain.times, twin.times)]
+            results[twin.name]["paired_speedup_vs_twin"] = statistics.median(ratios[5:] or ratios)
+        active = m = None  # free this group's models (and their optimizer state) before the next
+        if device == "cuda":
+            torch.cuda.empty_cache()
     tail = min(max(20, steps // 5), steps)
     for name, _, _ in RUNS:
         if "losses" in results.get(name, {}):
@@ -271,17 +328,22 @@ if __name__ == "__main__":
     p.add_argument("--compiled", choices=ct.COMPILED, default="module",
                    help="what the swapped MLPs run under torch.compile: the module's own forward (default) or "
                         "cupyffn's operators (replace_mlps' compiled=)")
+    p.add_argument("--paired", action="store_true",
+                   help="train each plain run beside its swapped twin, their steps alternating (one run at a time "
+                        "otherwise)")
     a = p.parse_args()
     sizes = dict(dim=64, layers=2, heads=2, vocab=64, seq=32, batch=4) if a.small else {}
     r = main(a.model, a.steps, a.device, compile=not a.no_compile, keep_going=True, compiled=a.compiled,
-             say=lambda line: print(line, flush=True), **sizes)
+             paired=a.paired, say=lambda line: print(line, flush=True), **sizes)
     failed = [name for name, _, _ in RUNS if "error" in r.get(name, {})]
     for name, _, _ in RUNS:
         if name in failed:
             print(f"{name:40s} failed: {r[name]['error']}")
         elif name in r:
             print(f"{name:40s} median step {r[name]['median_step_ms']:8.2f} ms   final loss {r[name]['final_loss']:.4f}"
-                  + (f" ({r[name]['final_loss_vs_eager']:.4f}x eager's)" if "final_loss_vs_eager" in r[name] else ""))
+                  + (f" ({r[name]['final_loss_vs_eager']:.4f}x eager's)" if "final_loss_vs_eager" in r[name] else "")
+                  + (f", {r[name]['paired_speedup_vs_twin']:.3f}x its twin step by step"
+                     if "paired_speedup_vs_twin" in r[name] else ""))
     if r["final_loss_ratio"] is not None:
         print(f"final loss cupyffn / torch eager = {r['final_loss_ratio']:.4f}  agree: {r['agree']}")
     if failed:

@@ -72,20 +72,71 @@ def test_compiled_cupyffn_runs_train_like_torch_on_cpu(cpu_run):
 def test_a_run_that_raises_is_recorded_and_the_others_still_run(monkeypatch):
     import cupyffn.torch as ct
 
-    train = EXAMPLE.train
+    stepper = EXAMPLE.stepper
 
     def failing_for_cupyffn(model, *args, **kwargs):
-        if ct.swapped_mlps(model):
-            raise RuntimeError("no cupyffn today\nsecond line")
-        return train(model, *args, **kwargs)
+        step = stepper(model, *args, **kwargs)
 
-    monkeypatch.setattr(EXAMPLE, "train", failing_for_cupyffn)
-    r = EXAMPLE.main("sd35", steps=20, device="cpu", compile=False, keep_going=True, **TINY)
-    assert r["cupyffn"] == {"error": "RuntimeError: no cupyffn today second line"}
-    assert len(r["torch eager"]["losses"]) == 20 and r["final_loss_ratio"] is None and r["agree"] is False
-    assert set(training.summarize(r)["speedup_vs_twin"]) == set()
+        def checked(item):
+            if ct.swapped_mlps(model):
+                raise RuntimeError("no cupyffn today\nsecond line")
+            return step(item)
+        return checked
+
+    monkeypatch.setattr(EXAMPLE, "stepper", failing_for_cupyffn)
+    for paired in (False, True):  # paired: the plain twin trains on alone
+        r = EXAMPLE.main("sd35", steps=20, device="cpu", compile=False, keep_going=True, paired=paired, **TINY)
+        assert r["cupyffn"] == {"error": "RuntimeError: no cupyffn today second line"}
+        assert len(r["torch eager"]["losses"]) == 20 and r["final_loss_ratio"] is None and r["agree"] is False
+        entry = training.summarize(r)
+        assert entry["speedup_vs_twin"] == {} and entry["paired_speedup_vs_twin"] == {}
     with pytest.raises(RuntimeError, match="no cupyffn today"):
         EXAMPLE.main("sd35", steps=20, device="cpu", compile=False, **TINY)
+
+
+def test_paired_twins_alternate_steps_and_train_as_one_after_the_other(monkeypatch, cpu_run):
+    import cupyffn.torch as ct
+
+    stepper, order = EXAMPLE.stepper, []
+
+    def timed_by_rule(model, *args, **kwargs):  # the plain model's steps take 3 ms, the swapped one's 2
+        step, swapped = stepper(model, *args, **kwargs), bool(ct.swapped_mlps(model))
+
+        def ruled(item):
+            loss, _ = step(item)
+            order.append(swapped)
+            return loss, 2.0 if swapped else 3.0
+        return ruled
+
+    monkeypatch.setattr(EXAMPLE, "stepper", timed_by_rule)
+    said = []
+    r = EXAMPLE.main("sd35", steps=40, device="cpu", compile=False, tolerance=0.05, lr=1e-3, keep_going=True,
+                     paired=True, say=said.append, **TINY)
+    # each twin goes first every other step, the two in lockstep on the same batches
+    assert order == [False, True, True, False] * 20
+    assert said[0] == "sd35: run 1/1, torch eager and cupyffn: 40 steps on cpu, steps alternating"
+    # the same training as one run after the other (cpu_run: the same sizes, seeds and learning rate)
+    for name in ("torch eager", "cupyffn"):
+        assert r[name]["losses"] == pytest.approx(cpu_run[name]["losses"], rel=1e-6, abs=1e-7)
+    assert r["cupyffn"]["paired_speedup_vs_twin"] == 1.5 and "paired_speedup_vs_twin" not in r["torch eager"]
+    entry = training.summarize(r)
+    assert entry["paired_speedup_vs_twin"] == {"cupyffn": 1.5} and entry["speedup_vs_twin"]["cupyffn"] == 1.5
+    text = training.markdown({"env": {"device": "CPU", "cupy": "-", "torch": "-"}, "date": "2026-12-06",
+                              "git_commit": "abcdef0", "command": "python bench.py --paired", "steps": 40,
+                              "compiled": "module", "paired": True, "models": {"sd35": entry}, "tolerance": 0.05})
+    assert "| sd35 | cupyffn | 2.00 | 1.50x | 1.50x (step by step 1.50x) |" in text and "Paired: " in text
+
+
+def test_paired_compiled_twins_train_and_count_their_own_graph_breaks(cpu_run):
+    r = EXAMPLE.main("sd35", steps=40, device="cpu", compile=True, tolerance=0.05, lr=1e-3, keep_going=True,
+                     paired=True, **TINY)
+    for name, _, mode in EXAMPLE.RUNS:
+        assert "error" not in r[name], f"{name}: {r[name].get('error', '')[:600]}"
+        assert r[name]["losses"] == pytest.approx(cpu_run[name]["losses"], rel=1e-4, abs=1e-6), name
+        if mode is not None:
+            assert r[name]["graph_breaks"] == cpu_run[name]["graph_breaks"] == 0
+    for twin in EXAMPLE.TWINS:
+        assert r[twin]["paired_speedup_vs_twin"] > 0
 
 
 def test_gpt2_medium_comes_down_to_the_layers_that_fit(monkeypatch, capsys):
@@ -132,7 +183,9 @@ def test_compiled_option_is_train_bf16s_and_reaches_the_swap(capsys):
     assert bench.parse_args(["--suite", "train-bf16", "--compiled", "cupyffn"]).compiled == "cupyffn"
     with pytest.raises(SystemExit):
         bench.parse_args(["--compiled", "cupyffn"])  # the official suite swaps no model
-    assert "--compiled are options of --suite train-bf16" in capsys.readouterr().err
+    assert "--paired are options of --suite train-bf16" in capsys.readouterr().err
+    assert bench.parse_args(["--suite", "train-bf16", "--paired"]).paired is True
+    assert bench.parse_args(["--suite", "train-bf16"]).paired is False
     r = EXAMPLE.main("sd35", steps=20, device="cpu", compile=False, keep_going=True, compiled="cupyffn", **TINY)
     assert r["compiled"] == "cupyffn"
     note = training.markdown({"env": {"device": "CPU", "cupy": "-", "torch": "-"}, "date": "2026-12-06",
