@@ -255,10 +255,10 @@ def main(model="gpt2", steps=300, device="cuda", dim=None, layers=None, heads=No
     # one run at a time, or (paired) each plain run beside its swapped twin (RUNS lists them in pairs)
     groups = [runs[i:i + 2] for i in range(0, len(runs), 2)] if paired else [[r] for r in runs]
     for g, group in enumerate(groups):
-        label = f"{model}: run {g + 1}/{len(groups)}"
+        label, compiled_group = f"{model}: run {g + 1}/{len(groups)}", group[0][2] is not None  # twins share a mode
         say(f"{label}, {' and '.join(name for name, _, _ in group)}: {steps} steps on {device}"
-            + (", steps alternating" if len(group) > 1 else "") + (" (compiling first)" if group[0][2] else ""))
-        if group[0][2] is not None:
+            + (", steps alternating" if len(group) > 1 else "") + (" (compiling first)" if compiled_group else ""))
+        if compiled_group:
             torch._dynamo.reset()  # each compiled group from empty caches (and no CUDA graphs of the last)
         active = []
         for name, swapped, mode in group:
