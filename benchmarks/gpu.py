@@ -16,6 +16,7 @@ import numpy
 import cupyffn
 from cupyffn import workloads as W
 
+from . import floor as F
 from . import impls as I
 from . import protocol as P
 from . import report as R
@@ -75,6 +76,39 @@ def environment(cupy, torch):
     return env
 
 
+def timing_summary(measured):
+    """The figures of one Timer.measure: median (the workload's figure), mean, min, 20th/80th percentiles."""
+    times = measured["times"]
+    out = {"median_ms": statistics.median(times), "mean_ms": statistics.mean(times), "min_ms": min(times),
+           "p20_ms": float(numpy.percentile(times, 20)), "p80_ms": float(numpy.percentile(times, 80)),
+           "iters": len(times), "timing": measured["timing"]}
+    if "timing_note" in measured:
+        out["timing_note"] = measured["timing_note"]
+    return out
+
+
+def copy_rate(cupy, flush, nbytes=151 * 10 ** 6, reps=20):
+    """The device's copy rate in this run: a device-to-device copy of `nbytes` (the fp32 weights read plus their
+    gradients written at T = 256, issue 58), L2 flushed before each, CUDA events, median; GB/s counts bytes read
+    plus bytes written."""
+    src = cupy.random.default_rng(0).random(nbytes // 4, dtype=cupy.float32)  # never zeros
+    dst = cupy.empty_like(src)
+    stream = cupy.cuda.get_current_stream()
+    times = []
+    for _ in range(reps):
+        flush()
+        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+        a.record(stream)
+        dst.data.copy_from_device_async(src.data, src.nbytes, stream)
+        b.record(stream)
+        b.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(a, b))
+    if not bool(cupy.array_equal(dst, src)):
+        raise RuntimeError("the copy-rate measurement's copy is not equal to its source")
+    ms = statistics.median(times)
+    return {"bytes": src.nbytes, "ms": ms, "gbps": 2 * src.nbytes / (ms * 1e-3) / 1e9}
+
+
 def git_commit():
     commit = os.environ.get("CUPYFFN_GIT_COMMIT")
     if commit:
@@ -124,6 +158,7 @@ def run_gpu(args, cupy):
     timer = P.Timer(cupy, ctx, flush, warmup=args.warmup, iters=args.iters, use_cupti=args.timer == "auto",
                     idle=args.timer == "events-idle")
     chosen = [w for w in W.WORKLOADS if not args.quick or w.label in QUICK]
+    env["copy_rate"] = copy_rate(cupy, flush)
     print(f"# cupyffn {cupyffn.__version__} on {env['device']} (driver {env['driver']}, CUDA runtime "
           f"{env['cuda_runtime']}, cuBLAS {env['cublas']}, CuPy {env['cupy']}, torch {env['torch']})")
     print(f"# timing: {timer.method}" + (f" (CUPTI unavailable: {timer.cupti_reason})" if timer.cupti is None else "")
@@ -169,16 +204,11 @@ def run_gpu(args, cupy):
         for n, impl in impls.items():
             runs = [impl.bind(a, (outs[n][k] if n in outs else None)) for k, a in enumerate(pool)]
             measured = timer.measure(lambda i, runs=runs: runs[i % len(runs)]())
-            times = measured["times"]
             check = rounds[n].as_dict()
-            res = {"median_ms": statistics.median(times), "mean_ms": statistics.mean(times), "min_ms": min(times),
-                   "p20_ms": float(numpy.percentile(times, 20)), "p80_ms": float(numpy.percentile(times, 80)),
-                   "iters": len(times), "timing": measured["timing"], "check": check,
-                   "rel_l2": {o: v["max_rel_l2"] for o, v in check["outputs"].items()},
-                   "max_rel_l2": max(v["max_rel_l2"] for v in check["outputs"].values()),
-                   "first_call_s": first_call[n]}
-            if "timing_note" in measured:
-                res["timing_note"] = measured["timing_note"]
+            res = dict(timing_summary(measured), check=check,
+                       rel_l2={o: v["max_rel_l2"] for o, v in check["outputs"].items()},
+                       max_rel_l2=max(v["max_rel_l2"] for v in check["outputs"].values()),
+                       first_call_s=first_call[n])
             if timer.cupti is not None and measured["timing"] != "cupti":
                 fallbacks.add(n)
             if impl.plan is not None:
@@ -192,6 +222,12 @@ def run_gpu(args, cupy):
                 res["stages"] = R.stage_rates(stages, T, W.DIM, W.HIDDEN_DIM, planes)
                 res["gemm_sum_ms"] = sum(s["ms"] for s in res["stages"] if s["stage"].startswith("GEMM"))
             row["results"][n] = res
+        floor = F.GemmFloor(cupy, T, W.DIM, W.HIDDEN_DIM)  # not a solution: timed, never checked (floor.py)
+        runs = [floor.bind(a) for a in pool]
+        cupy.cuda.runtime.deviceSynchronize()
+        row["floor"] = dict(timing_summary(timer.measure(lambda i, runs=runs: runs[i % len(runs)]())), name=F.NAME)
+        floor.close()
+        del runs
         for n in factory.compiled:
             if n in first_call and n not in compile_s:
                 compile_s[n] = first_call[n]

@@ -17,6 +17,8 @@ from pathlib import Path
 import cupyffn
 from cupyffn import workloads as W
 
+from . import floor as F
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
 README = ROOT / "README.md"
@@ -40,8 +42,12 @@ TARGETS = (
     ("fastest", "cupyffn-tf32", "pct_sol", ">=", 56.0, "% of SOL, the leaderboard's way (mean SOL / mean ms)"),
     ("fastest", "cupyffn-tf32", "speedup_vs:" + SCORE_BASELINE, ">=", 2.3, "ratio of geomeans, same run"),
     ("fastest", "cupyffn-tf32", "passes", "==", True, "benchmark check, 16 workloads x N rounds"),
+    ("fastest", "cupyffn-tf32", "floor_ratio_large_t", "<=", 1.15, "worst ms / the GEMM floor row at T >= 4096"),
     ("fp32", "cupyffn-ieee", "gemm_ratio", "<=", 1.02, "worst ms / sum of its four SGEMMs (stage profile)"),
 )
+
+#: The T from which the GEMM floor ratio is a target (issue 57: large T, where the call should be its GEMMs).
+LARGE_T = 4096
 
 
 def geomean(values):
@@ -147,14 +153,21 @@ def summarize(rows):
         ratios = [x["median_ms"] / x["gemm_sum_ms"] for x in res if x.get("gemm_sum_ms")]
         if ratios:
             e["gemm_ratio"] = max(ratios)
+        large = floor_ratios(rows, n, LARGE_T)
+        if large:
+            e["floor_ratio_large_t"] = max(v for _, v in large)
         per[n] = e
     for n, e in per.items():
         for base, b in per.items():
             if base != n:
                 e[f"speedup_vs:{base}"] = b["geomean_ms"] / e["geomean_ms"]
-    return {"implementations": per, "workloads": len(rows),
-            "sol_mean_ms": mean(r["sol_ms"] for r in rows), "sol_geomean_ms": geomean([r["sol_ms"] for r in rows]),
-            "headline": headline(per)}
+    out = {"implementations": per, "workloads": len(rows),
+           "sol_mean_ms": mean(r["sol_ms"] for r in rows), "sol_geomean_ms": geomean([r["sol_ms"] for r in rows]),
+           "headline": headline(per)}
+    floors = [r["floor"]["median_ms"] for r in rows if r.get("floor")]
+    if floors:
+        out["floor"] = {"name": F.NAME, "workloads": len(floors), "mean_ms": mean(floors), "geomean_ms": geomean(floors)}
+    return out
 
 
 def headline(per):
@@ -191,8 +204,20 @@ def evaluate_targets(summary, targets=TARGETS):
     return out
 
 
+def gemm_bytes(stage, tokens, dim, hidden_dim):
+    """The fewest bytes a GEMM stage of a one-plane 16-bit plan (tf32's scaled fp16, bf16) moves: its two 16-bit
+    operands read once and its output written once (fp32, or fp16 for the fused GEMM1, which also reads
+    linear1_out and tanh_inner as fp32); None for a stage that is not one of the four GEMMs."""
+    T, D, H = tokens, dim, hidden_dim
+    if stage.startswith("GEMM1"):
+        return 2 * (T * D + D * H) + (10 * T * H if "fused" in stage else 4 * T * H)
+    return {"GEMM2": 2 * (T * D + T * H) + 4 * D * H, "GEMM3": 2 * (T * H + H * D) + 4 * T * D,
+            "GEMM4": 2 * (T * H + T * D) + 4 * H * D}.get(stage[:5])
+
+
 def stage_rates(stages, tokens, dim, hidden_dim, planes):
-    """profile_stages' {stage: {"ms", "bytes"?}} as rows with GB/s (memory stages) or TFLOP/s (GEMMs)."""
+    """profile_stages' {stage: {"ms", "bytes"?}} as rows with GB/s (memory stages) or TFLOP/s (GEMMs; for a
+    one-plane plan also the GB/s of their fewest bytes, gemm_bytes: at small T they move the weights)."""
     flops = 2 * tokens * dim * hidden_dim * max(planes, 1)
     rows = []
     for stage, s in stages.items():
@@ -202,8 +227,18 @@ def stage_rates(stages, tokens, dim, hidden_dim, planes):
             row["gbps"] = s["bytes"] / (s["ms"] * 1e-3) / 1e9
         elif stage.startswith("GEMM"):
             row["tflops"] = flops / (s["ms"] * 1e-3) / 1e12
+            nbytes = gemm_bytes(stage, tokens, dim, hidden_dim) if planes == 1 else None
+            if nbytes:
+                row["bytes"] = nbytes
+                row["gbps"] = nbytes / (s["ms"] * 1e-3) / 1e9
         rows.append(row)
     return rows
+
+
+def floor_ratios(rows, name, first_tokens=0):
+    """[(T, ms / GEMM floor ms)] of implementation `name` on the workloads with T >= first_tokens that have both."""
+    return [(r["tokens"], r["results"][name]["median_ms"] / r["floor"]["median_ms"]) for r in rows
+            if r["tokens"] >= first_tokens and name in r["results"] and r.get("floor")]
 
 
 # ---------------------------------------------------------------------------------------- console
@@ -236,6 +271,10 @@ def print_workload(row):
             print(f"  {name} check: " + ", ".join(
                 f"{o} matched {v['least_matched']:.5f} err/atol {v['worst_err_over_atol']:.2f}"
                 f"{'' if v['all_finite'] else ' NON-FINITE'}" for o, v in c["outputs"].items()))
+    if row.get("floor"):
+        f = row["floor"]["median_ms"]
+        print(f"  {F.NAME} (not a solution) {f:.3f} ms; x floor: " + ", ".join(
+            f"{n} {res['median_ms'] / f:.2f}" for n, res in row["results"].items() if not is_peer(n)))
     if "fp32_reference_rel_l2" in row:
         print("  fp32 reference vs float64: " + ", ".join(f"{o} {e:.1e}" for o, e in row["fp32_reference_rel_l2"].items()))
     for name, res in row["results"].items():
@@ -260,6 +299,9 @@ def print_summary(summary, compile_s=None):
               f"{_fmt(e.get('sol_score_vs:' + EASY_BASELINE), '10.3f'):>10s}")
     print(f"* SOL score vs {SCORE_BASELINE} (the benchmark's kind of baseline); 'score fp32': vs {EASY_BASELINE}, "
           f"a far easier baseline")
+    if summary.get("floor"):
+        f = summary["floor"]
+        print(f"{F.NAME} (not a solution: {F.WHAT}): mean {f['mean_ms']:.4f} ms, geomean {f['geomean_ms']:.4f} ms")
     if compile_s:
         print("torch.compile seconds (first call, compile + autotune): "
               + ", ".join(f"{k} {v:.1f}" for k, v in compile_s.items()))
@@ -312,9 +354,12 @@ def markdown(result):
     summary = result["summary"]
     per = summary["implementations"]
     names = list(per)
+    copy = env.get("copy_rate")
     lines = [f"Measured on {env['device']} (driver {env['driver']}, CUDA runtime {env['cuda_runtime']}, "
              f"cuBLAS {env['cublas']}, CuPy {env['cupy']}, torch {env['torch']}) on {result['date']}, "
-             f"commit {str(result['git_commit'])[:12]}; `{result['command']}`. {protocol_text(result)}", ""]
+             f"commit {str(result['git_commit'])[:12]}; `{result['command']}`. {protocol_text(result)}"
+             + (f" Copy rate in this run: {copy['gbps']:.0f} GB/s (a {copy['bytes'] / 1e6:.0f} MB device-to-device "
+                f"copy in {1e3 * copy['ms']:.1f} us, bytes read plus written)." if copy else ""), ""]
     if result.get("compile_s"):
         lines += ["torch.compile(mode=\"max-autotune-no-cudagraphs\", dynamic=True), compiled once per mode; first "
                   "call (compile and autotune): " + ", ".join(f"{k} {v:.0f} s" for k, v in result["compile_s"].items())
@@ -356,7 +401,68 @@ def markdown(result):
         lines.append(f"| {r['label']} | {r['tokens']} | {r['sol_ms']:.3f} | " + " | ".join(cells) + " |")
     if any_failed:
         lines += ["", "✗: the benchmark's check failed in at least one round on that workload."]
+    lines += floor_markdown(result)
+    for name in ("cupyffn-tf32", DEFAULT_IMPL):
+        lines += stage_markdown(result, name)
     return "\n".join(lines) + "\n"
+
+
+def stage_markdown(result, name):
+    """The serial stage profile of implementation `name`, one row per stage and one column per distinct T (the
+    first workload of each T): ms, and the rate (GB/s of the stage's fewest bytes, as a share of the run's copy
+    rate where it was measured; else TFLOP/s)."""
+    rows = {}
+    for r in sorted(result["workloads"], key=lambda r: r["tokens"]):
+        res = r["results"].get(name)
+        if res and res.get("stages") and r["tokens"] not in rows:
+            rows[r["tokens"]] = res
+    if not rows:
+        return []
+    copy = (result["env"].get("copy_rate") or {}).get("gbps")
+    stages = []
+    for res in rows.values():
+        stages += [s["stage"] for s in res["stages"] if s["stage"] not in stages]
+
+    def cell(s):
+        if s is None:
+            return ""
+        if "gbps" in s:
+            rate = f"{s['gbps']:.0f} GB/s" + (f", {100 * s['gbps'] / copy:.0f}% of copy" if copy else "")
+        else:
+            rate = f"{s['tflops']:.0f} TFLOP/s" if "tflops" in s else ""
+        return f"{s['ms']:.3f}" + (f" ({rate})" if rate else "")
+
+    lines = ["", f"**Stage profile of {name}** (events between the stages of one call, every step serialized, L2 "
+             "flushed first; ms, and the rate of each stage's fewest bytes" +
+             (f" against this run's copy rate, {copy:.0f} GB/s (a {result['env']['copy_rate']['bytes'] / 1e6:.0f} MB "
+              "device-to-device copy, bytes read plus written)" if copy else "") + "; GEMMs also in TFLOP/s):", "",
+             "| stage | " + " | ".join(f"T = {t}" for t in rows) + " |", "|---|" + "---|" * len(rows)]
+    for st in stages:
+        cells = [cell(next((s for s in res["stages"] if s["stage"] == st), None)) for res in rows.values()]
+        lines.append(f"| {st} | " + " | ".join(cells) + " |")
+    lines.append("| whole call (median, both streams) | " + " | ".join(f"{res['median_ms']:.3f}" for res in rows.values())
+                 + " |")
+    return lines
+
+
+def floor_markdown(result):
+    """The GEMM floor row per workload and each cupyffn precision's time over it (lines; none without a floor)."""
+    summary = result["summary"]
+    if not summary.get("floor"):
+        return []
+    rows = result["workloads"]
+    names = [n for n in summary["implementations"] if not is_peer(n) and n not in A_B_TWINS]
+    f = summary["floor"]
+    lines = ["", f"**GEMM floor** (`{F.NAME}`, {F.WHAT}): mean {f['mean_ms']:.4f} ms, geomean {f['geomean_ms']:.4f} "
+             f"ms. Each cupyffn precision's median over the floor's, same run:", "",
+             "| workload | T | floor ms | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]
+    for r in rows:
+        if not r.get("floor"):
+            continue
+        fl = r["floor"]["median_ms"]
+        cells = [f"{r['results'][n]['median_ms'] / fl:.2f}x" if n in r["results"] else "" for n in names]
+        lines.append(f"| {r['label']} | {r['tokens']} | {fl:.3f} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def precision_table(result):

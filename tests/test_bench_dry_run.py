@@ -68,6 +68,26 @@ class _CpuPlan(cupyffn.GeluFFNBackward):
                 "GEMM3 grad_hidden": {"ms": 0.1}}
 
 
+class _NumpyFloor:
+    """benchmarks.floor.GemmFloor's four products in NumPy float16 -> float32 (the glue, not cuBLAS)."""
+
+    def __init__(self, cupy, T, D, H):
+        self.closed = False
+
+    def bind(self, args2d):
+        dy, x, w1, w2, _, _, g = (a.astype(numpy.float16) for a in args2d)
+
+        def run():
+            dz = (dy.astype(numpy.float32) @ w2.astype(numpy.float32)).astype(numpy.float16)
+            return tuple((a.T.astype(numpy.float32) @ b.astype(numpy.float32)) if t else
+                         (a.astype(numpy.float32) @ b.astype(numpy.float32)) for a, b, t in
+                         ((dy, g, True), (dz, w1, False), (dz, x, True)))
+        return run
+
+    def close(self):
+        self.closed = True
+
+
 @pytest.fixture
 def small(monkeypatch):
     dim, hidden = 32, 64
@@ -80,6 +100,8 @@ def small(monkeypatch):
     monkeypatch.setattr(G, "environment", lambda cupy, torch: {k: "fake" for k in (
         "device", "driver", "cuda_runtime", "cublas", "cupy", "torch", "nvrtc")})
     monkeypatch.setattr(I, "torch_or_none", lambda in_process_compile=False: None)
+    monkeypatch.setattr(G.F, "GemmFloor", _NumpyFloor)
+    monkeypatch.setattr(G, "copy_rate", lambda cupy, flush: {"bytes": 151_000_000, "ms": 0.1, "gbps": 3020.0})
     if importlib.util.find_spec("cupy") is None:  # a CPU-only install: the plain-CuPy baseline's TF32 switch is
         monkeypatch.setattr(I.Implementations, "_naive", _naive_without_cupy)  # a CuPy internal; the same math
     return dim, hidden
@@ -134,6 +156,12 @@ def test_full_run_glue_on_the_cpu(small, monkeypatch):
     md = R.markdown(again)
     assert "PASS 4/4" in md and "✗" not in md  # nothing failed at these sizes: no marks, no legend
     assert "| `ieee` |" in R.precision_table(again) and "2 workloads x 2 rounds" in R.precision_table(again)
+    # the GEMM floor: timed per workload beside the implementations, never checked, out of the headline
+    assert all(r["floor"]["median_ms"] == 0.5 and "check" not in r["floor"] for r in rows)
+    assert again["summary"]["floor"]["geomean_ms"] == pytest.approx(0.5)
+    assert "gemm-floor-fp16" not in again["summary"]["implementations"]
+    assert "**GEMM floor**" in md and "| B2xS128 | 256 | 0.500 | 1.00x |" in md
+    assert "Copy rate in this run: 3020 GB/s" in md
 
 
 def test_nan_poisoning_and_rotation(small, monkeypatch):

@@ -286,3 +286,30 @@ def test_readme_writes_the_regenerated_sections(stale_readme_copy):
     assert readme.read_text() == (R.ROOT / "README.md").read_text()  # the checkout's README is up to date
     assert "stale line" not in readme.read_text() and len(plots) == 1
     assert bench.main(["--readme", "--no-write"]) == 0  # now up to date
+
+
+def test_gemm_floor_ratio_counts_only_large_t_and_stays_out_of_the_implementations():
+    rows = _rows()
+    for r, tokens, floor in zip(rows, (2048, 8192), (1.0, 5.0)):
+        r["tokens"], r["floor"] = tokens, {"name": "gemm-floor-fp16", "median_ms": floor}
+    s = R.summarize(rows)
+    # only T >= 4096 counts for the target: 8 / 5 for cupyffn-a (2.0 / 1.0 at T = 2048 is left out)
+    assert s["implementations"]["cupyffn-a"]["floor_ratio_large_t"] == pytest.approx(1.6)
+    assert s["floor"]["mean_ms"] == 3.0 and s["floor"]["geomean_ms"] == pytest.approx(math.sqrt(5.0))
+    assert "gemm-floor-fp16" not in s["implementations"] and s["headline"]["implementation"] == "cupyffn-a"
+    assert R.floor_ratios(rows, "cupyffn-b") == [(2048, 1.5), (8192, 1.2)]
+    missed = [t for t in R.evaluate_targets(s, [("fastest", "cupyffn-a", "floor_ratio_large_t", "<=", 1.15, "")])]
+    assert missed[0][5] == pytest.approx(1.6) and missed[0][6] is False
+
+
+def test_gemm_stage_bytes_are_the_operands_read_once_and_the_output_written_once():
+    T, D, H = 256, 1536, 6144
+    assert R.gemm_bytes("GEMM2 grad_weight2", T, D, H) == 2 * (T * D + T * H) + 4 * D * H
+    assert R.gemm_bytes("GEMM4 grad_weight1", T, D, H) == 2 * (T * H + T * D) + 4 * H * D
+    # the fused GEMM1 reads linear1_out and tanh_inner (fp32) and writes fp16 codes; cuBLAS's writes fp32
+    assert R.gemm_bytes("GEMM1 + dgelu (sm90 fused)", T, D, H) == 2 * (T * D + D * H) + 10 * T * H
+    assert R.gemm_bytes("GEMM1 grad_gelu", T, D, H) == 2 * (T * D + D * H) + 4 * T * H
+    assert R.gemm_bytes("dgelu", T, D, H) is None
+    rows = R.stage_rates({"GEMM3 grad_hidden": {"ms": 0.02}}, T, D, H, planes=1)
+    assert rows[0]["gbps"] == pytest.approx(R.gemm_bytes("GEMM3", T, D, H) / 2e-5 / 1e9)
+    assert "gbps" not in R.stage_rates({"GEMM3 grad_hidden": {"ms": 0.02}}, T, D, H, planes=3)[0]

@@ -20,7 +20,7 @@ from benchmarks import timing
                                          ("step_breakdown", "--modes"), ("lt_gemm_choices", "--shapes"),
                                          ("op_host_cost", "--calls"), ("wave_table", "--tiles"),
                                          ("pair_plan_ab", "--reps"), ("gemm_forms_bench", "--pair-rasters"),
-                                         ("streams_ab", "--precisions")])
+                                         ("streams_ab", "--precisions"), ("call_timeline", "--tokens")])
 def test_loads_without_cupy_and_answers_help(name, option, capsys):
     tool = load_tool(name)
     with pytest.raises(SystemExit) as info:
@@ -340,3 +340,16 @@ def test_output_sets_have_the_backwards_output_shapes():
     assert len(sets) == 2 and sets[0][0] is not sets[1][0]
     assert [a.shape for a in sets[0]] == [(5, 1536), (6144, 1536), (1536, 6144)]
     assert all(a.dtype == numpy.float32 for s in sets for a in s)
+
+
+def test_call_timeline_busy_time_and_kernel_names():
+    """dev/call_timeline.py: the time at least one kernel runs (overlaps counted once, gaps not at all), and kernel
+    names without template arguments or parameters."""
+    tool = load_tool("call_timeline")
+    kernels = [{"start_us": 0.0, "end_us": 10.0}, {"start_us": 5.0, "end_us": 12.0}, {"start_us": 20.0, "end_us": 25.0},
+               {"start_us": 21.0, "end_us": 22.0}]
+    assert tool.busy_us(kernels) == 17.0
+    s = tool.summary([dict(k, us=k["end_us"] - k["start_us"]) for k in kernels])
+    assert s == {"span_us": 25.0, "sum_us": 23.0, "busy_us": 17.0, "kernels": 4}
+    assert tool._short("void gemm_sm90_kernel<0, 128, 2, 0, 2>(sm90::TmaDesc, sm90::TmaDesc)") == "gemm_sm90_kernel"
+    assert tool._short("nvjet_sm90_hss_256x128_64x4_1x2_h_bx_coopA_NNT") == "nvjet_sm90_hss_256x128_64x4_1x2_h_bx_coopA_NNT"
