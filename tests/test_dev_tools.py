@@ -20,7 +20,8 @@ from benchmarks import timing
                                          ("step_breakdown", "--modes"), ("lt_gemm_choices", "--shapes"),
                                          ("op_host_cost", "--calls"), ("wave_table", "--tiles"),
                                          ("pair_plan_ab", "--reps"), ("gemm_forms_bench", "--pair-rasters"),
-                                         ("streams_ab", "--precisions"), ("call_timeline", "--tokens")])
+                                         ("streams_ab", "--precisions"), ("call_timeline", "--tokens"),
+                                         ("f16_wgrad_probe", "--tokens")])
 def test_loads_without_cupy_and_answers_help(name, option, capsys):
     tool = load_tool(name)
     with pytest.raises(SystemExit) as info:
