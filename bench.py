@@ -12,6 +12,7 @@ measured the way SOL-ExecBench measures L2/068.
     python bench.py --timer events-idle --rounds 1 --no-write   # events from an idle GPU: the host's part counts
     python bench.py --suite sd35-bf16 --compile   # SD3.5's MLP with biases, bf16 autocast, vs torch eager/compile
     python bench.py --suite train-bf16            # whole training steps of GPT-2s / an SD3.5 stack, torch vs cupyffn
+    python bench.py --suite train-fp32 --paired   # the same in float32 (no autocast), each precision, and a JAX loop
     python bench.py --readme             # regenerate README.md's tables from results/*.json (no GPU needed)
     python bench.py --readme --no-write  # only show what that would change (a diff), writing nothing
 
@@ -70,23 +71,29 @@ def _parser():
     parser.add_argument("--json", default=None, metavar="PATH",
                         help="write the run's results JSON to PATH instead of results/ (e.g. a comparison run)")
     parser.add_argument("--readme", action="store_true", help="regenerate README.md from results/ and exit")
-    parser.add_argument("--suite", choices=("official", "sd35-bf16", "train-bf16"), default="official",
+    parser.add_argument("--suite", choices=("official", "sd35-bf16", "train-bf16", "train-fp32"), default="official",
                         help="official: the benchmark's fp32 block (default); sd35-bf16: SD3.5's MLP with biases under "
                              "bf16 autocast, cupyffn's layer against torch eager (with --compile: both also under "
                              "torch.compile) (benchmarks/sd35.py; needs torch; writes results/sd35-bf16-<gpu>.json and "
                              ".md); train-bf16: training steps of examples/train_gpt2.py's GPT-2 (SD3.5's MLP shape), "
                              "GPT-2 medium's width and SD3.5 stack, torch and cupyffn's MLPs, each eager, under "
                              "torch.compile and under torch.compile reduce-overhead (benchmarks/training.py; needs "
-                             "torch and transformers; results/train-bf16-<gpu>.*)")
-    parser.add_argument("--models", nargs="+", choices=("gpt2", "gpt2-medium", "sd35"), default=None,
-                        help="train-bf16: the models to train (default: all three)")
-    parser.add_argument("--steps", type=int, default=300, help="train-bf16: AdamW steps per run (default 300)")
+                             "torch and transformers; results/train-bf16-<gpu>.*); train-fp32: the same models in "
+                             "float32 (no autocast), torch strict and TF32 against cupyffn fp16+fp8, tf32 and ieee, "
+                             "each step's loss against torch strict's and the first step's gradients against "
+                             "float64, and jax-mlp, a jitted JAX loop (benchmarks/training_fp32.py; "
+                             "results/train-fp32-<gpu>.*)")
+    parser.add_argument("--models", nargs="+", choices=("gpt2", "gpt2-medium", "sd35", "jax-mlp"), default=None,
+                        help="train-bf16, train-fp32: the models to train (default: all; jax-mlp: train-fp32's JAX "
+                             "loop)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="train-bf16, train-fp32: steps per run (default 300 and 40)")
     parser.add_argument("--compiled", choices=("module", "cupyffn"), default="module",
                         help="train-bf16: what the swapped MLPs run under torch.compile (replace_mlps' compiled=): "
                              "the module's own forward (default) or cupyffn's operators")
     parser.add_argument("--paired", action="store_true",
-                        help="train-bf16: each plain run beside its swapped twin, their steps alternating in one "
-                             "process, the ratio also taken step by step (default: one run after the other)")
+                        help="train-bf16, train-fp32: each plain run beside its swapped twins, their steps in turn "
+                             "in one process, the ratio also taken step by step (default: one run after the other)")
     return parser
 
 
@@ -100,8 +107,19 @@ def parse_args(argv=None):
     unset = object()
     seen = parser.parse_args(argv, argparse.Namespace(**{name: unset for name in vars(args)}))
     args.given = frozenset(name for name, value in vars(seen).items() if value is not unset)
-    if args.suite != "train-bf16" and args.given & {"models", "steps", "compiled", "paired"}:
-        parser.error("--models, --steps, --compiled and --paired are options of --suite train-bf16")
+    training = ("train-bf16", "train-fp32")
+    if args.suite not in training and args.given & {"models", "steps", "compiled", "paired"}:
+        parser.error("--models, --steps and --paired are options of --suite train-bf16 and train-fp32, --compiled "
+                     "of train-bf16")
+    if args.suite == "train-fp32" and "compiled" in args.given:
+        parser.error("--compiled is an option of --suite train-bf16 (float32 activations always run cupyffn's "
+                     "operators under torch.compile)")
+    if args.suite == "train-bf16" and "jax-mlp" in (args.models or ()):
+        parser.error("--models jax-mlp is a model of --suite train-fp32")
+    if args.steps is None:
+        from benchmarks import training_fp32
+
+        args.steps = training_fp32.STEPS if args.suite == "train-fp32" else 300
     if args.steps < 25:
         parser.error("--steps must be >= 25 (the median is taken after the fifth step, the loss over the last fifth)")
     for name in ("rounds", "iters", "warmup", "loop_calls"):
@@ -147,10 +165,10 @@ def main(argv=None):
             print("bench.py: --host-only: the host-time table times GPU calls; it is a part of the loop mode "
                   "(--loop-only)", file=sys.stderr)
         return run_cpu(args, reason)
-    if args.suite in ("sd35-bf16", "train-bf16"):
-        from benchmarks import sd35, training
+    if args.suite in ("sd35-bf16", "train-bf16", "train-fp32"):
+        from benchmarks import sd35, training, training_fp32
 
-        suite = sd35 if args.suite == "sd35-bf16" else training
+        suite = {"sd35-bf16": sd35, "train-bf16": training, "train-fp32": training_fp32}[args.suite]
         result = suite.run_suite(args, cupy)
         if args.json:
             import json

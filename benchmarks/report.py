@@ -516,6 +516,11 @@ def readme_sections(results_dir=None):
     runs = sorted(Path(results_dir or RESULTS).glob(f"{sd35.SUITE}-*.json"))
     if runs:
         sections[(sd35.BEGIN, sd35.END)] = sd35.readme_section(json.loads(runs[-1].read_text()))
+    from . import training_fp32
+
+    # always a section: before the first GPU run it says that none is recorded yet, and which command makes one
+    sections[(training_fp32.BEGIN, training_fp32.END)] = training_fp32.readme_section(
+        training_fp32.newest(results_dir or RESULTS))
     return sections
 
 

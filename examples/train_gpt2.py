@@ -20,6 +20,7 @@ torch or CuPy cannot use a GPU exits with the reason; ``--device auto`` takes th
 """
 
 import argparse
+import contextlib
 import copy
 import statistics
 import time
@@ -77,7 +78,11 @@ def gpt2(dim, layers, heads, vocab, seq, device):
                                      n_positions=seq, activation_function="gelu_new", resid_pdrop=0.0,
                                      embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(config).to(device)
+    model = transformers.GPT2LMHeadModel(config).to(device)
+    # the loss its labels= computes, named: unnamed, transformers logs a warning on the first call, which
+    # torch.compile cannot trace (a graph break in every compiled step)
+    model.loss_type = "ForCausalLM"
+    return model
 
 
 class SD35Stack(torch.nn.Module):
@@ -121,12 +126,15 @@ def batches(kind, steps, batch, seq, dim, vocab, device):
             yield x.to(device), torch.tanh(x @ proj).to(device)
 
 
-def stepper(model, kind, device, lr, mark_steps=False):
-    """step(item) -> (loss, ms): one AdamW step under bf16 autocast, the gradient norm clipped at 1, its time in ms
-    (CUDA events around the step, the host synchronized after it; on the CPU the host's clock). mark_steps: tell
-    torch.compile's CUDA graphs (reduce-overhead) where each step begins."""
+def stepper(model, kind, device, lr, mark_steps=False, autocast=torch.bfloat16, after_backward=None):
+    """step(item) -> (loss, ms): one AdamW step under `autocast` (a dtype; None: none, the model computes in its own
+    dtype), the gradient norm clipped at 1, its time in ms (CUDA events around the step, the host synchronized after
+    it; on the CPU the host's clock). mark_steps: tell torch.compile's CUDA graphs (reduce-overhead) where each step
+    begins. after_backward(), if given, is called after each backward, before the gradients are clipped (timed too:
+    benchmarks/training_fp32.py reads the first step's gradients there)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     cuda = device != "cpu"
+    context = (lambda: torch.autocast(device, dtype=autocast)) if autocast is not None else contextlib.nullcontext
 
     def step(item):
         start = time.perf_counter()
@@ -135,12 +143,11 @@ def stepper(model, kind, device, lr, mark_steps=False):
             t0.record()
         if mark_steps:
             torch.compiler.cudagraph_mark_step_begin()
-        with torch.autocast(device, dtype=torch.bfloat16):
-            if kind == "gpt2":
-                loss = model(item, labels=item).loss
-            else:
-                loss = torch.nn.functional.mse_loss(model(item[0]).float(), item[1])
+        with context():
+            loss = loss_of(model, kind, item)
         loss.backward()
+        if after_backward is not None:
+            after_backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # as real training loops do: no late loss spikes
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -153,6 +160,14 @@ def stepper(model, kind, device, lr, mark_steps=False):
         return loss.item(), ms
 
     return step
+
+
+def loss_of(model, kind, item):
+    """The training loss of `model` on batch `item` (`batches`): GPT-2's next-token cross-entropy, the SD3.5 stack's
+    mean squared error in float32 (in the targets' dtype)."""
+    if kind == "gpt2":
+        return model(item, labels=item).loss
+    return torch.nn.functional.mse_loss(model(item[0]).to(item[1].dtype), item[1])
 
 
 def train(model, kind, data, device, lr, mark_steps=False):
@@ -210,6 +225,27 @@ class _Run:
             raise error
         self.error = _one_line(error)
         print(f"{model}: {self.name} failed: {self.error[:300]}", flush=True)
+
+
+def train_together(runs, steps, model, keep_going):
+    """Step every run of `runs` (each with its .step and .data set, or its .error) `steps` times, in turn: step i
+    starts with run i mod len(runs), so with two runs each goes first every other step. Each run records its losses,
+    step times and the graph breaks Dynamo counted during its own steps; a run that raises is recorded (keep_going)
+    and the others go on, or the error propagates."""
+    for i in range(steps):
+        k = i % len(runs)
+        for run in runs[k:] + runs[:k]:
+            if run.error is not None:
+                continue
+            breaks = sum(torch._dynamo.utils.counters["graph_break"].values())  # Dynamo's count (no public API)
+            try:
+                loss, ms = run.step(next(run.data))
+            except Exception as e:
+                run.fail(e, model, keep_going)
+                continue
+            run.graph_breaks += sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks
+            run.losses.append(loss)
+            run.times.append(ms)
 
 
 def _one_line(error, limit=1000):
@@ -272,19 +308,7 @@ def main(model="gpt2", steps=300, device="cuda", dim=None, layers=None, heads=No
             except Exception as e:
                 run.fail(e, model, keep_going)
             active.append(run)
-        for i in range(steps):
-            for run in (active if i % 2 == 0 else active[::-1]):  # paired: each goes first every other step
-                if run.error is not None:
-                    continue
-                breaks = sum(torch._dynamo.utils.counters["graph_break"].values())  # Dynamo's count (no public API)
-                try:
-                    loss, ms = run.step(next(run.data))
-                except Exception as e:
-                    run.fail(e, model, keep_going)
-                    continue
-                run.graph_breaks += sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks
-                run.losses.append(loss)
-                run.times.append(ms)
+        train_together(active, steps, model, keep_going)  # paired: each goes first every other step
         for run in active:
             if run.error is not None:
                 results[run.name] = {"error": run.error}

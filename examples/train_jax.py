@@ -61,6 +61,39 @@ def pick_device(kind):
     raise SystemExit(f"train_jax.py: --device cuda, but {reason}; --device cpu runs on the CPU")
 
 
+def problem(dim, hidden_dim, seed=0):
+    """(teacher, params, data_key) of the task: the teacher's weights (twice the default scale), the initial weights
+    (as torch.nn.Linear initializes them) and the key the batches are drawn from (`batch_of`)."""
+    k_teacher1, k_teacher2, k_w1, k_w2, k_data = jax.random.split(jax.random.PRNGKey(seed), 5)
+
+    def uniform(key, shape, bound):
+        return jax.random.uniform(key, shape, jnp.float32, -bound, bound)
+
+    teacher = (uniform(k_teacher1, (hidden_dim, dim), 2 / math.sqrt(dim)),
+               uniform(k_teacher2, (dim, hidden_dim), 2 / math.sqrt(hidden_dim)))
+    params = (uniform(k_w1, (hidden_dim, dim), 1 / math.sqrt(dim)),
+              uniform(k_w2, (dim, hidden_dim), 1 / math.sqrt(hidden_dim)))
+    return teacher, params, k_data
+
+
+def batch_of(data_key, step, batch, teacher, precision=None):
+    """(x, target) of step `step`: x ~ N(0, 1) of shape [batch, dim] and the teacher's output on it (plain jnp ops,
+    their matmuls at `precision`: a jax.lax.Precision, None for JAX's default)."""
+    x = jax.random.normal(jax.random.fold_in(data_key, step), (batch, teacher[0].shape[1]), jnp.float32)
+    return x, plain_ffn(x, teacher[0], teacher[1], precision)
+
+
+def plain_ffn(x, w1, w2, precision=None):
+    """x @ w1.T -> GELU(tanh) -> @ w2.T in plain jnp ops, the matmuls at `precision` (None: JAX's default)."""
+    return jnp.matmul(jax.nn.gelu(jnp.matmul(x, w1.T, precision=precision), approximate=True), w2.T,
+                      precision=precision)
+
+
+def objective(y, target):
+    """0.5 * the mean over the batch of ||y - target||^2."""
+    return 0.5 * jnp.sum((y - target) ** 2) / y.shape[0]
+
+
 def main(steps=200, device="auto", precision=None, dim=None, hidden_dim=None, batch=None, lr=None, seed=0,
          verbose=False):
     """Train for `steps` SGD steps; returns the list of losses (floats), one per step.
@@ -75,25 +108,15 @@ def main(steps=200, device="auto", precision=None, dim=None, hidden_dim=None, ba
     if precision is None:  # resolved here to be printed: the default cupyffn picks for arrays on this device
         precision = cupyffn.CPU_DEFAULT_PRECISION if kind == "cpu" else cupyffn.DEFAULT_PRECISION
 
-    k_teacher1, k_teacher2, k_w1, k_w2, k_data = jax.random.split(jax.random.PRNGKey(seed), 5)
-
-    def uniform(key, shape, bound):
-        return jax.random.uniform(key, shape, jnp.float32, -bound, bound)
-
-    teacher = (uniform(k_teacher1, (hidden_dim, dim), 2 / math.sqrt(dim)),
-               uniform(k_teacher2, (dim, hidden_dim), 2 / math.sqrt(hidden_dim)))
-    params = (uniform(k_w1, (hidden_dim, dim), 1 / math.sqrt(dim)),  # like torch.nn.Linear's init
-              uniform(k_w2, (dim, hidden_dim), 1 / math.sqrt(hidden_dim)))
+    teacher, params, k_data = problem(dim, hidden_dim, seed)
     teacher, params = jax.device_put((teacher, params), dev)
 
     def loss_fn(params, x, target):
-        y = cupyffn_jax.gelu_ffn(x, params[0], params[1], precision)
-        return 0.5 * jnp.sum((y - target) ** 2) / batch
+        return objective(cupyffn_jax.gelu_ffn(x, params[0], params[1], precision), target)
 
     @jax.jit
     def train_step(params, teacher, step):
-        x = jax.random.normal(jax.random.fold_in(k_data, step), (batch, dim), jnp.float32)
-        target = jax.nn.gelu(x @ teacher[0].T, approximate=True) @ teacher[1].T
+        x, target = batch_of(k_data, step, batch, teacher)
         loss, grads = jax.value_and_grad(loss_fn)(params, x, target)
         return tuple(p - lr * g for p, g in zip(params, grads)), loss
 
