@@ -145,6 +145,13 @@ def summarize(traces, label):
     return out
 
 
+def exit_status(runs):
+    """0 when some run ran and every run that ran passed every workload; 1 otherwise (an error, a failed workload,
+    nothing run). Runs skipped for time do not count."""
+    ran = [r for r in runs if "skipped" not in r]
+    return 0 if ran and all("error" not in r and r["passed"] == r["workloads"] for r in ran) else 1
+
+
 def markdown(runs, header):
     """summary.md: the header lines, one table of the runs, then each run's workloads."""
     lines = ["# NVIDIA SOL-ExecBench evaluator on L2/068, cupyffn's solutions", ""] + header + [""]
@@ -296,7 +303,7 @@ def main(argv=None):
                            if "mean_ms" in summary else ""))
                 else:
                     runs.append({"run": label, "error": f"no traces (exit {status}; evaluator log in the archive)"})
-        return 0 if runs and all(r.get("passed") == r.get("workloads") for r in runs if "skipped" not in r) else 1
+        return exit_status(runs)
     except Exception as e:  # logged, and the summary and archive are still written
         log("ERROR:", f"{type(e).__name__}: {e}")
         runs.append({"run": "script", "error": f"{type(e).__name__}: {e}"})

@@ -376,6 +376,10 @@ def test_evaluator_run_summarizes_the_harness_traces():
     assert "| tf32, consistent inputs | 2/2 | 0.2500 | 0.2000 |" in text
     assert "| B4xS2048 | 8192 | INCORRECT_NUMERICAL |  |  | 3.846 |" in text and "matched 0.97" in text
     assert "| tf32, random inputs | skipped: 20 s left of --budget |" in text
+    skipped = {"run": "fp16+fp8, random inputs", "skipped": "skipped"}
+    assert tool.exit_status([s, skipped]) == 0
+    assert tool.exit_status([s, failed]) == 1 and tool.exit_status([skipped]) == 1 and tool.exit_status([]) == 1
+    assert tool.exit_status([s, {"run": "tf32, random inputs", "error": "no traces"}]) == 1
 
 
 def test_evaluator_run_picks_the_wheels_it_needs(tmp_path):
