@@ -21,7 +21,7 @@ from benchmarks import timing
                                          ("op_host_cost", "--calls"), ("wave_table", "--tiles"),
                                          ("pair_plan_ab", "--reps"), ("gemm_forms_bench", "--pair-rasters"),
                                          ("streams_ab", "--precisions"), ("call_timeline", "--tokens"),
-                                         ("f16_wgrad_probe", "--tokens")])
+                                         ("f16_wgrad_probe", "--tokens"), ("evaluator_run", "--budget")])
 def test_loads_without_cupy_and_answers_help(name, option, capsys):
     tool = load_tool(name)
     with pytest.raises(SystemExit) as info:
@@ -354,3 +354,54 @@ def test_call_timeline_busy_time_and_kernel_names():
     assert s == {"span_us": 25.0, "sum_us": 23.0, "busy_us": 17.0, "kernels": 4}
     assert tool._short("void gemm_sm90_kernel<0, 128, 2, 0, 2>(sm90::TmaDesc, sm90::TmaDesc)") == "gemm_sm90_kernel"
     assert tool._short("nvjet_sm90_hss_256x128_64x4_1x2_h_bx_coopA_NNT") == "nvjet_sm90_hss_256x128_64x4_1x2_h_bx_coopA_NNT"
+def _trace(batch, seq, status, latency=None, err=0.01, atol=0.05, log=""):
+    """One line of the harness's trace JSONL, as its CLI writes it (-o)."""
+    ev = {"status": status, "environment": {"hardware": "NVIDIA H100 80GB HBM3", "libs": {"torch": "2.11.0"}},
+          "timestamp": "2026-12-07T00:00:00", "log": log,
+          "correctness": {"max_absolute_error": err, "max_relative_error": err, "has_nan": False, "has_inf": False}}
+    if latency is not None:
+        ev["performance"] = {"latency_ms": latency, "reference_latency_ms": 10 * latency, "speedup_factor": 10.0}
+    return {"definition": "068_gelu_approximate_feedforward_backward", "solution": "cupyffn-tf32",
+            "workload": {"uuid": "u", "axes": {"batch_size": batch, "seq_len": seq}, "inputs": {},
+                         "tolerance": {"max_atol": atol, "max_rtol": 1e-5, "required_matched_ratio": 0.99}},
+            "evaluation": ev}
+
+
+def test_evaluator_run_summarizes_the_harness_traces():
+    """dev/evaluator_run.py: counts, mean, geomean, the H200 SOL's share of the mean and the worst error over atol
+    from the traces; no averages where a workload failed, whose log the summary then shows."""
+    from cupyffn import workloads
+
+    tool = load_tool("evaluator_run")
+    traces = [_trace(2, 128, "PASSED", 0.1, err=0.02, atol=0.025), _trace(4, 2048, "PASSED", 0.4, err=0.05, atol=0.13)]
+    s = tool.summarize(traces, "tf32, consistent inputs")
+    assert (s["passed"], s["workloads"]) == (2, 2)
+    assert s["mean_ms"] == pytest.approx(0.25) and s["geomean_ms"] == pytest.approx(0.2)
+    sol = (workloads.sol_ms(256) + workloads.sol_ms(8192)) / 2
+    assert s["pct_of_h200_sol"] == pytest.approx(100 * sol / 0.25)
+    assert s["worst_err_over_atol"] == pytest.approx(0.8) and s["reference_mean_ms"] == pytest.approx(2.5)
+    failed = tool.summarize(traces[:1] + [_trace(4, 2048, "INCORRECT_NUMERICAL", err=0.5, atol=0.13,
+                                                 log="matched 0.97")], "fp16+fp8, random inputs")
+    assert (failed["passed"], failed["workloads"]) == (1, 2) and "mean_ms" not in failed
+    text = tool.markdown([s, failed, {"run": "tf32, random inputs", "skipped": "skipped: 20 s left of --budget"}],
+                         ["card: test"])
+    assert "| tf32, consistent inputs | 2/2 | 0.2500 | 0.2000 |" in text
+    assert "| B4xS2048 | 8192 | INCORRECT_NUMERICAL |  |  | 3.846 |" in text and "matched 0.97" in text
+    assert "| tf32, random inputs | skipped: 20 s left of --budget |" in text
+    skipped = {"run": "fp16+fp8, random inputs", "skipped": "skipped"}
+    assert tool.exit_status([s, skipped]) == 0
+    assert tool.exit_status([s, failed]) == 1 and tool.exit_status([skipped]) == 1 and tool.exit_status([]) == 1
+    assert tool.exit_status([s, {"run": "tf32, random inputs", "error": "no traces"}]) == 1
+
+
+def test_evaluator_run_picks_the_wheels_it_needs(tmp_path):
+    tool = load_tool("evaluator_run")
+    for name in ("sol_execbench-1.0.2-py3-none-any.whl", "pydantic-2.12.5-py3-none-any.whl",
+                 "pydantic_core-2.41.5-cp312-cp312-manylinux_2_17_x86_64.whl", "diffusers-0.42.1-py3-none-any.whl"):
+        (tmp_path / name).write_text("")
+    got = tool.find_wheels(tmp_path, ("pydantic", "pydantic_core"))
+    assert {k: v.name for k, v in got.items()} == {
+        "pydantic": "pydantic-2.12.5-py3-none-any.whl",
+        "pydantic_core": "pydantic_core-2.41.5-cp312-cp312-manylinux_2_17_x86_64.whl"}
+    with pytest.raises(FileNotFoundError, match="lacks wheels for cupti_python, typing_extensions"):
+        tool.find_wheels(tmp_path, ("sol_execbench", "cupti_python", "typing_extensions"))

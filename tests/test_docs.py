@@ -18,7 +18,7 @@ FENCE = re.compile(r"^```.*?^```[ \t]*$", re.S | re.M)
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 CODE_SPAN = re.compile(r"`([^`\n]+)`")
 # a repository path as a whole code span: a top-level folder of the repository, then a path without spaces
-REPO_PATH = re.compile(r"(?:cupyffn|kernels_cu|docs|results|tests|dev|examples|benchmarks|\.ci)/[\w.\-/]*")
+REPO_PATH = re.compile(r"(?:cupyffn|kernels_cu|docs|results|tests|dev|examples|benchmarks|leaderboard|\.ci)/[\w.\-/]*")
 
 
 def _rel(path):

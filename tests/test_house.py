@@ -148,7 +148,7 @@ def test_the_numpy_routes_import_nothing_gpu():
 
 
 #: a path in the repository named in prose: it must exist (the moved modules' old names, a test file renamed ...)
-_PATH = re.compile(r"(?<![\w/.-])((?:cupyffn|kernels_cu|dev|benchmarks|tests|docs|examples)/[\w/.-]*\w\.(?:py|cu|cuh|md))\b")
+_PATH = re.compile(r"(?<![\w/.-])((?:cupyffn|kernels_cu|dev|benchmarks|tests|docs|examples|leaderboard)/[\w/.-]*\w\.(?:py|cu|cuh|md))\b")
 #: where the wheel installs the CUDA sources (cupyffn/cuda/kernels.py looks there first): not a repository path
 _INSTALLED = re.compile(r"^cupyffn/kernels_cu/")
 #: modules all live in subpackages; the float32 engine's package is cupyffn/f32/ (it was cupyffn/engine/)
@@ -183,6 +183,7 @@ def _named_paths_and_modules():
     and may name what is gone)."""
     files = PACKAGE + CUDA + sorted((ROOT / "benchmarks").glob("*.py")) + sorted((ROOT / "dev").glob("*.py"))
     files += [ROOT / "bench.py"] + sorted((ROOT / "examples").glob("*.py")) + sorted((ROOT / "tests").glob("*.py"))
+    files += sorted((ROOT / "leaderboard").rglob("*.py"))
     files += [ROOT / n for n in ("setup.cfg", "pyproject.toml", "README.md", "dev/README.md")]
     return files + sorted((ROOT / "docs").glob("*.md"))
 
