@@ -18,6 +18,7 @@ import datetime
 import fnmatch
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -34,6 +35,39 @@ TOKENS = (64, 256, 1024)
 QUICK_TOKENS = (64, 256)
 ITERS, WARMUP = 3, 0  # the CPU's defaults of --iters / --warmup (the GPU's 50 and 10 would take minutes here)
 FORMAT = "cupyffn-cpu-smoke-1"
+
+
+# The instruction-set flags of /proc/cpuinfo that decide a CPU's GEMM and elementwise speed (vector width, fused
+# multiply-add, bf16 / fp16 arithmetic, AMX tiles): CPU figures depend on them, so results files record them.
+ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+             "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_fp16", "amx_int8", "asimd", "sve", "sve2")
+
+
+def host_cpu(cpuinfo="/proc/cpuinfo"):
+    """The host's CPU for a results file: {"model", "vendor", "cpuid" (family / model / stepping), "isa" (the
+    ISA_FLAGS it has), "virtual" (a hypervisor's guest), "cores", "machine"}.
+
+    From /proc/cpuinfo (Linux) where it is readable; elsewhere the model is platform.processor()'s and the fields
+    /proc/cpuinfo would give are None (unknown, not empty).
+    """
+    fields = {}
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip().lower(), value.strip())  # the first processor's entry
+    flags = set(fields["flags"].split()) if "flags" in fields else (
+        set(fields["features"].split()) if "features" in fields else None)
+    cpuid = None
+    if all(k in fields for k in ("cpu family", "model", "stepping")):
+        cpuid = f"family {fields['cpu family']} model {fields['model']} stepping {fields['stepping']}"
+    return {"model": fields.get("model name") or platform.processor() or None,
+            "vendor": fields.get("vendor_id"), "cpuid": cpuid,
+            "isa": None if flags is None else [f for f in ISA_FLAGS if f in flags],
+            "virtual": None if flags is None else "hypervisor" in flags,
+            "cores": os.cpu_count(), "machine": platform.machine()}
 
 
 def implementations():
@@ -161,7 +195,8 @@ def run_cpu(args, reason=None):
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   "command": " ".join(["python", "bench.py"] + sys.argv[1:]),
                   "env": {"cupyffn": cupyffn.__version__, "numpy": numpy.__version__,
-                          "python": platform.python_version(), "machine": platform.machine()},
+                          "python": platform.python_version(), "machine": platform.machine(),
+                          "cpu": host_cpu()},
                   "protocol": {"timing": "host wall time (time.perf_counter), median", "warmup": warmup,
                                "iters": iters, "rounds": args.rounds, "quick": bool(args.quick),
                                "implementations": names,

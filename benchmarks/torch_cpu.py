@@ -31,6 +31,9 @@ import torch
 
 import cupyffn.torch as ct
 
+from .cpu import host_cpu
+from .gpu import git_commit
+
 ROOT = Path(__file__).resolve().parent.parent
 LAYER = dict(tokens=2048, dim=256, hidden=1024)
 GPT2_SMALL = dict(dim=64, layers=2, heads=2, vocab=64, seq=32, batch=4)  # train_gpt2.py --small
@@ -128,18 +131,21 @@ def main(argv=None):
         rows += layer_rows(a.steps, a.warmup)
     if a.part in ("all", "gpt2"):
         rows += gpt2_rows(a.steps, a.warmup)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    cpu = host_cpu()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu['model']} ({cpu['cpuid']}; "
+          f"{' '.join(cpu['isa'] or ['ISA unknown'])}; torch's kernels: {torch.backends.cpu.get_cpu_capability()})")
     for r in rows:
         print(f"{r['row']:48s} torch {r['torch_ms']:8.2f} ms   cupyffn {r['cupyffn_ms']:8.2f} ms   "
               f"ratio {r['ratio']:.2f}")
     if a.json:
-        env = dict(torch=torch.__version__, numpy=numpy.__version__, python=platform.python_version(),
-                   cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
+        # The CPU's model and instruction set always go in: CPU figures depend on the host (performance.md 8).
+        env = dict(torch=torch.__version__, numpy=numpy.__version__, python=platform.python_version(), cpu=cpu,
+                   torch_cpu_capability=torch.backends.cpu.get_cpu_capability(), cores=os.cpu_count(),
                    threads=torch.get_num_threads())
         Path(a.json).write_text(json.dumps(dict(
             command="python -m benchmarks.torch_cpu " + " ".join(argv if argv is not None else sys.argv[1:]),
-            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), env=env, rows=rows),
-            indent=1) + "\n")
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), git_commit=git_commit(),
+            env=env, rows=rows), indent=1) + "\n")
     return rows
 
 

@@ -100,13 +100,16 @@ def main(steps=200, device="auto", precision=None, dim=None, hidden_dim=None, ba
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=int, default=200, help="training steps")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: the GPU where CuPy can use one, else the CPU (NumPy)")
     p.add_argument("--precision", choices=tuple(cupyffn.PRECISIONS), default=None,
-                   help=f"default: {cupyffn.DEFAULT_PRECISION} on the GPU, {cupyffn.CPU_DEFAULT_PRECISION} on the CPU")
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
+                   help=f"cupyffn's precision (None: {cupyffn.DEFAULT_PRECISION} on the GPU, "
+                        f"{cupyffn.CPU_DEFAULT_PRECISION} on the CPU)")
+    p.add_argument("--lr", type=float, default=None, help="SGD's learning rate (None: 20 / hidden_dim)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     return p.parse_args(argv)
 
 

@@ -7,16 +7,18 @@ least 20) within `tolerance` (relative) of eager torch's. With compilation (the 
 under ``torch.compile`` (default mode) and ``torch.compile(mode="reduce-overhead")`` (CUDA graphs on the GPU), the
 plain model and the swapped one compiled alike (the swapped MLPs then run their modules' own forward, as in the
 plain model, unless --compiled cupyffn keeps cupyffn's operators in the compiled graph: replace_mlps' `compiled`).
-Reports the median step time and final loss of every run. ``--paired`` trains each plain run beside its swapped twin,
-their steps alternating, and also reports the swapped run's speed step by step (the median of the per-step ratios).
+Reports per run the median step time, the last step's loss as each run ends, and at the end the final loss: the mean
+loss of the last fifth of the steps (at least 20), which the agreement is judged on. ``--paired`` trains each plain
+run beside its swapped twin, their steps alternating, and also reports the swapped run's speed step by step: the
+median over the steps of its twin's step time over its own (above 1: the swapped run is faster).
 
     python examples/train_gpt2.py                       # dim 1536, hidden 6144 (SD3.5 medium's MLP shape), 4 layers
     python examples/train_gpt2.py --model gpt2-medium   # GPT-2 medium: dim 1024, hidden 4096, 24 layers, seq 1024
     python examples/train_gpt2.py --small --device cpu  # a tiny config on the CPU (torch's CPU ops)
 
 The same comparison for an SD3.5-shaped stack of residual MLP blocks (diffusers' FeedForward when diffusers is
-installed, else the equivalent nn.Sequential): ``--model sd35``. ``--device cuda`` (the default) on a machine where
-torch or CuPy cannot use a GPU exits with the reason; ``--device auto`` takes the CPU there.
+installed, else the equivalent nn.Sequential): ``--model sd35``. ``--device auto`` (the default) takes the GPU where
+torch and CuPy can use one, else the CPU; ``--device cuda`` on a machine where they cannot exits with the reason.
 """
 
 import argparse
@@ -74,15 +76,18 @@ def pick_device(device):
 def gpt2(dim, layers, heads, vocab, seq, device):
     import transformers
 
+    # bos / eos: GPT-2's convention, the last id of the vocabulary (its default, 50256, lies outside a small one and
+    # transformers warns); the training feeds no special tokens.
     config = transformers.GPT2Config(n_embd=dim, n_inner=4 * dim, n_layer=layers, n_head=heads, vocab_size=vocab,
                                      n_positions=seq, activation_function="gelu_new", resid_pdrop=0.0,
-                                     embd_pdrop=0.0, attn_pdrop=0.0)
+                                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=vocab - 1, eos_token_id=vocab - 1)
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config).to(device)
-    # the loss its labels= computes, named: unnamed, transformers logs a warning on the first call, which
-    # torch.compile cannot trace (a graph break in every compiled step)
+    model = transformers.GPT2LMHeadModel(config)
+    # The loss GPT2LMHeadModel computes from labels, named: transformers infers it from the class name, finds none for
+    # "GPT2LMHeadModel" and warns that it falls back to this same one (and torch.compile cannot trace that
+    # logging call: a graph break in every compiled step).
     model.loss_type = "ForCausalLM"
-    return model
+    return model.to(device)
 
 
 class SD35Stack(torch.nn.Module):
@@ -253,12 +258,13 @@ def _one_line(error, limit=1000):
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def main(model="gpt2", steps=300, device="cuda", dim=None, layers=None, heads=None, vocab=None, seq=None, batch=None,
+def main(model="gpt2", steps=300, device="auto", dim=None, layers=None, heads=None, vocab=None, seq=None, batch=None,
          lr=None, compile=True, tolerance=0.03, keep_going=False, say=None, compiled="module", paired=False):
     """Train the torch model and its cupyffn clone, each eager and (compile=True) under torch.compile's default and
     reduce-overhead modes (RUNS); returns a dict: per run its losses, median step time, final loss (the mean of the
-    last fifth of the steps, at least 20), its ratio to torch eager's and whether that is within `tolerance`
-    (relative); "final_loss_ratio" and "agree" of cupyffn (eager) against torch eager; "learned"; "sizes".
+    last fifth of the steps, at least 20: "final_loss_steps" of them), its ratio to torch eager's and whether that
+    is within `tolerance` (relative); "final_loss_ratio" and "agree" of cupyffn (eager) against torch eager;
+    "learned"; "sizes".
 
     model: a PRESETS name; dim, layers, heads, vocab, seq, batch default to its sizes (gpt2-medium's 24 layers come
     down on a GPU whose memory they do not fit: layers_that_fit). device: "auto", "cpu" or "cuda" (pick_device).
@@ -318,7 +324,7 @@ def main(model="gpt2", steps=300, device="cuda", dim=None, layers=None, heads=No
             if run.mode is not None:
                 results[run.name]["graph_breaks"] = run.graph_breaks
             say(f"{label}, {run.name}: median step {results[run.name]['median_step_ms']:.2f} ms, "
-                f"last loss {run.losses[-1]:.4f}")
+                f"loss at the last step {run.losses[-1]:.4f}")
         if len(active) == 2 and all(run.error is None for run in active):
             plain, twin = active  # the swapped run's step time against its plain twin's, step by step
             ratios = [a / b for a, b in zip(plain.times, twin.times)]
@@ -327,6 +333,7 @@ def main(model="gpt2", steps=300, device="cuda", dim=None, layers=None, heads=No
         if device == "cuda":
             torch.cuda.empty_cache()
     tail = min(max(20, steps // 5), steps)
+    results["final_loss_steps"] = tail
     for name, _, _ in RUNS:
         if "losses" in results.get(name, {}):
             results[name]["final_loss"] = sum(results[name]["losses"][-tail:]) / tail
@@ -342,33 +349,56 @@ def main(model="gpt2", steps=300, device="cuda", dim=None, layers=None, heads=No
     return results
 
 
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", choices=tuple(PRESETS), default="gpt2")
-    p.add_argument("--steps", type=int, default=300)
+def report(r, tolerance=0.03):
+    """The lines the script prints at the end for main()'s results `r`: per run its median step time and final loss
+    (its ratio to eager's; paired: its speed against its twin, step by step), then whether cupyffn's final loss
+    agrees with torch eager's."""
+    lines = []
+    tail = r.get("final_loss_steps")
+    for name, _, _ in RUNS:
+        e = r.get(name)
+        if e is None:
+            continue
+        if "error" in e:
+            lines.append(f"{name:40s} failed: {e['error']}")
+            continue
+        lines.append(f"{name:40s} median step {e['median_step_ms']:8.2f} ms   mean loss of the last {tail} steps "
+                     f"{e['final_loss']:.4f}"
+                     + (f" ({e['final_loss_vs_eager']:.4f}x eager's)" if "final_loss_vs_eager" in e else "")
+                     + (f"; step by step {e['paired_speedup_vs_twin']:.3f}x the speed of {TWINS[name]} "
+                        f"({TWINS[name]}'s step time / its own, median over the steps)"
+                        if "paired_speedup_vs_twin" in e else ""))
+    if r["final_loss_ratio"] is not None:
+        lines.append(f"mean loss of the last {tail} steps, cupyffn / torch eager = {r['final_loss_ratio']:.4f}: "
+                     f"{'agree' if r['agree'] else 'DISAGREE'} (within {tolerance:.0%}: {r['agree']})")
+    return lines
+
+
+def _parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", choices=tuple(PRESETS), default="gpt2",
+                   help="gpt2: dim 1536, 4 layers; gpt2-medium: dim 1024, 24 layers; sd35: an SD3.5-shaped MLP stack")
+    p.add_argument("--steps", type=int, default=300, help="AdamW steps per run")
     p.add_argument("--small", action="store_true", help="dim 64, 2 layers, 2 heads, vocab 64, seq 32, batch 4")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cuda")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: the GPU where torch and CuPy can use one, else the CPU")
     p.add_argument("--no-compile", action="store_true", help="eager runs only (no torch.compile)")
     p.add_argument("--compiled", choices=ct.COMPILED, default="module",
-                   help="what the swapped MLPs run under torch.compile: the module's own forward (default) or "
-                        "cupyffn's operators (replace_mlps' compiled=)")
+                   help="what the swapped MLPs run under torch.compile: the module's own forward, or cupyffn's "
+                        "operators (replace_mlps' compiled=)")
     p.add_argument("--paired", action="store_true",
                    help="train each plain run beside its swapped twin, their steps alternating (one run at a time "
                         "otherwise)")
-    a = p.parse_args()
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    a = _parse()
     sizes = dict(dim=64, layers=2, heads=2, vocab=64, seq=32, batch=4) if a.small else {}
     r = main(a.model, a.steps, a.device, compile=not a.no_compile, keep_going=True, compiled=a.compiled,
              paired=a.paired, say=lambda line: print(line, flush=True), **sizes)
+    print("\n".join(report(r)))
     failed = [name for name, _, _ in RUNS if "error" in r.get(name, {})]
-    for name, _, _ in RUNS:
-        if name in failed:
-            print(f"{name:40s} failed: {r[name]['error']}")
-        elif name in r:
-            print(f"{name:40s} median step {r[name]['median_step_ms']:8.2f} ms   final loss {r[name]['final_loss']:.4f}"
-                  + (f" ({r[name]['final_loss_vs_eager']:.4f}x eager's)" if "final_loss_vs_eager" in r[name] else "")
-                  + (f", {r[name]['paired_speedup_vs_twin']:.3f}x its twin step by step"
-                     if "paired_speedup_vs_twin" in r[name] else ""))
-    if r["final_loss_ratio"] is not None:
-        print(f"final loss cupyffn / torch eager = {r['final_loss_ratio']:.4f}  agree: {r['agree']}")
     if failed:
         raise SystemExit(f"train_gpt2.py: {len(failed)} of the runs failed: {', '.join(failed)}")

@@ -138,16 +138,18 @@ def main(steps=200, device="auto", precision=None, dim=None, hidden_dim=None, ba
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=int, default=200, help="training steps")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: the GPU where JAX and cupyffn can use one, else the CPU")
     p.add_argument("--precision", choices=("fp16+fp8", "bf16x3", "ieee", "tf32", "bf16"), default=None,
-                   help="default: fp16+fp8 on the GPU, ieee on the CPU")
-    p.add_argument("--dim", type=int)
-    p.add_argument("--hidden-dim", type=int)
-    p.add_argument("--batch", type=int)
-    p.add_argument("--lr", type=float)
-    p.add_argument("--seed", type=int, default=0)
+                   help="cupyffn's precision (None: fp16+fp8 on the GPU, ieee on the CPU)")
+    p.add_argument("--dim", type=int, help="the layer's dim (None: 512 on the GPU, 32 on the CPU)")
+    p.add_argument("--hidden-dim", type=int, help="its hidden_dim (None: 2048 on the GPU, 128 on the CPU)")
+    p.add_argument("--batch", type=int, help="tokens per step (None: 1024 on the GPU, 256 on the CPU)")
+    p.add_argument("--lr", type=float, help="SGD's learning rate (None: 20 / hidden_dim)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     return p.parse_args(argv)
 
 

@@ -1,8 +1,8 @@
 """Train ``cupyffn.torch.TensorParallelGeluFFN`` over the ranks torchrun starts (Megatron-style sharding).
 
-    torchrun --nproc_per_node=2 examples/train_tp_torch.py                 # NCCL, one GPU per rank (--device cuda)
+    torchrun --nproc_per_node=2 examples/train_tp_torch.py                 # CUDA where torch sees it, else the CPU
+    torchrun --nproc_per_node=2 examples/train_tp_torch.py --device cuda   # NCCL, one GPU per rank
     torchrun --nproc_per_node=2 examples/train_tp_torch.py --device cpu    # gloo, CPU tensors
-    torchrun --nproc_per_node=2 examples/train_tp_torch.py --device auto   # CUDA where torch sees it, else the CPU
     torchrun --nproc_per_node=2 examples/train_tp_torch.py --bench results/tp-bench.json   # GPU timings
 
 Every rank holds hidden_dim / world_size rows of weight1 and the same columns of weight2; the input batch
@@ -23,8 +23,8 @@ alone; each after the same check as above. CUDA-event times on each rank's strea
 iterations, the slowest rank's; JSON written to PATH by rank 0.
 
 Defaults (those of examples/train_torch.py): CUDA dim=512, hidden_dim=2048, batch=1024; CPU dim=32, hidden_dim=128, batch=256.
---device cuda (the default) where torch sees no CUDA device, or CuPy cannot use the rank's GPU, exits on every rank
-with the reason on one line.
+--device cuda where torch sees no CUDA device, or CuPy cannot use the rank's GPU, exits on every rank with the reason
+on one line (so does the default, auto, where torch sees a CUDA device that CuPy cannot use).
 """
 
 import argparse
@@ -243,24 +243,27 @@ def bench(path, shapes, device, precision, save, seed, warmup, iters):
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cuda",
-                   help="cuda: NCCL, one GPU per rank (default); cpu: CPU tensors and gloo; auto: cuda where torch "
-                        "sees a CUDA device, else cpu")
-    p.add_argument("--steps", type=int, default=200)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="cuda: NCCL, one GPU per rank; cpu: CPU tensors and gloo; auto: cuda where torch sees a CUDA "
+                        "device, else cpu")
+    p.add_argument("--steps", type=int, default=200, help="training steps")
     p.add_argument("--precision", choices=tuple(cupyffn.PRECISIONS), default=None,
-                   help=f"default: {cupyffn.DEFAULT_PRECISION} on CUDA, {cupyffn.CPU_DEFAULT_PRECISION} on the CPU")
-    p.add_argument("--save", choices=("all", "linear1_out"), default="all")
+                   help=f"cupyffn's precision (None: {cupyffn.DEFAULT_PRECISION} on CUDA, "
+                        f"{cupyffn.CPU_DEFAULT_PRECISION} on the CPU)")
+    p.add_argument("--save", choices=("all", "linear1_out"), default="all",
+                   help="what the forward saves for the backward (linear1_out: memory mode)")
     p.add_argument("--no-overlap", action="store_true", help="all-reduce grad_hidden_states after the whole backward")
-    p.add_argument("--dim", type=int)
-    p.add_argument("--hidden-dim", type=int)
-    p.add_argument("--batch", type=int)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dim", type=int, help="the layer's dim (None: 512 on CUDA, 32 on the CPU)")
+    p.add_argument("--hidden-dim", type=int, help="its hidden_dim (None: 2048 on CUDA, 128 on the CPU)")
+    p.add_argument("--batch", type=int, help="tokens per step (None: 1024 on CUDA, 256 on the CPU)")
+    p.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     p.add_argument("--bench", metavar="PATH", help="time instead of training and write JSON to PATH (CUDA)")
-    p.add_argument("--bench-shapes", default=BENCH_SHAPES, help="comma-separated TOKENSxDIMxHIDDEN")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--bench-shapes", default=BENCH_SHAPES, help="comma-separated TOKENSxDIMxHIDDEN (--bench)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed iterations per shape (--bench)")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per shape (--bench)")
     return p.parse_args(argv)
 
 

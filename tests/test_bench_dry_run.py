@@ -262,6 +262,43 @@ def test_cpu_run_honours_its_flags(cpu_bench, capsys, tmp_path):
     assert result["gpu_unavailable"] == NO_GPU
     rows = result["sizes"][0]["results"]
     assert len(rows["cupyffn-ieee"]["times_ms"]) == 2 and rows["cupyffn-ieee"]["rounds_passed"] == 2
+    from benchmarks import cpu as C
+    assert result["env"]["cpu"] == C.host_cpu()  # CPU figures depend on the host: its model and ISA go in
+
+
+INTEL_CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 207
+model name\t: Intel(R) Xeon(R) Processor
+stepping\t: 2
+flags\t\t: fpu sse sse2 sse4_2 avx fma avx2 hypervisor avx512f avx512bw avx512vl avx512_bf16 amx_bf16 amx_tile
+
+processor\t: 1
+vendor_id\t: GenuineIntel
+model name\t: another entry, not read
+flags\t\t: fpu
+"""
+
+
+def test_host_cpu_reads_model_and_instruction_set(tmp_path):
+    """benchmarks.cpu.host_cpu, which every CPU results file records: the first processor's model, its family /
+    model / stepping, and the vector ISA flags it has, in ISA_FLAGS' order; none invented where cpuinfo is missing."""
+    from benchmarks import cpu as C
+
+    path = tmp_path / "cpuinfo"
+    path.write_text(INTEL_CPUINFO)
+    cpu = C.host_cpu(path)
+    assert cpu["model"] == "Intel(R) Xeon(R) Processor" and cpu["vendor"] == "GenuineIntel"
+    assert cpu["cpuid"] == "family 6 model 207 stepping 2"
+    assert cpu["isa"] == ["sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
+                          "amx_tile", "amx_bf16"]
+    assert cpu["virtual"] is True
+    path.write_text("processor\t: 0\nFeatures\t: fp asimd sve\nCPU part\t: 0xd40\n")  # an ARM host's shape
+    arm = C.host_cpu(path)
+    assert arm["isa"] == ["asimd", "sve"] and arm["virtual"] is False and arm["cpuid"] is None
+    missing = C.host_cpu(tmp_path / "absent")
+    assert missing["isa"] is None and missing["virtual"] is None and missing["vendor"] is None
 
 
 def test_cpu_run_defaults(cpu_bench, capsys):

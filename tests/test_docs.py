@@ -131,3 +131,24 @@ def test_gpu_blocks_run(block_id, source):
     if "torchrun" in source.splitlines()[0]:
         pytest.skip("a torchrun block: examples/train_tp_torch.py and tests/test_torch_parallel.py run it")
     _run(block_id, source)
+
+
+# Signatures docs/frameworks.md writes out in full, as the functions have them (the argument names, order, defaults
+# and keyword-only marker; quotes and line breaks aside).
+SIGNATURES = [("torch", "cupyffn.torch.gelu_ffn"), ("torch", "cupyffn.torch.gelu_ffn_backward"),
+              ("jax", "cupyffn.jax.gelu_ffn")]
+
+
+@pytest.mark.parametrize("framework,name", SIGNATURES, ids=[n for _, n in SIGNATURES])
+def test_framework_signatures_match_the_functions(framework, name):
+    import importlib
+    import inspect
+
+    pytest.importorskip(framework, reason=f"{framework} not installed: framework tests are opt-in")
+    module, _, attr = name.rpartition(".")
+    fn = getattr(importlib.import_module(module), attr)
+    text = (DOCS / "frameworks.md").read_text()
+    m = re.search(re.escape(name) + r"(\([^`]*\))`", text)
+    assert m, f"docs/frameworks.md does not write out {name}(...)"
+    documented = re.sub(r"\s+", " ", m.group(1)).replace('"', "'")
+    assert documented == str(inspect.signature(fn)), name

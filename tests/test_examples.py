@@ -134,8 +134,72 @@ def test_gpt2_example_on_cpu():
     assert r["learned"] and r["agree"], r["final_loss_ratio"]
     # progress: each run as it starts and as it ends (the script prints these as they come)
     assert said[0] == "gpt2: run 1/2, torch eager: 40 steps on cpu"
-    assert said[1].startswith("gpt2: run 1/2, torch eager: median step ") and "last loss" in said[1]
+    assert said[1].startswith("gpt2: run 1/2, torch eager: median step ")
+    assert said[1].endswith(f", loss at the last step {r['torch eager']['losses'][-1]:.4f}")
     assert said[2] == "gpt2: run 2/2, cupyffn: 40 steps on cpu" and len(said) == 4
+    assert r["final_loss_steps"] == 20 and r["cupyffn"]["final_loss"] == pytest.approx(
+        sum(r["cupyffn"]["losses"][-20:]) / 20)
+
+
+def test_gpt2_example_report_says_what_each_figure_is():
+    """The script's closing lines: the final loss named as the mean of the last steps (how many), the paired speed
+    as the twin's step time over the run's own, against the twin named."""
+    example = load("train_gpt2")
+    r = {"torch eager": {"median_step_ms": 6.8, "final_loss": 3.3261, "final_loss_vs_eager": 1.0},
+         "cupyffn": {"median_step_ms": 7.77, "final_loss": 3.3262, "final_loss_vs_eager": 1.00003,
+                     "paired_speedup_vs_twin": 0.946},
+         "torch.compile": {"error": "RuntimeError: boom"},
+         "final_loss_steps": 60, "final_loss_ratio": 1.00003, "agree": True}
+    lines = example.report(r)
+    assert lines[0] == (f"{'torch eager':40s} median step     6.80 ms   mean loss of the last 60 steps 3.3261 "
+                        "(1.0000x eager's)")
+    assert lines[1] == (f"{'cupyffn':40s} median step     7.77 ms   mean loss of the last 60 steps 3.3262 (1.0000x "
+                        "eager's); step by step 0.946x the speed of torch eager (torch eager's step time / its own, "
+                        "median over the steps)")
+    assert lines[2] == f"{'torch.compile':40s} failed: RuntimeError: boom"
+    assert lines[3] == "mean loss of the last 60 steps, cupyffn / torch eager = 1.0000: agree (within 3%: True)"
+    assert example.report(dict(r, agree=False))[-1].endswith(": DISAGREE (within 3%: False)")
+
+
+def test_gpt2_example_small_run_prints_no_transformers_warnings():
+    """A --small run on the CPU: its config's bos / eos ids inside the vocabulary and the loss named, so transformers
+    has nothing to warn about (what it would say stays visible: nothing is filtered)."""
+    torch_or_skip()
+    pytest.importorskip("transformers", reason="transformers not installed (the GPT-2 example builds its model)")
+    proc = run_example("train_gpt2.py", "--small", "--device", "cpu", "--no-compile", "--steps", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "warn" not in proc.stderr.lower() and "transformers" not in proc.stderr, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1].startswith("mean loss of the last 3 steps, cupyffn / torch eager = "), lines[-1]
+    model = load("train_gpt2").build("gpt2", dict(dim=64, layers=2, heads=2, vocab=64, seq=32), "cpu")
+    assert model.config.bos_token_id == model.config.eos_token_id == 63 and model.loss_type == "ForCausalLM"
+
+
+SCRIPTS = ["train_cupy", "train_torch", "train_jax", "train_gpt2", "train_tp_torch"]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_example_defaults_to_auto_and_its_help_shows_defaults(name, monkeypatch):
+    """--device defaults to auto in every example (the GPU where it can be used, else the CPU), and --help shows
+    every option's default."""
+    if name == "train_jax":
+        pytest.importorskip("jax", reason="JAX not installed: framework tests are opt-in")
+    elif name != "train_cupy":
+        torch_or_skip()
+    monkeypatch.syspath_prepend(str(EXAMPLES))  # train_tp_torch.py imports train_torch.py beside it
+    assert load(name)._parse([]).device == "auto"
+    proc = run_example(f"{name}.py", "--help")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    entries = []  # each option's help: its first line ("  --steps STEPS  ...") and the indented lines after it
+    for line in proc.stdout.split("\n\n", 1)[1].splitlines():
+        if line.startswith("  -"):
+            entries.append(line.strip())
+        elif entries and line.startswith("   "):
+            entries[-1] += " " + line.strip()
+    options = [e for e in entries if not e.startswith("-h, --help")]
+    assert len(options) >= 5 and any(e.startswith("--device") and "(default: auto)" in e for e in options), entries
+    assert [e for e in options if "(default: " not in e] == [], proc.stdout
+
 
 
 def test_torch_example_summary_counts_the_steps_it_had():

@@ -123,3 +123,47 @@ def test_check_activations_names_the_cause(case, message):
         args[5] = numpy.roll(t, 1, axis=0)
     with pytest.raises(cupyffn.ActivationMismatchError, match=message):
         cupyffn.gelu_ffn_backward(*args, check_activations=True)
+
+
+@pytest.mark.parametrize("where,bad,saved", [
+    ("linear1_out", numpy.nan, "full"), ("linear1_out", numpy.inf, "full"), ("linear1_out", numpy.nan, "memory mode"),
+    ("tanh_inner", numpy.nan, "full"), ("gelu_out", -numpy.inf, "full"),
+])
+def test_check_activations_reports_non_finite(where, bad, saved):
+    """One NaN / Inf is far below the sampled comparison's 1%, yet makes the gradients NaN: every element of the
+    saved activations given is tested, linear1_out in memory mode too, and the message names the tensor and where."""
+    inputs = W.make_inputs((3, 41), 96, 384, seed=11)
+    args = [inputs[n].copy() if n in ("linear1_out", "tanh_inner", "gelu_out") else inputs[n]
+            for n in W.INPUT_NAMES]
+    if saved == "memory mode":
+        args[5] = args[6] = None
+    cupyffn.gelu_ffn_backward(*args, check_activations=True)  # finite and consistent: no error
+    args[W.INPUT_NAMES.index(where)][2, 17, 100] = bad  # row 2 * 41 + 17 = 99 of the [123, 384] token rows
+    kept = [None if a is None else a.copy() for a in args]
+    value = "nan" if numpy.isnan(bad) else str(float(bad))
+    with pytest.raises(cupyffn.ActivationMismatchError,
+                       match=rf"{where} holds 1 non-finite element \(the first, {value}, at row 99, column 100 of its "
+                             rf"\[123, 384\] view\)"):
+        cupyffn.gelu_ffn_backward(*args, check_activations=True)
+    for a, k in zip(args, kept):
+        assert a is None or numpy.array_equal(a, k, equal_nan=True)  # the inputs as given
+    unchecked = cupyffn.gelu_ffn_backward(*args)
+    assert not all(numpy.isfinite(g).all() for g in unchecked)  # what the check saves the caller from
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_check_activations_reports_non_finite_16_bit(dtype):
+    """The test reads the exponent bits, so 16-bit saved tensors (bfloat16 through ml_dtypes) are covered alike."""
+    ml_dtypes = pytest.importorskip("ml_dtypes") if dtype == "bfloat16" else None
+    dt = numpy.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    rng = numpy.random.default_rng(12)
+    x = rng.standard_normal((16, 64)).astype(dt)
+    w1, w2 = (0.05 * rng.standard_normal(s, dtype=numpy.float32) for s in ((128, 64), (64, 128)))
+    f = cupyffn.gelu_ffn_forward(x, w1, w2)
+    dy = numpy.ones_like(f.output)
+    cupyffn.gelu_ffn_backward(dy, x, w1, w2, f.linear1_out, None, f.gelu_out, check_activations=True)
+    gelu_out = f.gelu_out.copy()
+    gelu_out[5, 3] = numpy.nan
+    with pytest.raises(cupyffn.ActivationMismatchError, match=r"gelu_out holds 1 non-finite element \(the first, "
+                                                              r"nan, at row 5, column 3"):
+        cupyffn.gelu_ffn_backward(dy, x, w1, w2, f.linear1_out, None, gelu_out, check_activations=True)

@@ -73,3 +73,18 @@ def test_check_activations_on_gpu_detects_erf_gelu():
     args[6] = (0.5 * z * (1 + erf(z / math.sqrt(2)))).astype(cupy.float32)
     with pytest.raises(cupyffn.ActivationMismatchError, match=r"exact \(erf\) GELU"):
         cupyffn.gelu_ffn_backward(*args, check_activations=True)
+
+
+@pytest.mark.parametrize("where", ["linear1_out", "tanh_inner", "gelu_out", "linear1_out (memory mode)"])
+def test_check_activations_on_gpu_reports_non_finite(where):
+    """One NaN among 256 x 6144 elements: the whole-tensor test on the device finds it, names the tensor and where."""
+    inputs = W.make_inputs((256,), 1536, 6144, xp=cupy, seed=5)
+    args = [inputs[n].copy() for n in W.INPUT_NAMES]
+    if where.endswith("(memory mode)"):
+        args[5] = args[6] = None
+    name = where.split()[0]
+    cupyffn.gelu_ffn_backward(*args, check_activations=True)
+    args[W.INPUT_NAMES.index(name)][200, 4000] = numpy.nan
+    with pytest.raises(cupyffn.ActivationMismatchError,
+                       match=rf"{name} holds 1 non-finite element \(the first, nan, at row 200, column 4000"):
+        cupyffn.gelu_ffn_backward(*args, check_activations=True)

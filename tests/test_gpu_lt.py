@@ -231,6 +231,11 @@ def test_check_activations_on_16_bit():
     other = cupyffn.gelu_ffn_forward(dy, w1, w2, bias1=b1)
     with pytest.raises(cupyffn.ActivationMismatchError, match="stale or mismatched"):
         cupyffn.gelu_ffn_backward(dy, x, w1, w2, f.linear1_out, None, other.gelu_out, check_activations=True)
+    z = f.linear1_out.copy()
+    z.view(numpy.uint16)[100, 1000] = 0x7F80  # bfloat16's +inf; the check reads the exponent bits on the device
+    with pytest.raises(cupyffn.ActivationMismatchError,
+                       match=r"linear1_out holds 1 non-finite element \(the first, inf, at row 100, column 1000"):
+        cupyffn.gelu_ffn_backward(dy, x, w1, w2, z, None, f.gelu_out, check_activations=True)
 
 
 @pytest.mark.parametrize("act", ["bfloat16", "float16"])

@@ -23,16 +23,22 @@ def test_generated_sections_are_up_to_date():
 
 
 def test_ci_runs_the_readme_commands():
-    block = re.search(r"## Install and test\n\n```\n(.*?)```", README, re.S).group(1).strip().splitlines()
+    section = README.split("## Install and test\n", 1)[1].split("\n## ", 1)[0]
+    blocks = [b.strip().splitlines() for b in re.findall(r"^```\n(.*?)^```", section, re.S | re.M)]
+    assert len(blocks) == 2, blocks
+    block, no_gpu = blocks
     assert block == ['python -m pip install ".[cuda12,test]"', "python -m pytest"]
-    # and the commands for a machine without a GPU, in the text after the block
-    section = README.split("## Install and test\n", 1)[1].split("\n## ", 1)[0].split("```", 2)[2]
-    no_gpu = re.findall(r"`(python -m [^`]+)`", section)
-    assert no_gpu == ['python -m pip install ".[test]"', 'python -m pip install ".[test-frameworks]"',
-                      "python -m pytest"]
+    # without a GPU: a CPU torch before the frameworks' extra (PyPI's Linux torch is a CUDA build of GBs)
+    assert no_gpu == ['python -m pip install ".[test]"',
+                      "python -m pip install torch --index-url https://download.pytorch.org/whl/cpu",
+                      'python -m pip install ".[test-frameworks]"', "python -m pytest"]
     ci = (ROOT / ".ci" / "run").read_text()
-    for command in block + no_gpu:
+    for command in block:
         assert command in ci, command
+    # step 5 runs the no-GPU block's commands in order, verbatim
+    step5 = ci[ci.index("no_cupy() {"):]
+    at = [step5.find(command) for command in no_gpu]
+    assert -1 not in at and at == sorted(at), dict(zip(no_gpu, at))
 
 
 def test_a_front_door():

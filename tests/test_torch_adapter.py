@@ -50,7 +50,7 @@ def reference(x, w1, w2, r):
 
 def rel(a, ref):
     assert a is not None and a.shape == ref.shape and a.dtype == torch.float32 and a.device == ref.device
-    return float((a.double() - ref).norm() / ref.norm())
+    return float((a.detach().double() - ref).norm() / ref.norm())
 
 
 def run(fn, x, w1, w2, r):
@@ -248,6 +248,40 @@ def test_only_float32(rng, device):
         ct.gelu_ffn(x, w1, w2, save="nothing")
     with pytest.raises(ValueError, match="precision must be one of"):
         ct.gelu_ffn(x, w1, w2, precision="fp8")
+
+
+def test_functions_say_a_tensor_requiring_grad_needs_detach_or_the_layer(rng):
+    """A float32 CPU tensor that requires grad, given to the functional API: torch refuses to export it (DLPack);
+    the error names the argument, says it requires grad (not a dtype problem) and gives both fixes."""
+    import cupyffn
+
+    x, w1, w2, _ = make(rng, "cpu", lead=(4,), dim=16, hidden=32)
+    for i, name in enumerate(("hidden_states", "weight1", "weight2")):
+        args = [x, w1, w2]
+        args[i] = args[i].clone().requires_grad_()
+        with pytest.raises(TypeError) as e:
+            cupyffn.gelu_ffn_forward(*args)
+        message = str(e.value)
+        assert message.startswith(f"{name} is a torch tensor that requires grad")
+        assert f"{name}.detach()" in message and "cupyffn.torch.GeluFFN / cupyffn.torch.gelu_ffn" in message
+        assert "float32 arrays" not in message  # it is float32: the dtype is not what is wrong
+    f = cupyffn.gelu_ffn_forward(x, w1, w2.clone().requires_grad_().detach())  # the fix named works
+    assert torch.allclose(torch.as_tensor(f.output), ct.gelu_ffn(x, w1, w2), atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_blames_an_input_of_the_wrong_width(device):
+    """At the layer the weights are the layer's own: an input whose last dimension is not the layer's dim is the
+    argument at fault, and the error says so (not weight1, which the functions' check would name)."""
+    ffn = ct.GeluFFN(32, 64, device=device)
+    with pytest.raises(ValueError, match=r"^the input of GeluFFN\(dim=32, hidden_dim=64\) must have shape "
+                                         r"\[\.\.\., 32\] \(the layer's dim\); got \(4, 33\), last dimension 33$"):
+        ffn(torch.randn(4, 33, device=device))
+    with pytest.raises(ValueError, match=r"must have shape \[\.\.\., 32\] \(the layer's dim\); got a 0-d tensor$"):
+        ffn(torch.tensor(1.0, device=device))
+    with pytest.raises(ValueError, match="weight1 must have shape"):  # the function: either could be wrong
+        ct.gelu_ffn(torch.randn(4, 33, device=device), ffn.weight1, ffn.weight2)
+    assert ffn(torch.randn(2, 3, 32, device=device)).shape == (2, 3, 32)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -600,7 +634,8 @@ def test_geluffn_takes_every_input_layout_nn_linear_takes(rng, precision):
         for a, b in zip(*results):
             assert torch.equal(a, b), name
         x = view(source)
-        plain = F.linear(F.gelu(F.linear(x, ffn.weight1, ffn.bias1), approximate="tanh"), ffn.weight2, ffn.bias2)
+        with torch.no_grad():
+            plain = F.linear(F.gelu(F.linear(x, ffn.weight1, ffn.bias1), approximate="tanh"), ffn.weight2, ffn.bias2)
         assert float((results[0][0] - plain).norm() / plain.norm()) <= cupyffn.PRECISIONS[precision].contract
 
 

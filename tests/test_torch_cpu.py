@@ -207,3 +207,22 @@ def test_the_cpu_benchmark_runs_and_reports_ratios():
     for r in rows:
         assert r["torch_ms"] > 0 and r["cupyffn_ms"] > 0
         assert r["ratio"] == pytest.approx(r["cupyffn_ms"] / r["torch_ms"])
+
+
+def test_the_cpu_benchmark_records_the_host(tmp_path, monkeypatch):
+    """benchmarks/torch_cpu.py --json always records the CPU's model and instruction set (CPU figures depend on the
+    host, performance.md 8) and torch's kernel level, beside the rows it measured (toy sizes here)."""
+    import functools
+    import json
+
+    from benchmarks import cpu as C
+    from benchmarks import torch_cpu as bench
+
+    monkeypatch.setattr(bench, "layer_rows", functools.partial(bench.layer_rows, tokens=64, dim=16, hidden=64))
+    path = tmp_path / "torch-cpu.json"
+    rows = bench.main(["--part", "layer", "--steps", "2", "--warmup", "1", "--json", str(path)])
+    result = json.loads(path.read_text())
+    assert result["rows"] == rows and len(rows) == 2
+    assert result["env"]["cpu"] == C.host_cpu()
+    assert result["env"]["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert result["command"] == f"python -m benchmarks.torch_cpu --part layer --steps 2 --warmup 1 --json {path}"

@@ -243,6 +243,8 @@ def test_feedforward_dropout_before_the_second_linear_swaps_in_eval_only(entry_c
     ff.train()  # swapping it again in training updates its options, and it stays eval-only
     assert ct.replace_mlps(ff, precision="bf16x3") == ([""], {}) and ct.swapped_mlps(ff) == []
     assert ff.eval()._cupyffn_mlp.precision == "bf16x3" and ct.swapped_mlps(ff) == [""]
+    assert repr(ff).splitlines()[1] == ("  cupyffn: swapped by replace_mlps (precision='bf16x3', save='all', "
+                                        "compiled='module', eval mode only: in training its own forward)")
 
 
 def test_feedforward_final_dropout_is_on_the_output():

@@ -118,7 +118,7 @@ def test_gpt2_swap_keeps_modules_parameters_keys_and_checkpoints(entry_counter):
     assert model.lm_head.weight is model.transformer.wte.weight  # tied weights intact
     got = model(ids).logits
     assert entry_counter.bodies == 2  # both MLPs ran cupyffn
-    assert float((got - want).abs().max()) <= 1e-5
+    assert float((got - want).abs().max().detach()) <= 1e-5
     with torch.no_grad():  # an original checkpoint loads after the swap (perturb, then load it back)
         for p in model.parameters():
             p.add_(1.0)
@@ -151,7 +151,7 @@ def test_save_pretrained_of_a_swapped_gpt2_loads_into_plain_transformers(tmp_pat
     model.save_pretrained(tmp_path)
     plain = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
     assert not ct.swapped_mlps(plain)
-    assert float((plain(ids).logits - swapped).abs().max()) <= 1e-5
+    assert float((plain(ids).logits - swapped).abs().max().detach()) <= 1e-5
     assert ct.restore_mlps(model) == ["transformer.h.0.mlp", "transformer.h.1.mlp"]
     assert torch.equal(model(ids).logits, plain(ids).logits)  # the modules' own forward again
 
@@ -268,6 +268,32 @@ def test_the_root_module_can_be_swapped_and_restored():
     assert ct.replace_mlps(mlp, precision="ieee") == ([""], {})
     assert float((mlp(x) - want).abs().max()) <= 1e-5 and ct.swapped_mlps(mlp) == [""]
     assert ct.restore_mlps(mlp) == [""] and torch.equal(mlp(x), want) and ct.swapped_mlps(mlp) == []
+
+
+def test_print_model_shows_the_swapped_mlps():
+    """After replace_mlps, print(model) says which MLPs run on cupyffn and how (their extra_repr), state_dict keys
+    unchanged, the compiled model still one graph; restore_mlps gives the plain repr back; copies say it too."""
+    import pickle
+
+    _, model = tiny_gpt2(6)
+    plain_repr, keys = repr(model), list(model.state_dict())
+    ct.replace_mlps(model, precision="ieee", compiled="cupyffn")
+    line = "cupyffn: swapped by replace_mlps (precision='ieee', save='all', compiled='cupyffn')"
+    text = repr(model)  # ModuleList prints its two identical blocks once ("(0-1): 2 x GPT2Block(")
+    assert line in text and text.replace(f"\n          {line}", "") == plain_repr
+    for block in model.transformer.h:
+        assert repr(block.mlp).splitlines()[:2] == ["GPT2MLP(", f"  {line}"]  # before the children
+    assert list(model.state_dict()) == keys
+    for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert repr(other) == text
+    torch._dynamo.reset()
+    ids = torch.randint(0, 64, (2, 16))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(ids).logits, model(ids).logits)
+    ct.replace_mlps(model)  # swapping again updates the options, and the line
+    assert "compiled='module'" in repr(model.transformer.h[1].mlp) and "compiled='cupyffn'" not in repr(model)
+    ct.restore_mlps(model)
+    assert repr(model) == plain_repr and list(model.state_dict()) == keys
 
 
 def test_swapped_models_pickle_and_deep_copy():

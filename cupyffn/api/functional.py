@@ -118,8 +118,9 @@ def gelu_ffn_backward(grad_output, hidden_states, weight1, weight2, linear1_out,
         grad_output, [D]) as attributes of the result. Biases do not change the backward's inputs: linear1_out is
         the pre-activation with bias1 added.
     check_activations : bool
-        Before computing, compare a sample of tanh_inner / gelu_out with the tanh-GELU of linear1_out
-        and raise ``cupyffn.ActivationMismatchError`` naming the likely cause (erf GELU, tanh's
+        Before computing, test linear1_out and the tanh_inner / gelu_out given for NaN / Inf (every
+        element), compare a sample of tanh_inner / gelu_out with the tanh-GELU of linear1_out, and raise
+        ``cupyffn.ActivationMismatchError`` naming the likely cause (non-finite values, erf GELU, tanh's
         argument instead of its output, swapped or stale buffers). Synchronizes with the stream.
     grad_hidden_ready : cupy.cuda.Event, optional
         Recorded on the stream as soon as grad_hidden_states is written, before the weight gradients

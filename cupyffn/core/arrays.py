@@ -47,6 +47,10 @@ def import_array(obj, name, stream, torch_devices=None):
             torch_devices.add(viewed[0])
         return "gpu", viewed[1]
     if hasattr(obj, "__dlpack_device__") and hasattr(obj, "__dlpack__"):
+        if getattr(obj, "requires_grad", False) is True:  # torch refuses to export it (BufferError): say why here
+            raise TypeError(f"{name} is a torch tensor that requires grad, which torch does not export zero-copy: pass "
+                            f"{name}.detach() (cupyffn's functions record no autograd), or use the torch layer "
+                            f"(cupyffn.torch.GeluFFN / cupyffn.torch.gelu_ffn), which does")
         try:
             device_type = int(obj.__dlpack_device__()[0])
         except Exception as e:  # a producer that cannot say where it lives
@@ -73,7 +77,7 @@ def _import_with(load, name):
         return load()
     except Exception as e:
         raise TypeError(f"{name} could not be imported zero-copy ({type(e).__name__}: {e}); "
-                        f"cupyffn takes float32 arrays") from e
+                        f"cupyffn takes float32, bfloat16 and float16 arrays") from e
 
 
 def device_of(array):

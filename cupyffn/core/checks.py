@@ -1,10 +1,12 @@
-"""`check_activations=True`: are the saved activations really the tanh-GELU of linear1_out?
+"""`check_activations=True`: are the saved activations finite, and really the tanh-GELU of linear1_out?
 
-A sample of at most 4096 positions is gathered (on the device for GPU arrays), copied to the host
-and compared in float64 with the formulas; this synchronizes with the stream, which is why it is
-opt-in. A mismatch raises ActivationMismatchError naming the most likely cause: the exact (erf)
-GELU instead of the tanh approximation, tanh's argument stored instead of its output, swapped
-buffers, or stale / mismatched tensors.
+First every element of linear1_out and of the tanh_inner / gelu_out given is tested for NaN / Inf (on the device
+for GPU arrays): one non-finite element poisons the gradients, yet is too rare for the sampled comparison below to
+see. Then a sample of at most 4096 positions is gathered, copied to the host and compared in float64 with the
+formulas. Both synchronize with the stream, which is why the check is opt-in. A failure raises
+ActivationMismatchError naming the most likely cause: non-finite values (an overflowed forward, an uninitialized
+buffer), the exact (erf) GELU instead of the tanh approximation, tanh's argument stored instead of its output,
+swapped buffers, or stale / mismatched tensors.
 """
 
 import contextlib
@@ -44,6 +46,30 @@ def positions(n, cols):
 _EPS = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
 
 
+#: per activation dtype, the unsigned type of its bits and its exponent field: all ones is NaN or Inf (a test of the
+#: bits, so that it needs no NaN support of the dtype's arithmetic, bfloat16's included)
+_EXPONENT = {"float32": (numpy.uint32, 0x7F800000), "float16": (numpy.uint16, 0x7C00),
+             "bfloat16": (numpy.uint16, 0x7F80)}
+_NAMES = {4: "linear1_out", 5: "tanh_inner", 6: "gelu_out"}
+
+
+def non_finite(call, index):
+    """None, or a sentence saying how many elements of input `index` are NaN / Inf and where the first one is."""
+    m, a = call.inputs[index], call.arrays[index]
+    view = _arrays.view2d(a, m)
+    xp = numpy if isinstance(view, numpy.ndarray) else __import__("cupy")
+    bits, exponent = _EXPONENT[m.dtype]
+    bad = (view.view(bits) & exponent) == exponent
+    count = int(xp.count_nonzero(bad))
+    if count == 0:
+        return None
+    row, col = (int(i) for i in numpy.unravel_index(int(xp.argmax(bad)), bad.shape))
+    first = float(view[row, col].astype(xp.float32))
+    return (f"{_NAMES[index]} holds {count} non-finite element{'s' if count > 1 else ''} (the first, {first}, at "
+            f"row {row}, column {col} of its [{m.rows}, {m.cols}] view): an overflowed forward or an "
+            f"uninitialized buffer; the gradients would be NaN")
+
+
 def _sample(call, index, rows, cols):
     """float64 host copies of input `index` at the sampled (rows, cols)."""
     m, a = call.inputs[index], call.arrays[index]
@@ -57,14 +83,20 @@ def _sample(call, index, rows, cols):
 
 
 def check(call, stream=None):
-    """Raise ActivationMismatchError if the sampled tanh_inner / gelu_out of a backward `call` (cupyffn/api/validate.py)
-    disagree with linear1_out."""
+    """Raise ActivationMismatchError if linear1_out or the tanh_inner / gelu_out given to a backward `call`
+    (cupyffn/api/validate.py) hold NaN / Inf, or if their samples disagree with linear1_out's tanh-GELU."""
     z_m = call.inputs[4]
     n = z_m.rows * z_m.cols
-    if n == 0 or (call.inputs[5] is None and call.inputs[6] is None):
+    if n == 0:
+        return
+    ctx = stream if stream is not None else contextlib.nullcontext()
+    with ctx:
+        problems = [p for p in (non_finite(call, i) for i in (4, 5, 6) if call.inputs[i] is not None) if p]
+    if problems:
+        raise ActivationMismatchError("check_activations: " + "; ".join(problems))
+    if call.inputs[5] is None and call.inputs[6] is None:  # memory mode: nothing saved to compare
         return
     rows, cols = positions(n, z_m.cols)
-    ctx = stream if stream is not None else contextlib.nullcontext()
     with ctx:
         z = _sample(call, 4, rows, cols)
         t = _sample(call, 5, rows, cols) if call.inputs[5] is not None else None

@@ -1,5 +1,6 @@
 """The torch layer's CPU route: CPU tensors computed with torch's own ops where the precision's numerics are torch's,
-so the layer runs in torch's thread pool at torch's speed (docs/decisions/059-torch-cpu-route.md):
+so the layer runs on torch's GEMMs in its thread pool (docs/decisions/059-torch-cpu-route.md; its time against plain
+torch's, which depends on the host: docs/performance.md 8):
 
 * float32 activations, precision "ieee" (the CPU's default): plain fp32 GEMMs, torch's ``F.linear`` and ``mm``;
 * bfloat16 activations: torch's bf16 GEMMs, fp32 accumulation with every result rounded to bf16, as torch's autocast

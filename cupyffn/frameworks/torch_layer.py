@@ -172,6 +172,12 @@ class GeluFFN(torch.nn.Module):
                 torch.nn.init.uniform_(b, -bound, bound)
 
     def forward(self, x):
+        # At the layer the weights are the layer's: an input of another width is what is at fault (the functions'
+        # own check, cupyffn/core/rules.py, cannot tell which of the two is wrong and names weight1)
+        if x.ndim < 1 or x.shape[-1] != self.dim:
+            got = f"{tuple(x.shape)}, last dimension {x.shape[-1]}" if x.ndim else "a 0-d tensor"
+            raise ValueError(f"the input of GeluFFN(dim={self.dim}, hidden_dim={self.hidden_dim}) must have shape "
+                             f"[..., {self.dim}] (the layer's dim); got {got}")
         w1, w2 = self.weight1, self.weight2
         if self.weights_transposed:
             w1, w2 = w1.t(), w2.t()

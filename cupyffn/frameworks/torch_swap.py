@@ -5,7 +5,8 @@ The module itself stays: the same class, submodules, Parameter objects and state
 ``c_fc.weight``), tied or shared weights intact, an optimizer built before the swap still trains what runs, and
 ``load_state_dict`` / ``save_pretrained`` see the model they know. Only the module's ``forward`` attribute is set
 (a ``functools.partial`` of `_forward`, which pickles and deep-copies with the module), as Liger-Kernel patches a
-module's forward. transformers' Conv1D weights (``[in, out]``) are used as stored: cupyffn reads their transposes
+module's forward, and its ``extra_repr`` (`_extra_repr`: ``print(model)`` shows which MLPs run on cupyffn; neither
+a Parameter nor a buffer, so state_dict keys stay, and nothing torch.compile traces). transformers' Conv1D weights (``[in, out]``) are used as stored: cupyffn reads their transposes
 as views (cupyffn/frameworks/torch_ops.py `weights`).
 
 What is recognized is data (`FAMILIES`, and the two structural forms in `_layers`): which attributes are the two
@@ -217,6 +218,15 @@ def _forward(module, swap, hidden_states, *args, **kwargs):
     return out if swap.dropout is None else _walk(module, swap.dropout)(out)
 
 
+def _extra_repr(module, swap):
+    """A swapped MLP's line in ``print(model)``: its own extra_repr, then that it runs on cupyffn and how."""
+    own = type(module).extra_repr(module)
+    where = ", eval mode only: in training its own forward" if swap.eval_only else ""
+    line = (f"cupyffn: swapped by replace_mlps (precision={swap.precision!r}, save={swap.save!r}, "
+            f"compiled={swap.compiled!r}{where})")
+    return f"{own}\n{line}" if own else line
+
+
 def check_compiled(compiled):
     if compiled not in COMPILED:
         raise ValueError(f"compiled must be one of {', '.join(repr(c) for c in COMPILED)}; got {compiled!r}")
@@ -264,6 +274,7 @@ def replace_mlps(model, precision=None, save="all", compiled="module"):
         swap = Swap(path1, path2, precision, save, dropout, eval_only, compiled)
         setattr(module, _MARK, swap)
         module.forward = functools.partial(_forward, module, swap)
+        module.extra_repr = functools.partial(_extra_repr, module, swap)
         replaced.append(name)
     if skipped and not replaced:
         _warn_none_swapped(model, skipped)
@@ -285,7 +296,7 @@ def restore_mlps(model):
     restored = []
     for name, module in model.named_modules():
         if getattr(module, _MARK, None) is not None:
-            del module.forward, module.__dict__[_MARK]
+            del module.forward, module.extra_repr, module.__dict__[_MARK]
             restored.append(name)
     return restored
 
