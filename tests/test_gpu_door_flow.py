@@ -1,6 +1,6 @@
 """The door's flow on the GPU itself (issue 59, item 9; tests/test_door_gpu_route.py runs the same checks on the CPU
 with the device stubbed): a first call enters validate, route and execute once each; a repeated call neither
-validates nor routes again, with CuPy arrays and with torch tensors, and its results are the first call's."""
+validates nor routes again, with CuPy arrays and with torch tensors."""
 
 import pytest
 
