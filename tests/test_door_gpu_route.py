@@ -114,6 +114,13 @@ def test_first_call_and_repeats(gpu, what, kind, dtype, precision, engine, polic
     if policy is routes.REPEATED:  # the second sighting of these arrays is captured
         assert [e[0] for e in gpu.log] == ["capture", "graph launch"] and gpu.log[1][1] == 0x9000
 
+    new_out = make_out(dtype, as_cupy)  # a training step's: new outputs, the same configuration
+    step = trace(lambda: _call(kind, precision, args, new_out, stream), followed)
+    assert step.entries["api/validate.py"] == 1 and step.entries["api/execute.py"] == 1, step.files
+    assert step.functions["api/validate.py:validate"] == 0 and "api/routes.py" not in step.entries
+    assert all(r is o for r, o in zip(step.result, new_out)) and len(gpu.engines) == 1
+    assert _bound(args, new_out) in built.log  # bound to the new outputs
+
 
 def test_a_plan_goes_through_the_same_door(gpu):
     """GeluFFNBackward: its engine built once, with the plan; its calls validated and routed once."""
@@ -128,3 +135,90 @@ def test_a_plan_goes_through_the_same_door(gpu):
     assert again.functions["api/validate.py:validate"] == 0 and "api/routes.py" not in again.entries
     assert [e[0] for e in plan.engine.log] == ["bind", "enqueue", "enqueue"]
     plan.close()
+
+
+def _validated(kind, args, out, precision):
+    from cupyffn.api import validate
+
+    request = validate.Request(kind, precision)
+    return validate.validate(request, args, out)._replace(arrays=None, out_arrays=None)
+
+
+@pytest.mark.parametrize("as_cupy", [False, True], ids=["torch", "cupy"])
+@pytest.mark.parametrize("kind,dtype,precision", [("backward", F32, "tf32"), ("backward", BF16, None),
+                                                  ("forward", F32, "bf16x3"), ("forward", BF16, None)])
+def test_a_call_at_new_addresses_is_the_call_validation_gives(gpu, kind, dtype, precision, as_cupy):
+    """The remembered call pointed at new addresses (outputs, and inputs too) equals the Call a full validation of
+    those arrays gives, field for field."""
+    from cupyffn.api import validate
+
+    make_args, make_out = (_forward_arrays, _forward_out) if kind == "forward" else (_backward_arrays, _backward_out)
+    request = validate.Request(kind, precision)
+    first = make_args(dtype, as_cupy)
+    validate.check(request, first, make_out(dtype, as_cupy))
+    for moved in ("outputs", "everything"):
+        args = make_args(dtype, as_cupy) if moved == "everything" else first
+        out = make_out(dtype, as_cupy)
+        call, _ = validate.check(request, args, out)
+        assert call._replace(arrays=None, out_arrays=None) == _validated(kind, args, out, precision)
+        assert call.arrays == tuple(args) and call.out_arrays == tuple(out)
+
+
+def test_new_outputs_are_still_checked_for_aliasing(gpu):
+    """What depends on the addresses is checked on every call of a remembered configuration: an output over an input
+    or over another output is refused with validation's message, and nothing is run."""
+    args, out = _backward_arrays(F32, False), _backward_out(F32, False)
+    cupyffn.gelu_ffn_backward(*args, precision="tf32", out=out)
+    engine = gpu.engines[0]
+    runs = len(engine.log)
+    over_input = list(out)
+    over_input[1] = fake_gpu.FakeTensor(args[2].ptr, (H, D))  # grad_weight1 written over weight1
+    with pytest.raises(ValueError, match=r"^out\[1\] \(grad_weight1\) overlaps the memory of weight1: outputs may "
+                                         r"not alias inputs$"):
+        cupyffn.gelu_ffn_backward(*args, precision="tf32", out=over_input)
+    over_output = list(out)
+    over_output[2] = fake_gpu.FakeTensor(out[1].ptr + 4 * D, (D, H))  # inside grad_weight1
+    with pytest.raises(ValueError, match=r"^out\[2\] \(grad_weight2\) overlaps out\[1\] \(grad_weight1\)$"):
+        cupyffn.gelu_ffn_backward(*args, precision="tf32", out=over_output)
+    assert len(engine.log) == runs
+    cupyffn.gelu_ffn_backward(*args, precision="tf32", out=out)  # the remembered call is intact
+    assert engine.log[-1][0] == "enqueue" and len(gpu.engines) == 1
+
+
+def test_another_device_or_alignment_is_another_configuration(gpu, monkeypatch):
+    """An output on another device, or a cuBLASLt input off its 16-byte boundary: validated (and routed) again, so
+    their errors are validation's and the route's."""
+    from cupyffn.api import validate
+
+    args, out = _backward_arrays(F32, False), _backward_out(F32, False)
+    cupyffn.gelu_ffn_backward(*args, precision="tf32", out=out)
+    other = list(out)
+    other[0] = fake_gpu.FakeTensor(out[0].ptr, (T, D), device=1)
+    with pytest.raises(ValueError, match=r"^out\[0\] \(grad_hidden_states\) is on cuda:1 but the inputs are on "
+                                         r"cuda:0$"):
+        cupyffn.gelu_ffn_backward(*args, precision="tf32", out=other)
+    half = _backward_arrays(BF16, False)
+    cupyffn.gelu_ffn_backward(*half, out=_backward_out(BF16, False))
+    shifted = list(half)
+    shifted[0] = fake_gpu.FakeTensor(half[0].ptr + 2, (T, D), dtype=BF16)
+    with pytest.raises(ValueError, match=r"^grad_output must start on a 16-byte boundary \(cuBLASLt\)"):
+        cupyffn.gelu_ffn_backward(*shifted, out=_backward_out(BF16, False))
+    assert len(validate._remembered) == 3  # the refused layout is remembered, its route not
+
+
+def test_the_least_recently_used_calls_are_dropped(gpu, monkeypatch):
+    """Full, the remembered calls lose their least recently used quarter, not everything."""
+    from cupyffn.api import validate
+
+    monkeypatch.setattr(validate, "REMEMBERED_SIZE", 8)
+    request = validate.Request("backward", "tf32")
+    calls = []
+    for tokens in range(1, 9):
+        args = fresh([(tokens, D), (tokens, D), (H, D), (D, H), (tokens, H), (tokens, H), (tokens, H)])
+        calls.append(args)
+        validate.check(request, args)
+    for args in calls[:2] + calls[4:]:  # used again: calls[2] and calls[3] are the least recently used
+        validate.check(request, args)
+    validate.check(request, fresh([(9, D), (9, D), (H, D), (D, H), (9, H), (9, H), (9, H)]))
+    kept = sorted(config[0][0][0] for config, _, _ in validate._remembered)  # grad_output's T of each
+    assert kept == [1, 2, 5, 6, 7, 8, 9]

@@ -20,16 +20,20 @@ What a call may be (docs/precisions.md, "16-bit activations and biases"):
   (transposes of C-contiguous ``[in, out]`` matrices: `grads_transposed`, the parameter's own layout, so no copy
   follows). Which engine takes which layout: cupyffn/api/routes.py (`requirement`).
 
-Repeated calls (training loops, CUDA graphs) pass the same arrays again: `signature` is the identity of a call's
-arrays (pointer, shape, strides, dtype of every CuPy array and CUDA torch tensor), and `check`, the validator's one
-entry, keeps the Call it validated beside it (`Remembered`, which also holds the route the door chose), so an equal
-signature skips everything here.
+Repeated calls (training loops, CUDA graphs) pass arrays of the same configuration again, at the same addresses or,
+as a training step's new outputs, at others: `signature` is the configuration of a call's arrays (shape, strides,
+dtype, device and address mod 16 of every CuPy array and CUDA torch tensor) and their addresses, and `check`, the
+validator's one entry, keeps the Call it validated beside its configuration (`Remembered`, which also holds the
+route the door chose), so an equal configuration skips everything here but what depends on the addresses: the
+geometry is pointed at them, and no output may overlap an input or another output
+(docs/decisions/070-validated-calls-by-configuration.md).
 
 Torch tensors (cupyffn/core/arrays.py, "torch tensors read by pointer"): the DLPack stream handshake is replaced by
 one `arrays.follow_torch` per call, which the executor makes for a Call whose `follow` names a device
 (docs/decisions/048-dlpack-free-import.md).
 """
 
+import itertools
 import math
 import sys
 from typing import Any, NamedTuple, Optional, Tuple
@@ -101,18 +105,19 @@ def output_shapes(kind, lead, dim, hidden):
     return lead + (dim,), (hidden, dim), (dim, hidden), (hidden,), (dim,)
 
 
-# ---------------------------------------------------------------------- the identity of repeated arrays
+# ---------------------------------------------------------------------- the configuration of repeated arrays
 _cupy_ndarray = None
 UNKNOWN = object()  # signature's answer before CuPy or torch has been seen: try again after validating
 
 
 def signature(args, out):
-    """The identity of a call's arrays: (pointer, shape, strides, dtype) of each CuPy array and CUDA torch tensor
-    (None entries kept); None when any argument is something else (NumPy arrays, other producers: those are
-    validated every time); UNKNOWN while neither CuPy nor torch tensors have been seen (validate imports them). A
+    """(configuration, addresses) of a call's arrays: the configuration is (shape, strides, dtype, device, address
+    mod 16) of each CuPy array and CUDA torch tensor (None entries kept), everything validation and the route read of
+    an array except where it is (docs/decisions/070-validated-calls-by-configuration.md); the addresses, one per
+    argument (0 for None), are where. None when any argument is something else (NumPy arrays, other producers: those
+    are validated every time); UNKNOWN while neither CuPy nor torch tensors have been seen (validate imports them). A
     CuPy array's strides are in bytes and a torch tensor's in elements, and their dtypes are different objects, so
-    the two kinds never share an entry. Exact types: subclasses are validated each time. Unified addressing makes a
-    pointer name its device."""
+    the two kinds never share an entry. Exact types: subclasses are validated each time."""
     global _cupy_ndarray
     nd = _cupy_ndarray
     if nd is None:
@@ -124,7 +129,7 @@ def signature(args, out):
     tt = _arrays.seen_torch_types()  # None until import_array has seen torch imported
     if nd is None and tt is None:
         return UNKNOWN
-    sig = []
+    config, where = [], []
     if out is not None:
         if not isinstance(out, (tuple, list)):
             return None
@@ -132,30 +137,39 @@ def signature(args, out):
     for a in args:
         t = type(a)
         if t is nd:
-            sig.append((a.data.ptr, a.shape, a.strides, a.dtype))
+            data = a.data
+            ptr = data.ptr
+            config.append((a.shape, a.strides, a.dtype, data.device_id, ptr & 15))
         elif a is None or t is int:
-            sig.append(a)
+            config.append(a)
+            ptr = 0
         elif tt is not None and t in tt and a.is_cuda:
-            sig.append((a.data_ptr(), a.shape, a.stride(), a.dtype))
+            ptr = a.data_ptr()
+            config.append((a.shape, a.stride(), a.dtype, a.get_device(), ptr & 15))
         else:
             return None
-    return tuple(sig)
+        where.append(ptr)
+    return tuple(config), tuple(where)
 
 
 class Remembered:
-    """A validated call kept beside its signature (its arrays dropped: they are the next call's), and the route the
-    door chose for it (None until chosen)."""
+    """A validated call kept beside its configuration: the Call of the addresses seen last (`last`: (addresses,
+    Call), its arrays dropped: they are the next call's), the bytes each of its arrays spans (`extents`, inputs then
+    outputs, None where absent), and the route the door chose for it (None until chosen)."""
 
-    __slots__ = ("call", "route")
+    __slots__ = ("last", "extents", "route", "used")
 
-    def __init__(self, call):
-        self.call, self.route = call, None
+    def __init__(self, where, call):
+        self.last, self.route, self.used = (where, call), None, next(_uses)
+        self.extents = tuple(None if m is None else m.span[1] - m.span[0] for m in call.inputs + call.out)
 
 
-#: validated calls remembered by (signature, request, owner): enough entries for every layer of a deep model, forward
-#: and backward (each layer's arrays differ), so that a training step validates nothing after its first
+#: validated calls remembered by (configuration, request, owner): enough entries for every layer of a deep model,
+#: forward and backward, so that a training step validates nothing after its first; when full, the least recently
+#: used quarter is dropped (a use is a counter's tick on the entry: a hit hashes its key once)
 REMEMBERED_SIZE = 1024
 _remembered = {}
+_uses = itertools.count()
 
 
 def forget():
@@ -164,28 +178,75 @@ def forget():
 
 
 def check(request, args, out=None, stream=None, ready_event=None, owner=0):
-    """The validator's one entry for a call: (its Call, the Remembered entry of its signature). A call whose arrays
-    have the signature of one validated before (for the same request and `owner`, a plan's token or 0) reuses that
-    validation; any other call is validated (`validate`). `ready_event`: grad_hidden_ready."""
+    """The validator's one entry for a call: (its Call, the Remembered entry of its configuration). A call whose
+    arrays have the configuration of one validated before (for the same request and `owner`, a plan's token or 0)
+    reuses that validation, with only what depends on the addresses checked again (`_moved`); any other call is
+    validated (`validate`). `ready_event`: grad_hidden_ready."""
     _check_stream(stream)
     sig = signature(args, out)
-    key = (sig, request, owner)
-    entry = _remembered.get(key) if sig is not None and sig is not UNKNOWN else None
+    entry = None
+    if sig is not None and sig is not UNKNOWN:
+        key = (sig[0], request, owner)
+        entry = _remembered.get(key)
     if entry is not None:
-        known = entry.call
+        entry.used = next(_uses)
+        where, known = entry.last
+        if where != sig[1]:
+            known = _moved(known, sig[1], entry.extents)
+            entry.last = (sig[1], known)
         return known._replace(arrays=tuple(args), out_arrays=tuple(out) if out is not None else (None,) * len(known.out),
                               ready=_ready_event(ready_event, known)), entry
     call = validate(request, args, out, stream)
     call = call._replace(ready=_ready_event(ready_event, call))
-    entry = Remembered(call._replace(arrays=None, out_arrays=None, ready=0))
     if sig is UNKNOWN:  # the process's first CuPy arrays or torch tensors: validate has imported them
         sig = signature(args, out)
-        key = (sig, request, owner)
-    if sig is not None and sig is not UNKNOWN:
-        if len(_remembered) >= REMEMBERED_SIZE:
-            _remembered.clear()
-        _remembered[key] = entry
+    if sig is None or sig is UNKNOWN:  # validated every time: nothing to remember it by
+        return call, Remembered(None, call)
+    entry = Remembered(sig[1], call._replace(arrays=None, out_arrays=None, ready=0))
+    if len(_remembered) >= REMEMBERED_SIZE:
+        _drop_least_recent()
+    _remembered[(sig[0], request, owner)] = entry
     return call, entry
+
+
+def _drop_least_recent():
+    """Drop the least recently used quarter of the remembered calls."""
+    entries = sorted(list(_remembered.items()), key=lambda item: item[1].used)
+    for key, _ in entries[:max(1, len(entries) // 4)]:
+        _remembered.pop(key, None)  # another thread may have dropped it meanwhile
+
+
+def _moved(call, where, extents):
+    """Remembered `call` at the addresses `where` (signature's, arguments then out= entries): its geometry pointed
+    there, and the one check that depends on addresses, that no output overlaps an input or another output."""
+    n = len(call.inputs)
+    inputs = tuple(None if m is None else Matrix(where[i], m.rows, m.cols, m.ld, m.dtype)
+                   for i, m in enumerate(call.inputs))
+    out = tuple(None if m is None else Matrix(where[n + i], m.rows, m.cols, m.ld, m.dtype)
+                for i, m in enumerate(call.out))
+    spans = [((where[i], where[i] + extents[i]), name) for i, name in enumerate(_rules.inputs_of(call.kind))
+             if inputs[i] is not None]
+    given = [None if m is None else (where[n + i], where[n + i] + extents[n + i]) for i, m in enumerate(out)]
+    names = outputs_of(call.kind)
+    for i, span in enumerate(given):
+        if span is not None:
+            why = _aliasing(span, f"out[{i}] ({names[i]})", spans, given[:i], names)
+            if why is not None:
+                raise ValueError(why)
+    return call._replace(inputs=inputs, out=out)
+
+
+def _aliasing(span, label, spans, given, names):
+    """Why an output spanning the bytes [begin, end) `span` may not be written (None if it may): it overlaps an input
+    (`spans`: (span, name)) or an output before it (`given`: spans, None where not given)."""
+    begin, end = span
+    for (b, e), iname in spans:
+        if begin < e and b < end:
+            return f"{label} overlaps the memory of {iname}: outputs may not alias inputs"
+    for j, prev in enumerate(given):
+        if prev is not None and begin < prev[1] and prev[0] < end:
+            return f"{label} overlaps out[{j}] ({names[j]})"
+    return None
 
 
 def _ready_event(event, call):
@@ -350,14 +411,15 @@ def _outputs(call, out, stream, torch_devices):
                                           if kind == "backward" and not r.need_bias_grads else ""))
     out = tuple(out) + (None,) * (n - len(out))
     shapes = call.output_shapes
-    spans = [(m, nm) for m, nm in zip(call.inputs, _rules.inputs_of(kind)) if m is not None]
-    given, imported, grads, layouts = [], [], set(), {}
+    spans = [(m.span, nm) for m, nm in zip(call.inputs, _rules.inputs_of(kind)) if m is not None]
+    given, given_spans, imported, grads, layouts = [], [], [], set(), {}
     for i, (obj, name) in enumerate(zip(out, names)):
         label = f"out[{i}] ({name})"
         if obj is None:
             if r.accumulate and kind == "backward" and i > 0 and computed[i]:
                 raise ValueError(f"accumulate=True needs {label}: the gradient to add into")
             given.append(None)
+            given_spans.append(None)
             imported.append(None)
             continue
         if not computed[i]:
@@ -392,13 +454,11 @@ def _outputs(call, out, stream, torch_devices):
         if weight_grad:
             layouts[label] = stored_transposed
         m = _matrix(a, label, stored_transposed)
-        for inp, iname in spans:
-            if m.overlaps(inp):
-                raise ValueError(f"{label} overlaps the memory of {iname}: outputs may not alias inputs")
-        for j, prev in enumerate(given):
-            if prev is not None and m.overlaps(prev):
-                raise ValueError(f"{label} overlaps out[{j}] ({names[j]})")
+        why = _aliasing(m.span, label, spans, given_spans, names)
+        if why is not None:
+            raise ValueError(why)
         given.append(m)
+        given_spans.append(m.span)
         imported.append(a)
     if len(grads) > 1:
         raise TypeError(f"the weight and bias gradients in out= must share one dtype; got {sorted(grads)}")
