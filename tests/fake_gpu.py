@@ -82,6 +82,10 @@ class FakeStream:
     def __init__(self, ptr=None, non_blocking=False):
         self.ptr = next(self._ptrs) if ptr is None else ptr
 
+    @classmethod
+    def from_external(cls, handle):
+        return cls(handle.__cuda_stream__()[1])
+
     def __enter__(self):
         return self
 
@@ -168,11 +172,11 @@ class RecordingEngine(StreamEngine):
         self.side = FakeStream() if name in ("GpuEngine", "LtBackward") else None
         gpu.engines.append(self)
 
-    def io_key(self, call, pointers):
-        return call.inputs, tuple(pointers), bool(call.request.accumulate)
+    def io_key(self, call, outputs):
+        return call.inputs, outputs.pointers, bool(call.request.accumulate)
 
-    def bind(self, call, pointers):
-        self.log.append(("bind", tuple(m and m.ptr for m in call.inputs), tuple(pointers)))
+    def bind(self, call, outputs):
+        self.log.append(("bind", tuple(m and m.ptr for m in call.inputs), outputs.pointers))
 
     def enqueue(self, stream_ptr, serial=False, ready=0):
         self.log.append(("enqueue", stream_ptr, serial))
@@ -222,6 +226,7 @@ def install(monkeypatch):
     monkeypatch.setattr(cupy.cuda, "Event", FakeEvent)
     monkeypatch.setattr(cupy.cuda, "Stream", FakeStream)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda device_id=-1: FakeStream(0x5000))
+    monkeypatch.setattr(_views, "_streams", {})
     monkeypatch.setattr(_plans, "_stream_is_capturing", lambda ptr: False)
     FakeCallGraph.log = gpu.log
     monkeypatch.setattr(_graph_cache, "CallGraph", FakeCallGraph)

@@ -222,3 +222,33 @@ def test_the_least_recently_used_calls_are_dropped(gpu, monkeypatch):
     validate.check(request, fresh([(9, D), (9, D), (H, D), (D, H), (9, H), (9, H), (9, H)]))
     kept = sorted(config[0][0][0] for config, _, _ in validate._remembered)  # grad_output's T of each
     assert kept == [1, 2, 5, 6, 7, 8, 9]
+
+
+def test_no_tokens_is_a_row_of_the_table(gpu, monkeypatch):
+    """T = 0 on the GPU: the route table's NoTokens engine, built per call and run by the executor: the weight
+    gradients zero-filled on the call's stream, grad_hidden_ready recorded; no engine cached, nothing validated or
+    routed again."""
+    from cupyffn.api import no_tokens
+
+    filled = []
+    monkeypatch.setattr(no_tokens, "fill", lambda array, stream, value: filled.append((array.data.ptr, stream.ptr,
+                                                                                       value)))
+    import cupy
+
+    def empty(shape, dtype):  # an array with no elements, made without the device's memory pool
+        memory = cupy.cuda.UnownedMemory(next(fake_gpu._addresses) << 30, 1, None, 0)
+        return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0))
+
+    monkeypatch.setattr(cupy, "empty", empty)
+    shapes = [(0, D), (0, D), (H, D), (D, H), (0, H), (0, H), (0, H)]
+    args = fresh(shapes[:2], as_cupy=True) + fresh(shapes[2:4]) + fresh(shapes[4:], as_cupy=True)
+    out = fresh([(0, D)], as_cupy=True) + fresh([(H, D), (D, H)])
+    stream = fake_gpu.FakeStream(0x9000)
+    ready = fake_gpu.FakeEvent()
+    flow = trace(lambda: cupyffn.gelu_ffn_backward(*args, precision="tf32", out=out, stream=stream,
+                                                   grad_hidden_ready=ready), _follows(args[2]))
+    assert flow.functions["api/routes.py:route"] == 1
+    assert filled == [(out[1].ptr, 0x9000, 0), (out[2].ptr, 0x9000, 0)]
+    assert ("record", ready.ptr, 0x9000) in gpu.runtime.log and gpu.engines == []
+    cupyffn.gelu_ffn_backward(*args, precision="tf32", out=out, stream=stream, accumulate=True)
+    assert len(filled) == 2  # accumulating: kept as they are

@@ -294,10 +294,10 @@ class FakeEngine(StreamEngine):
         self.device_id = 0
         self._io = None
 
-    def io_key(self, call, pointers):
-        return call.inputs, tuple(pointers)
+    def io_key(self, call, outputs):
+        return call.inputs, outputs.pointers
 
-    def bind(self, call, pointers):
+    def bind(self, call, outputs):
         self.log.append(("bind",))
 
     def enqueue(self, sp, serial=False, ready=0):

@@ -123,14 +123,7 @@ class GeluFFNBackward:
         self.engine = None
         self._closed = False
         if self.device != "cpu":
-            from ..f32.engine import GpuEngine
-            from ..f32.options import DEFAULT
-
-            if self.engine_options is None:
-                self.engine_options = DEFAULT
-            self.engine = GpuEngine(self.tokens, self.dim, self.hidden_dim, self.precision, self.device,
-                                    self.need_grad_hidden, self.need_weight_grads, options=self.engine_options,
-                                    need_bias_grads=self.need_bias_grads)
+            self.engine = routes.plan_engine(self)
 
     # ------------------------------------------------------------------ introspection
     @property

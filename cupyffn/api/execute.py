@@ -21,12 +21,11 @@ from ..core import arrays as _arrays
 from ..core import checks as _checks
 from ..core import plans as _plans
 from ..core.plans import PlanCache
-from ..core.results import FFNForward, FFNGrads
+from ..core.results import FFNForward, FFNGrads, Outputs
 from ..core.views import numpy_dtype
-from .routes import GRAPH_PLAN, NO_TOKENS, NUMPY
+from .no_tokens import fill
+from .routes import GRAPH_PLAN
 from .validate import outputs_of
-
-_NAN16 = {"bfloat16": 0x7FC0, "float16": 0x7E00}
 
 #: engines kept per (engine, pass): a plan per shape and configuration, least recently used evicted
 CACHE_SIZE = 4
@@ -130,11 +129,11 @@ def run(call, route, out, stream=None, check_activations=False, plan=None):
     call is made through (its own engine and, graph=True, the outputs it owns; pinned instead of the engine under a
     caller's capture)."""
     what = "gelu_ffn_forward" if call.kind == "forward" else "gelu_ffn_backward"
-    if route.engine == NUMPY:
+    if call.backend == "cpu":
         if check_activations:
             _checks.check(call, None)
         results, arrays = outputs(call, out, what=what)
-        _run_cpu(call, route.build(), arrays)
+        _run_cpu(call, route.build(route.key), arrays)
         return results_type(call)(*results)
     import cupy
 
@@ -153,9 +152,11 @@ def run(call, route, out, stream=None, check_activations=False, plan=None):
         if call.ready and route.graphs is GRAPH_PLAN:
             raise ValueError("grad_hidden_ready= is not supported by graph=True plans (a replayed graph records the "
                              "events it was captured with); capture the call in your own graph instead")
-        if route.engine == NO_TOKENS:
+        if route.key is None and route.build is not None:  # an engine of its own per call (T = 0): nothing kept
             results, arrays = outputs(call, out, s, capturing, what=what)
-            _no_tokens(call, arrays, s, call.ready)
+            engine = route.build(None)
+            engine.bind(call, Outputs(arrays, _pointers(call, arrays)))
+            engine.enqueue(s.ptr, ready=call.ready)
             return results_type(call)(*results)
         if plan is not None:
             results, arrays = outputs(call, out, s, capturing, plan.owned_outputs, what)
@@ -176,40 +177,24 @@ def run(call, route, out, stream=None, check_activations=False, plan=None):
     return results_type(call)(*results)
 
 
-def _no_tokens(call, arrays, stream, ready):
-    """T = 0: nothing to multiply; weight and bias gradients are zero (unchanged when accumulating)."""
-    if call.kind == "backward" and not call.request.accumulate:
-        for a in arrays[1:]:
-            if a is not None:
-                _fill(_as_array(a, call), stream, 0)
-    if ready:
-        import cupy
-
-        cupy.cuda.runtime.eventRecord(ready, stream.ptr)
+def _pointers(call, arrays):
+    return tuple(0 if m is None else m.ptr for m in _geometry(call, arrays))
 
 
 def _run_cpu(call, engine, arrays):
-    # outputs are C-contiguous (reshaped to 2-D without a copy) or transposed 2-D weight gradients (kept as they are)
-    views = [None if a is None else a.reshape(-1, a.shape[-1]) for a in arrays]
-    if call.tokens == 0:
-        if call.kind == "backward" and not call.request.accumulate:
-            for v in views[1:]:
-                if v is not None:
-                    v[...] = 0
-        return
     try:
-        engine.bind(call, views)
+        engine.bind(call, Outputs(arrays, _pointers(call, arrays)))
         engine.enqueue()
     except BaseException:
-        for v, given in zip(views, call.out):
+        for a, given in zip(arrays, call.out):
             if given is not None:
-                v[...] = numpy.nan  # as on the GPU: never leave partial results in the caller's arrays
+                a[...] = numpy.nan  # as on the GPU: never leave partial results in the caller's arrays
         raise
 
 
 def _run_gpu(call, route, engine, arrays, stream, capturing, owner=None):
     sp = stream.ptr
-    pointers = tuple(0 if m is None else m.ptr for m in _geometry(call, arrays))
+    bound = Outputs(arrays, _pointers(call, arrays))
     with engine.lock:
         if engine.closed:
             raise RuntimeError(f"this {engine.what} was closed")
@@ -222,7 +207,7 @@ def _run_gpu(call, route, engine, arrays, stream, capturing, owner=None):
         else:
             engine.order_after_previous(sp)
         try:
-            _issue(call, route, engine, pointers, sp, capturing)
+            _issue(call, route, engine, bound, sp, capturing)
         except BaseException as e:
             if capturing:  # no NaN fill: it would be captured too; the caller must discard the capture
                 raise
@@ -235,10 +220,10 @@ def _run_gpu(call, route, engine, arrays, stream, capturing, owner=None):
                 engine.record_done(sp)
 
 
-def _issue(call, route, engine, pointers, sp, capturing):
-    """The call's work on `sp` by the route's graph policy (module docstring)."""
+def _issue(call, route, engine, bound, sp, capturing):
+    """The call's work on `sp` by the route's graph policy (module docstring); `bound`: the Outputs."""
     ready = call.ready
-    io = engine.io_key(call, pointers)
+    io = engine.io_key(call, bound)
     cache = engine.graph_cache(route.graphs)
     graphs = cache is not None and not capturing and not ready  # a replayed graph records no event of the caller's
     if graphs:
@@ -248,11 +233,11 @@ def _issue(call, route, engine, pointers, sp, capturing):
             return
     if capturing:
         serial = engine.serial_in_capture(sp)
-        engine.bind_once(call, pointers, io)
+        engine.bind_once(call, bound, io)
         engine.enqueue(sp, serial=serial, ready=ready)
         return
     # bound here, outside any capture of cupyffn's own: binding may allocate on first use (ieee's memory mode)
-    engine.bind_once(call, pointers, io)
+    engine.bind_once(call, bound, io)
     if not engine.side_stream_free():  # a caller's capture still holds the side stream
         engine.enqueue(sp, serial=True, ready=ready)
     elif not graphs:
@@ -263,25 +248,9 @@ def _issue(call, route, engine, pointers, sp, capturing):
 
 
 # ---------------------------------------------------------------------- after a failure
-def _as_array(a, call):
-    if type(a) in (_arrays.seen_torch_types() or ()):
-        return _arrays.view2d(a, _arrays.Matrix(a.data_ptr(), math.prod(a.shape[:-1]), a.shape[-1], a.shape[-1],
-                                                _arrays.dtype_name(a)))
-    return a
-
-
-def _fill(array, stream, value):
-    with stream:
-        name = _arrays.dtype_name(array)
-        if value != value and name in _NAN16:  # NaN in a 16-bit dtype CuPy may not fill: its bit pattern
-            array.view(numpy.uint16).fill(_NAN16[name])
-        else:
-            array.fill(value)
-
-
 def _poison(call, stream):
     """Fill the caller's out= arrays with NaN on `stream` (with accumulate=True too: a partial accumulation cannot be
     undone)."""
     for a, m in zip(call.out_arrays, call.out):
         if m is not None:
-            _fill(_arrays.view2d(a, m), stream, numpy.nan)
+            fill(_arrays.view2d(a, m), stream, numpy.nan)

@@ -44,7 +44,7 @@ from ..core import arrays as _arrays
 from ..core import precision as _precision
 from ..core import rules as _rules
 from ..core.arrays import Matrix, dtype_name
-from ..core.results import BACKWARD_OUTPUTS, FORWARD_OUTPUTS
+from ..core.results import BACKWARD_OUTPUTS, FORWARD_OUTPUTS, BackwardInputs, ForwardInputs
 
 
 class Request(NamedTuple):
@@ -75,7 +75,8 @@ class Call(NamedTuple):
     hidden_dim: int              # H
     lead_shape: Tuple[int, ...]
     weights_transposed: bool     # weight1 / weight2 given as transposed views of [in, out] matrices
-    inputs: Tuple[Optional[Matrix], ...]   # INPUTS order of the kind; weights: their storage when transposed
+    inputs: Any                  # ForwardInputs / BackwardInputs of Matrix (None where absent); transposed weights:
+    #                              their storage
     out: Tuple[Optional[Matrix], ...]      # OUTPUTS order of the kind; None where not given
     arrays: Tuple[Any, ...]                # the imported input arrays (None where absent)
     out_arrays: Tuple[Any, ...]            # the imported out= arrays (None where not given)
@@ -220,8 +221,8 @@ def _moved(call, where, extents):
     """Remembered `call` at the addresses `where` (signature's, arguments then out= entries): its geometry pointed
     there, and the one check that depends on addresses, that no output overlaps an input or another output."""
     n = len(call.inputs)
-    inputs = tuple(None if m is None else Matrix(where[i], m.rows, m.cols, m.ld, m.dtype)
-                   for i, m in enumerate(call.inputs))
+    inputs = type(call.inputs)._make(None if m is None else Matrix(where[i], m.rows, m.cols, m.ld, m.dtype)
+                                     for i, m in enumerate(call.inputs))
     out = tuple(None if m is None else Matrix(where[n + i], m.rows, m.cols, m.ld, m.dtype)
                 for i, m in enumerate(call.out))
     spans = [((where[i], where[i] + extents[i]), name) for i, name in enumerate(_rules.inputs_of(call.kind))
@@ -288,8 +289,8 @@ def validate(request, args, out=None, stream=None):
                          "grad_weight1, grad_weight2" + (", grad_bias1, grad_bias2" if request.need_bias_grads else "")
                          + ")")
     transposed = _weights_transposed(arrays[names.index("weight1")], arrays[names.index("weight2")])
-    inputs = tuple(None if a is None else _matrix(a, n, transposed and n in ("weight1", "weight2"))
-                   for a, n in zip(arrays, names))
+    inputs = (ForwardInputs if kind == "forward" else BackwardInputs)._make(
+        None if a is None else _matrix(a, n, transposed and n in ("weight1", "weight2")) for a, n in zip(arrays, names))
     _rules.check_precision(act, request.precision)
     precision = _precision.resolve(request.precision, cpu=backend == "cpu") if act == "float32" else None
     grads = act if kind == "forward" else "float32"

@@ -7,7 +7,7 @@
   (fp16) or exactly in float64 (e4m3); only the summation order of the products may differ from cuBLAS's.
 * bfloat16 / float16 activations (the cuBLASLt route): cupyffn/cpu/half.py, with the GPU plan's roundings.
 
-`NumpyEngine` is this backend behind the engines' protocol (bind, enqueue, close: cupyffn/api/execute.py runs it).
+`NumpyEngine` is this backend behind the engines' protocol (bind, enqueue: cupyffn/api/execute.py runs it).
 """
 
 import numpy
@@ -20,13 +20,14 @@ tanh_inner = activation.tanh_inner
 
 
 class NumpyEngine:
-    """The NumPy backend behind the engines' protocol: `bind(call, views)` (the outputs as 2-D views, None where not
-    computed), `enqueue()` computes on the host."""
+    """The NumPy backend behind the engines' protocol: `bind(call, outputs)` (cupyffn/core/results.py `Outputs`),
+    `enqueue()` computes on the host."""
 
-    closed = False
-
-    def bind(self, call, views):
-        self._call, self._views = call, views
+    def bind(self, call, outputs):
+        # outputs are C-contiguous (reshaped to 2-D without a copy) or transposed 2-D weight gradients (kept as they
+        # are)
+        self._call = call
+        self._views = [None if a is None else a.reshape(-1, a.shape[-1]) for a in outputs.arrays]
 
     def enqueue(self, stream_ptr=None, serial=False, ready=0):
         call, views = self._call, self._views
@@ -42,9 +43,6 @@ class NumpyEngine:
         else:
             r = call.request
             backward_2d(*arrays, call.precision, r.need_grad_hidden, r.need_weight_grads, r.accumulate, views)
-
-    def close(self):
-        pass
 
 
 def _view(array, m, call, index):
