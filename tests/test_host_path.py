@@ -149,12 +149,16 @@ def test_torch_and_cupy_entries_never_collide(fake_torch):
     assert sig_m[0][0] == ((T, D), (4 * D, 4), numpy.dtype(numpy.float32), 0, 0) and sig_m[1][0] == args[0].ptr
 
 
-def test_no_torch_no_cupy_means_no_signature_yet(monkeypatch):
-    """Before CuPy or torch tensors were seen the signature cannot tell: UNKNOWN, asked again after validating."""
+def test_no_torch_means_no_signature_yet(monkeypatch):
+    """Before torch tensors were seen the signature cannot tell what another object is: UNKNOWN, asked again after
+    validating. NumPy arrays it can always tell."""
     monkeypatch.setattr(_validate, "_cupy_ndarray", None)
     monkeypatch.setattr(_arrays, "_torch_types", None)
     monkeypatch.setitem(__import__("sys").modules, "cupy", None)
-    assert signature([numpy.zeros(2)] * 7) is _validate.UNKNOWN
+    arrays = [numpy.zeros(2)] * 7
+    assert signature(arrays[:6] + [FakeTensor(1 << 36, (T, H))]) is _validate.UNKNOWN
+    config, where = signature(arrays)
+    assert config[0] == ((2,), (8,), numpy.dtype(numpy.float64), "cpu", where[0] & 15, True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,7 +265,7 @@ def test_real_torch_tensors_of_other_dtypes_keep_dlpacks_message():
 
     rng = numpy.random.default_rng(0)
     args = [torch.from_numpy(rng.standard_normal(s).astype(numpy.float32)) for s in INPUT_SHAPES]
-    assert signature(args) is None  # CPU tensors: never the pointer path
+    assert signature(args) in (None, _validate.UNKNOWN)  # CPU tensors: never the pointer path
     args[3] = args[3].half()
     with pytest.raises(TypeError, match=r"^weight2 must be float32; got float16$"):
         cupyffn.gelu_ffn_backward(*args)

@@ -115,14 +115,15 @@ def test_internals_live_in_subpackages():
     assert top == ["__init__.py", "jax.py", "torch.py", "workloads.py"], top
 
 
-ENGINES = ("cupyffn.f32.engine", "cupyffn.f32.forward", "cupyffn.lt.engine", "cupyffn.cpu.backend")
+ENGINES = ("cupyffn.f32.engine", "cupyffn.f32.forward", "cupyffn.lt.engine", "cupyffn.cpu.numpy_route",
+           "cupyffn.cpu.torch_route")
 #: every engine class, each built (called) in cupyffn/api/routes.py alone
-ENGINE_CLASSES = ("GpuEngine", "GpuForward", "LtForward", "LtBackward", "NumpyEngine", "NoTokens")
+ENGINE_CLASSES = ("GpuEngine", "GpuForward", "LtForward", "LtBackward", "NumpyEngine", "TorchCpu", "NoTokens")
 
 
 def test_one_route_table():
     """The engines are built in one place, without exception: only cupyffn/api/routes.py imports the engines' modules
-    (the float32 backward and forward, the cuBLASLt engine, the NumPy engine) and calls an engine class (the functions'
+    (the float32 backward and forward, the cuBLASLt engine, the NumPy and torch CPU engines) and calls an engine class (the functions'
     and the layers' engines, and GeluFFNBackward's own); nothing outside the api/ subpackage (frameworks, the public
     modules) imports the door's executor or route table."""
     graph = _graph()

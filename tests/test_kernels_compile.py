@@ -10,7 +10,7 @@ import numpy
 import pytest
 
 from cupyffn.cuda import kernels as _kernels
-from cupyffn.cpu import backend as _backend
+from cupyffn.cpu import numpy_route as _backend
 from cupyffn.core import precision as _precision
 from cupyffn.gemm import sm90
 

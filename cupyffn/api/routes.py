@@ -4,9 +4,11 @@ remembers the answer beside the validated call; cupyffn/api/execute.py runs what
 
     backend  activations  tokens  engine (what runs)                              graphs (GraphPolicy)
     -------  -----------  ------  ----------------------------------------------  ---------------------------------
-    any      any          0       no tokens  cupyffn/api/no_tokens.py NoTokens:     EAGER
-                                             nothing to multiply (zero gradients)
-    cpu      any          >= 1    numpy      cupyffn/cpu/backend.py NumpyEngine     EAGER
+    any      any          0       no tokens  cupyffn/api/no_tokens.py NoTokens       EAGER
+                                             (nothing to multiply: zero gradients)
+    cpu      any          >= 1    torch cpu  cupyffn/cpu/torch_route.py TorchCpu     EAGER
+                                             (the torch layer's calls, 16-bit or "ieee": torch's own ops)
+    cpu      any          >= 1    numpy      cupyffn/cpu/numpy_route.py NumpyEngine  EAGER
     gpu      float32      >= 1    float32    cupyffn/f32/ GpuEngine (backward),  backward: GRAPH_PLAN for plans
                                              GpuForward (forward)                   made with graph=True; REPEATED
                                                                                     where the plan runs a call graph
@@ -28,7 +30,7 @@ from ..core import precision as _precision
 from ..core.results import BACKWARD_INPUTS, BACKWARD_OUTPUTS, FORWARD_INPUTS, FORWARD_OUTPUTS
 from ..cuda.graph_cache import GraphPolicy
 
-NUMPY, NO_TOKENS, FLOAT32, LT = "numpy", "no tokens", "float32", "lt"
+NUMPY, TORCH_CPU, NO_TOKENS, FLOAT32, LT = "numpy", "torch cpu", "no tokens", "float32", "lt"
 
 #: graph policies (cupyffn/cuda/graph_cache.py). REPEATED: a set of arrays seen twice is captured (decisions 051,
 #: 052); 64 kept per engine, so the layers of a deep model, each with its own arrays, keep theirs; a model cycling
@@ -44,7 +46,7 @@ class Route(NamedTuple):
     it obeys, the key its plan cache keeps it by and how to build it. A route without a key builds a fresh engine for
     each call (NumPy, T = 0) or runs a plan's own (no build either)."""
 
-    engine: str                        # NUMPY, NO_TOKENS, FLOAT32 or LT
+    engine: str                        # NUMPY, TORCH_CPU, NO_TOKENS, FLOAT32 or LT
     graphs: GraphPolicy
     key: Any = None                    # the plan cache's key: F32BackwardKey, F32ForwardKey, LtBackwardKey, ...
     build: Optional[Callable] = None   # build(key) -> a new engine
@@ -61,6 +63,8 @@ def route(call, plan=None):
     if call.tokens == 0:
         return Route(NO_TOKENS, EAGER, None, _no_tokens_engine)
     if call.backend == "cpu":
+        if call.request.torch_layer and (call.act != "float32" or call.precision.name == "ieee"):
+            return Route(TORCH_CPU, EAGER, None, _torch_cpu_engine)
         return Route(NUMPY, EAGER, None, _numpy_engine)
     if plan is not None:
         return Route(FLOAT32, _plan_graphs(plan))
@@ -183,9 +187,15 @@ def _lt_engine(key):
 
 
 def _numpy_engine(key=None):
-    from ..cpu.backend import NumpyEngine
+    from ..cpu.numpy_route import NumpyEngine
 
     return NumpyEngine()
+
+
+def _torch_cpu_engine(key=None):
+    from ..cpu.torch_route import TorchCpu
+
+    return TorchCpu()
 
 
 def _no_tokens_engine(key=None):

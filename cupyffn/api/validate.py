@@ -56,6 +56,9 @@ class Request(NamedTuple):
     need_weight_grads: bool = True
     need_bias_grads: bool = False
     accumulate: bool = False
+    # the torch layer's call (NumPy views of CPU tensors, cupyffn/frameworks/torch_ops.py): on the CPU, torch's own ops
+    # where the precision's numerics are torch's (the route table's torch row; docs/decisions/059)
+    torch_layer: bool = False
 
 
 class Call(NamedTuple):
@@ -108,17 +111,18 @@ def output_shapes(kind, lead, dim, hidden):
 
 # ---------------------------------------------------------------------- the configuration of repeated arrays
 _cupy_ndarray = None
-UNKNOWN = object()  # signature's answer before CuPy or torch has been seen: try again after validating
+UNKNOWN = object()  # signature's answer before torch has been seen: try again after validating
 
 
 def signature(args, out):
     """(configuration, addresses) of a call's arrays: the configuration is (shape, strides, dtype, device, address
-    mod 16) of each CuPy array and CUDA torch tensor (None entries kept), everything validation and the route read of
-    an array except where it is (docs/decisions/070-validated-calls-by-configuration.md); the addresses, one per
-    argument (0 for None), are where. None when any argument is something else (NumPy arrays, other producers: those
-    are validated every time); UNKNOWN while neither CuPy nor torch tensors have been seen (validate imports them). A
-    CuPy array's strides are in bytes and a torch tensor's in elements, and their dtypes are different objects, so
-    the two kinds never share an entry. Exact types: subclasses are validated each time."""
+    mod 16) of each NumPy array, CuPy array and CUDA torch tensor (NumPy's also whether it is writeable; None entries
+    kept), everything validation and the route read of an array except where it is
+    (docs/decisions/070-validated-calls-by-configuration.md); the addresses, one per argument (0 for None), are where.
+    None when any argument is something else (other producers: those are validated every time); UNKNOWN for such an
+    argument while torch tensors have not been seen (validate imports them: it may be one). A CuPy array's strides are
+    in bytes and a torch tensor's in elements, and the three kinds' dtypes are different objects, so no two kinds
+    share an entry. Exact types: subclasses are validated each time."""
     global _cupy_ndarray
     nd = _cupy_ndarray
     if nd is None:
@@ -128,8 +132,6 @@ def signature(args, out):
         if nd is not None:
             _cupy_ndarray = nd
     tt = _arrays.seen_torch_types()  # None until import_array has seen torch imported
-    if nd is None and tt is None:
-        return UNKNOWN
     config, where = [], []
     if out is not None:
         if not isinstance(out, (tuple, list)):
@@ -147,8 +149,11 @@ def signature(args, out):
         elif tt is not None and t in tt and a.is_cuda:
             ptr = a.data_ptr()
             config.append((a.shape, a.stride(), a.dtype, a.get_device(), ptr & 15))
+        elif t is numpy.ndarray:
+            ptr = a.__array_interface__["data"][0]
+            config.append((a.shape, a.strides, a.dtype, "cpu", ptr & 15, a.flags.writeable))
         else:
-            return None
+            return UNKNOWN if tt is None else None
         where.append(ptr)
     return tuple(config), tuple(where)
 
@@ -192,6 +197,8 @@ def check(request, args, out=None, stream=None, ready_event=None, owner=0):
     if entry is not None:
         entry.used = next(_uses)
         where, known = entry.last
+        if stream is not None and known.backend == "cpu":
+            raise ValueError(_CPU_STREAM)
         if where != sig[1]:
             known = _moved(known, sig[1], entry.extents)
             entry.last = (sig[1], known)
@@ -315,6 +322,9 @@ def _check_stream(stream):
         raise TypeError(f"stream must be a cupy.cuda.Stream (or ExternalStream) or None; got {type(stream).__name__}")
 
 
+_CPU_STREAM = "stream= is for GPU arrays; these inputs are NumPy (CPU) arrays"
+
+
 def _import(args, names, stream):
     """(backend, imported arrays (None kept), torch devices to follow)."""
     torch_devices = set()  # torch tensors read by pointer: their stream is followed once, by validate
@@ -331,7 +341,7 @@ def _import(args, names, stream):
                          f"{backends['gpu']} is on a GPU")
     backend = next(iter(backends))
     if backend == "cpu" and stream is not None:
-        raise ValueError("stream= is for GPU arrays; these inputs are NumPy (CPU) arrays")
+        raise ValueError(_CPU_STREAM)
     return backend, arrays, torch_devices
 
 

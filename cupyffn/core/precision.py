@@ -15,7 +15,7 @@ f16s          fp16(x * 2^e) with a per-tensor power-of-two scale 2^e decided on 
               significand like TF32, at fp16 tensor-core rate); alpha = 2^-(e + e') undoes it
 f16+e4m3      f16s's product hi*hi' plus ONE e4m3 GEMM with K doubled forming the cross terms
               lo*hi' + hi*lo' (lo = x*2^e - hi), both adding into one fp32 output (two passes;
-              encoding: kernels_cu/split_e4m3.cu, cupyffn/cpu/backend.py f16e4m3_split)
+              encoding: kernels_cu/split_e4m3.cu, cupyffn/cpu/numpy_route.py f16e4m3_split)
 ============  =====================================================================================
 
 =========  =========================================================  ===========
