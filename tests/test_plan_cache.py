@@ -562,9 +562,10 @@ def test_failed_call_during_capture_fills_nothing(gpu_like):
 
 
 def test_profile_stages_refuses_a_plan_closed_meanwhile(monkeypatch):
-    """Another thread may close the plan between profile_stages' ordinary call and its serialized reps
-    (close() frees the scratch once it has the lock): the reps must then raise, not enqueue."""
+    """Another thread may close the plan between the stage profile's ordinary call and its serialized reps
+    (benchmarks/stages.py; close() frees the scratch once it has the lock): the reps must then raise, not enqueue."""
     pytest.importorskip("cupy")
+    from benchmarks import stages
     plan = cupyffn.GeluFFNBackward(16, 8, 32, device="cpu")
     engine = FakeEngine()
     plan.engine = engine
@@ -572,10 +573,10 @@ def test_profile_stages_refuses_a_plan_closed_meanwhile(monkeypatch):
     def ordinary_call_then_closed(*args, **kwargs):
         engine.closed = True
 
-    monkeypatch.setattr(backward_plan.functional, "run", ordinary_call_then_closed)
+    monkeypatch.setattr(stages.functional, "run", ordinary_call_then_closed)
     args, _ = _cpu_args(0)
     with pytest.raises(RuntimeError, match="this GeluFFNBackward plan was closed"):
-        plan.profile_stages(*args, out=[numpy.zeros(1)] * 3, stream=FakeStream(7), reps=1)
+        stages.profile(plan, *args, out=[numpy.zeros(1)] * 3, stream=FakeStream(7), reps=1)
     assert engine.log == []  # nothing was enqueued on the closed engine
 
 

@@ -163,10 +163,6 @@ def is_pinned(plan):
     return id(plan) in _pinned
 
 
-def pinned_count():
-    return len(_pinned)
-
-
 def release_captured_plans():
     """Drop the pins of every plan captured into a CUDA graph; returns how many there were.
 

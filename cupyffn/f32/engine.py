@@ -20,7 +20,7 @@ from . import options as _options
 from .launches import Gemms, Kernels
 from .layout import ALIGN
 from .plan import Plan
-from .schedule import EVENTS, StageContext, StageResources, StageRunner, stage_bytes
+from .schedule import EVENTS, StageContext, StageResources, StageRunner
 
 
 class GpuEngine(StreamEngine):
@@ -221,10 +221,6 @@ class GpuEngine(StreamEngine):
         """Whether binding `call` would allocate (ieee memory mode's gelu_out buffer, on first use)."""
         built = self.kernels is not None and self.kernels.ieee_gelu is not None
         return call.inputs.gelu_out is None and self.need_weight_grads and not self.plan.planes and not built
-
-    def stage_bytes(self):
-        """Bytes each memory-bound stage moves (for GB/s in the benchmark)."""
-        return stage_bytes(self.stage, self.plan)
 
     def _release(self):
         """After the last call (StreamEngine.close): the graphs, the cuBLAS handles, the scratch."""

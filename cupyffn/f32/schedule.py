@@ -1,7 +1,7 @@
 """The stage graph of one backward call as data (`stages`: a tuple of `Step`), what it runs (`StageContext`, one per
 binding mode, and `StageResources`, the engine's streams, handles and events), its two-stream runner
-(`StageRunner.enqueue`), the call graph's capture and replay (`StageRunner.launch_graph`), and the per-stage timing
-that the benchmark's stage table walks through the same steps (`time_stages`).
+(`StageRunner.enqueue`) and the call graph's capture and replay (`StageRunner.launch_graph`); the benchmark's stage
+table walks the same steps (benchmarks/stages.py).
 
 Work of one call (S = the caller's stream, S2 = the engine's side stream):
 
@@ -31,14 +31,12 @@ every step runs on S in this order and no event is waited on or recorded.
 """
 
 import ctypes
-import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..cuda import kernels as _kernels
 from ..core import precision as P
 from ..cuda import call_graph as _call_graph
-from .layout import ROWS_COLS
 
 #: The events of a call: after the fork, after convert A, after convert B, after the step that finishes
 #: grad_linear1, and S2's last work (the join; also the lean layout's wait for GEMM2).
@@ -303,49 +301,3 @@ class StageRunner:
         for graph in self.call_graphs.values():
             graph.destroy()
         self.call_graphs = {}
-
-
-# ---------------------------------------------------------------------- the benchmark's stage table
-def stage_bytes(stage, plan):
-    """Bytes each memory-bound stage of `stage` (a StageContext of `plan`) moves (for GB/s in the benchmark)."""
-    out = {}
-    layout = plan.layout
-    for name, (names, _, _) in stage.convert.items():
-        out[name] = sum(4 * math.prod(plan.dims(ROWS_COLS[n])) + layout.written(n) for n in names)
-    write = layout.written("grad_linear1") if plan.planes else 4 * plan.T * plan.H
-    if not plan.fused_gemm1:
-        out["dgelu"] = 12 * plan.T * plan.H + write
-    return out
-
-
-def time_stages(engine, stream, reps, before_each=None):
-    """GPU time of each stage (`Step.stage`) of `reps` calls of `engine` with every step serialized on `stream`
-    (StageRunner.enqueue(serial=True), an event after each stage): {stage: [ms per rep]} in issue order; a stage
-    issued twice in one call gets " #2" (the fp16 rescue launches). `before_each()`, if given, is called (on
-    `stream`) before each rep, e.g. to flush the L2. The caller holds the plan's lock."""
-    import cupy
-
-    s = stream
-    samples = {}
-    for _ in range(int(reps)):
-        if before_each is not None:
-            with s:
-                before_each()
-        events = [(None, cupy.cuda.Event())]
-        events[0][1].record(s)
-
-        def mark(stage):
-            ev = cupy.cuda.Event()
-            ev.record(s)
-            events.append((stage, ev))
-
-        engine.order_after_previous(s.ptr)
-        engine.enqueue(s.ptr, serial=True, mark=mark)
-        engine.record_done(s.ptr)
-        s.synchronize()
-        seen = {}
-        for (_, a), (stage, b) in zip(events, events[1:]):
-            seen[stage] = seen.get(stage, 0) + 1
-            key = stage if seen[stage] == 1 else f"{stage} #{seen[stage]}"
-            samples.setdefault(key, []).append(cupy.cuda.get_elapsed_time(a, b))
-    return samples
