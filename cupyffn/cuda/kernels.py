@@ -24,7 +24,7 @@ _HERE = Path(__file__).resolve().parent
 #: (struct split::Variant, instantiation split_e4m3_kernel<10 * variant + KIND>). Measured on the H200
 #: (docs/decisions/011-split-e4m3-schedules.md): KIND 0 pipelined, 1 sub-tile per step, 2 waves, 1.026x the first
 #: kernel summed over T = 2048-8192 and its stages; KIND 1 the first kernel on 1 wave, 1.046x. Every variant wrote
-#: identical bytes; the others were removed (the last commit that had them: 28117da).
+#: identical bytes; the others were removed: no plan runs them (the note keeps their measurements).
 SPLIT_VARIANT = {0: (1, 2), 1: (0, 1)}
 
 

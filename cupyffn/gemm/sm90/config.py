@@ -6,8 +6,8 @@ Two kernels: ``gemm_sm90_kernel<OP, BN, EPI, PP, XS>``, the fused GEMM1 + GELU d
 operands, scaled fp16 out, optionally gelu_out's codes too) and of the bf16x3 plan (bf16 operands, three bf16
 planes out), B a weight as stored ([K, N]); and ``gemm_sm90_pair_kernel<BN, TA>``, the fp16+fp8 plan's f16+e4m3
 pair (fp32 out), A [M, K] or [K, M]. Every variant :func:`can_implement` accepts is one an engine plan can run
-(:func:`choose_dgelu_config`, :func:`choose_pair_config`, EngineOptions' explicit choices); the others were removed
-(the last commit that had them: 28117da).
+(:func:`choose_dgelu_config`, :func:`choose_pair_config`, EngineOptions' explicit choices); the others were removed,
+since code no plan runs is neither tested nor kept working (their measurements are in docs/decisions/).
 """
 
 import dataclasses
