@@ -107,10 +107,9 @@ def with_headers(text, folder=None):
 
 @functools.lru_cache(maxsize=None)
 def compiled_module(filename, expressions, options, device_id, checks=""):
-    """The one RawModule loader: kernels_cu/`filename` (headers pasted: source_with_common) and `checks` (C++
-    appended: static_asserts) compiled by NVRTC with `options` (CuPy adds -arch, -ftz=true and its include paths) for
-    the name `expressions` (template instantiations), on device `device_id`; memoized, and kept across processes by
-    CuPy's disk cache."""
+    """The one RawModule loader: kernels_cu/`filename` (headers pasted: source_with_common) + `checks` compiled by
+    NVRTC with `options` (CuPy adds -arch, -ftz=true, its includes) for the name `expressions` (template
+    instantiations), on device `device_id`; memoized, and kept across processes by CuPy's disk cache."""
     import cupy
 
     with cupy.cuda.Device(device_id):
