@@ -48,10 +48,6 @@ def engine_cache(engine, kind):
     return cache
 
 
-def results_type(call):
-    return FFNForward if call.kind == "forward" else FFNGrads
-
-
 # ---------------------------------------------------------------------- outputs
 def outputs(call, out, stream=None, capturing=False, owned=None, what="cupyffn"):
     """(results for the caller, the outputs as arrays (None where not computed)): the caller's out= object where it
@@ -106,21 +102,10 @@ def _allocate(call, shape, dtype, stream):
         raise MemoryError(f"cupyffn could not allocate an output of shape {shape} ({nbytes} bytes): {e}") from None
 
 
-def _geometry(call, arrays):
-    """The outputs' 2-D geometry (None where not computed): the validated out= entries, and the arrays allocated."""
-    dtypes = call.output_dtypes
-    shapes = call.output_shapes
-    geometry = []
-    for i, a in enumerate(arrays):
-        if a is None:
-            geometry.append(None)
-        elif call.out[i] is not None:
-            geometry.append(call.out[i])
-        else:
-            shape = shapes[i][::-1] if _stored_transposed(call, i) else shapes[i]  # the storage's rows and columns
-            cols = shape[-1]
-            geometry.append(_arrays.Matrix(_arrays.data_ptr(a), math.prod(shape[:-1]), cols, cols, dtypes[i]))
-    return geometry
+def _pointers(call, arrays):
+    """The outputs' addresses (0 where not computed): the validated out= entries', and the arrays allocated (their
+    storage's: a transposed view starts where its storage does)."""
+    return tuple(0 if a is None else _arrays.data_ptr(a) if m is None else m.ptr for m, a in zip(call.out, arrays))
 
 
 # ---------------------------------------------------------------------- running
@@ -134,7 +119,12 @@ def run(call, route, out, stream=None, check_activations=False, plan=None):
             _checks.check(call, None)
         results, arrays = outputs(call, out, what=what)
         _run_cpu(call, route.build(route.key), arrays)
-        return results_type(call)(*results)
+    else:
+        results = _run_on_device(call, route, out, stream, check_activations, plan, what)
+    return (FFNForward if call.kind == "forward" else FFNGrads)(*results)
+
+
+def _run_on_device(call, route, out, stream, check_activations, plan, what):
     import cupy
 
     device = contextlib.nullcontext() if cupy.cuda.runtime.getDevice() == call.device else \
@@ -157,11 +147,11 @@ def run(call, route, out, stream=None, check_activations=False, plan=None):
             engine = route.build(None)
             engine.bind(call, Outputs(arrays, _pointers(call, arrays)))
             engine.enqueue(s.ptr, ready=call.ready)
-            return results_type(call)(*results)
+            return results
         if plan is not None:
             results, arrays = outputs(call, out, s, capturing, plan.owned_outputs, what)
             _run_gpu(call, route, plan.engine, arrays, s, capturing, plan)
-            return results_type(call)(*results)
+            return results
         cache = engine_cache(route.engine, call.kind)
         engine = cache.acquire(route.key)
         if engine is None:
@@ -174,11 +164,7 @@ def run(call, route, out, stream=None, check_activations=False, plan=None):
             _run_gpu(call, route, engine, arrays, s, capturing)
         finally:
             cache.release(engine)
-    return results_type(call)(*results)
-
-
-def _pointers(call, arrays):
-    return tuple(0 if m is None else m.ptr for m in _geometry(call, arrays))
+    return results
 
 
 def _run_cpu(call, engine, arrays):

@@ -1,18 +1,17 @@
-"""The engine of a call with no tokens (T = 0, either backend): nothing to multiply, so the weight and bias gradients
-are zero-filled (kept as they are when accumulating), and grad_hidden_ready is recorded at once. `fill` is also how
-the executor NaN-fills the caller's out= arrays after a failure."""
+"""The engine of a call with no tokens (T = 0, either backend): the weight and bias gradients zero-filled (kept when
+accumulating), grad_hidden_ready recorded at once. `fill` also NaN-fills out= after a failure (the executor)."""
 
 import math
 
 import numpy
 
 from ..core import arrays as _arrays
+from ..core.views import external_stream
 
 _NAN16 = {"bfloat16": 0x7FC0, "float16": 0x7E00}
 
 
 class NoTokens:
-    """The engines' protocol (`bind(call, outputs)`, `enqueue(stream_ptr, serial, ready)`) for T = 0."""
 
     def bind(self, call, outputs):
         self._call, self._arrays = call, outputs.arrays
@@ -26,17 +25,11 @@ class NoTokens:
                 if call.backend == "cpu":
                     a[...] = 0
                 else:
-                    fill(_as_array(a), _stream(stream_ptr, call.device), 0)
+                    fill(_as_array(a), external_stream(stream_ptr, call.device), 0)
         if ready:
             import cupy
 
             cupy.cuda.runtime.eventRecord(ready, stream_ptr)
-
-
-def _stream(stream_ptr, device):
-    from ..core.views import external_stream
-
-    return external_stream(stream_ptr, device)
 
 
 def _as_array(a):

@@ -42,9 +42,8 @@ EAGER = GraphPolicy("eager", capture_after=None, keep=0)
 
 
 class Route(NamedTuple):
-    """Everything the executor needs to run a call: which engine (its name, that of its plan cache), the graph policy
-    it obeys, the key its plan cache keeps it by and how to build it. A route without a key builds a fresh engine for
-    each call (NumPy, T = 0) or runs a plan's own (no build either)."""
+    """Everything the executor needs: the engine (its name: its plan cache's), the graph policy, the key its plan
+    cache keeps it by and how to build it. Without a key: an engine built per call (host, T = 0), or a plan's own."""
 
     engine: str                        # NUMPY, TORCH_CPU, NO_TOKENS, FLOAT32 or LT
     graphs: GraphPolicy
@@ -88,18 +87,13 @@ def route(call, plan=None):
         key = F32ForwardKey(call.device, call.tokens, call.dim, call.hidden_dim, call.precision.name,
                             call.inputs.bias2 is not None)
         return Route(FLOAT32, EAGER, key, _f32_forward)
-    key = F32BackwardKey(call.device, call.tokens, call.dim, call.hidden_dim, call.precision.name,
-                         r.need_grad_hidden, r.need_weight_grads, r.need_bias_grads)
-    return Route(FLOAT32, REPEATED if _runs_call_graph(call.precision, call.tokens) else EAGER, key, _f32_backward)
-
-
-def _runs_call_graph(precision, tokens):
-    """Whether a float32 backward plan of the functions runs its eager calls as one re-pointed call graph
-    (cupyffn/f32/plan.py CALL_GRAPH_TOKENS; where K is chunked the plan has none, and the graphs are captured
-    whole instead)."""
     from ..f32.plan import call_graph_wanted
 
-    return call_graph_wanted(precision, tokens)
+    key = F32BackwardKey(call.device, call.tokens, call.dim, call.hidden_dim, call.precision.name,
+                         r.need_grad_hidden, r.need_weight_grads, r.need_bias_grads)
+    # REPEATED where the plan runs its eager calls as one re-pointed call graph (f32/plan.py CALL_GRAPH_TOKENS; where
+    # K is chunked it has none, and the graphs are captured whole instead)
+    return Route(FLOAT32, REPEATED if call_graph_wanted(call.precision, call.tokens) else EAGER, key, _f32_backward)
 
 
 def _plan_graphs(plan):

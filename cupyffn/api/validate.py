@@ -20,13 +20,10 @@ What a call may be (docs/precisions.md, "16-bit activations and biases"):
   (transposes of C-contiguous ``[in, out]`` matrices: `grads_transposed`, the parameter's own layout, so no copy
   follows). Which engine takes which layout: cupyffn/api/routes.py (`requirement`).
 
-Repeated calls (training loops, CUDA graphs) pass arrays of the same configuration again, at the same addresses or,
-as a training step's new outputs, at others: `signature` is the configuration of a call's arrays (shape, strides,
-dtype, device and address mod 16 of every CuPy array and CUDA torch tensor) and their addresses, and `check`, the
-validator's one entry, keeps the Call it validated beside its configuration (`Remembered`, which also holds the
-route the door chose), so an equal configuration skips everything here but what depends on the addresses: the
-geometry is pointed at them, and no output may overlap an input or another output
-(docs/decisions/070-validated-calls-by-configuration.md).
+Repeated calls (training loops, CUDA graphs) pass arrays of the same configuration again, at the same addresses or
+elsewhere (a training step's new outputs): `check`, the validator's one entry, keeps the Call it validated beside
+the arrays' configuration (`signature`; `Remembered` also holds the route the door chose), so an equal
+configuration skips everything here but what depends on where the arrays are (docs/decisions/070).
 
 Torch tensors (cupyffn/core/arrays.py, "torch tensors read by pointer"): the DLPack stream handshake is replaced by
 one `arrays.follow_torch` per call, which the executor makes for a Call whose `follow` names a device
@@ -56,9 +53,7 @@ class Request(NamedTuple):
     need_weight_grads: bool = True
     need_bias_grads: bool = False
     accumulate: bool = False
-    # the torch layer's call (NumPy views of CPU tensors, cupyffn/frameworks/torch_ops.py): on the CPU, torch's own ops
-    # where the precision's numerics are torch's (the route table's torch row; docs/decisions/059)
-    torch_layer: bool = False
+    torch_layer: bool = False  # the torch layer's CPU call: torch's own ops where they are the precision's (059)
 
 
 class Call(NamedTuple):
@@ -78,8 +73,7 @@ class Call(NamedTuple):
     hidden_dim: int              # H
     lead_shape: Tuple[int, ...]
     weights_transposed: bool     # weight1 / weight2 given as transposed views of [in, out] matrices
-    inputs: Any                  # ForwardInputs / BackwardInputs of Matrix (None where absent); transposed weights:
-    #                              their storage
+    inputs: Any                  # Forward/BackwardInputs of Matrix (None: absent); transposed weights: their storage
     out: Tuple[Optional[Matrix], ...]      # OUTPUTS order of the kind; None where not given
     arrays: Tuple[Any, ...]                # the imported input arrays (None where absent)
     out_arrays: Tuple[Any, ...]            # the imported out= arrays (None where not given)
@@ -115,14 +109,11 @@ UNKNOWN = object()  # signature's answer before torch has been seen: try again a
 
 
 def signature(args, out):
-    """(configuration, addresses) of a call's arrays: the configuration is (shape, strides, dtype, device, address
-    mod 16) of each NumPy array, CuPy array and CUDA torch tensor (NumPy's also whether it is writeable; None entries
-    kept), everything validation and the route read of an array except where it is
-    (docs/decisions/070-validated-calls-by-configuration.md); the addresses, one per argument (0 for None), are where.
-    None when any argument is something else (other producers: those are validated every time); UNKNOWN for such an
-    argument while torch tensors have not been seen (validate imports them: it may be one). A CuPy array's strides are
-    in bytes and a torch tensor's in elements, and the three kinds' dtypes are different objects, so no two kinds
-    share an entry. Exact types: subclasses are validated each time."""
+    """(configuration, addresses) of a call's arrays: (shape, strides, dtype, device, address mod 16) of each NumPy
+    array (and whether it is writeable), CuPy array and CUDA torch tensor, all that validation and the route read of
+    it but where it is (decision 070), and the addresses (0 for None). None for any other argument (validated every
+    time), UNKNOWN while torch has not been seen (it may be a tensor). The three kinds' strides or dtypes differ in
+    kind, so they never share an entry; exact types only (subclasses are validated each time)."""
     global _cupy_ndarray
     nd = _cupy_ndarray
     if nd is None:
@@ -159,9 +150,8 @@ def signature(args, out):
 
 
 class Remembered:
-    """A validated call kept beside its configuration: the Call of the addresses seen last (`last`: (addresses,
-    Call), its arrays dropped: they are the next call's), the bytes each of its arrays spans (`extents`, inputs then
-    outputs, None where absent), and the route the door chose for it (None until chosen)."""
+    """A validated call kept beside its configuration: `last`, (addresses, Call) of the call seen last (its arrays
+    dropped), `extents`, the bytes each array spans (inputs then outputs), and the door's `route` (None: not yet)."""
 
     __slots__ = ("last", "extents", "route", "used")
 
@@ -170,9 +160,8 @@ class Remembered:
         self.extents = tuple(None if m is None else m.span[1] - m.span[0] for m in call.inputs + call.out)
 
 
-#: validated calls remembered by (configuration, request, owner): enough entries for every layer of a deep model,
-#: forward and backward, so that a training step validates nothing after its first; when full, the least recently
-#: used quarter is dropped (a use is a counter's tick on the entry: a hit hashes its key once)
+#: validated calls by (configuration, request, owner): enough for every layer of a deep model, forward and backward;
+#: when full, the least recently used quarter goes (a use ticks a counter on the entry: a hit hashes its key once)
 REMEMBERED_SIZE = 1024
 _remembered = {}
 _uses = itertools.count()
@@ -184,10 +173,9 @@ def forget():
 
 
 def check(request, args, out=None, stream=None, ready_event=None, owner=0):
-    """The validator's one entry for a call: (its Call, the Remembered entry of its configuration). A call whose
-    arrays have the configuration of one validated before (for the same request and `owner`, a plan's token or 0)
-    reuses that validation, with only what depends on the addresses checked again (`_moved`); any other call is
-    validated (`validate`). `ready_event`: grad_hidden_ready."""
+    """The validator's one entry: (the Call, its Remembered entry). A configuration validated before (for the same
+    request and `owner`, a plan's token or 0) is reused, what depends on the addresses checked again (`_moved`); any
+    other call is validated (`validate`). `ready_event`: grad_hidden_ready."""
     _check_stream(stream)
     sig = signature(args, out)
     entry = None
@@ -218,15 +206,13 @@ def check(request, args, out=None, stream=None, ready_event=None, owner=0):
 
 
 def _drop_least_recent():
-    """Drop the least recently used quarter of the remembered calls."""
-    entries = sorted(list(_remembered.items()), key=lambda item: item[1].used)
-    for key, _ in entries[:max(1, len(entries) // 4)]:
+    for key, _ in sorted(list(_remembered.items()), key=lambda item: item[1].used)[:max(1, len(_remembered) // 4)]:
         _remembered.pop(key, None)  # another thread may have dropped it meanwhile
 
 
 def _moved(call, where, extents):
-    """Remembered `call` at the addresses `where` (signature's, arguments then out= entries): its geometry pointed
-    there, and the one check that depends on addresses, that no output overlaps an input or another output."""
+    """Remembered `call` pointed at the addresses `where` (arguments, then out=), refused where an output overlaps an
+    input or another output (the one check that depends on addresses)."""
     n = len(call.inputs)
     inputs = type(call.inputs)._make(None if m is None else Matrix(where[i], m.rows, m.cols, m.ld, m.dtype)
                                      for i, m in enumerate(call.inputs))
@@ -245,8 +231,8 @@ def _moved(call, where, extents):
 
 
 def _aliasing(span, label, spans, given, names):
-    """Why an output spanning the bytes [begin, end) `span` may not be written (None if it may): it overlaps an input
-    (`spans`: (span, name)) or an output before it (`given`: spans, None where not given)."""
+    """Why the output of bytes [begin, end) `span` may not be written (None: it may): it overlaps an input (`spans`:
+    (span, name)) or an output before it (`given`: spans, None where not given)."""
     begin, end = span
     for (b, e), iname in spans:
         if begin < e and b < end:
