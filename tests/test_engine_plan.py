@@ -208,7 +208,7 @@ def test_stage_graph_bf16x3_lean():
         ("S", "convert A"), ("S2", "convert B"), ("S", "GEMM1 grad_gelu"), ("S2", "GEMM2 grad_weight2"),
         ("S", "dgelu"), ("S", "convert late"), ("S", "GEMM3 grad_hidden"), ("S", "GEMM4 grad_weight1")]
     gemm2 = next(s for s in steps if s.stage == "GEMM2 grad_weight2")
-    assert gemm2.waits == ("A",) and gemm2.run == (S.Gemm(1),)
+    assert gemm2.waits == ("A",) and gemm2.run == (S.StepGemm(1),)
     assert S.FORK[0].records == ("start",) and S.JOIN[-1].waits == ("side",)
 
 

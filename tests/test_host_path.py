@@ -280,7 +280,7 @@ class _FakePlan:
 
     graph, owned_outputs = False, None
     tokens, dim, hidden_dim, device = T, D, H, 0
-    engine = types.SimpleNamespace(plan=types.SimpleNamespace(call_graph=False))
+    engine = types.SimpleNamespace(call_graph=False)
 
     def __init__(self):
         self.token = next(_backward_plan._tokens)

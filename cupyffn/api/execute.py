@@ -20,7 +20,7 @@ import numpy
 from ..core import arrays as _arrays
 from ..core import checks as _checks
 from ..core import plans as _plans
-from ..core.plans import PlanCache
+from ..core.plans import EngineCache
 from ..core.results import FFNForward, FFNGrads, Outputs
 from ..core.views import numpy_dtype
 from .no_tokens import fill
@@ -29,7 +29,7 @@ from .validate import outputs_of
 
 #: engines kept per (engine, pass): a plan per shape and configuration, least recently used evicted
 CACHE_SIZE = 4
-_caches = {}  # (route.engine, "forward" | "backward") -> PlanCache
+_caches = {}  # (route.engine, "forward" | "backward") -> EngineCache
 
 
 def clear_engines():
@@ -41,10 +41,10 @@ def clear_engines():
 
 
 def engine_cache(engine, kind):
-    """The PlanCache of `engine` ("float32", "lt") running `kind` ("forward", "backward")."""
+    """The EngineCache of `engine` ("float32", "lt") running `kind` ("forward", "backward")."""
     cache = _caches.get((engine, kind))
     if cache is None:
-        cache = _caches.setdefault((engine, kind), PlanCache(CACHE_SIZE))
+        cache = _caches.setdefault((engine, kind), EngineCache(CACHE_SIZE))
     return cache
 
 

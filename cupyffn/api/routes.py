@@ -101,7 +101,7 @@ def _plan_graphs(plan):
     built with the plan, runs a call graph."""
     if plan.graph:
         return GRAPH_PLAN
-    return REPEATED if plan.engine.plan.call_graph else EAGER
+    return REPEATED if plan.engine.call_graph else EAGER
 
 
 def _check_plan_call(plan, call):

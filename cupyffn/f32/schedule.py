@@ -43,7 +43,7 @@ from ..cuda import call_graph as _call_graph
 EVENTS = ("start", "A", "B", "D", "side")
 
 
-class Gemm(NamedTuple):
+class StepGemm(NamedTuple):
     """A step's GEMM: gemm1..gemm4 by index (the call table's entry), on the handle of the step's stream."""
 
     index: int
@@ -51,7 +51,7 @@ class Gemm(NamedTuple):
 
 class Step(NamedTuple):
     """One step of the stage graph: on `stream` ("S" or "S2"), wait for `waits` (names in EVENTS), run `run` (our
-    kernel launches, or a Gemm) in order, record grad_hidden_ready if `ready`, mark `stage` (the name of the
+    kernel launches, or a StepGemm) in order, record grad_hidden_ready if `ready`, mark `stage` (the name of the
     stage table's row; None: not a row of its own), then record `records`."""
 
     stream: str
@@ -144,10 +144,10 @@ def stages(stage):
     if stage.fused_gemm1:
         steps.append(Step("S", (stage.fused,), "GEMM1 + dgelu (sm90 fused)"))
     else:
-        steps.append(Step("S", (Gemm(0),), "GEMM1 grad_gelu"))
+        steps.append(Step("S", (StepGemm(0),), "GEMM1 grad_gelu"))
     if gemm2 is not None and not stage.gelu_in_gemm1:
         # grad_output converted (S2 already waits for it where convert B did)
-        steps.append(Step("S2", (Gemm(1),), "GEMM2 grad_weight2", waits=() if s2_after_a else ("A",)))
+        steps.append(Step("S2", (StepGemm(1),), "GEMM2 grad_weight2", waits=() if s2_after_a else ("A",)))
     if stage.lean:
         steps.append(Step("S2", records=("side",)))
         steps.append(Step("S", waits=("side",)))  # grad_linear1 overwrites the planes GEMM2 reads
@@ -165,14 +165,14 @@ def stages(stage):
         steps.append(Step("S2", stage.bias2, "grad_bias2", waits=("D",)))
         steps.append(Step("S2", (stage.bias1,), "grad_bias1"))
     if gemm2 is not None and stage.gelu_in_gemm1:  # gelu_out's codes and GEMM2's alpha are final
-        steps.append(Step("S2", (Gemm(1),), "GEMM2 grad_weight2", waits=("D",)))
+        steps.append(Step("S2", (StepGemm(1),), "GEMM2 grad_weight2", waits=("D",)))
     if gemm3 is not None:
-        steps.append(Step("S", (Gemm(2),), "GEMM3 grad_hidden", ready=True))
+        steps.append(Step("S", (StepGemm(2),), "GEMM3 grad_hidden", ready=True))
     if gemm4 is not None:
         if stage.lean:
-            steps.append(Step("S", (Gemm(3),), "GEMM4 grad_weight1"))
+            steps.append(Step("S", (StepGemm(3),), "GEMM4 grad_weight1"))
         else:
-            steps.append(Step("S2", (Gemm(3),), "GEMM4 grad_weight1", waits=("D",)))
+            steps.append(Step("S2", (StepGemm(3),), "GEMM4 grad_weight1", waits=("D",)))
     return tuple(steps)
 
 
@@ -228,7 +228,7 @@ class StageRunner:
                     for name in step.waits:
                         runtime.streamWaitEvent(stream, events[name].ptr, 0)
                 for target in step.run:
-                    if isinstance(target, Gemm):
+                    if isinstance(target, StepGemm):
                         self._gemm(target.index, gemms[target.index], handles[step.stream])
                     else:
                         self._launch(target, stream)
