@@ -266,3 +266,19 @@ def test_bias_gradients_alone(precision, tokens):
     assert "dgelu" in staged and "grad_bias1" in staged and "grad_bias2" in staged
     if plan.fmt == P.FMT_F16E4M3:
         assert [k for k in plan.layout.ops if k.startswith("grad_linear1")] == ["grad_linear1"]
+
+
+def test_a_recipe_the_engine_cannot_convert_for_is_refused():
+    """A recipe mixing forms other than fp16+fp8's (f16+e4m3 with its bf16x3 fallback) has no operand format of the
+    float32 engine: refused, where its format was taken for fp16+fp8's before; the NumPy backend still runs it (it
+    rounds each GEMM by its own form)."""
+    import dataclasses
+
+    mixed = dataclasses.replace(P.PRECISIONS["bf16x3"], name="test-mix",
+                                steps=(("gemm1", ((0, "f16s"),)), ("gemm2", ((0, "bf16"),)),
+                                       ("gemm3", ((0, "f16s"),)), ("gemm4", ((0, "f16s"),))))
+    with pytest.raises(ValueError, match=r"^precision 'test-mix' mixes the forms bf16, f16s: the float32 engine"):
+        mixed.fmt
+    assert P.PRECISIONS["fp16+fp8"].fmt == P.FMT_F16E4M3 and P.PRECISIONS["tf32"].fmt == P.FMT_F16S
+    forms = P.effective_forms(mixed, 256, 64, 256)
+    assert forms["gemm2"].name == "bf16" and forms["gemm1"].name == "f16s"
