@@ -20,6 +20,7 @@ from . import floor as F
 from . import impls as I
 from . import protocol as P
 from . import report as R
+from . import stages as S
 
 QUICK = ("B2xS128", "B1xS1024", "B8xS613", "B4xS2048")
 INPUT_SETS = 3
@@ -216,8 +217,8 @@ def run_gpu(args, cupy):
                 res["scratch_bytes"] = plan.scratch_bytes
                 res["workspace_bytes"] = plan.workspace_bytes
                 res["peak_temp_ratio"] = (plan.scratch_bytes + plan.workspace_bytes) / (4 * T * W.HIDDEN_DIM)
-                stages = plan.profile_stages(*impl.call_args(pool[0]), out=outs[n][0], stream=stream, reps=5,
-                                             before_each=flush)
+                stages = S.profile(plan, *impl.call_args(pool[0]), out=outs[n][0], stream=stream, reps=5,
+                                   before_each=flush)
                 planes = plan.precision.planes
                 res["stages"] = R.stage_rates(stages, T, W.DIM, W.HIDDEN_DIM, planes)
                 res["gemm_sum_ms"] = sum(s["ms"] for s in res["stages"] if s["stage"].startswith("GEMM"))

@@ -40,7 +40,7 @@ keeps the operators in the graph; ``COMPILED`` lists the choices; docs/decisions
 Devices and streams: the work is enqueued on torch's current stream of the tensors' device
 (``torch.cuda.current_stream(device)``), so it is ordered like any torch op and the host is never
 synchronized. CPU tensors in "ieee" and bf16 / fp16 run on torch's own GEMMs with the GELU in NumPy
-(cupyffn/frameworks/torch_cpu.py), the emulated GPU precisions on cupyffn's NumPy backend (zero-copy views).
+(cupyffn/cpu/torch_route.py), the emulated GPU precisions on cupyffn's NumPy backend (zero-copy views).
 cupyffn's own scratch buffers and cuBLAS workspaces come from CuPy's memory pool, not torch's.
 
 Host fast path: no DLPack import. CUDA tensors are read by pointer (data_ptr(), shape, stride(), device:

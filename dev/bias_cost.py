@@ -5,7 +5,7 @@
 Per precision ("bf16x3", "fp16+fp8") and T, at SD3.5's dim 1536 / hidden 6144: the backward plan with and without
 need_bias_grads (alternated over --rounds, the median round), the forward with and without both biases (CUDA events,
 L2 flushed before each sample, the median: benchmarks/timing.py), and both plans' stages serialized
-(GeluFFNBackward.profile_stages: "grad_bias2", "grad_bias1", "dgelu"). Writes the JSON and a markdown table beside it (same name, .md), and prints the table.
+(benchmarks/stages.py profile: "grad_bias2", "grad_bias1", "dgelu"). Writes the JSON and a markdown table beside it (same name, .md), and prints the table.
 """
 
 import argparse
@@ -15,6 +15,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _event_timing import flushed_median_ms  # noqa: E402
+from benchmarks.stages import profile as profile_stages  # noqa: E402
 from _json_out import save_json  # noqa: E402
 
 D, H = 1536, 6144
@@ -47,10 +48,10 @@ def measure(cupy, cupyffn, precision, T, reps, rounds):
         row[name] = sorted(values)[len(values) // 2]
         row[name + " rounds"] = values
     name = "backward + bias grads"
-    stages = plans[name].profile_stages(*args, out=outs[name], stream=s, reps=5, before_each=lambda: flush_buf.fill(1))
+    stages = profile_stages(plans[name], *args, out=outs[name], stream=s, reps=5, before_each=lambda: flush_buf.fill(1))
     row["stages ms"] = {k: round(v["ms"], 4) for k, v in stages.items()}
-    stages = plans["backward"].profile_stages(*args, out=outs["backward"], stream=s, reps=5,
-                                              before_each=lambda: flush_buf.fill(1))
+    stages = profile_stages(plans["backward"], *args, out=outs["backward"], stream=s, reps=5,
+                            before_each=lambda: flush_buf.fill(1))
     row["stages ms without"] = {k: round(v["ms"], 4) for k, v in stages.items()}
     for plan in plans.values():
         plan.close()

@@ -1,6 +1,6 @@
 """Where the host time of one torch operator call goes (GPU machine; a measurement, not a test; issue 46):
 
-    PYTHONPATH=. python3 dev/op_host_cost.py [--tokens 2048] [--calls 200] [--out FILE]
+    PYTHONPATH=. python3 dev/op_host_cost.py [--tokens 2048] [--calls 200] [--new-outputs] [--out FILE]
 
 The operators that a compiled swapped model calls (``torch.ops.cupyffn.forward`` / ``backward``), called directly
 with a GPT-2 MLP's tensors (bf16 activations, fp32 master Conv1D weights stored [in, out], biases): the same tensors
@@ -11,6 +11,13 @@ per call. Beside it, the host time of torch eager's addmm + GELU + addmm and of 
 layer's forward + backward as a model runs it (autocast, parameters and input requiring grad): torch eager, torch
 inductor's code (torch.compile, default mode), cupyffn's block eager and under the same torch.compile, which is
 what a compiled swapped model pays per MLP on the host against what the plain compiled model pays.
+
+--new-outputs keeps every call's results (and every layer step's output and gradients) alive until the row is
+measured, so each call's outputs are at addresses no earlier call had: a training step whose tensors the allocator
+does not hand back at the same addresses (issue 59: the validated calls remembered by configuration serve it, where
+remembering them by address validated and routed each such call again). Without it the allocator reuses the freed
+blocks and the calls repeat their addresses. To compare two trees on one machine, run this file against each
+(PYTHONPATH=<tree> python3 <this file>): a stage the older tree lacks is left out of its table.
 """
 
 import argparse
@@ -73,7 +80,7 @@ def host_us(run, calls):
     return host_median_us(run, calls, torch.cuda.synchronize)
 
 
-def layer_rows(x, dy, w1s, w2s, b1, b2, calls):
+def layer_rows(x, dy, w1s, w2s, b1, b2, calls, keep=None):
     """Host us of one layer's forward + backward, each way a model runs it (module docstring)."""
     import torch
 
@@ -100,8 +107,12 @@ def layer_rows(x, dy, w1s, w2s, b1, b2, calls):
             with torch.autocast(xin.device.type, dtype=torch.bfloat16):
                 y = fn(xin)
             y.backward(dy)
+            if keep is not None:  # --new-outputs: nothing of this step is freed for the next one's
+                keep.append((y, xin.grad, [q.grad for q in params]))
 
         rows[f"layer forward + backward: {name}"] = host_us(step, calls)
+        if keep is not None:
+            keep.clear()
     return rows
 
 
@@ -109,6 +120,8 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--new-outputs", action="store_true",
+                   help="keep every call's results alive, so that each call's outputs are at new addresses")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "op-host-cost.json"))
     a = p.parse_args(argv)
     import torch
@@ -126,13 +139,23 @@ def main(argv=None):
     saved = fwd(x, w1, w2, b1, b2, None, "all")
     y, z, t, gl, w1c, w2c = saved
 
+    keep = [] if a.new_outputs else None
+
     def forward():
-        fwd(x, w1, w2, b1, b2, None, "all")
+        r = fwd(x, w1, w2, b1, b2, None, "all")
+        if keep is not None:
+            keep.append(r)
 
     def backward():
-        bwd(dy, x, w1, w2, z, None, gl, None, True, True, True, w1c, w2c)
+        r = bwd(dy, x, w1, w2, z, None, gl, None, True, True, True, w1c, w2c)
+        if keep is not None:
+            keep.append(r)
 
-    rows = {"forward op": host_us(forward, a.calls), "backward op": host_us(backward, a.calls)}
+    rows = {}
+    for name, run in (("forward op", forward), ("backward op", backward)):
+        rows[name] = host_us(run, a.calls)
+        if keep is not None:
+            keep.clear()
     per_call = {}
     for name, run in (("forward op", forward), ("backward op", backward)):
         spent = collections.defaultdict(float)
@@ -147,6 +170,8 @@ def main(argv=None):
                 run()
         finally:
             unwrap()
+            if keep is not None:
+                keep.clear()
         per_call[name] = {k: round(1e6 * v / a.calls, 1) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
     # torch eager's layer, same tensors: addmm, GELU, addmm with autocast's casts, and its autograd backward
     params = [w1s.clone().requires_grad_(), w2s.clone().requires_grad_(), b1.clone().requires_grad_(),
@@ -166,7 +191,7 @@ def main(argv=None):
         out.backward(dy, retain_graph=True)
 
     rows["torch eager backward"] = host_us(torch_backward, a.calls)
-    rows.update(layer_rows(x, dy, w1s, w2s, b1, b2, a.calls))
+    rows.update(layer_rows(x, dy, w1s, w2s, b1, b2, a.calls, keep))
     print(f"T = {a.tokens}, D = {D}, H = {H}: host us per call (median, queue drained)")
     for k, v in rows.items():
         print(f"  {k:<24} {v:8.1f}")
@@ -175,7 +200,7 @@ def main(argv=None):
         for k, v in timed.items():
             print(f"  {k:<40} {v:8.1f}")
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": a.tokens,
-              "commit": os.environ.get("CUPYFFN_GIT_COMMIT"), "host_us": rows, "stages_us": per_call}
+              "new_outputs": a.new_outputs, "commit": os.environ.get("CUPYFFN_GIT_COMMIT"), "host_us": rows, "stages_us": per_call}
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     print("wrote", a.out)

@@ -10,7 +10,7 @@ At the official dim 1536 / hidden 6144, per T:
   1536], split along K into fp32 partials summed by one cupy.sum): the tf32 probe per BN / split, the mixed-input
   probe (activations cast to fp16 first, timed apart), cuBLAS TF32 on the same fp32 operands (torch.matmul), and one
   weight's fp32 -> fp16 copy (cupy's cast);
-- the tf32 plan's own stages at that T (GeluFFNBackward.profile_stages: convert, GEMM1 + dgelu, GEMM3).
+- the tf32 plan's own stages at that T (benchmarks/stages.py profile: convert, GEMM1 + dgelu, GEMM3).
 CUDA events, L2 flushed before each sample, medians (benchmarks/timing.py). Writes the JSON and prints a table.
 """
 
@@ -23,6 +23,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _event_timing import flushed_median_ms  # noqa: E402
+from benchmarks.stages import profile as profile_stages  # noqa: E402
 from _json_out import save_json  # noqa: E402
 
 D, H = 1536, 6144
@@ -240,8 +241,8 @@ def measure(cupy, torch, cupyffn, probe, T, reps):
     cupyffn.gelu_ffn_forward(x, w1, w2, out=fwd, stream=s)
     plan = cupyffn.GeluFFNBackward(T, D, H, precision="tf32")
     outs = [cupy.empty(sh, cupy.float32) for sh in ((T, D), (H, D), (D, H))]
-    stages = plan.profile_stages(dy, x, w1, w2, fwd[1], fwd[2], fwd[3], out=outs, stream=s, reps=reps,
-                                 before_each=flush)
+    stages = profile_stages(plan, dy, x, w1, w2, fwd[1], fwd[2], fwd[3], out=outs, stream=s, reps=reps,
+                            before_each=flush)
     row["plan stages ms"] = {k: round(v["ms"], 4) for k, v in stages.items()}
     plan.close()
     cupy.cuda.Device().synchronize()

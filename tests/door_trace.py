@@ -10,6 +10,7 @@ caller again (validate.py calling core/arrays.py for each argument) goes on down
 import collections
 import os
 import sys
+from typing import Any, Counter, List, NamedTuple
 
 import cupyffn
 
@@ -28,23 +29,36 @@ def _holds(obj, carries, depth=2):
     return False
 
 
+class Flow(NamedTuple):
+    """What `trace` saw: fn()'s result, the files entered in order (relative to cupyffn/), the entries per file, the
+    doubled-back steps, and the calls per "file:function" that carried the value (steps or not)."""
+
+    result: Any
+    files: List[str]
+    entries: Counter
+    doubled: int
+    functions: Counter
+
+
 def trace(fn, carries):
-    """(result of fn(), the files entered in order (relative to cupyffn/), the entries per file, doubled-back
-    steps)."""
+    """The Flow of `fn()` following `carries` (module docstring)."""
     entered = []  # (file, caller's file)
+    functions = collections.Counter()
 
     def profile(frame, event, arg):
         if event != "call":
             return
         path = frame.f_code.co_filename
         caller = frame.f_back.f_code.co_filename if frame.f_back is not None else ""
-        if not path.startswith(ROOT) or path == caller:
+        if not path.startswith(ROOT):
             return
         code = frame.f_code
         names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
         values = [frame.f_locals.get(n) for n in names if n != "self"]
         if any(_holds(v, carries) for v in values):
-            entered.append((os.path.relpath(path, ROOT), os.path.relpath(caller, ROOT)))
+            functions[f"{os.path.relpath(path, ROOT)}:{code.co_name}"] += 1
+            if path != caller:
+                entered.append((os.path.relpath(path, ROOT), os.path.relpath(caller, ROOT)))
 
     sys.setprofile(profile)
     try:
@@ -57,4 +71,4 @@ def trace(fn, carries):
             doubled += 1
         first.setdefault(f, i)
     files = [f for f, _ in entered]
-    return result, files, collections.Counter(files), doubled
+    return Flow(result, files, collections.Counter(files), doubled, functions)

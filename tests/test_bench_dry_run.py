@@ -55,17 +55,18 @@ def _fake_cupy():
 
 
 class _CpuPlan(cupyffn.GeluFFNBackward):
-    """A CPU plan with the GPU-only profiling hook replaced by fixed stage times."""
+    """A CPU plan, whose GPU-only stage profile (benchmarks/stages.py) the fixture replaces by fixed stage times."""
 
     def __init__(self, *a, **k):
         super().__init__(*a, device="cpu", **k)
         self.profiled = 0
 
-    def profile_stages(self, *arrays, out, stream=None, reps=5, before_each=None):
-        self.profiled += 1
-        before_each()
-        return {"GEMM1 grad_gelu": {"ms": 0.1}, "dgelu": {"ms": 0.05, "bytes": 10_000_000},
-                "GEMM3 grad_hidden": {"ms": 0.1}}
+
+def _fixed_stages(plan, *arrays, out, stream=None, reps=5, before_each=None):
+    plan.profiled += 1
+    before_each()
+    return {"GEMM1 grad_gelu": {"ms": 0.1}, "dgelu": {"ms": 0.05, "bytes": 10_000_000},
+            "GEMM3 grad_hidden": {"ms": 0.1}}
 
 
 class _NumpyFloor:
@@ -96,6 +97,7 @@ def small(monkeypatch):
     official = [w for w in W.WORKLOADS if w.label in ("B2xS128", "B1xS512")]
     monkeypatch.setattr(W, "WORKLOADS", tuple(official))
     monkeypatch.setattr(I.cupyffn, "GeluFFNBackward", _CpuPlan)
+    monkeypatch.setattr(G.S, "profile", _fixed_stages)
     monkeypatch.setattr(I, "plan_with_options", lambda t, d, h, options, **k: _CpuPlan(t, d, h, **k))  # no engine
     monkeypatch.setattr(G, "environment", lambda cupy, torch: {k: "fake" for k in (
         "device", "driver", "cuda_runtime", "cublas", "cupy", "torch", "nvrtc")})

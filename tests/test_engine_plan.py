@@ -6,6 +6,7 @@ the test."""
 
 import pytest
 
+from benchmarks.stages import stage_bytes
 from cupyffn.cuda import kernels as _kernels
 from cupyffn.core import precision as P
 from cupyffn import workloads as W
@@ -207,7 +208,7 @@ def test_stage_graph_bf16x3_lean():
         ("S", "convert A"), ("S2", "convert B"), ("S", "GEMM1 grad_gelu"), ("S2", "GEMM2 grad_weight2"),
         ("S", "dgelu"), ("S", "convert late"), ("S", "GEMM3 grad_hidden"), ("S", "GEMM4 grad_weight1")]
     gemm2 = next(s for s in steps if s.stage == "GEMM2 grad_weight2")
-    assert gemm2.waits == ("A",) and gemm2.run == (S.Gemm(1),)
+    assert gemm2.waits == ("A",) and gemm2.run == (S.StepGemm(1),)
     assert S.FORK[0].records == ("start",) and S.JOIN[-1].waits == ("side",)
 
 
@@ -218,9 +219,9 @@ def test_stage_context_steps_and_bytes():
     fused = build("tf32", 8192)
     stage = stage_context(fused)
     assert stage.steps == S.stages(stage)
-    assert set(S.stage_bytes(stage, fused)) == {"convert A", "convert B"}
+    assert set(stage_bytes(stage, fused)) == {"convert A", "convert B"}
     plan = build("bf16x3", 8192)
-    got = S.stage_bytes(stage_context(plan), plan)
+    got = stage_bytes(stage_context(plan), plan)
     assert set(got) == {"convert A", "convert B", "convert late", "dgelu"}
     assert got["dgelu"] == 12 * 8192 * H + plan.layout.written("grad_linear1")
     ieee = stage_context(build("ieee", 256), memory_mode=True, ieee_gelu="ieee gelu").steps
@@ -265,3 +266,19 @@ def test_bias_gradients_alone(precision, tokens):
     assert "dgelu" in staged and "grad_bias1" in staged and "grad_bias2" in staged
     if plan.fmt == P.FMT_F16E4M3:
         assert [k for k in plan.layout.ops if k.startswith("grad_linear1")] == ["grad_linear1"]
+
+
+def test_a_recipe_the_engine_cannot_convert_for_is_refused():
+    """A recipe mixing forms other than fp16+fp8's (f16+e4m3 with its bf16x3 fallback) has no operand format of the
+    float32 engine: refused, where its format was taken for fp16+fp8's before; the NumPy backend still runs it (it
+    rounds each GEMM by its own form)."""
+    import dataclasses
+
+    mixed = dataclasses.replace(P.PRECISIONS["bf16x3"], name="test-mix",
+                                steps=(("gemm1", ((0, "f16s"),)), ("gemm2", ((0, "bf16"),)),
+                                       ("gemm3", ((0, "f16s"),)), ("gemm4", ((0, "f16s"),))))
+    with pytest.raises(ValueError, match=r"^precision 'test-mix' mixes the forms bf16, f16s: the float32 engine"):
+        mixed.fmt
+    assert P.PRECISIONS["fp16+fp8"].fmt == P.FMT_F16E4M3 and P.PRECISIONS["tf32"].fmt == P.FMT_F16S
+    forms = P.effective_forms(mixed, 256, 64, 256)
+    assert forms["gemm2"].name == "bf16" and forms["gemm1"].name == "f16s"

@@ -1,5 +1,5 @@
 """The "fp16+fp8" plan on the CPU: the exact e4m3 rounding, the f16+e4m3 encoding of an operand
-(/work brief f16e4m3.md, cupyffn/cpu/backend.py f16e4m3_split), the pair product's accuracy and
+(/work brief f16e4m3.md, cupyffn/cpu/numpy_route.py f16e4m3_split), the pair product's accuracy and
 the whole backward under the plan's recipe (cupyffn/core/precision.py effective_forms).
 
 ml_dtypes.float8_e4m3fn is the oracle for the rounding (test-only: the package does not use it);
@@ -12,7 +12,7 @@ import numpy
 import pytest
 
 import cupyffn
-from cupyffn.cpu import backend as nb
+from cupyffn.cpu import numpy_route as nb
 from cupyffn.core import precision as P
 from cupyffn import workloads as W
 
@@ -248,7 +248,7 @@ def test_effective_forms_fall_back_where_the_pair_does_not_fit():
 
 
 def run2d(inp, precision, **flags):
-    """cupyffn/cpu/backend.py backward_2d on 2-D inputs (the route of a test-only recipe, which lookup() refuses)."""
+    """cupyffn/cpu/numpy_route.py backward_2d on 2-D inputs (the route of a test-only recipe, which lookup() refuses)."""
     dy, x, w1, w2, l1, t, g = (inp[n].reshape(-1, inp[n].shape[-1]) for n in INPUT_NAMES)
     T, D, H = dy.shape[0], dy.shape[1], w1.shape[0]
     outs = [numpy.full(s, numpy.nan, F32) for s in ((T, D), (H, D), (D, H))]

@@ -17,7 +17,7 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy")
-from cupyffn.cpu import backend as nb
+from cupyffn.cpu import numpy_route as nb
 from cupyffn.core import precision as P  # noqa: E402
 from cupyffn.gemm import sm90 as G  # noqa: E402
 from test_gpu_sm90_gemm import padded  # noqa: E402  (tests/ is on sys.path under pytest's rootdir conftest)

@@ -4,7 +4,7 @@ here from /work/brief/f16e4m3.md's formulas, compared bit for bit:
     s = x * 2^e, hi = fp16_rn(s), fin = isfinite(hi), lo = fin ? s - hi : 0,
     H8 = fin ? e4m3_rn_satfinite(s * 2^-7) : 0, L8 = fin ? e4m3_rn_satfinite(lo * 2^4) : 0
 
-and bf16x3 planes as common.cuh's split_bf16 (cupyffn.cpu.backend.bf16_split). Every output is
+and bf16x3 planes as common.cuh's split_bf16 (cupyffn.cpu.numpy_route.bf16_split). Every output is
 poisoned before the call (0xFF / NaN where the kernel must write, 0x00 in the e4m3 padding columns the
 kernel must leave alone, 0xAB past the rows' ends), so an unwritten or stray byte fails the test.
 Every test runs the kernel the engine runs per KIND (_kernels.SPLIT_VARIANT).
@@ -18,7 +18,7 @@ import numpy
 import pytest
 
 from cupyffn.cuda import kernels as _kernels
-from cupyffn.cpu import backend as _backend
+from cupyffn.cpu import numpy_route as _backend
 from cupyffn.core import precision as _precision
 
 pytestmark = pytest.mark.gpu

@@ -78,7 +78,9 @@ def test_profile_stages_hook(precision):
     out = (cupy.full((T, W.DIM), numpy.nan, cupy.float32), cupy.full((W.HIDDEN_DIM, W.DIM), numpy.nan, cupy.float32),
            cupy.full((W.DIM, W.HIDDEN_DIM), numpy.nan, cupy.float32))
     flushes = []
-    stages = plan.profile_stages(*args, out=out, reps=3, before_each=lambda: flushes.append(1))
+    from benchmarks import stages as S
+
+    stages = S.profile(plan, *args, out=out, reps=3, before_each=lambda: flushes.append(1))
     cupy.cuda.Device().synchronize()
     fused = plan.fused_gemm1  # tf32 on an H100/H200: GEMM1 and dgelu are one stage
     plan.close()

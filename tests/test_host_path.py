@@ -93,21 +93,32 @@ def fake_torch(monkeypatch):
 # signature
 # ---------------------------------------------------------------------------------------------
 def test_signature_of_torch_tensors(fake_torch):
+    """The configuration of the arrays (shape, strides in elements, dtype, device, address mod 16) and, apart, their
+    addresses."""
     args, out = tensors(), tensors(base=1 << 40, shapes=OUT_SHAPES)
     sig = signature(args, out)
     assert sig is not None and sig == signature(args, out)
-    assert sig[0] == (args[0].ptr, (T, D), (D, 1), F32)  # pointer, shape, strides in elements, dtype
-    # another address, shape, strides or dtype: another signature
-    moved = list(args)
-    moved[2] = FakeTensor(args[2].ptr + 4096, (H, D))
-    assert signature(moved, out) != sig
+    config, where = sig
+    assert config[0] == ((T, D), (D, 1), F32, 0, 0)
+    assert where[:7] == tuple(a.ptr for a in args) and where[7:10] == tuple(o.ptr for o in out)
+    # another shape, strides, dtype, device or alignment: another configuration
     strided = list(args)
     strided[1] = FakeTensor(args[1].ptr, (T, D), (2 * D, 1))
-    assert signature(strided, out) != sig
+    assert signature(strided, out)[0] != config
     half = list(args)
     half[1] = FakeTensor(args[1].ptr, (T, D), dtype=F16)  # read by pointer too (16-bit activations)
-    assert signature(half, out) not in (None, sig)
-    assert signature(args, None) != sig
+    assert signature(half, out)[0] != config
+    elsewhere = list(args)
+    elsewhere[1] = FakeTensor(args[1].ptr, (T, D), device=1)
+    assert signature(elsewhere, out)[0] != config
+    misaligned = list(args)
+    misaligned[2] = FakeTensor(args[2].ptr + 4, (H, D))
+    assert signature(misaligned, out)[0] != config
+    assert signature(args, None)[0] != config
+    # another address of the same configuration: the same configuration
+    moved = list(args)
+    moved[2] = FakeTensor(args[2].ptr + 4096, (H, D))
+    assert signature(moved, out)[0] == config and signature(moved, out)[1] != where
     # memory mode: None entries
     assert signature(args[:5] + [None, None], out) is not None
 
@@ -134,16 +145,20 @@ def test_torch_and_cupy_entries_never_collide(fake_torch):
     view = _views.float32_view(args[0].ptr, (T, D), (D, 1), 0)
     mixed = [view] + args[1:]
     sig_t, sig_m = signature(args), signature(mixed)
-    assert sig_t is not None and sig_m is not None and sig_t != sig_m
-    assert sig_m[0] == (args[0].ptr, (T, D), (4 * D, 4), numpy.dtype(numpy.float32))
+    assert sig_t is not None and sig_m is not None and sig_t[0] != sig_m[0]
+    assert sig_m[0][0] == ((T, D), (4 * D, 4), numpy.dtype(numpy.float32), 0, 0) and sig_m[1][0] == args[0].ptr
 
 
-def test_no_torch_no_cupy_means_no_signature_yet(monkeypatch):
-    """Before CuPy or torch tensors were seen the signature cannot tell: UNKNOWN, asked again after validating."""
+def test_no_torch_means_no_signature_yet(monkeypatch):
+    """Before torch tensors were seen the signature cannot tell what another object is: UNKNOWN, asked again after
+    validating. NumPy arrays it can always tell."""
     monkeypatch.setattr(_validate, "_cupy_ndarray", None)
     monkeypatch.setattr(_arrays, "_torch_types", None)
     monkeypatch.setitem(__import__("sys").modules, "cupy", None)
-    assert signature([numpy.zeros(2)] * 7) is _validate.UNKNOWN
+    arrays = [numpy.zeros(2)] * 7
+    assert signature(arrays[:6] + [FakeTensor(1 << 36, (T, H))]) is _validate.UNKNOWN
+    config, where = signature(arrays)
+    assert config[0] == ((2,), (8,), numpy.dtype(numpy.float64), "cpu", where[0] & 15, True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,7 +265,7 @@ def test_real_torch_tensors_of_other_dtypes_keep_dlpacks_message():
 
     rng = numpy.random.default_rng(0)
     args = [torch.from_numpy(rng.standard_normal(s).astype(numpy.float32)) for s in INPUT_SHAPES]
-    assert signature(args) is None  # CPU tensors: never the pointer path
+    assert signature(args) in (None, _validate.UNKNOWN)  # CPU tensors: never the pointer path
     args[3] = args[3].half()
     with pytest.raises(TypeError, match=r"^weight2 must be float32; got float16$"):
         cupyffn.gelu_ffn_backward(*args)
@@ -265,7 +280,7 @@ class _FakePlan:
 
     graph, owned_outputs = False, None
     tokens, dim, hidden_dim, device = T, D, H, 0
-    engine = types.SimpleNamespace(plan=types.SimpleNamespace(call_graph=False))
+    engine = types.SimpleNamespace(call_graph=False)
 
     def __init__(self):
         self.token = next(_backward_plan._tokens)
@@ -311,11 +326,18 @@ def test_a_repeated_call_validates_once_and_follows_each_time(fake_torch, fake_g
     # cupyffn's stream is torch's: nothing to wait for
     plan(*args, out=out, stream=Stream(0x7100))
     assert len(fake_torch.waits) == 5
-    # new memory at one tensor: a new signature, validated once
+    # new memory at one tensor, same configuration (a training step's new output): not validated again, the call
+    # pointed at it
     moved = list(out)
     moved[0] = FakeTensor(out[0].ptr + (1 << 20), (T, D))
     plan(*args, out=moved, stream=stream)
-    plan(*args, out=moved, stream=stream)
+    assert len(validated) == 1 and fake_gpu[-1].out[0] == first.out[0]._replace(ptr=moved[0].ptr)
+    assert fake_gpu[-1].out[1:] == first.out[1:] and fake_gpu[-1].inputs == first.inputs
+    # another configuration (strides): validated once
+    strided = list(out)
+    strided[0] = FakeTensor(out[0].ptr + (1 << 20), (T, D), (2 * D, 1))
+    with pytest.raises(ValueError, match=r"^out\[0\] \(grad_hidden_states\) must be C-contiguous"):
+        plan(*args, out=strided, stream=stream)
     assert len(validated) == 2
     # another plan of the same shape keeps its own entries (its route may differ: graph=True)
     _FakePlan()(*args, out=out, stream=stream)
@@ -546,7 +568,7 @@ def test_the_gpu_door_enters_validate_route_execute_once(fake_torch, fake_gpu):
 
     stream = Stream(OTHER_STREAM)
     for repeat in (False, True):
-        _, files, entries, doubled = trace(lambda: plan(*args, out=out, stream=stream), carries)
+        _, files, entries, doubled, _ = trace(lambda: plan(*args, out=out, stream=stream), carries)
         assert entries["api/validate.py"] == 1 and entries["api/execute.py"] == 1, files
         assert entries["api/routes.py"] == (0 if repeat else 1), files  # the route is remembered with the call
         assert doubled <= 0.25 * len(files), files

@@ -115,21 +115,29 @@ def test_internals_live_in_subpackages():
     assert top == ["__init__.py", "jax.py", "torch.py", "workloads.py"], top
 
 
-ENGINES = ("cupyffn.f32.engine", "cupyffn.f32.forward", "cupyffn.lt.engine", "cupyffn.cpu.backend")
+ENGINES = ("cupyffn.f32.engine", "cupyffn.f32.forward", "cupyffn.lt.engine", "cupyffn.cpu.numpy_route",
+           "cupyffn.cpu.torch_route")
+#: every engine class, each built (called) in cupyffn/api/routes.py alone
+ENGINE_CLASSES = ("GpuEngine", "GpuForward", "LtForward", "LtBackward", "NumpyEngine", "TorchCpu", "NoTokens")
 
 
 def test_one_route_table():
-    """The engines are built in one place: only cupyffn/api/routes.py imports the float32 engine, the forward and the
-    cuBLASLt engine and the NumPy engine, and GeluFFNBackward, whose plan is its own float32 engine; nothing outside the api/ subpackage (frameworks, the public modules) imports an engine."""
+    """The engines are built in one place, without exception: only cupyffn/api/routes.py imports the engines' modules
+    (the float32 backward and forward, the cuBLASLt engine, the NumPy and torch CPU engines) and calls an engine class (the functions'
+    and the layers' engines, and GeluFFNBackward's own); nothing outside the api/ subpackage (frameworks, the public
+    modules) imports the door's executor or route table."""
     graph = _graph()
     importers = {engine: sorted(m for m, targets in graph.items() if engine in targets) for engine in ENGINES}
-    assert importers["cupyffn.f32.engine"] == ["cupyffn.api.backward_plan", "cupyffn.api.routes"], importers
-    assert importers["cupyffn.f32.forward"] == ["cupyffn.api.routes"], importers
-    assert importers["cupyffn.lt.engine"] == ["cupyffn.api.routes"], importers
-    assert importers["cupyffn.cpu.backend"] == ["cupyffn.api.routes"], importers
-    from cupyffn.api import routes
-
-    assert set(routes.ENGINES.values()) == {routes.NUMPY, routes.FLOAT32, routes.LT}
+    assert all(found == ["cupyffn.api.routes"] for found in importers.values()), importers
+    built = {}
+    for path in PACKAGE:
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.Call):
+                name = n.func.id if isinstance(n.func, ast.Name) else getattr(n.func, "attr", None)
+                if name in ENGINE_CLASSES:
+                    built.setdefault(name, set()).add(_rel(path))
+    assert all(where == {"cupyffn/api/routes.py"} for where in built.values()), built
+    assert set(built) == set(ENGINE_CLASSES), built
     for m in graph:
         if m.startswith(("cupyffn.frameworks", "cupyffn.torch", "cupyffn.jax")):
             assert not graph[m] & {"cupyffn.api.execute", "cupyffn.api.routes", *ENGINES}, (m, graph[m])

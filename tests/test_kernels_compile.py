@@ -10,7 +10,7 @@ import numpy
 import pytest
 
 from cupyffn.cuda import kernels as _kernels
-from cupyffn.cpu import backend as _backend
+from cupyffn.cpu import numpy_route as _backend
 from cupyffn.core import precision as _precision
 from cupyffn.gemm import sm90
 
@@ -347,28 +347,14 @@ def test_gelu_constants_match_python():
 # The Hopper GEMM (kernels_cu/gemm_sm90.cu + kernels_cu/sm90/*.cuh): sm_90a only, built by cupyffn/gemm/sm90/
 # ---------------------------------------------------------------------------------------------
 class CompiledSm90:
-    """gemm_sm90.cu compiled as the launcher builds it (its options, -arch=sm_90a), every variant of sm90.VARIANTS,
-    plus static_asserts that the launcher's shared-memory and stage numbers are the kernel's."""
+    """gemm_sm90.cu compiled as the launcher builds it (its options, -arch=sm_90a, and the static_asserts that the
+    launcher's shared-memory and stage numbers are the kernel's: config.py budget_checks), every variant of
+    sm90.VARIANTS."""
 
     def __init__(self, trace=False):
-        g = sm90.config
-        checks = "".join(f"static_assert(sm90::stages_for({bn}) == {g.stages_for(bn)}, \"stages\");\n"
-                         f"static_assert(sm90::smem_bytes_for({bn}) == {g.smem_bytes(bn)}, \"smem\");\n"
-                         for bn in (128, 256))
-        checks += (f"static_assert(sm90::kThreads == {g.THREADS} && sm90::kBM == {g.BLOCK_M} && sm90::kBK == {g.BLOCK_K}, "
-                   f"\"tile\");\n")
-        checks += "".join(f"static_assert(sm90::xs_stages_for({bn}) == {g.xs_stages_for(bn)} && sm90::xt_slots_for({bn}) == "
-                          f"{g.xt_slots_for(bn)} && sm90::xs_smem_bytes_for({bn}) == {g.xs_smem_bytes(bn)}, \"staged\");\n"
-                          for bn in (128, 256))
-        checks += (f"static_assert(sm90::kXtSlotBytes == {g.xt_slot_bytes()} && sm90::kXtCols == {g.XT_COLS} && "
-                   f"sm90::kXsStageDrop == {g.XS_STAGE_DROP}, \"slot\");\n")
-        # the epilogue warps (XS = 2): their block size, pipeline, rings and shared memory
-        checks += (f"static_assert(sm90::kEwThreads == {g.EW_THREADS} && sm90::kEwStages == {g.EW_STAGES} && "
-                   f"sm90::kEwRing == {g.EW_RING} && sm90::ew_smem_bytes_for() == {g.ew_smem_bytes()}, "
-                   f"\"epilogue warps\");\n")
         configs = [sm90.Sm90Config(**{**c.__dict__, "trace": trace}) for c in sm90.VARIANTS]
         self.expressions = [c.expression for c in configs]
-        self.source = _kernels.source(sm90.SOURCE) + "\n" + checks
+        self.source = _kernels.source(sm90.SOURCE) + sm90.config.budget_checks()  # as the launcher compiles it
         prog = nvrtc.createProgram(self.source, sm90.SOURCE, (), ())
         try:
             for e in self.expressions:
@@ -393,6 +379,22 @@ class CompiledSm90:
 @pytest.fixture(scope="module")
 def sm90_gemm():
     return CompiledSm90()
+
+
+@pytest.mark.parametrize("name,value", [("BLOCK_K", 32), ("EW_RING", 3), ("XT_COLS", 64)])
+def test_a_budget_that_disagrees_with_the_kernel_fails_the_build(monkeypatch, name, value):
+    """The launcher's shared-memory arithmetic (cupyffn/gemm/sm90/config.py) is checked against types.cuh's at every
+    build: one of its numbers changed, and the source the launcher compiles no longer compiles (no variant
+    instantiated: the static_asserts alone)."""
+    monkeypatch.setattr(sm90.config, name, value)
+    source = _kernels.source(sm90.SOURCE) + sm90.config.budget_checks()
+    prog = nvrtc.createProgram(source, sm90.SOURCE, (), ())
+    try:
+        with pytest.raises(Exception):
+            nvrtc.compileProgram(prog, ["-I" + cuda_include_dir()] + list(sm90.VARIANTS[0].nvrtc_options))
+        assert "config.py disagrees with types.cuh" in nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
 
 
 def test_sm90_gemm_compiles_for_sm90a_without_spills(sm90_gemm):

@@ -1,5 +1,5 @@
 """CPU: biases and 16-bit activations through the front door (cupyffn/api/validate.py, the NumPy backend's emulation
-of the cuBLASLt route in cupyffn/cpu/half.py and of the float32 engine): numerics against float64, argument checks,
+of the cuBLASLt route in cupyffn/cpu/numpy_route.py and of the float32 engine): numerics against float64, argument checks,
 and the FFNGrads bias attributes."""
 
 import math

@@ -11,7 +11,7 @@ import numpy
 import pytest
 
 import cupyffn
-from cupyffn.cpu import backend as _backend
+from cupyffn.cpu import numpy_route as _backend
 from cupyffn.core import precision as P
 from cupyffn import workloads as W
 

@@ -1,4 +1,4 @@
-"""Plan lifetime without a GPU: PlanCache in-use counts, eviction, pins, clear(); closed and pinned
+"""Plan lifetime without a GPU: EngineCache in-use counts, eviction, pins, clear(); closed and pinned
 CPU plans; the failure note when the NaN fill fails; the capture query's legacy-stream shortcut; and
 the GPU call's control flow (ordering, events, pins, side stream, failures) with a logging fake engine."""
 
@@ -12,7 +12,7 @@ import cupyffn
 from cupyffn import workloads as W
 from cupyffn.api import backward_plan, execute, routes, validate
 from cupyffn.core import plans as _plans
-from cupyffn.core.plans import PlanCache
+from cupyffn.core.plans import EngineCache
 from cupyffn.cuda.stream_engine import StreamEngine
 
 
@@ -46,7 +46,7 @@ def build(name):
 
 
 def test_acquire_builds_once_and_evicts_least_recently_used():
-    cache = PlanCache(2)
+    cache = EngineCache(2)
     a = cache.acquire("a", build("a"))
     assert cache.acquire("a", build("a2")) is a
     cache.release(a)
@@ -64,7 +64,7 @@ def test_acquire_builds_once_and_evicts_least_recently_used():
 
 
 def test_in_use_plan_is_evicted_but_closed_by_its_last_user():
-    cache = PlanCache(1)
+    cache = EngineCache(1)
     a = cache.acquire("a", build("a"))
     a2 = cache.acquire("a")  # two calls in flight
     assert a2 is a
@@ -80,7 +80,7 @@ def test_in_use_plan_is_evicted_but_closed_by_its_last_user():
 
 
 def test_clear_closes_idle_plans_and_defers_in_use_ones():
-    cache = PlanCache(4)
+    cache = EngineCache(4)
     idle = cache.acquire("idle", build("idle"))
     cache.release(idle)
     busy = cache.acquire("busy", build("busy"))
@@ -93,7 +93,7 @@ def test_clear_closes_idle_plans_and_defers_in_use_ones():
 
 
 def test_racing_builds_keep_the_first_and_close_the_duplicate():
-    cache = PlanCache(4)
+    cache = EngineCache(4)
     inner = []
 
     def outer_build():  # another thread builds and inserts the same key meanwhile
@@ -111,7 +111,7 @@ def test_racing_builds_keep_the_first_and_close_the_duplicate():
 
 
 def test_pinned_plans_survive_eviction_and_clear_until_released():
-    cache = PlanCache(2)
+    cache = EngineCache(2)
     a = cache.acquire("a", build("a"))
     _plans.pin(a)  # captured into a graph during this call
     cache.release(a)
@@ -135,7 +135,7 @@ def test_pinned_plans_survive_eviction_and_clear_until_released():
 
 
 def test_release_of_pins_closes_what_is_beyond_the_cache_size():
-    cache = PlanCache(1)
+    cache = EngineCache(1)
     pinned = []
     for i in range(3):
         p = cache.acquire(i, build(str(i)))
@@ -148,7 +148,7 @@ def test_release_of_pins_closes_what_is_beyond_the_cache_size():
 
 
 def test_pinned_while_evicted_in_use_is_kept_until_released():
-    cache = PlanCache(1)
+    cache = EngineCache(1)
     a = cache.acquire("a", build("a"))
     b = cache.acquire("b", build("b"))  # evicts a while a call is in it
     cache.release(b)
@@ -160,7 +160,7 @@ def test_pinned_while_evicted_in_use_is_kept_until_released():
 
 
 def test_close_failure_during_eviction_does_not_leak_the_use_count():
-    cache = PlanCache(1)
+    cache = EngineCache(1)
 
     class Broken(FakePlan):
         def close(self):
@@ -180,7 +180,7 @@ def test_close_failure_during_eviction_does_not_leak_the_use_count():
 def test_two_threads_never_see_a_plan_closed_under_a_call():
     import sys
 
-    cache = PlanCache(2)
+    cache = EngineCache(2)
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # interleave the threads as often as possible
     errors = []
@@ -294,10 +294,10 @@ class FakeEngine(StreamEngine):
         self.device_id = 0
         self._io = None
 
-    def io_key(self, call, pointers):
-        return call.inputs, tuple(pointers)
+    def io_key(self, call, outputs):
+        return call.inputs, outputs.pointers
 
-    def bind(self, call, pointers):
+    def bind(self, call, outputs):
         self.log.append(("bind",))
 
     def enqueue(self, sp, serial=False, ready=0):
@@ -562,9 +562,10 @@ def test_failed_call_during_capture_fills_nothing(gpu_like):
 
 
 def test_profile_stages_refuses_a_plan_closed_meanwhile(monkeypatch):
-    """Another thread may close the plan between profile_stages' ordinary call and its serialized reps
-    (close() frees the scratch once it has the lock): the reps must then raise, not enqueue."""
+    """Another thread may close the plan between the stage profile's ordinary call and its serialized reps
+    (benchmarks/stages.py; close() frees the scratch once it has the lock): the reps must then raise, not enqueue."""
     pytest.importorskip("cupy")
+    from benchmarks import stages
     plan = cupyffn.GeluFFNBackward(16, 8, 32, device="cpu")
     engine = FakeEngine()
     plan.engine = engine
@@ -572,10 +573,10 @@ def test_profile_stages_refuses_a_plan_closed_meanwhile(monkeypatch):
     def ordinary_call_then_closed(*args, **kwargs):
         engine.closed = True
 
-    monkeypatch.setattr(backward_plan.functional, "run", ordinary_call_then_closed)
+    monkeypatch.setattr(stages.functional, "run", ordinary_call_then_closed)
     args, _ = _cpu_args(0)
     with pytest.raises(RuntimeError, match="this GeluFFNBackward plan was closed"):
-        plan.profile_stages(*args, out=[numpy.zeros(1)] * 3, stream=FakeStream(7), reps=1)
+        stages.profile(plan, *args, out=[numpy.zeros(1)] * 3, stream=FakeStream(7), reps=1)
     assert engine.log == []  # nothing was enqueued on the closed engine
 
 

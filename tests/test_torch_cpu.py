@@ -1,6 +1,6 @@
-"""CPU: the torch layer's CPU route (cupyffn/frameworks/torch_cpu.py, docs/decisions/059): CPU tensors in "ieee" and
-in bf16 / fp16 are computed by torch's GEMMs and activation.py's NumPy GELU; the emulated precisions keep the door's
-NumPy backend. Checked against the NumPy backend on the same values (today's route) and float64: the same results
+"""CPU: the torch layer's CPU route (cupyffn/cpu/torch_route.py, a row of the route table, docs/decisions/059): CPU
+tensors in "ieee" and in bf16 / fp16 are computed by torch's GEMMs and activation.py's NumPy GELU; the emulated
+precisions keep the door's NumPy backend. Checked against the NumPy backend on the same values (today's route) and float64: the same results
 within each contract; the door's validation and messages; autocast off inside the route."""
 
 import numpy
@@ -11,7 +11,8 @@ torch = pytest.importorskip(
 pytest.importorskip("ml_dtypes")
 import cupyffn  # noqa: E402
 import cupyffn.torch as ct  # noqa: E402
-from cupyffn.frameworks import torch_cpu, torch_ops  # noqa: E402
+from cupyffn.core import views  # noqa: E402
+from cupyffn.frameworks import torch_ops  # noqa: E402
 
 F = torch.nn.functional
 IEEE = cupyffn.PRECISIONS["ieee"].contract
@@ -97,7 +98,7 @@ def test_16bit_route_within_the_contract(rng, dtype, weights):
     grads = torch_ops.backward_impl(dys, xs, w1, w2, z, None, g, None, True, True, True)
     assert [a.dtype for a in grads] == [dtype] + [wt] * 4
 
-    n = [None if a is None else torch_cpu.numpy_view(a) for a in (xs, w1, w2, b1, b2, dys)]
+    n = [None if a is None else views.numpy_view(a) for a in (xs, w1, w2, b1, b2, dys)]
     f = cupyffn.gelu_ffn_forward(n[0], n[1], n[2], bias1=n[3], bias2=n[4])
     b = cupyffn.gelu_ffn_backward(n[5], n[0], n[1], n[2], f.linear1_out, None, f.gelu_out, need_bias_grads=True,
                                   out=[numpy.empty(s, dt) for s, dt in ((xs.shape, n[0].dtype), (w1.shape, n[1].dtype),
@@ -131,22 +132,25 @@ def _autocast_errors(x, w1, w2, b1, b2, dy, ref, dtype):
 
 @pytest.mark.parametrize("precision", tuple(cupyffn.PRECISIONS))
 def test_each_precision_takes_its_route(rng, precision, monkeypatch):
-    seen = []
-    for name in ("forward", "backward"):
-        monkeypatch.setattr(torch_cpu, name, _record(seen, f"torch {name}", getattr(torch_cpu, name)))
-    from cupyffn.api import functional
+    """The route table's torch row for "ieee" and 16-bit activations, its NumPy row for the emulated precisions; the
+    functions' NumPy arrays keep the NumPy row in every precision."""
+    from cupyffn.api import execute
 
-    for name in ("gelu_ffn_forward", "gelu_ffn_backward"):
-        monkeypatch.setattr(functional, name, _record(seen, f"door {name}", getattr(functional, name)))
+    seen, real = [], execute.run
+    monkeypatch.setattr(execute, "run", lambda call, route, *a, **k: seen.append(route.engine) or real(call, route, *a,
+                                                                                                        **k))
     x, w1, w2, _, _, dy = tensors(rng, (24,), 16, 64, False)
     x.requires_grad_()
     (ct.gelu_ffn(x, w1.requires_grad_(), w2.requires_grad_(), precision) * dy).sum().backward()
-    route = "torch" if precision == "ieee" else "door"  # the emulated GPU precisions keep the NumPy backend
-    assert [s.split()[0] for s in seen] == [route, route] and x.grad.shape == x.shape
+    route = "torch cpu" if precision == "ieee" else "numpy"  # the emulated GPU precisions keep the NumPy backend
+    assert seen == [route, route] and x.grad.shape == x.shape
     seen.clear()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ct.GeluFFN(16, 64, precision=precision)(x).float().sum().backward()  # 16-bit: precision does not apply
-    assert seen == ["torch forward", "torch backward"]
+    assert seen == ["torch cpu", "torch cpu"]
+    seen.clear()
+    cupyffn.gelu_ffn_forward(x.detach().numpy(), w1.detach().numpy(), w2.detach().numpy(), precision=precision)
+    assert seen == ["numpy"]
 
 
 def _record(seen, label, fn):
@@ -181,12 +185,12 @@ def test_autocast_is_off_inside_the_route(rng):
 
 
 def test_validation_is_remembered_per_geometry(rng, monkeypatch):
-    """A repeated geometry is validated once (the door validates NumPy arrays on every call); a new one again."""
+    """A repeated geometry is validated once (the door remembers the NumPy views' configuration); a new one again."""
     from cupyffn.api import validate
 
     count = []
     monkeypatch.setattr(validate, "validate", _record(count, "validate", validate.validate))
-    torch_cpu._checked.clear()
+    cupyffn.clear_cache()
     x, w1, w2, _, _, _ = tensors(rng, (12,), 16, 32, False)
     for _ in range(3):
         torch_ops.forward_impl(x, w1, w2, None, None, "ieee")

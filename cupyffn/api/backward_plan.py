@@ -1,6 +1,6 @@
 """`GeluFFNBackward`: a reusable backward of one shape on its own engine, called through the same door as the
-functions (cupyffn/api/functional.py `run`: the one validator, the route table, the executor), with introspection,
-close, and the benchmark's per-stage profile."""
+functions (cupyffn/api/functional.py `run`: the one validator, the route table, the executor), with introspection
+and close (the benchmark's per-stage profile of its engine: benchmarks/stages.py)."""
 
 import itertools
 import sys
@@ -123,14 +123,7 @@ class GeluFFNBackward:
         self.engine = None
         self._closed = False
         if self.device != "cpu":
-            from ..f32.engine import GpuEngine
-            from ..f32.options import DEFAULT
-
-            if self.engine_options is None:
-                self.engine_options = DEFAULT
-            self.engine = GpuEngine(self.tokens, self.dim, self.hidden_dim, self.precision, self.device,
-                                    self.need_grad_hidden, self.need_weight_grads, options=self.engine_options,
-                                    need_bias_grads=self.need_bias_grads)
+            self.engine = routes.plan_engine(self)
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -195,48 +188,3 @@ class GeluFFNBackward:
             self.close()
         except Exception:
             pass
-
-    # ------------------------------------------------------------------ profiling hook (bench.py)
-    def profile_stages(self, *arrays, out, stream=None, reps=5, before_each=None):
-        """GPU time of each stage of one call, for profiling (the benchmark's stage table).
-
-        Runs the call once the ordinary way (so `arrays` and `out` are validated as usual), then
-        `reps` more times with every step serialized on `stream` and an event after each step;
-        `before_each()`, if given, is called (on `stream`) before each rep, e.g. to flush the L2.
-        Serialized steps do not overlap, so their sum exceeds an ordinary call's time at small T.
-        Returns ``{stage: {"ms": median ms, "bytes": bytes moved}}`` in issue order; "bytes" only for
-        memory-bound stages; a stage issued twice in one call gets " #2" (the fp16 rescue launches).
-        GPU plans only; `out` (every output: three, five with need_bias_grads) receives the results, as in an
-        ordinary call.
-        """
-        if self.engine is None:
-            raise RuntimeError("profile_stages needs a GPU plan; a device='cpu' plan has no GPU stages")
-        n = 5 if self.need_bias_grads else 3
-        if out is None or len(out) != n or any(o is None for o in out):
-            raise ValueError(f"profile_stages needs out= with all {n} output arrays")
-        if isinstance(reps, bool) or not isinstance(reps, (int, numpy.integer)) or reps < 1:
-            raise ValueError(f"reps must be an integer >= 1; got {reps!r}")
-        import cupy
-
-        s = stream if stream is not None else cupy.cuda.get_current_stream()
-        engine = self.engine
-        if self._closed:
-            raise RuntimeError("this GeluFFNBackward plan was closed")
-        # the ordinary call, without graphs (EAGER), binds the launches to these very arrays
-        request = Request("backward", self.precision.name, self.need_grad_hidden, self.need_weight_grads,
-                          self.need_bias_grads)
-        functional.run(request, arrays, out, s, plan=self, graphs=routes.EAGER)
-        from ..f32.schedule import time_stages
-
-        with engine.lock:  # no ordinary call of this plan interleaves with the serialized ones
-            if engine.closed:  # closed by another thread since the call above: its scratch is being freed
-                raise RuntimeError("this GeluFFNBackward plan was closed")
-            samples = time_stages(engine, s, reps, before_each)  # the engine's stage graph, serialized
-        nbytes = engine.stage_bytes()
-        result = {}
-        for stage, values in samples.items():
-            row = {"ms": float(numpy.median(values))}
-            if stage in nbytes:
-                row["bytes"] = nbytes[stage]
-            result[stage] = row
-        return result

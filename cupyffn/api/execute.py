@@ -20,17 +20,16 @@ import numpy
 from ..core import arrays as _arrays
 from ..core import checks as _checks
 from ..core import plans as _plans
-from ..core.plans import PlanCache
-from ..core.results import FFNForward, FFNGrads
+from ..core.plans import EngineCache
+from ..core.results import FFNForward, FFNGrads, Outputs
 from ..core.views import numpy_dtype
-from .routes import GRAPH_PLAN, NO_TOKENS, NUMPY
+from .no_tokens import fill
+from .routes import GRAPH_PLAN
 from .validate import outputs_of
-
-_NAN16 = {"bfloat16": 0x7FC0, "float16": 0x7E00}
 
 #: engines kept per (engine, pass): a plan per shape and configuration, least recently used evicted
 CACHE_SIZE = 4
-_caches = {}  # (route.engine, "forward" | "backward") -> PlanCache
+_caches = {}  # (route.engine, "forward" | "backward") -> EngineCache
 
 
 def clear_engines():
@@ -42,15 +41,11 @@ def clear_engines():
 
 
 def engine_cache(engine, kind):
-    """The PlanCache of `engine` ("float32", "lt") running `kind` ("forward", "backward")."""
+    """The EngineCache of `engine` ("float32", "lt") running `kind` ("forward", "backward")."""
     cache = _caches.get((engine, kind))
     if cache is None:
-        cache = _caches.setdefault((engine, kind), PlanCache(CACHE_SIZE))
+        cache = _caches.setdefault((engine, kind), EngineCache(CACHE_SIZE))
     return cache
-
-
-def results_type(call):
-    return FFNForward if call.kind == "forward" else FFNGrads
 
 
 # ---------------------------------------------------------------------- outputs
@@ -107,21 +102,10 @@ def _allocate(call, shape, dtype, stream):
         raise MemoryError(f"cupyffn could not allocate an output of shape {shape} ({nbytes} bytes): {e}") from None
 
 
-def _geometry(call, arrays):
-    """The outputs' 2-D geometry (None where not computed): the validated out= entries, and the arrays allocated."""
-    dtypes = call.output_dtypes
-    shapes = call.output_shapes
-    geometry = []
-    for i, a in enumerate(arrays):
-        if a is None:
-            geometry.append(None)
-        elif call.out[i] is not None:
-            geometry.append(call.out[i])
-        else:
-            shape = shapes[i][::-1] if _stored_transposed(call, i) else shapes[i]  # the storage's rows and columns
-            cols = shape[-1]
-            geometry.append(_arrays.Matrix(_arrays.data_ptr(a), math.prod(shape[:-1]), cols, cols, dtypes[i]))
-    return geometry
+def _pointers(call, arrays):
+    """The outputs' addresses (0 where not computed): the validated out= entries', and the arrays allocated (their
+    storage's: a transposed view starts where its storage does)."""
+    return tuple(0 if a is None else _arrays.data_ptr(a) if m is None else m.ptr for m, a in zip(call.out, arrays))
 
 
 # ---------------------------------------------------------------------- running
@@ -130,12 +114,17 @@ def run(call, route, out, stream=None, check_activations=False, plan=None):
     call is made through (its own engine and, graph=True, the outputs it owns; pinned instead of the engine under a
     caller's capture)."""
     what = "gelu_ffn_forward" if call.kind == "forward" else "gelu_ffn_backward"
-    if route.engine == NUMPY:
+    if call.backend == "cpu":
         if check_activations:
             _checks.check(call, None)
         results, arrays = outputs(call, out, what=what)
-        _run_cpu(call, route.build(), arrays)
-        return results_type(call)(*results)
+        _run_cpu(call, route.build(route.key), arrays)
+    else:
+        results = _run_on_device(call, route, out, stream, check_activations, plan, what)
+    return (FFNForward if call.kind == "forward" else FFNGrads)(*results)
+
+
+def _run_on_device(call, route, out, stream, check_activations, plan, what):
     import cupy
 
     device = contextlib.nullcontext() if cupy.cuda.runtime.getDevice() == call.device else \
@@ -153,14 +142,16 @@ def run(call, route, out, stream=None, check_activations=False, plan=None):
         if call.ready and route.graphs is GRAPH_PLAN:
             raise ValueError("grad_hidden_ready= is not supported by graph=True plans (a replayed graph records the "
                              "events it was captured with); capture the call in your own graph instead")
-        if route.engine == NO_TOKENS:
+        if route.key is None and route.build is not None:  # an engine of its own per call (T = 0): nothing kept
             results, arrays = outputs(call, out, s, capturing, what=what)
-            _no_tokens(call, arrays, s, call.ready)
-            return results_type(call)(*results)
+            engine = route.build(None)
+            engine.bind(call, Outputs(arrays, _pointers(call, arrays)))
+            engine.enqueue(s.ptr, ready=call.ready)
+            return results
         if plan is not None:
             results, arrays = outputs(call, out, s, capturing, plan.owned_outputs, what)
             _run_gpu(call, route, plan.engine, arrays, s, capturing, plan)
-            return results_type(call)(*results)
+            return results
         cache = engine_cache(route.engine, call.kind)
         engine = cache.acquire(route.key)
         if engine is None:
@@ -173,43 +164,23 @@ def run(call, route, out, stream=None, check_activations=False, plan=None):
             _run_gpu(call, route, engine, arrays, s, capturing)
         finally:
             cache.release(engine)
-    return results_type(call)(*results)
-
-
-def _no_tokens(call, arrays, stream, ready):
-    """T = 0: nothing to multiply; weight and bias gradients are zero (unchanged when accumulating)."""
-    if call.kind == "backward" and not call.request.accumulate:
-        for a in arrays[1:]:
-            if a is not None:
-                _fill(_as_array(a, call), stream, 0)
-    if ready:
-        import cupy
-
-        cupy.cuda.runtime.eventRecord(ready, stream.ptr)
+    return results
 
 
 def _run_cpu(call, engine, arrays):
-    # outputs are C-contiguous (reshaped to 2-D without a copy) or transposed 2-D weight gradients (kept as they are)
-    views = [None if a is None else a.reshape(-1, a.shape[-1]) for a in arrays]
-    if call.tokens == 0:
-        if call.kind == "backward" and not call.request.accumulate:
-            for v in views[1:]:
-                if v is not None:
-                    v[...] = 0
-        return
     try:
-        engine.bind(call, views)
+        engine.bind(call, Outputs(arrays, _pointers(call, arrays)))
         engine.enqueue()
     except BaseException:
-        for v, given in zip(views, call.out):
+        for a, given in zip(arrays, call.out):
             if given is not None:
-                v[...] = numpy.nan  # as on the GPU: never leave partial results in the caller's arrays
+                a[...] = numpy.nan  # as on the GPU: never leave partial results in the caller's arrays
         raise
 
 
 def _run_gpu(call, route, engine, arrays, stream, capturing, owner=None):
     sp = stream.ptr
-    pointers = tuple(0 if m is None else m.ptr for m in _geometry(call, arrays))
+    bound = Outputs(arrays, _pointers(call, arrays))
     with engine.lock:
         if engine.closed:
             raise RuntimeError(f"this {engine.what} was closed")
@@ -222,7 +193,7 @@ def _run_gpu(call, route, engine, arrays, stream, capturing, owner=None):
         else:
             engine.order_after_previous(sp)
         try:
-            _issue(call, route, engine, pointers, sp, capturing)
+            _issue(call, route, engine, bound, sp, capturing)
         except BaseException as e:
             if capturing:  # no NaN fill: it would be captured too; the caller must discard the capture
                 raise
@@ -235,10 +206,10 @@ def _run_gpu(call, route, engine, arrays, stream, capturing, owner=None):
                 engine.record_done(sp)
 
 
-def _issue(call, route, engine, pointers, sp, capturing):
-    """The call's work on `sp` by the route's graph policy (module docstring)."""
+def _issue(call, route, engine, bound, sp, capturing):
+    """The call's work on `sp` by the route's graph policy (module docstring); `bound`: the Outputs."""
     ready = call.ready
-    io = engine.io_key(call, pointers)
+    io = engine.io_key(call, bound)
     cache = engine.graph_cache(route.graphs)
     graphs = cache is not None and not capturing and not ready  # a replayed graph records no event of the caller's
     if graphs:
@@ -248,11 +219,11 @@ def _issue(call, route, engine, pointers, sp, capturing):
             return
     if capturing:
         serial = engine.serial_in_capture(sp)
-        engine.bind_once(call, pointers, io)
+        engine.bind_once(call, bound, io)
         engine.enqueue(sp, serial=serial, ready=ready)
         return
     # bound here, outside any capture of cupyffn's own: binding may allocate on first use (ieee's memory mode)
-    engine.bind_once(call, pointers, io)
+    engine.bind_once(call, bound, io)
     if not engine.side_stream_free():  # a caller's capture still holds the side stream
         engine.enqueue(sp, serial=True, ready=ready)
     elif not graphs:
@@ -263,25 +234,9 @@ def _issue(call, route, engine, pointers, sp, capturing):
 
 
 # ---------------------------------------------------------------------- after a failure
-def _as_array(a, call):
-    if type(a) in (_arrays.seen_torch_types() or ()):
-        return _arrays.view2d(a, _arrays.Matrix(a.data_ptr(), math.prod(a.shape[:-1]), a.shape[-1], a.shape[-1],
-                                                _arrays.dtype_name(a)))
-    return a
-
-
-def _fill(array, stream, value):
-    with stream:
-        name = _arrays.dtype_name(array)
-        if value != value and name in _NAN16:  # NaN in a 16-bit dtype CuPy may not fill: its bit pattern
-            array.view(numpy.uint16).fill(_NAN16[name])
-        else:
-            array.fill(value)
-
-
 def _poison(call, stream):
     """Fill the caller's out= arrays with NaN on `stream` (with accumulate=True too: a partial accumulation cannot be
     undone)."""
     for a, m in zip(call.out_arrays, call.out):
         if m is not None:
-            _fill(_arrays.view2d(a, m), stream, numpy.nan)
+            fill(_arrays.view2d(a, m), stream, numpy.nan)

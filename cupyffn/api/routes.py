@@ -1,11 +1,14 @@
 """The route table: which engine runs a validated call, and when its calls become CUDA graphs. `route(call)` is the one
-place a route is chosen (docs/architecture.md shows this table): the door asks it once per new signature and
+place a route is chosen (docs/architecture.md shows this table): the door asks it once per new configuration and
 remembers the answer beside the validated call; cupyffn/api/execute.py runs what it says, engine and graph policy.
 
     backend  activations  tokens  engine (what runs)                              graphs (GraphPolicy)
     -------  -----------  ------  ----------------------------------------------  ---------------------------------
-    cpu      any          any     numpy      cupyffn/cpu/backend.py NumpyEngine     EAGER
-    gpu      any          0       no tokens  nothing to launch (zero gradients)     EAGER
+    any      any          0       no tokens  cupyffn/api/no_tokens.py NoTokens       EAGER
+                                             (nothing to multiply: zero gradients)
+    cpu      any          >= 1    torch cpu  cupyffn/cpu/torch_route.py TorchCpu     EAGER
+                                             (the torch layer's calls, 16-bit or "ieee": torch's own ops)
+    cpu      any          >= 1    numpy      cupyffn/cpu/numpy_route.py NumpyEngine  EAGER
     gpu      float32      >= 1    float32    cupyffn/f32/ GpuEngine (backward),  backward: GRAPH_PLAN for plans
                                              GpuForward (forward)                   made with graph=True; REPEATED
                                                                                     where the plan runs a call graph
@@ -27,7 +30,7 @@ from ..core import precision as _precision
 from ..core.results import BACKWARD_INPUTS, BACKWARD_OUTPUTS, FORWARD_INPUTS, FORWARD_OUTPUTS
 from ..cuda.graph_cache import GraphPolicy
 
-NUMPY, NO_TOKENS, FLOAT32, LT = "numpy", "no tokens", "float32", "lt"
+NUMPY, TORCH_CPU, NO_TOKENS, FLOAT32, LT = "numpy", "torch cpu", "no tokens", "float32", "lt"
 
 #: graph policies (cupyffn/cuda/graph_cache.py). REPEATED: a set of arrays seen twice is captured (decisions 051,
 #: 052); 64 kept per engine, so the layers of a deep model, each with its own arrays, keep theirs; a model cycling
@@ -37,19 +40,15 @@ REPEATED = GraphPolicy("a graph per repeated set of arrays", capture_after=2, ke
 GRAPH_PLAN = GraphPolicy("graph=True: a graph per set of arrays", capture_after=1, keep=4)
 EAGER = GraphPolicy("eager", capture_after=None, keep=0)
 
-#: (backend, activation dtype) -> engine
-ENGINES = {("cpu", "float32"): NUMPY, ("cpu", "bfloat16"): NUMPY, ("cpu", "float16"): NUMPY,
-           ("gpu", "float32"): FLOAT32, ("gpu", "bfloat16"): LT, ("gpu", "float16"): LT}
-
 
 class Route(NamedTuple):
-    """Everything the executor needs to run a call: which engine, the key its plan cache keeps it by and how to build
-    it, and the graph policy it obeys."""
+    """Everything the executor needs: the engine (its name: its plan cache's), the graph policy, the key its plan
+    cache keeps it by and how to build it. Without a key: an engine built per call (host, T = 0), or a plan's own."""
 
-    engine: str                        # NUMPY, NO_TOKENS, FLOAT32 or LT
+    engine: str                        # NUMPY, TORCH_CPU, NO_TOKENS, FLOAT32 or LT
     graphs: GraphPolicy
-    key: Any = None                    # the plan cache's key (None: no cached engine: NumPy, T = 0, a plan's own)
-    build: Optional[Callable] = None   # build(key) -> a new engine (NumPy: a fresh stateless one per call)
+    key: Any = None                    # the plan cache's key: F32BackwardKey, F32ForwardKey, LtBackwardKey, ...
+    build: Optional[Callable] = None   # build(key) -> a new engine
 
 
 def route(call, plan=None):
@@ -60,27 +59,41 @@ def route(call, plan=None):
         raise ValueError(why)
     if plan is not None:
         _check_plan_call(plan, call)
-    if call.backend == "cpu":
-        return Route(NUMPY, EAGER, None, _numpy_engine)
     if call.tokens == 0:
-        return Route(NO_TOKENS, EAGER)
-    engine = ENGINES[call.backend, call.act]
+        return Route(NO_TOKENS, EAGER, None, _no_tokens_engine)
+    if call.backend == "cpu":
+        if call.request.torch_layer and (call.act != "float32" or call.precision.name == "ieee"):
+            return Route(TORCH_CPU, EAGER, None, _torch_cpu_engine)
+        return Route(NUMPY, EAGER, None, _numpy_engine)
     if plan is not None:
-        return Route(engine, _plan_graphs(plan))
-    if engine == LT:
-        return Route(LT, REPEATED, plan_key(call), _build)
-    if call.kind == "backward" and _runs_call_graph(call.precision, call.tokens):
-        return Route(FLOAT32, REPEATED, plan_key(call), _build)
-    return Route(FLOAT32, EAGER, plan_key(call), _build)
+        return Route(FLOAT32, _plan_graphs(plan))
+    r = call.request
+    if call.act != "float32":
+        from ..lt.key import LtBackwardKey, LtForwardKey
 
+        inputs = call.inputs
+        if call.kind == "forward":
+            biases = next((m.dtype for m in (inputs.bias1, inputs.bias2) if m is not None), "")
+            key = LtForwardKey(call.device, call.tokens, call.dim, call.hidden_dim, call.act, call.weights,
+                               inputs.bias1 is not None, inputs.bias2 is not None, call.weights_transposed, biases)
+        else:
+            key = LtBackwardKey(call.device, call.tokens, call.dim, call.hidden_dim, call.act, call.weights,
+                                call.grads, r.need_bias_grads, r.need_grad_hidden, r.need_weight_grads,
+                                inputs.gelu_out is None, call.weights_transposed, call.grads_transposed)
+        return Route(LT, REPEATED, key, _lt_engine)
+    from ..f32.key import F32BackwardKey, F32ForwardKey
 
-def _runs_call_graph(precision, tokens):
-    """Whether a float32 backward plan of the functions runs its eager calls as one re-pointed call graph
-    (cupyffn/f32/plan.py CALL_GRAPH_TOKENS; where K is chunked the plan has none, and the graphs are captured
-    whole instead)."""
+    if call.kind == "forward":
+        key = F32ForwardKey(call.device, call.tokens, call.dim, call.hidden_dim, call.precision.name,
+                            call.inputs.bias2 is not None)
+        return Route(FLOAT32, EAGER, key, _f32_forward)
     from ..f32.plan import call_graph_wanted
 
-    return call_graph_wanted(precision, tokens)
+    key = F32BackwardKey(call.device, call.tokens, call.dim, call.hidden_dim, call.precision.name,
+                         r.need_grad_hidden, r.need_weight_grads, r.need_bias_grads)
+    # REPEATED where the plan runs its eager calls as one re-pointed call graph (f32/plan.py CALL_GRAPH_TOKENS; where
+    # K is chunked it has none, and the graphs are captured whole instead)
+    return Route(FLOAT32, REPEATED if call_graph_wanted(call.precision, call.tokens) else EAGER, key, _f32_backward)
 
 
 def _plan_graphs(plan):
@@ -88,7 +101,7 @@ def _plan_graphs(plan):
     built with the plan, runs a call graph."""
     if plan.graph:
         return GRAPH_PLAN
-    return REPEATED if plan.engine.plan.call_graph else EAGER
+    return REPEATED if plan.engine.call_graph else EAGER
 
 
 def _check_plan_call(plan, call):
@@ -106,13 +119,14 @@ def _check_plan_call(plan, call):
 
 def refusal(call) -> Optional[str]:
     """None when the engine of `call` can take its layout, else what it needs (an error message)."""
-    kind = ENGINES[call.backend, call.act]
-    names = FORWARD_INPUTS if call.kind == "forward" else BACKWARD_INPUTS
-    if kind == FLOAT32 and call.weights_transposed:
-        return ("weight1 and weight2 are transposed views ([in, out] storage): the float32 engine reads weights as "
-                "[out, in] rows (its conversions write their operands); pass ascontiguousarray of each")
-    if kind != LT:
+    if call.backend == "cpu":
         return None
+    if call.act == "float32":
+        if call.weights_transposed:
+            return ("weight1 and weight2 are transposed views ([in, out] storage): the float32 engine reads weights "
+                    "as [out, in] rows (its conversions write their operands); pass ascontiguousarray of each")
+        return None
+    names = FORWARD_INPUTS if call.kind == "forward" else BACKWARD_INPUTS
     for m, name in zip(call.inputs, names):
         if m is None:
             continue
@@ -132,51 +146,53 @@ def refusal(call) -> Optional[str]:
     return None
 
 
-# ---------------------------------------------------------------------- the engines' plans
-def plan_key(call):
-    """The key a GPU call's engine is cached by: everything the engine is built for (not the arrays, not the
-    stream: a warm-up on any stream serves a capture on another)."""
-    kind = ENGINES[call.backend, call.act]
-    r = call.request
-    if kind == FLOAT32 and call.kind == "backward":
-        return (FLOAT32, "backward", call.device, call.tokens, call.dim, call.hidden_dim, call.precision.name,
-                r.need_grad_hidden, r.need_weight_grads, r.need_bias_grads)
-    if kind == FLOAT32:
-        return (FLOAT32, "forward", call.device, call.tokens, call.dim, call.hidden_dim, call.precision.name,
-                call.inputs[4] is not None)
-    from ..lt.key import LtBackwardKey, LtForwardKey
-
-    if call.kind == "forward":
-        biases = next((m.dtype for m in call.inputs[3:5] if m is not None), "")
-        return LtForwardKey(call.device, call.tokens, call.dim, call.hidden_dim, call.act, call.weights,
-                            call.inputs[3] is not None, call.inputs[4] is not None, call.weights_transposed, biases)
-    return LtBackwardKey(call.device, call.tokens, call.dim, call.hidden_dim, call.act, call.weights, call.grads,
-                         r.need_bias_grads, r.need_grad_hidden, r.need_weight_grads, call.inputs[6] is None,
-                         call.weights_transposed, call.grads_transposed)
-
-
-def _build(key):
-    """A new engine for plan key `key` (`plan_key`): the GPU modules are imported here, on first use."""
-    from ..lt.key import LtBackwardKey, LtForwardKey
-
-    if isinstance(key, (LtForwardKey, LtBackwardKey)):
-        from ..lt.engine import LtBackward, LtForward
-
-        return (LtBackward if isinstance(key, LtBackwardKey) else LtForward)(key)
-    _, pass_kind, device, tokens, dim, hidden, precision = key[:7]
-    precision = _precision.lookup(precision)
-    if pass_kind == "forward":
-        from ..f32.forward import GpuForward
-
-        return GpuForward(tokens, dim, hidden, precision, device, bias2=key[7])
+# ---------------------------------------------------------------------- building the engines
+def _f32_backward(key):
     from ..f32.engine import GpuEngine
 
-    need_grad_hidden, need_weight_grads, need_bias_grads = key[7:]
-    return GpuEngine(tokens, dim, hidden, precision, device, need_grad_hidden, need_weight_grads,
-                     need_bias_grads=need_bias_grads)
+    return GpuEngine(key.tokens, key.dim, key.hidden_dim, _precision.lookup(key.precision), key.device,
+                     key.need_grad_hidden, key.need_weight_grads, need_bias_grads=key.need_bias_grads)
+
+
+def plan_engine(plan):
+    """The float32 engine a GeluFFNBackward on a GPU runs (its own, not cached), with its EngineOptions (None: the
+    measured defaults, which it then records)."""
+    from ..f32.engine import GpuEngine
+    from ..f32.options import DEFAULT
+
+    if plan.engine_options is None:
+        plan.engine_options = DEFAULT
+    return GpuEngine(plan.tokens, plan.dim, plan.hidden_dim, plan.precision, plan.device, plan.need_grad_hidden,
+                     plan.need_weight_grads, options=plan.engine_options, need_bias_grads=plan.need_bias_grads)
+
+
+def _f32_forward(key):
+    from ..f32.forward import GpuForward
+
+    return GpuForward(key.tokens, key.dim, key.hidden_dim, _precision.lookup(key.precision), key.device,
+                      bias2=key.bias2)
+
+
+def _lt_engine(key):
+    from ..lt.engine import LtBackward, LtForward
+    from ..lt.key import LtForwardKey
+
+    return LtForward(key) if isinstance(key, LtForwardKey) else LtBackward(key)
 
 
 def _numpy_engine(key=None):
-    from ..cpu.backend import NumpyEngine
+    from ..cpu.numpy_route import NumpyEngine
 
     return NumpyEngine()
+
+
+def _torch_cpu_engine(key=None):
+    from ..cpu.torch_route import TorchCpu
+
+    return TorchCpu()
+
+
+def _no_tokens_engine(key=None):
+    from .no_tokens import NoTokens
+
+    return NoTokens()

@@ -20,16 +20,17 @@ What a call may be (docs/precisions.md, "16-bit activations and biases"):
   (transposes of C-contiguous ``[in, out]`` matrices: `grads_transposed`, the parameter's own layout, so no copy
   follows). Which engine takes which layout: cupyffn/api/routes.py (`requirement`).
 
-Repeated calls (training loops, CUDA graphs) pass the same arrays again: `signature` is the identity of a call's
-arrays (pointer, shape, strides, dtype of every CuPy array and CUDA torch tensor), and `check`, the validator's one
-entry, keeps the Call it validated beside it (`Remembered`, which also holds the route the door chose), so an equal
-signature skips everything here.
+Repeated calls (training loops, CUDA graphs) pass arrays of the same configuration again, at the same addresses or
+elsewhere (a training step's new outputs): `check`, the validator's one entry, keeps the Call it validated beside
+the arrays' configuration (`signature`; `Remembered` also holds the route the door chose), so an equal
+configuration skips everything here but what depends on where the arrays are (docs/decisions/070).
 
 Torch tensors (cupyffn/core/arrays.py, "torch tensors read by pointer"): the DLPack stream handshake is replaced by
 one `arrays.follow_torch` per call, which the executor makes for a Call whose `follow` names a device
 (docs/decisions/048-dlpack-free-import.md).
 """
 
+import itertools
 import math
 import sys
 from typing import Any, NamedTuple, Optional, Tuple
@@ -40,7 +41,7 @@ from ..core import arrays as _arrays
 from ..core import precision as _precision
 from ..core import rules as _rules
 from ..core.arrays import Matrix, dtype_name
-from ..core.results import BACKWARD_OUTPUTS, FORWARD_OUTPUTS
+from ..core.results import BACKWARD_OUTPUTS, FORWARD_OUTPUTS, BackwardInputs, ForwardInputs
 
 
 class Request(NamedTuple):
@@ -52,6 +53,7 @@ class Request(NamedTuple):
     need_weight_grads: bool = True
     need_bias_grads: bool = False
     accumulate: bool = False
+    torch_layer: bool = False  # the torch layer's CPU call: torch's own ops where they are the precision's (059)
 
 
 class Call(NamedTuple):
@@ -71,7 +73,7 @@ class Call(NamedTuple):
     hidden_dim: int              # H
     lead_shape: Tuple[int, ...]
     weights_transposed: bool     # weight1 / weight2 given as transposed views of [in, out] matrices
-    inputs: Tuple[Optional[Matrix], ...]   # INPUTS order of the kind; weights: their storage when transposed
+    inputs: Any                  # Forward/BackwardInputs of Matrix (None: absent); transposed weights: their storage
     out: Tuple[Optional[Matrix], ...]      # OUTPUTS order of the kind; None where not given
     arrays: Tuple[Any, ...]                # the imported input arrays (None where absent)
     out_arrays: Tuple[Any, ...]            # the imported out= arrays (None where not given)
@@ -101,18 +103,17 @@ def output_shapes(kind, lead, dim, hidden):
     return lead + (dim,), (hidden, dim), (dim, hidden), (hidden,), (dim,)
 
 
-# ---------------------------------------------------------------------- the identity of repeated arrays
+# ---------------------------------------------------------------------- the configuration of repeated arrays
 _cupy_ndarray = None
-UNKNOWN = object()  # signature's answer before CuPy or torch has been seen: try again after validating
+UNKNOWN = object()  # signature's answer before torch has been seen: try again after validating
 
 
 def signature(args, out):
-    """The identity of a call's arrays: (pointer, shape, strides, dtype) of each CuPy array and CUDA torch tensor
-    (None entries kept); None when any argument is something else (NumPy arrays, other producers: those are
-    validated every time); UNKNOWN while neither CuPy nor torch tensors have been seen (validate imports them). A
-    CuPy array's strides are in bytes and a torch tensor's in elements, and their dtypes are different objects, so
-    the two kinds never share an entry. Exact types: subclasses are validated each time. Unified addressing makes a
-    pointer name its device."""
+    """(configuration, addresses) of a call's arrays: (shape, strides, dtype, device, address mod 16) of each NumPy
+    array (and whether it is writeable), CuPy array and CUDA torch tensor, all that validation and the route read of
+    it but where it is (decision 070), and the addresses (0 for None). None for any other argument (validated every
+    time), UNKNOWN while torch has not been seen (it may be a tensor). The three kinds' strides or dtypes differ in
+    kind, so they never share an entry; exact types only (subclasses are validated each time)."""
     global _cupy_ndarray
     nd = _cupy_ndarray
     if nd is None:
@@ -122,9 +123,7 @@ def signature(args, out):
         if nd is not None:
             _cupy_ndarray = nd
     tt = _arrays.seen_torch_types()  # None until import_array has seen torch imported
-    if nd is None and tt is None:
-        return UNKNOWN
-    sig = []
+    config, where = [], []
     if out is not None:
         if not isinstance(out, (tuple, list)):
             return None
@@ -132,30 +131,40 @@ def signature(args, out):
     for a in args:
         t = type(a)
         if t is nd:
-            sig.append((a.data.ptr, a.shape, a.strides, a.dtype))
+            data = a.data
+            ptr = data.ptr
+            config.append((a.shape, a.strides, a.dtype, data.device_id, ptr & 15))
         elif a is None or t is int:
-            sig.append(a)
+            config.append(a)
+            ptr = 0
         elif tt is not None and t in tt and a.is_cuda:
-            sig.append((a.data_ptr(), a.shape, a.stride(), a.dtype))
+            ptr = a.data_ptr()
+            config.append((a.shape, a.stride(), a.dtype, a.get_device(), ptr & 15))
+        elif t is numpy.ndarray:
+            ptr = a.__array_interface__["data"][0]
+            config.append((a.shape, a.strides, a.dtype, "cpu", ptr & 15, a.flags.writeable))
         else:
-            return None
-    return tuple(sig)
+            return UNKNOWN if tt is None else None
+        where.append(ptr)
+    return tuple(config), tuple(where)
 
 
 class Remembered:
-    """A validated call kept beside its signature (its arrays dropped: they are the next call's), and the route the
-    door chose for it (None until chosen)."""
+    """A validated call kept beside its configuration: `last`, (addresses, Call) of the call seen last (its arrays
+    dropped), `extents`, the bytes each array spans (inputs then outputs), and the door's `route` (None: not yet)."""
 
-    __slots__ = ("call", "route")
+    __slots__ = ("last", "extents", "route", "used")
 
-    def __init__(self, call):
-        self.call, self.route = call, None
+    def __init__(self, where, call):
+        self.last, self.route, self.used = (where, call), None, next(_uses)
+        self.extents = tuple(None if m is None else m.span[1] - m.span[0] for m in call.inputs + call.out)
 
 
-#: validated calls remembered by (signature, request, owner): enough entries for every layer of a deep model, forward
-#: and backward (each layer's arrays differ), so that a training step validates nothing after its first
+#: validated calls by (configuration, request, owner): enough for every layer of a deep model, forward and backward;
+#: when full, the least recently used quarter goes (a use ticks a counter on the entry: a hit hashes its key once)
 REMEMBERED_SIZE = 1024
 _remembered = {}
+_uses = itertools.count()
 
 
 def forget():
@@ -164,28 +173,74 @@ def forget():
 
 
 def check(request, args, out=None, stream=None, ready_event=None, owner=0):
-    """The validator's one entry for a call: (its Call, the Remembered entry of its signature). A call whose arrays
-    have the signature of one validated before (for the same request and `owner`, a plan's token or 0) reuses that
-    validation; any other call is validated (`validate`). `ready_event`: grad_hidden_ready."""
+    """The validator's one entry: (the Call, its Remembered entry). A configuration validated before (for the same
+    request and `owner`, a plan's token or 0) is reused, what depends on the addresses checked again (`_moved`); any
+    other call is validated (`validate`). `ready_event`: grad_hidden_ready."""
     _check_stream(stream)
     sig = signature(args, out)
-    key = (sig, request, owner)
-    entry = _remembered.get(key) if sig is not None and sig is not UNKNOWN else None
+    entry = None
+    if sig is not None and sig is not UNKNOWN:
+        key = (sig[0], request, owner)
+        entry = _remembered.get(key)
     if entry is not None:
-        known = entry.call
+        entry.used = next(_uses)
+        where, known = entry.last
+        if stream is not None and known.backend == "cpu":
+            raise ValueError(_CPU_STREAM)
+        if where != sig[1]:
+            known = _moved(known, sig[1], entry.extents)
+            entry.last = (sig[1], known)
         return known._replace(arrays=tuple(args), out_arrays=tuple(out) if out is not None else (None,) * len(known.out),
                               ready=_ready_event(ready_event, known)), entry
     call = validate(request, args, out, stream)
     call = call._replace(ready=_ready_event(ready_event, call))
-    entry = Remembered(call._replace(arrays=None, out_arrays=None, ready=0))
     if sig is UNKNOWN:  # the process's first CuPy arrays or torch tensors: validate has imported them
         sig = signature(args, out)
-        key = (sig, request, owner)
-    if sig is not None and sig is not UNKNOWN:
-        if len(_remembered) >= REMEMBERED_SIZE:
-            _remembered.clear()
-        _remembered[key] = entry
+    if sig is None or sig is UNKNOWN:  # validated every time: nothing to remember it by
+        return call, Remembered(None, call)
+    entry = Remembered(sig[1], call._replace(arrays=None, out_arrays=None, ready=0))
+    if len(_remembered) >= REMEMBERED_SIZE:
+        _drop_least_recent()
+    _remembered[(sig[0], request, owner)] = entry
     return call, entry
+
+
+def _drop_least_recent():
+    for key, _ in sorted(list(_remembered.items()), key=lambda item: item[1].used)[:max(1, len(_remembered) // 4)]:
+        _remembered.pop(key, None)  # another thread may have dropped it meanwhile
+
+
+def _moved(call, where, extents):
+    """Remembered `call` pointed at the addresses `where` (arguments, then out=), refused where an output overlaps an
+    input or another output (the one check that depends on addresses)."""
+    n = len(call.inputs)
+    inputs = type(call.inputs)._make(None if m is None else Matrix(where[i], m.rows, m.cols, m.ld, m.dtype)
+                                     for i, m in enumerate(call.inputs))
+    out = tuple(None if m is None else Matrix(where[n + i], m.rows, m.cols, m.ld, m.dtype)
+                for i, m in enumerate(call.out))
+    spans = [((where[i], where[i] + extents[i]), name) for i, name in enumerate(_rules.inputs_of(call.kind))
+             if inputs[i] is not None]
+    given = [None if m is None else (where[n + i], where[n + i] + extents[n + i]) for i, m in enumerate(out)]
+    names = outputs_of(call.kind)
+    for i, span in enumerate(given):
+        if span is not None:
+            why = _aliasing(span, f"out[{i}] ({names[i]})", spans, given[:i], names)
+            if why is not None:
+                raise ValueError(why)
+    return call._replace(inputs=inputs, out=out)
+
+
+def _aliasing(span, label, spans, given, names):
+    """Why the output of bytes [begin, end) `span` may not be written (None: it may): it overlaps an input (`spans`:
+    (span, name)) or an output before it (`given`: spans, None where not given)."""
+    begin, end = span
+    for (b, e), iname in spans:
+        if begin < e and b < end:
+            return f"{label} overlaps the memory of {iname}: outputs may not alias inputs"
+    for j, prev in enumerate(given):
+        if prev is not None and begin < prev[1] and prev[0] < end:
+            return f"{label} overlaps out[{j}] ({names[j]})"
+    return None
 
 
 def _ready_event(event, call):
@@ -227,8 +282,8 @@ def validate(request, args, out=None, stream=None):
                          "grad_weight1, grad_weight2" + (", grad_bias1, grad_bias2" if request.need_bias_grads else "")
                          + ")")
     transposed = _weights_transposed(arrays[names.index("weight1")], arrays[names.index("weight2")])
-    inputs = tuple(None if a is None else _matrix(a, n, transposed and n in ("weight1", "weight2"))
-                   for a, n in zip(arrays, names))
+    inputs = (ForwardInputs if kind == "forward" else BackwardInputs)._make(
+        None if a is None else _matrix(a, n, transposed and n in ("weight1", "weight2")) for a, n in zip(arrays, names))
     _rules.check_precision(act, request.precision)
     precision = _precision.resolve(request.precision, cpu=backend == "cpu") if act == "float32" else None
     grads = act if kind == "forward" else "float32"
@@ -253,6 +308,9 @@ def _check_stream(stream):
         raise TypeError(f"stream must be a cupy.cuda.Stream (or ExternalStream) or None; got {type(stream).__name__}")
 
 
+_CPU_STREAM = "stream= is for GPU arrays; these inputs are NumPy (CPU) arrays"
+
+
 def _import(args, names, stream):
     """(backend, imported arrays (None kept), torch devices to follow)."""
     torch_devices = set()  # torch tensors read by pointer: their stream is followed once, by validate
@@ -269,7 +327,7 @@ def _import(args, names, stream):
                          f"{backends['gpu']} is on a GPU")
     backend = next(iter(backends))
     if backend == "cpu" and stream is not None:
-        raise ValueError("stream= is for GPU arrays; these inputs are NumPy (CPU) arrays")
+        raise ValueError(_CPU_STREAM)
     return backend, arrays, torch_devices
 
 
@@ -350,14 +408,15 @@ def _outputs(call, out, stream, torch_devices):
                                           if kind == "backward" and not r.need_bias_grads else ""))
     out = tuple(out) + (None,) * (n - len(out))
     shapes = call.output_shapes
-    spans = [(m, nm) for m, nm in zip(call.inputs, _rules.inputs_of(kind)) if m is not None]
-    given, imported, grads, layouts = [], [], set(), {}
+    spans = [(m.span, nm) for m, nm in zip(call.inputs, _rules.inputs_of(kind)) if m is not None]
+    given, given_spans, imported, grads, layouts = [], [], [], set(), {}
     for i, (obj, name) in enumerate(zip(out, names)):
         label = f"out[{i}] ({name})"
         if obj is None:
             if r.accumulate and kind == "backward" and i > 0 and computed[i]:
                 raise ValueError(f"accumulate=True needs {label}: the gradient to add into")
             given.append(None)
+            given_spans.append(None)
             imported.append(None)
             continue
         if not computed[i]:
@@ -392,13 +451,11 @@ def _outputs(call, out, stream, torch_devices):
         if weight_grad:
             layouts[label] = stored_transposed
         m = _matrix(a, label, stored_transposed)
-        for inp, iname in spans:
-            if m.overlaps(inp):
-                raise ValueError(f"{label} overlaps the memory of {iname}: outputs may not alias inputs")
-        for j, prev in enumerate(given):
-            if prev is not None and m.overlaps(prev):
-                raise ValueError(f"{label} overlaps out[{j}] ({names[j]})")
+        why = _aliasing(m.span, label, spans, given_spans, names)
+        if why is not None:
+            raise ValueError(why)
         given.append(m)
+        given_spans.append(m.span)
         imported.append(a)
     if len(grads) > 1:
         raise TypeError(f"the weight and bias gradients in out= must share one dtype; got {sorted(grads)}")

@@ -1,6 +1,6 @@
 """Plan lifetime, shared by the backward and forward caches.
 
-* `PlanCache`: an LRU of per-shape plans (anything with close()). A plan taken with acquire() (or
+* `EngineCache`: an LRU of per-shape engines (anything with close()). A plan taken with acquire() (or
   reacquire()) is in use until release(): eviction or clear() of an in-use plan only unlinks it, and
   the last release() closes it, so nothing is closed under a call.
 * Pins: a plan captured into a caller's CUDA graph is pinned (`pin`) from that call on. A pinned plan
@@ -19,7 +19,7 @@ import weakref
 
 _lock = threading.Lock()
 _pinned = {}  # id(plan) -> plan: plans a caller's CUDA graph uses
-_caches = weakref.WeakSet()  # every PlanCache: dropping pins may leave one above its size
+_caches = weakref.WeakSet()  # every EngineCache: dropping pins may leave one above its size
 
 
 class _Entry:
@@ -32,7 +32,7 @@ class _Entry:
         self.plan, self.key, self.users, self.evicted = plan, key, 1, False
 
 
-class PlanCache:
+class EngineCache:
     """Up to `size` unpinned plans by key, least recently used evicted first.
 
     Plans are built outside the lock; if two threads build the same key, the second build is closed
@@ -161,10 +161,6 @@ def pin(plan):
 
 def is_pinned(plan):
     return id(plan) in _pinned
-
-
-def pinned_count():
-    return len(_pinned)
 
 
 def release_captured_plans():

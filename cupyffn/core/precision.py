@@ -15,7 +15,7 @@ f16s          fp16(x * 2^e) with a per-tensor power-of-two scale 2^e decided on 
               significand like TF32, at fp16 tensor-core rate); alpha = 2^-(e + e') undoes it
 f16+e4m3      f16s's product hi*hi' plus ONE e4m3 GEMM with K doubled forming the cross terms
               lo*hi' + hi*lo' (lo = x*2^e - hi), both adding into one fp32 output (two passes;
-              encoding: kernels_cu/split_e4m3.cu, cupyffn/cpu/backend.py f16e4m3_split)
+              encoding: kernels_cu/split_e4m3.cu, cupyffn/cpu/numpy_route.py f16e4m3_split)
 ============  =====================================================================================
 
 =========  =========================================================  ===========
@@ -140,9 +140,17 @@ class Precision:
 
     @property
     def fmt(self):
-        """Operand format of the backward's conversions: the uniform form's, else FMT_F16E4M3."""
+        """Operand format of the float32 engine's conversions: the uniform form's, or FMT_F16E4M3 for the fp16+fp8 mix
+        (f16+e4m3 and its bf16x3 fallback: the one mix the engine converts for); any other mix is refused, not run as
+        that one."""
         u = self.uniform
-        return u.fmt if u is not None else FMT_F16E4M3
+        if u is not None:
+            return u.fmt
+        names = {name for _, table in self.steps for _, name in table}
+        if names <= {"f16+e4m3", "bf16x3"}:
+            return FMT_F16E4M3
+        raise ValueError(f"precision {self.name!r} mixes the forms {', '.join(sorted(names))}: the float32 engine "
+                         f"runs one form in every GEMM, or f16+e4m3 with bf16x3 (fp16+fp8)")
 
     @property
     def planes(self):

@@ -8,6 +8,18 @@ FORWARD_OUTPUTS = ("output", "linear1_out", "tanh_inner", "gelu_out")
 BACKWARD_INPUTS = ("grad_output", "hidden_states", "weight1", "weight2", "linear1_out", "tanh_inner", "gelu_out")
 BACKWARD_OUTPUTS = ("grad_hidden_states", "grad_weight1", "grad_weight2", "grad_bias1", "grad_bias2")
 
+#: a validated call's inputs by name (cupyffn/api/validate.py `Call.inputs`: their geometry, None where absent)
+ForwardInputs = NamedTuple("ForwardInputs", [(n, Any) for n in FORWARD_INPUTS])
+BackwardInputs = NamedTuple("BackwardInputs", [(n, Any) for n in BACKWARD_INPUTS])
+
+
+class Outputs(NamedTuple):
+    """What every engine is bound to write (`engine.bind(call, outputs)`, cupyffn/api/execute.py): the outputs as
+    arrays and their addresses, in OUTPUTS order (None and 0 where not computed)."""
+
+    arrays: Any
+    pointers: Any
+
 
 class FFNForward(NamedTuple):
     """Forward results; linear1_out, tanh_inner and gelu_out are what gelu_ffn_backward takes (tanh_inner is None

@@ -1,5 +1,6 @@
 """CuPy views over raw device pointers and streams, for the framework layers (cupyffn.torch, cupyffn.jax) and for
-float32 CUDA torch tensors given to the functional API (cupyffn/core/arrays.py ``torch_view``).
+float32 CUDA torch tensors given to the functional API (cupyffn/core/arrays.py ``torch_view``); NumPy views of CPU
+torch tensors (``numpy_view``, the torch layer on the CPU).
 
 A framework tensor reaches cupyffn as a ``cupy.ndarray`` built from its pointer, shape and strides:
 no DLPack import (whose stream handshake is empty in the layers, since they run cupyffn on the stream the
@@ -38,6 +39,17 @@ def numpy_dtype(name):
         raise ImportError("bfloat16 arrays need ml_dtypes (pip install 'cupyffn[bf16]'): CuPy represents bfloat16 "
                           "through it") from None
     return numpy.dtype(ml_dtypes.bfloat16)
+
+
+def numpy_view(tensor):
+    """A NumPy view of CPU torch `tensor` (bfloat16 through ml_dtypes' type, which NumPy lacks), None for None."""
+    if tensor is None:
+        return None
+    import torch  # a torch tensor exists: torch is imported
+
+    if tensor.dtype is torch.bfloat16:
+        return tensor.detach().view(torch.int16).numpy().view(numpy_dtype("bfloat16"))
+    return tensor.detach().numpy()
 
 
 def typed_view(ptr, shape, strides, device_id, dtype):

@@ -24,7 +24,7 @@ _HERE = Path(__file__).resolve().parent
 #: (struct split::Variant, instantiation split_e4m3_kernel<10 * variant + KIND>). Measured on the H200
 #: (docs/decisions/011-split-e4m3-schedules.md): KIND 0 pipelined, 1 sub-tile per step, 2 waves, 1.026x the first
 #: kernel summed over T = 2048-8192 and its stages; KIND 1 the first kernel on 1 wave, 1.046x. Every variant wrote
-#: identical bytes; the others were removed (the last commit that had them: 28117da).
+#: identical bytes; the others were removed: no plan runs them (the note keeps their measurements).
 SPLIT_VARIANT = {0: (1, 2), 1: (0, 1)}
 
 
@@ -106,9 +106,9 @@ def with_headers(text, folder=None):
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_module(filename, expressions, options, device_id):
-    """The one RawModule loader: kernels_cu/`filename` (headers pasted: source_with_common) compiled by NVRTC with
-    `options` (CuPy adds -arch, -ftz=true and its include paths) for the name `expressions` (template
+def compiled_module(filename, expressions, options, device_id, checks=""):
+    """The one RawModule loader: kernels_cu/`filename` (headers pasted: source_with_common) + `checks` compiled by
+    NVRTC with `options` (CuPy adds -arch, -ftz=true, its includes) for the name `expressions` (template
     instantiations), on device `device_id`; memoized, and kept across processes by CuPy's disk cache."""
     import cupy
 
@@ -116,7 +116,7 @@ def compiled_module(filename, expressions, options, device_id):
         kwargs = {}
         if any("<" in e for e in expressions):
             kwargs["name_expressions"] = expressions
-        module = cupy.RawModule(code=source(filename), options=options, **kwargs)
+        module = cupy.RawModule(code=source(filename) + checks, options=options, **kwargs)
         module.compile()
     return module
 

@@ -23,9 +23,9 @@ from .graph_cache import GraphCache
 
 
 class StreamEngine:
-    """Base of the GPU engines (module docstring). Subclasses set `side` (a cupy Stream, or None) and implement
-    bind(call, pointers), io_key(call, pointers), enqueue(stream_ptr, serial, ready), eager(stream_ptr, ready) and
-    _release() (give back what close() frees)."""
+    """Base of the GPU engines (module docstring). Subclasses set `side` (a cupy Stream, or None) and implement the
+    engines' protocol, bind(call, outputs) (cupyffn/core/results.py Outputs) and enqueue(stream_ptr, serial, ready),
+    with io_key(call, outputs), eager(stream_ptr, ready) and _release() (give back what close() frees)."""
 
     side = None
     what = "plan"  # how errors name the engine
@@ -66,11 +66,11 @@ class StreamEngine:
         self._graph_caches.clear()
 
     # ------------------------------------------------------------------ per call
-    def bind_once(self, call, pointers, io):
-        """bind(call, pointers) unless the launches are bound to `io` already (None: always)."""
+    def bind_once(self, call, outputs, io):
+        """bind(call, outputs) unless the launches are bound to `io` already (None: always)."""
         if io is None or io != self._io:
             self._io = None  # half-set launches must not be taken for this call's
-            self.bind(call, pointers)
+            self.bind(call, outputs)
             self._io = io
 
     def allocates_for(self, call):

@@ -20,7 +20,7 @@ from . import options as _options
 from .launches import Gemms, Kernels
 from .layout import ALIGN
 from .plan import Plan
-from .schedule import EVENTS, StageContext, StageResources, StageRunner, stage_bytes
+from .schedule import EVENTS, StageContext, StageResources, StageRunner
 
 
 class GpuEngine(StreamEngine):
@@ -166,13 +166,13 @@ class GpuEngine(StreamEngine):
         self._stages = {}
         self.stage = self.stage_context(*key)
 
-    def io_key(self, call, pointers):
+    def io_key(self, call, outputs):
         """What `bind` points the launches at: the inputs' geometry, the outputs' pointers and accumulate."""
-        return call.inputs, tuple(pointers), bool(call.request.accumulate)
+        return call.inputs, outputs.pointers, bool(call.request.accumulate)
 
-    def bind(self, call, pointers):
-        """Point the launches at `call`'s arrays and the outputs at `pointers` (set_io)."""
-        self.set_io(call.inputs, pointers, call.request.accumulate)
+    def bind(self, call, outputs):
+        """Point the launches at `call`'s arrays and at `outputs` (cupyffn/core/results.py Outputs; set_io)."""
+        self.set_io(call.inputs, outputs.pointers, call.request.accumulate)
 
     def eager(self, stream_ptr, ready=0):
         """An eager call: one re-pointed call graph launch where the plan runs one (not when grad_hidden_ready is
@@ -220,11 +220,7 @@ class GpuEngine(StreamEngine):
     def allocates_for(self, call):
         """Whether binding `call` would allocate (ieee memory mode's gelu_out buffer, on first use)."""
         built = self.kernels is not None and self.kernels.ieee_gelu is not None
-        return call.inputs[6] is None and self.need_weight_grads and not self.plan.planes and not built
-
-    def stage_bytes(self):
-        """Bytes each memory-bound stage moves (for GB/s in the benchmark)."""
-        return stage_bytes(self.stage, self.plan)
+        return call.inputs.gelu_out is None and self.need_weight_grads and not self.plan.planes and not built
 
     def _release(self):
         """After the last call (StreamEngine.close): the graphs, the cuBLAS handles, the scratch."""

@@ -123,15 +123,16 @@ class GpuForward(StreamEngine):
             self.gemm_y.a.value, self.gemm_y.lda.value = self._addr("gelu_out"), p * self.H
             self.gemm_y.b.value, self.gemm_y.ldb.value = self._addr("weight2"), p * self.H
 
-    def io_key(self, call, pointers):
+    def io_key(self, call, outputs):
         return None  # bound at every call: a few fields of the prebuilt launches
 
-    def bind(self, call, pointers):
-        """Point the launches at `call`'s hidden_states, weights and biases and at the outputs `pointers` (output,
-        linear1_out, tanh_inner, gelu_out); bias2 is given exactly when the engine was built for it."""
+    def bind(self, call, outputs):
+        """Point the launches at `call`'s hidden_states, weights and biases and at `outputs` (cupyffn/core/results.py
+        Outputs: output, linear1_out, tanh_inner, gelu_out); bias2 is given exactly when the engine was built for
+        it."""
         x, w1, w2, mb1, mb2 = call.inputs
         b1, b2 = (0 if m is None else m.ptr for m in (mb1, mb2))
-        y_ptr, z_ptr, t_ptr, g_ptr = pointers
+        y_ptr, z_ptr, t_ptr, g_ptr = outputs.pointers
         if self.planes:
             for launch in (self._convert, self._rescue):
                 if launch is None:

@@ -1,7 +1,7 @@
 """The stage graph of one backward call as data (`stages`: a tuple of `Step`), what it runs (`StageContext`, one per
 binding mode, and `StageResources`, the engine's streams, handles and events), its two-stream runner
-(`StageRunner.enqueue`), the call graph's capture and replay (`StageRunner.launch_graph`), and the per-stage timing
-that the benchmark's stage table walks through the same steps (`time_stages`).
+(`StageRunner.enqueue`) and the call graph's capture and replay (`StageRunner.launch_graph`); the benchmark's stage
+table walks the same steps (benchmarks/stages.py).
 
 Work of one call (S = the caller's stream, S2 = the engine's side stream):
 
@@ -31,21 +31,19 @@ every step runs on S in this order and no event is waited on or recorded.
 """
 
 import ctypes
-import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..cuda import kernels as _kernels
 from ..core import precision as P
 from ..cuda import call_graph as _call_graph
-from .layout import ROWS_COLS
 
 #: The events of a call: after the fork, after convert A, after convert B, after the step that finishes
 #: grad_linear1, and S2's last work (the join; also the lean layout's wait for GEMM2).
 EVENTS = ("start", "A", "B", "D", "side")
 
 
-class Gemm(NamedTuple):
+class StepGemm(NamedTuple):
     """A step's GEMM: gemm1..gemm4 by index (the call table's entry), on the handle of the step's stream."""
 
     index: int
@@ -53,7 +51,7 @@ class Gemm(NamedTuple):
 
 class Step(NamedTuple):
     """One step of the stage graph: on `stream` ("S" or "S2"), wait for `waits` (names in EVENTS), run `run` (our
-    kernel launches, or a Gemm) in order, record grad_hidden_ready if `ready`, mark `stage` (the name of the
+    kernel launches, or a StepGemm) in order, record grad_hidden_ready if `ready`, mark `stage` (the name of the
     stage table's row; None: not a row of its own), then record `records`."""
 
     stream: str
@@ -146,10 +144,10 @@ def stages(stage):
     if stage.fused_gemm1:
         steps.append(Step("S", (stage.fused,), "GEMM1 + dgelu (sm90 fused)"))
     else:
-        steps.append(Step("S", (Gemm(0),), "GEMM1 grad_gelu"))
+        steps.append(Step("S", (StepGemm(0),), "GEMM1 grad_gelu"))
     if gemm2 is not None and not stage.gelu_in_gemm1:
         # grad_output converted (S2 already waits for it where convert B did)
-        steps.append(Step("S2", (Gemm(1),), "GEMM2 grad_weight2", waits=() if s2_after_a else ("A",)))
+        steps.append(Step("S2", (StepGemm(1),), "GEMM2 grad_weight2", waits=() if s2_after_a else ("A",)))
     if stage.lean:
         steps.append(Step("S2", records=("side",)))
         steps.append(Step("S", waits=("side",)))  # grad_linear1 overwrites the planes GEMM2 reads
@@ -167,14 +165,14 @@ def stages(stage):
         steps.append(Step("S2", stage.bias2, "grad_bias2", waits=("D",)))
         steps.append(Step("S2", (stage.bias1,), "grad_bias1"))
     if gemm2 is not None and stage.gelu_in_gemm1:  # gelu_out's codes and GEMM2's alpha are final
-        steps.append(Step("S2", (Gemm(1),), "GEMM2 grad_weight2", waits=("D",)))
+        steps.append(Step("S2", (StepGemm(1),), "GEMM2 grad_weight2", waits=("D",)))
     if gemm3 is not None:
-        steps.append(Step("S", (Gemm(2),), "GEMM3 grad_hidden", ready=True))
+        steps.append(Step("S", (StepGemm(2),), "GEMM3 grad_hidden", ready=True))
     if gemm4 is not None:
         if stage.lean:
-            steps.append(Step("S", (Gemm(3),), "GEMM4 grad_weight1"))
+            steps.append(Step("S", (StepGemm(3),), "GEMM4 grad_weight1"))
         else:
-            steps.append(Step("S2", (Gemm(3),), "GEMM4 grad_weight1", waits=("D",)))
+            steps.append(Step("S2", (StepGemm(3),), "GEMM4 grad_weight1", waits=("D",)))
     return tuple(steps)
 
 
@@ -230,7 +228,7 @@ class StageRunner:
                     for name in step.waits:
                         runtime.streamWaitEvent(stream, events[name].ptr, 0)
                 for target in step.run:
-                    if isinstance(target, Gemm):
+                    if isinstance(target, StepGemm):
                         self._gemm(target.index, gemms[target.index], handles[step.stream])
                     else:
                         self._launch(target, stream)
@@ -303,49 +301,3 @@ class StageRunner:
         for graph in self.call_graphs.values():
             graph.destroy()
         self.call_graphs = {}
-
-
-# ---------------------------------------------------------------------- the benchmark's stage table
-def stage_bytes(stage, plan):
-    """Bytes each memory-bound stage of `stage` (a StageContext of `plan`) moves (for GB/s in the benchmark)."""
-    out = {}
-    layout = plan.layout
-    for name, (names, _, _) in stage.convert.items():
-        out[name] = sum(4 * math.prod(plan.dims(ROWS_COLS[n])) + layout.written(n) for n in names)
-    write = layout.written("grad_linear1") if plan.planes else 4 * plan.T * plan.H
-    if not plan.fused_gemm1:
-        out["dgelu"] = 12 * plan.T * plan.H + write
-    return out
-
-
-def time_stages(engine, stream, reps, before_each=None):
-    """GPU time of each stage (`Step.stage`) of `reps` calls of `engine` with every step serialized on `stream`
-    (StageRunner.enqueue(serial=True), an event after each stage): {stage: [ms per rep]} in issue order; a stage
-    issued twice in one call gets " #2" (the fp16 rescue launches). `before_each()`, if given, is called (on
-    `stream`) before each rep, e.g. to flush the L2. The caller holds the plan's lock."""
-    import cupy
-
-    s = stream
-    samples = {}
-    for _ in range(int(reps)):
-        if before_each is not None:
-            with s:
-                before_each()
-        events = [(None, cupy.cuda.Event())]
-        events[0][1].record(s)
-
-        def mark(stage):
-            ev = cupy.cuda.Event()
-            ev.record(s)
-            events.append((stage, ev))
-
-        engine.order_after_previous(s.ptr)
-        engine.enqueue(s.ptr, serial=True, mark=mark)
-        engine.record_done(s.ptr)
-        s.synchronize()
-        seen = {}
-        for (_, a), (stage, b) in zip(events, events[1:]):
-            seen[stage] = seen.get(stage, 0) + 1
-            key = stage if seen[stage] == 1 else f"{stage} #{seen[stage]}"
-            samples.setdefault(key, []).append(cupy.cuda.get_elapsed_time(a, b))
-    return samples

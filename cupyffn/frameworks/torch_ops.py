@@ -4,8 +4,8 @@ transposed [in, out] views; biases or not; every precision), with fake (meta) im
 formula, so ``torch.compile(fullgraph=True)`` traces any model using them without a graph break, and
 ``mode="reduce-overhead"`` / ``torch.cuda.graph`` capture them. Their bodies (`forward_impl`, `backward_impl`) call
 cupyffn's front door (cupyffn/api/functional.py) with torch-allocated outputs as out=, on torch's current stream,
-CUDA tensors read by pointer; CPU tensors take the torch CPU route where it computes the call ("ieee", 16-bit
-activations: cupyffn/frameworks/torch_cpu.py), else the door's NumPy backend on NumPy views. The eager entry point
+CUDA tensors read by pointer, CPU tensors as NumPy views (the route table then runs "ieee" and 16-bit activations on
+torch's own ops, cupyffn/cpu/torch_route.py, the other precisions on the NumPy backend). The eager entry point
 `EagerGeluFFN` runs the same bodies through a plain autograd.Function, without the custom-op dispatcher's Python
 layers.
 
@@ -29,10 +29,11 @@ from typing import Optional, Tuple
 import torch
 
 from ..api import functional as _functional
+from ..api.validate import Request
 from ..core import arrays as _arrays
 from ..core import rules as _rules
 from ..core import views as _views
-from . import torch_cpu as _cpu
+from ..core.precision import checked_name as _checked_name
 
 SAVE_MODES = ("all", "linear1_out")
 HALF = (torch.bfloat16, torch.float16)
@@ -99,7 +100,7 @@ class TorchDevice:
         NumPy view on the CPU (bfloat16 through ml_dtypes' type, which NumPy lacks)."""
         if tensor is None or self.cuda:
             return tensor
-        return _cpu.numpy_view(tensor)
+        return _views.numpy_view(tensor)
 
     def empty(self, shape, dtype=_F32):
         return torch.empty(shape, dtype=dtype, device=self.device)
@@ -183,14 +184,12 @@ def weight_grad(w, dtype, transposed, device):
 # ---------------------------------------------------------------------- the bodies
 def forward_impl(x, w1, w2, b1, b2, precision):
     """(output, linear1_out, tanh_inner, gelu_out, weight1_cast, weight2_cast) in x's dtype (tanh_inner a placeholder
-    for 16-bit x; the casts placeholders unless `casts_weights`), allocated by torch and written by cupyffn (out=), or
-    on the CPU computed by torch where `torch_cpu.takes` the call. precision: a checked name or None (float32 x: the
-    device's default, resolved by the door or by `torch_cpu.takes`), None for 16-bit."""
+    for 16-bit x; the casts placeholders unless `casts_weights`), allocated by torch and written by cupyffn (out=: on
+    the CPU by the route table's torch row where torch's numerics are the precision's). precision: a checked name or
+    None (float32 x: the device's default, resolved by the door), None for 16-bit."""
     act = x.dtype
     x = readable(x)
     w1, w2 = weights(w1, w2, act, x.device)
-    if x.device.type == "cpu" and _cpu.takes(act, precision):
-        return _cpu.forward(x, w1, w2, b1, b2, precision) + (x.new_empty(_NOTHING), x.new_empty(_NOTHING))
     if casts_weights(x, w1):  # torch's cast kernel keeps the [in, out] layout of transposed weights
         w1c, w2c = w1.to(act), w2.to(act)
         # fp32 master biases go as they are: the engine rounds them inside its call (its graph), no cast launched here
@@ -202,9 +201,9 @@ def forward_impl(x, w1, w2, b1, b2, precision):
         y, z, g = dev.empty(lead + (dim,), act), dev.empty(lead + (hidden,), act), dev.empty(lead + (hidden,), act)
         t = dev.empty(lead + (hidden,), act) if act is _F32 else dev.empty(_NOTHING, act)
         arg = dev.arg
-        _functional.gelu_ffn_forward(arg(x), arg(w1), arg(w2), bias1=arg(b1), bias2=arg(b2), precision=precision,
-                                     out=[arg(y), arg(z), arg(t) if act is _F32 else None, arg(g)],
-                                     stream=dev.stream)
+        _functional.run(Request("forward", _checked_name(precision), torch_layer=not dev.cuda),
+                        (arg(x), arg(w1), arg(w2), arg(b1), arg(b2)),
+                        [arg(y), arg(z), arg(t) if act is _F32 else None, arg(g)], dev.stream)
     return y, z, t, g, w1c, w2c
 
 
@@ -219,8 +218,6 @@ def backward_impl(dy, x, w1, w2, z, t, g, precision, need_x, need_w, need_b, w1c
     if w1c is not None and w1c.dim() == 2:
         w1, w2 = w1c, w2c
     w1, w2 = weights(w1, w2, act, x.device)
-    if x.device.type == "cpu" and _cpu.takes(act, precision):
-        return _cpu.backward(dy, x, w1, w2, z, t, g, precision, need_x, need_w, need_b)
     with TorchDevice(x.device) as dev:
         gx = dev.empty(tuple(x.shape), act) if need_x else None
         gw1 = weight_grad(w1, wt, flip, x.device) if need_w else None
@@ -229,10 +226,10 @@ def backward_impl(dy, x, w1, w2, z, t, g, precision, need_x, need_w, need_b, w1c
         gb2 = dev.empty((w2.shape[0],), wt) if need_b else None
         grads = (gx, gw1, gw2, gb1, gb2)
         arg = dev.arg
-        _functional.gelu_ffn_backward(arg(dy), arg(x), arg(w1), arg(w2), arg(z), arg(t), arg(g),
-                                      precision=precision, out=[arg(o) for o in (grads if need_b else grads[:3])],
-                                      stream=dev.stream, need_grad_hidden=need_x, need_weight_grads=need_w,
-                                      need_bias_grads=need_b)
+        _functional.run(Request("backward", _checked_name(precision), need_x, need_w, need_b,
+                                torch_layer=not dev.cuda),
+                        (arg(dy), arg(x), arg(w1), arg(w2), arg(z), arg(t), arg(g)),
+                        [arg(o) for o in (grads if need_b else grads[:3])], dev.stream)
     return grads
 
 

@@ -148,8 +148,7 @@ class TensorParallelGeluFFNFunction(torch.autograd.Function):
         _group_info(group)
         _ops.check_tensors((("hidden_states", hidden_states), ("weight1", weight1), ("weight2", weight2)))
         x, w1, w2 = (_ops.readable(t) for t in (hidden_states, weight1, weight2))
-        # the door's shape rules before the layer's own body reads the shapes (on the CPU: torch_cpu's route where it
-        # takes the call)
+        # the door's shape rules before the layer's own body reads the shapes
         _rules.check_shapes("forward", (tuple(x.shape), tuple(w1.shape), tuple(w2.shape), None, None))
         output, z, t, g = _ops.forward_impl(x, w1, w2, None, None, precision)[:4]
         # The ranks' partial outputs sum to the full one; the caller's stream waits for it (async_op=False).
@@ -177,7 +176,7 @@ class TensorParallelGeluFFNFunction(torch.autograd.Function):
             raise TypeError(f"grad_output must be float32; got {grad_output.dtype}")
         dy = _ops.readable(grad_output)
         overlap = ctx.overlap and need_x and x.is_cuda  # CPU results are complete when the call returns
-        if not overlap:  # the layer's own body (torch_cpu's route on the CPU where it takes it), then the sum
+        if not overlap:  # the layer's own body, then the sum
             grad_x, grad_w1, grad_w2 = _ops.backward_impl(dy, x, w1, w2, z, t, g, ctx.precision, need_x,
                                                           need_weights, False)[:3]
             if need_x:

@@ -99,9 +99,9 @@ class _Engine(StreamEngine):
         n = rows * (cols // 4 if vec else cols)
         _launch(kernel, n, stream_ptr, (src_ptr, cols, dst_ptr, cols, rows, cols, vec), self.device_id)
 
-    def io_key(self, call, pointers):
+    def io_key(self, call, outputs):
         """Everything a call is pointed at (the graph cache's key): inputs, outputs, accumulate."""
-        return tuple(None if m is None else m.ptr for m in call.inputs), tuple(pointers), call.request.accumulate
+        return tuple(None if m is None else m.ptr for m in call.inputs), outputs.pointers, call.request.accumulate
 
     def eager(self, stream_ptr, ready=0):
         self.enqueue(stream_ptr, ready=ready)
@@ -158,10 +158,10 @@ class LtForward(_Engine):
         self._h = self.handle()
         self._ptrs = None
 
-    def bind(self, call, pointers):
-        """`call`'s input pointers (hidden_states, weight1, weight2, bias1, bias2; None where absent) and the outputs
+    def bind(self, call, outputs):
+        """`call`'s input pointers (hidden_states, weight1, weight2, bias1, bias2; None where absent) and the outputs'
         (output, linear1_out, tanh_inner: not written, gelu_out)."""
-        self._ptrs = tuple(None if m is None else m.ptr for m in call.inputs), pointers
+        self._ptrs = tuple(None if m is None else m.ptr for m in call.inputs), outputs.pointers
 
     def enqueue(self, stream_ptr, serial=False, ready=0):
         """Issue the bound forward on `stream_ptr` (one stream)."""
@@ -237,11 +237,11 @@ class LtBackward(_Engine):
         self._a = self._out = None
         self._accumulate = False
 
-    def bind(self, call, pointers):
-        """`call`'s input pointers and the outputs `pointers` (grad_hidden_states, grad_weight1, grad_weight2,
-        grad_bias1, grad_bias2; 0 where not wanted), and accumulate."""
+    def bind(self, call, outputs):
+        """`call`'s input pointers and the outputs' (grad_hidden_states, grad_weight1, grad_weight2, grad_bias1,
+        grad_bias2; 0 where not wanted), and accumulate."""
         self._a = {n: (None if m is None else m.ptr) for n, m in zip(BACKWARD_INPUTS, call.inputs)}
-        self._out = {n: (p or None) for n, p in zip(BACKWARD_OUTPUTS, pointers)}
+        self._out = {n: (p or None) for n, p in zip(BACKWARD_OUTPUTS, outputs.pointers)}
         self._accumulate = bool(call.request.accumulate)
 
     def enqueue(self, stream_ptr, serial=False, ready=0):

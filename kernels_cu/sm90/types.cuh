@@ -66,7 +66,8 @@ __host__ __device__ constexpr int stage_bytes_for(int bn) { return (kBM + bn) * 
 __host__ __device__ constexpr int stages_for(int bn) { return (200 * 1024) / stage_bytes_for(bn); }
 
 // Shared memory a launch needs: the stages, 1 KiB of slack to align them to 1024 bytes, and the
-// mbarriers (full and empty per stage, 8 bytes each). cupyffn/gemm/sm90/config.py computes the same number.
+// mbarriers (full and empty per stage, 8 bytes each). cupyffn/gemm/sm90/config.py computes the same numbers for the
+// launcher; every build checks that they agree (config.py budget_checks).
 __host__ __device__ constexpr int smem_bytes_for(int bn) { return stages_for(bn) * stage_bytes_for(bn) + 1024 + 2 * 8 * stages_for(bn); }
 
 // The staged dgelu epilogue (XS = 1): kXsStageDrop pipeline stages fewer, and per consumer a ring of x/t slots.

@@ -6,8 +6,8 @@ Two kernels: ``gemm_sm90_kernel<OP, BN, EPI, PP, XS>``, the fused GEMM1 + GELU d
 operands, scaled fp16 out, optionally gelu_out's codes too) and of the bf16x3 plan (bf16 operands, three bf16
 planes out), B a weight as stored ([K, N]); and ``gemm_sm90_pair_kernel<BN, TA>``, the fp16+fp8 plan's f16+e4m3
 pair (fp32 out), A [M, K] or [K, M]. Every variant :func:`can_implement` accepts is one an engine plan can run
-(:func:`choose_dgelu_config`, :func:`choose_pair_config`, EngineOptions' explicit choices); the others were removed
-(the last commit that had them: 28117da).
+(:func:`choose_dgelu_config`, :func:`choose_pair_config`, EngineOptions' explicit choices); the others were removed,
+since code no plan runs is neither tested nor kept working (their measurements are in docs/decisions/).
 """
 
 import dataclasses
@@ -15,7 +15,7 @@ import dataclasses
 #: Source file in kernels_cu/ (compiled for sm_90a only), with its headers kernels_cu/sm90/*.cuh.
 SOURCE = "gemm_sm90.cu"
 
-# Must match kernels_cu/sm90/types.cuh.
+# kernels_cu/sm90/types.cuh's, checked at every build (budget_checks).
 THREADS = 384      # kThreads: producer warpgroup + 2 consumer warpgroups
 EW_THREADS = 512   # kEwThreads: with the epilogue warps, a fourth warpgroup
 BLOCK_M = 128
@@ -269,6 +269,23 @@ def xs_smem_bytes(block_n):
     """Dynamic shared memory of one CTA with the staged epilogue (xs_smem_bytes_for)."""
     s = xs_stages_for(block_n)
     return s * stage_bytes(block_n) + 2 * xt_slots_for(block_n) * xt_slot_bytes() + 1024 + 2 * 8 * s
+
+
+def budget_checks():
+    """C++ static_asserts that the arithmetic here is kernels_cu/sm90/types.cuh's (tile, stages, slots, rings, shared
+    memory of every schedule and epilogue): appended to the source the launcher compiles, so a build in which the two
+    disagree fails (launch.py module; tests/test_kernels_compile.py)."""
+    bns = sorted({bn for bn, _ in SCHEDULES + PAIR_SCHEDULES})
+    checks = [f"sm90::kThreads == {THREADS} && sm90::kBM == {BLOCK_M} && sm90::kBK == {BLOCK_K}",
+              f"sm90::kXtSlotBytes == {xt_slot_bytes()} && sm90::kXtCols == {XT_COLS} && "
+              f"sm90::kXsStageDrop == {XS_STAGE_DROP}",
+              f"sm90::kEwThreads == {EW_THREADS} && sm90::kEwStages == {EW_STAGES} && sm90::kEwRing == {EW_RING} && "
+              f"sm90::ew_smem_bytes_for() == {ew_smem_bytes()}"]
+    checks += [f"sm90::stages_for({bn}) == {stages_for(bn)} && sm90::smem_bytes_for({bn}) == {smem_bytes(bn)}"
+               for bn in bns]
+    checks += [f"sm90::xs_stages_for({bn}) == {xs_stages_for(bn)} && sm90::xt_slots_for({bn}) == {xt_slots_for(bn)} "
+               f"&& sm90::xs_smem_bytes_for({bn}) == {xs_smem_bytes(bn)}" for bn in sorted({bn for bn, _ in SCHEDULES})]
+    return "".join(f'\nstatic_assert({c}, "cupyffn/gemm/sm90/config.py disagrees with types.cuh");' for c in checks)
 
 
 def ew_smem_bytes():

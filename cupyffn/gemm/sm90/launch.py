@@ -11,7 +11,7 @@ from ...cuda import kernels as _kernels
 
 from . import tensor_map
 from .config import (BLOCK_M, EPI_DGELU_BF16X3, EPI_DGELU_F16, EPI_DGELU_F16G, OP_BF16, OP_F16, OP_F16E4M3, SOURCE,
-                     Sm90Config, check_config, choose_dgelu_config)
+                     Sm90Config, budget_checks, check_config, choose_dgelu_config)
 
 #: Tile order of the engine's fused launch (GemmArgs::raster): bands of 8 tile rows. Measured at T = 2048 and 8192
 #: 1.6-3.8% faster than the column order for the fused kernel (docs/decisions/032-raster-bands.md); at T <= 1024 (8 tile
@@ -69,7 +69,7 @@ def module(config, device_id):
     if not device_supported(device_id):
         cc = cupy.cuda.Device(device_id).compute_capability
         raise RuntimeError(f"the sm_90a GEMM needs a compute capability 9.0 GPU; device {device_id} has {cc}")
-    return _kernels.compiled_module(SOURCE, (config.expression,), config.nvrtc_options, device_id)
+    return _kernels.compiled_module(SOURCE, (config.expression,), config.nvrtc_options, device_id, budget_checks())
 
 
 @functools.lru_cache(maxsize=None)

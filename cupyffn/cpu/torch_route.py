@@ -1,6 +1,6 @@
-"""The torch layer's CPU route: CPU tensors computed with torch's own ops where the precision's numerics are torch's,
-so the layer runs on torch's GEMMs in its thread pool (docs/decisions/059-torch-cpu-route.md; its time against plain
-torch's, which depends on the host: docs/performance.md 8):
+"""The torch CPU route (cupyffn/api/routes.py): the torch layer's CPU tensors computed with torch's own ops where the
+precision's numerics are torch's, so the layer runs on torch's GEMMs in its thread pool
+(docs/decisions/059-torch-cpu-route.md; its time against plain torch's, which depends on the host: docs/performance.md 8):
 
 * float32 activations, precision "ieee" (the CPU's default): plain fp32 GEMMs, torch's ``F.linear`` and ``mm``;
 * bfloat16 activations: torch's bf16 GEMMs, fp32 accumulation with every result rounded to bf16, as torch's autocast
@@ -11,21 +11,19 @@ torch's, which depends on the host: docs/performance.md 8):
   route's numbers, as the NumPy backend computes them; torch's CPU fp16 GEMM was 6-50x slower here, 059).
 
 Every other precision ("tf32", "bf16", "bf16x3", "fp16+fp8" on float32 activations) keeps the NumPy backend, which
-reproduces the GPU's roundings (cupyffn/cpu/backend.py). The GELU and its derivative are cupyffn/core/activation.py's
+reproduces the GPU's roundings (cupyffn/cpu/numpy_route.py). The GELU and its derivative are cupyffn/core/activation.py's
 NumPy functions, the NumPy backend's own arithmetic, on NumPy views of the tensors a block of rows at a time, so that
 their temporaries stay in the cache (torch's elementwise ops were slower, 059); NumPy's elementwise work runs on the
-calling thread and uses no thread pool of its own. A call is validated by the door's validator
-(cupyffn/api/validate.py) on NumPy views of the tensors, so a bad call reads the same on every route; the validated
-geometries are remembered (`_checked`), as the door remembers the calls of GPU arrays.
+calling thread and uses no thread pool of its own. The layer's call comes through the door on NumPy views of its
+tensors (cupyffn/frameworks/torch_ops.py, `Request.torch_layer`), validated and remembered as every call is;
+`TorchCpu` computes it on torch tensors of the same memory and writes the torch-allocated outputs.
 """
 
 import numpy
 import torch
 
-from ..api import validate as _validate
 from ..core import activation
-from ..core import precision as _precision
-from ..core import views as _views
+from ..core.views import numpy_dtype, numpy_view
 
 F = torch.nn.functional
 _F32 = torch.float32
@@ -37,30 +35,31 @@ _CHECKED_SIZE = 1024
 _checked = set()
 
 
-def takes(act, precision):
-    """Whether torch's ops compute a CPU call of activation dtype `act` at `precision` (a name, or None: the CPU's
-    default, as the door would resolve it; module docstring)."""
-    return act is not _F32 or _precision.resolve(precision, cpu=True).name == "ieee"
+class TorchCpu:
+    """This route behind the engines' protocol: `bind(call, outputs)` (cupyffn/core/results.py `Outputs`),
+    `enqueue()` computes with torch on the host."""
+
+    def bind(self, call, outputs):
+        self._call, self._outputs = call, outputs.arrays
+
+    def enqueue(self, stream_ptr=None, serial=False, ready=0):
+        call = self._call
+        args = [_tensor(a) for a in call.arrays]
+        out = [_tensor(a) for a in self._outputs]
+        if call.kind == "forward":
+            forward(*args, out)
+        else:
+            r = call.request
+            backward(*args, r.need_grad_hidden, r.need_weight_grads, r.need_bias_grads, out)
 
 
-def numpy_view(tensor):
-    """A NumPy view of CPU `tensor` (bfloat16 through ml_dtypes' type, which NumPy lacks), None for None."""
-    if tensor is None:
+def _tensor(array):
+    """The torch tensor of NumPy `array`'s memory (bfloat16 through int16: torch does not read ml_dtypes' type)."""
+    if array is None:
         return None
-    if tensor.dtype is torch.bfloat16:
-        return tensor.detach().view(torch.int16).numpy().view(_views.numpy_dtype("bfloat16"))
-    return tensor.detach().numpy()
-
-
-def _check(request, tensors):
-    """The door's validation of `tensors` for `request`, once per geometry (it depends on nothing else: no out=)."""
-    key = (request,) + tuple(None if t is None else (t.shape, t.stride(), t.dtype) for t in tensors)
-    if key in _checked:
-        return
-    _validate.validate(request, [numpy_view(t) for t in tensors])
-    if len(_checked) >= _CHECKED_SIZE:
-        _checked.clear()
-    _checked.add(key)
+    if array.dtype == numpy_dtype("bfloat16"):
+        return torch.from_numpy(array.view(numpy.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 class _Fp32:
@@ -123,32 +122,56 @@ def _dgelu(gl, z, t, g_out):
                 on[s] = activation.value(zs, ts)
 
 
-def forward(x, w1, w2, b1, b2, precision):
-    """(output, linear1_out, tanh_inner (a placeholder for 16-bit x), gelu_out), new tensors of x's dtype."""
-    _check(_validate.Request("forward", precision), (x, w1, w2, b1, b2))
+def _linear(a, w, b, out):
+    """F.linear(a, w, b) of 2-D `a`, straight into `out` where it has the product's dtype (else rounded into it): for
+    2-D input F.linear is addmm(b, a, w^T), or mm(a, w^T) without a bias, the same kernels."""
+    if out.dtype != a.dtype:
+        out.copy_(F.linear(a, w, b))
+    elif b is None:
+        torch.mm(a, w.t(), out=out)
+    else:
+        torch.addmm(b, a, w.t(), out=out)
+
+
+def _mm(a, b, out):
+    """a @ b, straight into `out` where it has the product's dtype (else rounded into it)."""
+    if out.dtype != a.dtype:
+        out.copy_(a @ b)
+    else:
+        torch.mm(a, b, out=out)
+
+
+def forward(x, w1, w2, b1, b2, out):
+    """output, linear1_out, tanh_inner (float32 x only) and gelu_out into the tensors `out` (of x's dtype; out[2] None
+    for 16-bit x)."""
     act = x.dtype
-    lead, dim, hidden = tuple(x.shape[:-1]), x.shape[-1], w1.shape[0]
+    dim, hidden = x.shape[-1], w1.shape[0]
+    z_out = out[1].view(-1, hidden)
     with _Fp32():
         w1, w2, b1, b2 = (_operand(w, act) for w in (w1, w2, b1, b2))
-        z = F.linear(_gemm(x.reshape(-1, dim), act), w1, b1)  # fp16: fp32, the GELU's input before rounding
+        xg = _gemm(x.reshape(-1, dim), act)
+        if act is torch.float16:
+            z = F.linear(xg, w1, b1)  # fp32, the GELU's input before rounding
+            z_out.copy_(z)
+        else:
+            _linear(xg, w1, b1, z_out)
+            z = z_out
         if act is _F32:
-            t, g = torch.empty_like(z), torch.empty_like(z)
-            _gelu(z, t, g)
+            g = out[3].view(-1, hidden)
+            _gelu(z, out[2].view(-1, hidden), g)
         else:  # bf16: the GELU of the rounded linear1_out, as autocast's; fp16: of the fp32 one, as cuBLASLt's
-            zf, t = z.float(), None
+            zf = z.float()
             g = zf if zf is not z else torch.empty_like(z)  # in place in a copy, never in linear1_out
             _gelu(zf, None, g)
-            z, g = z.to(act), g.to(act)
-        y = F.linear(_gemm(g, act), w2, b2).to(act)
-    t = x.new_empty(_NOTHING) if t is None else t.view(lead + (hidden,))
-    return y.view(lead + (dim,)), z.view(lead + (hidden,)), t, g.view(lead + (hidden,))
+            out[3].view(-1, hidden).copy_(g)
+            g = out[3].view(-1, hidden)
+        _linear(_gemm(g, act), w2, b2, out[0].view(-1, dim))
 
 
-def backward(dy, x, w1, w2, z, t, g, precision, need_x, need_w, need_b):
-    """(grad_hidden_states, grad_weight1, grad_weight2, grad_bias1, grad_bias2), None where not needed; weight and
-    bias gradients in the weights' dtype."""
-    _check(_validate.Request("backward", precision, need_x, need_w, need_b), (dy, x, w1, w2, z, t, g))
-    act, wt = x.dtype, w1.dtype
+def backward(dy, x, w1, w2, z, t, g, need_x, need_w, need_b, out):
+    """grad_hidden_states, grad_weight1, grad_weight2 (and grad_bias1, grad_bias2 with `need_b`) into the tensors
+    `out` (None where not needed); weight and bias gradients in the weights' dtype."""
+    act = x.dtype
     dim, hidden = x.shape[-1], w1.shape[0]
     with _Fp32():
         dy2, x2 = _gemm(dy.reshape(-1, dim), act), _gemm(x.reshape(-1, dim), act)
@@ -160,9 +183,11 @@ def backward(dy, x, w1, w2, z, t, g, precision, need_x, need_w, need_b):
         gl = gl.to(act)  # 16-bit: rounded once, before GEMM3 and GEMM4 (where autocast rounds it)
         g = g_out.to(act) if g is None and need_w else g
         gl2 = _gemm(gl, act)
-        gx = (gl2 @ w1).to(act).view(x.shape) if need_x else None
-        gw1 = (gl2.t() @ x2).to(wt) if need_w else None
-        gw2 = (dy2.t() @ _gemm(g.reshape(-1, hidden), act)).to(wt) if need_w else None
-        gb1 = gl.sum(0, dtype=_F32).to(wt) if need_b else None
-        gb2 = dy.reshape(-1, dim).sum(0, dtype=_F32).to(wt) if need_b else None
-    return gx, gw1, gw2, gb1, gb2
+        if need_x:
+            _mm(gl2, w1, out[0].view(-1, dim))
+        if need_w:
+            _mm(gl2.t(), x2, out[1])
+            _mm(dy2.t(), _gemm(g.reshape(-1, hidden), act), out[2])
+        if need_b:
+            out[3].copy_(gl.sum(0, dtype=_F32))
+            out[4].copy_(dy.reshape(-1, dim).sum(0, dtype=_F32))

@@ -1,39 +1,43 @@
-"""The NumPy backend: the block on the CPU, for NumPy arrays, emulating every GPU route.
+"""The NumPy route (cupyffn/api/routes.py): the block on the CPU, for NumPy arrays, emulating every GPU route.
 
 * float32 activations (the float32 engine's route): each GEMM runs in the form the precision's recipe gives it
   (precision.effective_forms: same rounding of every operand to bf16 / fp16 / e4m3, same bf16x3 split and
   f16+e4m3 encoding, fp32 products and accumulation), so each precision's accuracy can be checked on a machine
   without a GPU. Rounding is round to nearest even, done on float32 bit patterns (bf16), by NumPy's float16 cast
   (fp16) or exactly in float64 (e4m3); only the summation order of the products may differ from cuBLAS's.
-* bfloat16 / float16 activations (the cuBLASLt route): cupyffn/cpu/half.py, with the GPU plan's roundings.
+* bfloat16 / float16 activations (the cuBLASLt route): NumPy in float32 with the GPU plan's roundings (fp32 weights
+  and biases to the activation dtype, as autocast casts them; GELU from the fp32 pre-activation, as cuBLASLt's
+  epilogue; grad_linear1 rounded to the activation dtype once before GEMM3 and GEMM4), so the two agree: `half_forward`,
+  `half_backward`.
 
-`NumpyEngine` is this backend behind the engines' protocol (bind, enqueue, close: cupyffn/api/execute.py runs it).
+`NumpyEngine` is this backend behind the engines' protocol (bind, enqueue: cupyffn/api/execute.py runs it).
 """
 
 import numpy
 
 from ..core import activation, arrays as _arrays, precision as _precision
-from . import half as _half
+from ..core.views import numpy_dtype
 
 gelu_grad = activation.grad
 tanh_inner = activation.tanh_inner
 
 
 class NumpyEngine:
-    """The NumPy backend behind the engines' protocol: `bind(call, views)` (the outputs as 2-D views, None where not
-    computed), `enqueue()` computes on the host."""
+    """The NumPy backend behind the engines' protocol: `bind(call, outputs)` (cupyffn/core/results.py `Outputs`),
+    `enqueue()` computes on the host."""
 
-    closed = False
-
-    def bind(self, call, views):
-        self._call, self._views = call, views
+    def bind(self, call, outputs):
+        # outputs are C-contiguous (reshaped to 2-D without a copy) or transposed 2-D weight gradients (kept as they
+        # are)
+        self._call = call
+        self._views = [None if a is None else a.reshape(-1, a.shape[-1]) for a in outputs.arrays]
 
     def enqueue(self, stream_ptr=None, serial=False, ready=0):
         call, views = self._call, self._views
         arrays = [None if a is None else _view(a, m, call, n)
                   for n, (a, m) in enumerate(zip(call.arrays, call.inputs))]
         if call.act != "float32":
-            run = _half.forward if call.kind == "forward" else _half.backward
+            run = half_forward if call.kind == "forward" else half_backward
             run(call, arrays, views)
         elif call.kind == "forward":
             x, w1, w2, b1, b2 = arrays
@@ -42,9 +46,6 @@ class NumpyEngine:
         else:
             r = call.request
             backward_2d(*arrays, call.precision, r.need_grad_hidden, r.need_weight_grads, r.accumulate, views)
-
-    def close(self):
-        pass
 
 
 def _view(array, m, call, index):
@@ -209,3 +210,44 @@ def _store(dst, value, accumulate):
         dst += value
     else:
         dst[...] = value
+
+
+# ---------------------------------------------------------------------- 16-bit activations (the cuBLASLt route)
+def _as_act(a, act):
+    """fp32 copy of `a` after rounding to the activation dtype (what the GPU multiplies)."""
+    return a.astype(numpy_dtype(act)).astype(numpy.float32)
+
+
+def half_forward(call, arrays, views):
+    """views: output, linear1_out, (tanh_inner: None), gelu_out."""
+    x, w1, w2, b1, b2 = arrays
+    act = call.act
+    xf, w1f, w2f = (_as_act(a, act) for a in (x, w1, w2))
+    zf = xf @ w1f.T
+    if b1 is not None:
+        zf += _as_act(b1[0], act)
+    gf = activation.forward(zf)[1]  # from the fp32 value, as cuBLASLt's epilogue
+    yf = _as_act(gf, act) @ w2f.T
+    if b2 is not None:
+        yf += _as_act(b2[0], act)
+    y, z, _, g = views
+    y[...], z[...], g[...] = yf.astype(y.dtype), zf.astype(z.dtype), gf.astype(g.dtype)
+
+
+def half_backward(call, arrays, views):
+    """views: grad_hidden_states, grad_weight1, grad_weight2[, grad_bias1, grad_bias2] (None where not computed)."""
+    dy, x, w1, w2, z, _, g = arrays
+    act, accumulate = call.act, call.request.accumulate
+    dyf, xf, zf = (a.astype(numpy.float32) for a in (dy, x, z))
+    gf = g.astype(numpy.float32) if g is not None else _as_act(activation.forward(zf)[1], act)
+    w1f, w2f = _as_act(w1, act), _as_act(w2, act)
+    t = activation.tanh_inner(zf)
+    gl = _as_act((dyf @ w2f) * activation.grad(zf, t), act)
+    values = (lambda: gl @ w1f, lambda: gl.T @ xf, lambda: dyf.T @ gf, lambda: gl.sum(0), lambda: dyf.sum(0))
+    for i, (view, value) in enumerate(zip(views, values)):
+        if view is None:
+            continue
+        v = value().reshape(view.shape)
+        if accumulate and i > 0:
+            v = view.astype(numpy.float32) + v
+        view[...] = v.astype(view.dtype)
