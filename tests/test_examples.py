@@ -144,6 +144,7 @@ def test_gpt2_example_on_cpu():
 def test_gpt2_example_report_says_what_each_figure_is():
     """The script's closing lines: the final loss named as the mean of the last steps (how many), the paired speed
     as the twin's step time over the run's own, against the twin named."""
+    torch_or_skip()
     example = load("train_gpt2")
     r = {"torch eager": {"median_step_ms": 6.8, "final_loss": 3.3261, "final_loss_vs_eager": 1.0},
          "cupyffn": {"median_step_ms": 7.77, "final_loss": 3.3262, "final_loss_vs_eager": 1.00003,

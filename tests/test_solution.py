@@ -138,7 +138,7 @@ def test_solution_carries_this_checkouts_cupyffn_without_the_framework_layers(so
                      if p.suffix in (".cu", ".cuh"))
     assert kernels and all(sources[f"cupyffn/kernels_cu/{k}"] == (ROOT / "kernels_cu" / k).read_text()
                            for k in kernels)
-    for module in ("__init__.py", "workloads.py", "workloads.json", "api/functional.py", "cpu/backend.py",
+    for module in ("__init__.py", "workloads.py", "workloads.json", "api/functional.py", "cpu/numpy_route.py",
                    "f32/engine.py", "gemm/sm90/launch.py", "lt/engine.py", "core/views.py"):
         text = (ROOT / "cupyffn" / module).read_text()
         assert sources[f"cupyffn/{module}"] == (text or build.EMPTY_FILE), module
