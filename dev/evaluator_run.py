@@ -252,7 +252,10 @@ def main(argv=None):
     site, shims = work / "site", work / "bin"
     shims.mkdir()
     # The harness runs its driver as `python eval_driver.py`: `python` must be this interpreter, with the site first.
-    (shims / "python").symlink_to(sys.executable)
+    # A script, not a symlink: a virtual environment's interpreter reached through a link elsewhere does not find
+    # its pyvenv.cfg and starts without the environment's packages (torch).
+    (shims / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (shims / "python").chmod(0o755)
     # The evaluator runs see the installed wheels and the machine's packages, not this checkout: the solutions
     # carry their own cupyffn. The steps before it (the import check, the cache warm-up) use the checkout's.
     given = [p for p in [os.environ.get("PYTHONPATH")] if p]
