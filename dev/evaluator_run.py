@@ -230,6 +230,16 @@ def install(log, wheels, site, env):
     return status == 0
 
 
+def python_shim(folder):
+    """`folder`/python, which runs this interpreter: the harness starts its driver as `python eval_driver.py`, and
+    `folder` goes first on its PATH. A script, not a symlink: a virtual environment's interpreter reached through a
+    link elsewhere does not find its pyvenv.cfg and starts without the environment's packages (torch)."""
+    shim = Path(folder) / "python"
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    shim.chmod(0o755)
+    return shim
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "evaluator-out"),
@@ -251,11 +261,7 @@ def main(argv=None):
     runs_dir.mkdir()
     site, shims = work / "site", work / "bin"
     shims.mkdir()
-    # The harness runs its driver as `python eval_driver.py`: `python` must be this interpreter, with the site first.
-    # A script, not a symlink: a virtual environment's interpreter reached through a link elsewhere does not find
-    # its pyvenv.cfg and starts without the environment's packages (torch).
-    (shims / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
-    (shims / "python").chmod(0o755)
+    python_shim(shims)
     # The evaluator runs see the installed wheels and the machine's packages, not this checkout: the solutions
     # carry their own cupyffn. The steps before it (the import check, the cache warm-up) use the checkout's.
     given = [p for p in [os.environ.get("PYTHONPATH")] if p]

@@ -405,3 +405,16 @@ def test_evaluator_run_picks_the_wheels_it_needs(tmp_path):
         "pydantic_core": "pydantic_core-2.41.5-cp312-cp312-manylinux_2_17_x86_64.whl"}
     with pytest.raises(FileNotFoundError, match="lacks wheels for cupti_python, typing_extensions"):
         tool.find_wheels(tmp_path, ("sol_execbench", "cupti_python", "typing_extensions"))
+
+
+def test_evaluator_run_python_shim_is_this_interpreter_with_its_packages(tmp_path):
+    """The harness's `python` is this interpreter with this environment's packages (a symlink to a virtual
+    environment's interpreter would start the base interpreter without them)."""
+    import subprocess
+    import sys
+
+    tool = load_tool("evaluator_run")
+    shim = tool.python_shim(tmp_path)
+    probe = "import sys, pytest; print(sys.prefix); print(pytest.__file__)"
+    got = subprocess.run([str(shim), "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert got == [sys.prefix, pytest.__file__]
