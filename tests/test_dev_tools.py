@@ -21,7 +21,8 @@ from benchmarks import timing
                                          ("op_host_cost", "--calls"), ("wave_table", "--tiles"),
                                          ("pair_plan_ab", "--reps"), ("gemm_forms_bench", "--pair-rasters"),
                                          ("streams_ab", "--precisions"), ("call_timeline", "--tokens"),
-                                         ("f16_wgrad_probe", "--tokens"), ("evaluator_run", "--budget")])
+                                         ("f16_wgrad_probe", "--tokens"), ("evaluator_run", "--budget"),
+                                         ("forward_bias_probe", "--precisions")])
 def test_loads_without_cupy_and_answers_help(name, option, capsys):
     tool = load_tool(name)
     with pytest.raises(SystemExit) as info:
@@ -418,3 +419,23 @@ def test_evaluator_run_python_shim_is_this_interpreter_with_its_packages(tmp_pat
     probe = "import sys, pytest; print(sys.prefix); print(pytest.__file__)"
     got = subprocess.run([str(shim), "-c", probe], capture_output=True, text=True, check=True).stdout.split()
     assert got == [sys.prefix, pytest.__file__]
+
+
+def test_forward_bias_probe_sees_a_scaled_output_and_runs_on_the_numpy_route(tmp_path):
+    """dev/forward_bias_probe.py: an output shrunk by 1e-5 reads as that scale bias (random rounding of the same
+    size does not), and the CPU run writes every precision's figures, ieee's at fp32's level."""
+    import json
+
+    tool = load_tool("forward_bias_probe")
+    rng = numpy.random.default_rng(0)
+    y64, target = rng.standard_normal((64, 32)), rng.standard_normal((64, 32))
+    shrunk = tool.statistics(y64 * (1 - 1e-5), y64, target)
+    assert shrunk["scale_bias"] == pytest.approx(-1e-5, rel=1e-6)
+    noisy = tool.statistics(y64 * (1 + 1e-5 * rng.standard_normal(y64.shape)), y64, target)
+    assert noisy["rel_l2"] == pytest.approx(1e-5, rel=0.1) and abs(noisy["scale_bias"]) < 1e-6
+    out = tmp_path / "bias.json"
+    assert tool.main(["--device", "cpu", "--dim", "64", "--hidden", "256", "--tokens", "96", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == set(tool.PRECISIONS)
+    assert rows["ieee"]["rel_l2"] < 5e-6 and abs(rows["ieee"]["scale_bias"]) < 1e-6
+    assert 1e-5 < rows["tf32"]["rel_l2"] < 6e-4
