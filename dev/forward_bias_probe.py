@@ -3,8 +3,9 @@
     PYTHONPATH=. python3 dev/forward_bias_probe.py [--device gpu|cpu] [--tokens 2048] [--out $OUT/forward-bias.json]
 
 The jax-mlp training loop's first loss, which the forward alone sets, lay further from strict fp32's with fp16+fp8
-on the GPU (3.6e-6) than with TF32 (1.9e-6), while the NumPy route's rendering of the same forward is 3.7e-9 from
-float64: a bias that relative L2 does not show would explain it. Here, on the loop's kind of data (a student FFN
+on the GPU (3.6e-6) than with TF32 (1.9e-6), while this tool's NumPy-route run gives fp16+fp8's forward a loss
+error of 1.7e-9 (`results/forward-bias-cpu.json`; decision 069): a bias that relative L2 does not show would explain
+it. Here, on the loop's kind of data (a student FFN
 against a teacher FFN, examples/train_jax.py: weights uniform at 1/sqrt(fan-in), the teacher's at twice that,
 x ~ N(0, 1)), for each precision: `cupyffn.gelu_ffn_forward` on the device's arrays (CuPy arrays on the GPU, NumPy
 arrays on the CPU: the NumPy route), against the float64 forward of the same inputs:
@@ -26,15 +27,11 @@ import sys
 PRECISIONS = ("ieee", "fp16+fp8", "bf16x3", "tf32")
 
 
-def gelu64(z):
-    import numpy
-
-    return 0.5 * z * (1.0 + numpy.tanh(math.sqrt(2.0 / math.pi) * (z + 0.044715 * z ** 3)))
-
-
 def problem(dim, hidden, tokens, seed=0):
     """(x, w1, w2, target): float32 inputs, the float64 teacher's output as target."""
     import numpy
+
+    from cupyffn.workloads import forward_reference
 
     rng = numpy.random.default_rng(seed)
 
@@ -44,8 +41,7 @@ def problem(dim, hidden, tokens, seed=0):
     t1, t2 = uniform((hidden, dim), 2 / math.sqrt(dim)), uniform((dim, hidden), 2 / math.sqrt(hidden))
     w1, w2 = uniform((hidden, dim), 1 / math.sqrt(dim)), uniform((dim, hidden), 1 / math.sqrt(hidden))
     x = rng.standard_normal((tokens, dim), dtype=numpy.float32)
-    target = gelu64(x.astype(numpy.float64) @ t1.T.astype(numpy.float64)) @ t2.T.astype(numpy.float64)
-    return x, w1, w2, target
+    return x, w1, w2, forward_reference(x, t1, t2)[0]
 
 
 def statistics(y, y64, target):
@@ -74,10 +70,11 @@ def main(argv=None):
     import numpy
 
     import cupyffn
+    from cupyffn.workloads import forward_reference
     from dev._json_out import save_json
 
     x, w1, w2, target = problem(args.dim, args.hidden, args.tokens)
-    y64 = gelu64(x.astype(numpy.float64) @ w1.T.astype(numpy.float64)) @ w2.T.astype(numpy.float64)
+    y64 = forward_reference(x, w1, w2)[0]
     if args.device == "gpu":
         import cupy
 
